@@ -1,0 +1,26 @@
+"""Pure tensor code shared by decoders, heads and pipelines (depends on torch only)."""
+
+from .kv_cache import StaticKVCache, compact_positions_
+from .layout import ImageTokenLayout
+from .sampling import (
+    RandomSource,
+    SamplingConfig,
+    apply_top_k,
+    apply_top_p,
+    cfg_mix,
+    logits_to_probs,
+    sample_from_probs,
+)
+
+__all__ = [
+    "ImageTokenLayout",
+    "RandomSource",
+    "SamplingConfig",
+    "StaticKVCache",
+    "apply_top_k",
+    "apply_top_p",
+    "cfg_mix",
+    "compact_positions_",
+    "logits_to_probs",
+    "sample_from_probs",
+]

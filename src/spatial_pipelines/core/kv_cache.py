@@ -1,0 +1,106 @@
+"""A static key/value cache and the two edits speculative decoding needs: crop and compact.
+
+Slots are physical: the cache holds ``length`` filled slots per row, the same for every row. Which slots a
+row may attend to is ``key_valid`` ``(B, max_length)`` (padding inside a prompt is a filled but invalid
+slot), so rows with prompts of different lengths share one slot index. Logical positions (for RoPE) are
+passed to the model separately.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+
+
+class StaticKVCache:
+    """Preallocated per-layer key/value tensors ``(B, H_kv, max_length, D)``.
+
+    Args:
+        num_layers (`int`): transformer blocks.
+        batch_size (`int`): rows (CFG rows included).
+        num_kv_heads (`int`), head_dim (`int`): key/value head shape.
+        max_length (`int`): slots to allocate.
+        dtype, device: storage of the tensors.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_length: int,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+    ):
+        shape = (batch_size, num_kv_heads, max_length, head_dim)
+        self.keys: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.key_valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)  # (B, S)
+        self.length = 0  # host-side int: filled slots (never read back from the device)
+        self.max_length = max_length
+
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key``/``value`` ``(B, H_kv, T, D)`` into slots ``[length, length + T)`` of one layer and
+        return that layer's keys/values over ``[0, length + T)``. ``length`` moves on in `advance`."""
+        end = self.length + key.shape[2]
+        if end > self.max_length:
+            raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
+        self.keys[layer_idx][:, :, self.length : end] = key
+        self.values[layer_idx][:, :, self.length : end] = value
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def attention_mask(self, new_mask: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+        """Boolean mask ``(B, 1, T, length + T)`` for ``T`` new queries.
+
+        Args:
+            new_mask: ``(B, T, T)`` or ``(T, T)`` which new tokens see which (causal or a tree mask).
+            new_valid: ``(B, T)`` which new tokens are real (padding is not).
+        """
+        b, t = new_valid.shape
+        past = self.key_valid[:, None, : self.length].expand(b, t, self.length)  # (B, T, L)
+        new = new_mask.expand(b, t, t) & new_valid[:, None, :]  # (B, T, T)
+        eye = torch.eye(t, dtype=torch.bool, device=new_valid.device)  # a padded query sees itself: no NaN rows
+        return torch.cat([past, new | eye], dim=-1)[:, None]  # (B, 1, T, L + T)
+
+    def advance(self, new_valid: torch.Tensor) -> None:
+        """Account for the ``T`` slots just written by every layer."""
+        t = new_valid.shape[1]
+        self.key_valid[:, self.length : self.length + t] = new_valid
+        self.length += t
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` slots (drop rejected drafts)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"`length` must be in [0, {self.length}], got {length}.")
+        self.key_valid[:, length : self.length] = False
+        self.length = length
+
+    def keep(self, start: int, indices: torch.Tensor) -> None:
+        """Compact an accepted path: the slots ``start + indices`` move to ``[start, start + n)``; the rest
+        of the segment after ``start`` is dropped.
+
+        Args:
+            start (`int`): first slot of the segment that was verified.
+            indices: ``(n,)`` or ``(B, n)`` slot offsets inside the segment, in the order to keep.
+        """
+        n = indices.shape[-1]
+        for layer_keys, layer_values in zip(self.keys, self.values):
+            compact_positions_(layer_keys, start, indices)
+            compact_positions_(layer_values, start, indices)
+        compact_positions_(self.key_valid[:, None, :, None], start, indices)
+        self.crop(start + n)
+
+
+def compact_positions_(cache: torch.Tensor, start: int, indices: torch.Tensor) -> None:
+    """In place: ``cache[:, :, start + j] = cache[:, :, start + indices[..., j]]`` for a ``(B, H, S, D)`` tensor.
+
+    ``indices`` is ``(n,)`` (same path for every row) or ``(B, n)`` (one path per row).
+    """
+    b, h, _, d = cache.shape
+    if indices.dim() == 1:
+        picked = cache.index_select(2, start + indices)  # (B, H, n, D)
+    else:
+        gather = (start + indices)[:, None, :, None].expand(b, h, indices.shape[-1], d)
+        picked = cache.gather(2, gather)  # (B, H, n, D)
+    cache[:, :, start : start + indices.shape[-1]] = picked
+

@@ -1,0 +1,44 @@
+"""Plain autoregressive decoding: one code per target pass. The reference every exact decoder must match."""
+
+from typing import Optional
+
+import torch
+from diffusers.configuration_utils import register_to_config
+
+from ..core.sampling import logits_to_probs, sample_from_probs
+from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput
+
+
+class AutoregressiveDecoder(SpatialDecoderMixin):
+    """One code per target forward; CFG rows run as one batch in the same forward.
+
+    Takes no options; it is the baseline the speculative decoders are measured against.
+    """
+
+    is_exact = True
+
+    @register_to_config
+    def __init__(self):
+        super().__init__()
+
+    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
+        index = state.num_committed - 1
+        device = state.tokens.device
+        return Draft(
+            input_ids=state.last_token[:, None],  # (B, 1)
+            position_ids=torch.tensor([state.position_of(index)], device=device),  # (1,)
+            attention_mask=torch.ones(1, 1, dtype=torch.bool, device=device),
+        )
+
+    def step(
+        self,
+        logits: torch.Tensor,
+        hidden_states: torch.Tensor,
+        draft: Optional[Draft],
+        state: DecodingState,
+        draft_heads=None,
+    ) -> StepOutput:
+        probs = logits_to_probs(logits[:, -1], state.sampling)  # (B, V)
+        token = sample_from_probs(probs, state.random)  # (B,)
+        state.commit(token[:, None], torch.ones_like(token))
+        return StepOutput(num_accepted=1)

@@ -1,0 +1,183 @@
+"""The base of every speculative decoder: weight-free, configurable, swappable like a diffusers scheduler.
+
+A decoder never calls the backbone. Each round the pipeline asks it for a `Draft` (what to feed the target),
+runs the target forward over it, mixes CFG, and hands the logits back to `step`, which accepts tokens,
+commits them to the `DecodingState` and says which fed positions stay in the KV cache.
+"""
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+from diffusers import ConfigMixin, SchedulerMixin
+
+from ..core.layout import ImageTokenLayout
+from ..core.sampling import RandomSource, SamplingConfig
+
+DECODER_CONFIG_NAME = "decoder_config.json"
+
+
+@dataclass
+class DecodingState:
+    """Everything one generation carries between rounds.
+
+    Args:
+        layout (`ImageTokenLayout`): the image grid.
+        sampling (`SamplingConfig`): how logits become the target distribution ``p``.
+        random (`RandomSource`): per-row random numbers.
+        prefix_length (`int`): sequence positions before the first image code (same for all rows).
+        tokens (`torch.LongTensor` `(B, H*W)`): committed codes in raster order, ``-1`` where not yet decoded.
+        acceptance_map (`torch.LongTensor` `(B, H*W)`): accepted length of the pass that committed each code.
+        num_committed (`int`): codes committed per row so far (host-side; rows advance together).
+        accepted_lengths (`list[torch.LongTensor]`): one ``(B,)`` tensor per target pass.
+        num_draft_passes (`int`): forward passes of draft heads/models.
+        extras (`dict`): decoder-specific state.
+    """
+
+    layout: ImageTokenLayout
+    sampling: SamplingConfig
+    random: RandomSource
+    prefix_length: int
+    tokens: torch.Tensor
+    acceptance_map: torch.Tensor
+    num_committed: int = 0
+    accepted_lengths: List[torch.Tensor] = field(default_factory=list)
+    num_draft_passes: int = 0
+    extras: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def finished(self) -> bool:
+        return self.num_committed >= self.layout.num_tokens
+
+    @property
+    def last_token(self) -> torch.Tensor:
+        """The newest committed code ``(B,)``: the next round feeds it to the target."""
+        return self.tokens[:, self.num_committed - 1]
+
+    def position_of(self, index: int) -> int:
+        """Absolute sequence position at which raster code ``index`` is fed."""
+        return int(self.layout.sequence_position(index, self.prefix_length))
+
+    def commit(self, new_tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Append ``new_tokens`` ``(B, n)`` (``n`` known on the host) committed by one target pass whose accepted
+        length per row is ``accepted`` ``(B,)``."""
+        n = new_tokens.shape[1]
+        end = self.num_committed + n
+        self.tokens[:, self.num_committed : end] = new_tokens
+        self.acceptance_map[:, self.num_committed : end] = accepted[:, None]
+        self.accepted_lengths.append(accepted)
+        self.num_committed = end
+
+
+@dataclass
+class Draft:
+    """What the target verifies in one round.
+
+    Args:
+        input_ids (`torch.LongTensor` `(B, T)`): codes fed to the target (the last committed code first).
+        position_ids (`torch.LongTensor` `(T,)` or `(B, T)`): their absolute sequence positions.
+        attention_mask (`torch.BoolTensor` `(T, T)` or `(B, T, T)`): which fed tokens see which (causal for a
+            chain, the tree mask for a tree).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+@dataclass
+class StepOutput:
+    """What a decoder step decided.
+
+    Args:
+        num_accepted (`int`): codes committed this round (per row; rows advance together).
+        keep_indices (`torch.LongTensor` `(n,)` or `(B, n)`, *optional*): fed positions whose KV stays in the
+            cache, in order (an accepted tree path). ``None`` keeps every fed position.
+    """
+
+    num_accepted: int
+    keep_indices: Optional[torch.Tensor] = None
+
+
+class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
+    """Base class of the decoders. Subclasses implement `propose` and `step`, and may extend `init_state`.
+
+    Class attributes:
+        is_exact (`bool`): output follows the model's own distribution exactly (greedy: token for token).
+        draft_heads_class (`str`, *optional*): name of the draft-head class the decoder needs.
+    """
+
+    config_name = DECODER_CONFIG_NAME
+    is_exact: bool = True
+    draft_heads_class: Optional[str] = None
+    order = 1  # diffusers scheduler attribute; unused here
+
+    @classmethod
+    def _get_compatibles(cls) -> list:
+        """Every decoder can be built from any other decoder's config (``from_config`` swaps never warn)."""
+        found, todo = [], [SpatialDecoderMixin]
+        while todo:
+            for sub in todo.pop().__subclasses__():
+                found.append(sub)
+                todo.append(sub)
+        return found
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Largest number of positions one round feeds to the target (sizes the KV cache)."""
+        return 1
+
+    def check_compatibility(self, layout: ImageTokenLayout, draft_heads=None) -> None:
+        """Raise `ValueError` if this decoder cannot serve ``layout`` with ``draft_heads``."""
+        if self.draft_heads_class is not None and (
+            draft_heads is None or type(draft_heads).__name__ != self.draft_heads_class
+        ):
+            found = "none" if draft_heads is None else type(draft_heads).__name__
+            raise ValueError(
+                f"`decoder` {type(self).__name__} needs `draft_heads` of class {self.draft_heads_class}, found {found}. "
+                "Load them with `pipe.load_draft_heads(path_or_repo)`."
+            )
+
+    def init_state(
+        self,
+        layout: ImageTokenLayout,
+        sampling: SamplingConfig,
+        random: RandomSource,
+        batch_size: int,
+        prefix_length: int,
+        device: torch.device,
+    ) -> DecodingState:
+        """A fresh `DecodingState`; subclasses add their own entries to ``state.extras``."""
+        n = layout.num_tokens
+        return DecodingState(
+            layout=layout,
+            sampling=sampling,
+            random=random,
+            prefix_length=prefix_length,
+            tokens=torch.full((batch_size, n), -1, dtype=torch.long, device=device),
+            acceptance_map=torch.zeros(batch_size, n, dtype=torch.long, device=device),
+        )
+
+    @abc.abstractmethod
+    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
+        """The `Draft` the target verifies next round."""
+
+    @abc.abstractmethod
+    def step(
+        self,
+        logits: torch.Tensor,
+        hidden_states: torch.Tensor,
+        draft: Optional[Draft],
+        state: DecodingState,
+        draft_heads=None,
+    ) -> StepOutput:
+        """Accept tokens from the target's CFG-mixed ``logits`` ``(B, T, V)`` (fp32) over the fed positions.
+
+        ``draft is None`` for the prefill pass: ``logits``/``hidden_states`` are those of the last prompt position.
+        ``hidden_states`` ``(B, T, D)`` are the conditional rows' pre-norm last hidden states.
+        """

@@ -1,0 +1,5 @@
+"""Trainable draft heads (diffusers `ModelMixin` + `ConfigMixin`), loaded and pushed beside the frozen backbone."""
+
+from .heads_utils import BACKBONE_FACTS, DraftHeadsMixin, check_backbone_facts
+
+__all__ = ["BACKBONE_FACTS", "DraftHeadsMixin", "check_backbone_facts"]

@@ -1,0 +1,320 @@
+"""The LlamaGen transformer: Llama blocks with 2-D RoPE over the image grid and a condition prefix.
+
+Module and parameter names follow the original LlamaGen ``gpt.py`` (``tok_embeddings``, ``layers.N.attention.
+wqkv``, ``cls_embedding.cap_proj.fc1`` ...), so an original checkpoint converts by renaming nothing. Written
+from the LlamaGen paper and the public description of its architecture.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from diffusers import ConfigMixin, ModelMixin
+from diffusers.configuration_utils import register_to_config
+from diffusers.utils import BaseOutput
+from torch import nn
+
+from ..core.kv_cache import StaticKVCache
+
+CONDITION_TYPES = ("class", "text")
+
+
+def find_multiple(n: int, k: int) -> int:
+    return n if n % k == 0 else n + k - n % k
+
+
+def llamagen_intermediate_size(hidden_size: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
+    """LlamaGen's SwiGLU width: ``2/3 * 4 * dim`` (times an optional multiplier), rounded up to ``multiple_of``."""
+    hidden = int(2 * 4 * hidden_size / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return find_multiple(hidden, multiple_of)
+
+
+def rope_2d_table(
+    grid_height: int, grid_width: int, head_dim: int, theta: float, num_prefix: int, zero_prefix: bool
+) -> torch.Tensor:
+    """cos/sin table ``(num_prefix + H*W, head_dim // 2, 2)``: half the rotary pairs encode the row, half the column.
+
+    Prefix positions get cos=sin=0 when ``zero_prefix`` (the original LlamaGen behaviour: prefix queries and keys
+    are zeroed) or the identity rotation otherwise.
+    """
+    quarter = head_dim // 4
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2)[:quarter].float() / (head_dim // 2)))  # (D/4,)
+    rows = torch.outer(torch.arange(grid_height).float(), freqs)  # (H, D/4)
+    cols = torch.outer(torch.arange(grid_width).float(), freqs)  # (W, D/4)
+    angles = torch.cat(
+        [rows[:, None, :].expand(-1, grid_width, -1), cols[None, :, :].expand(grid_height, -1, -1)], dim=-1
+    ).flatten(0, 1)  # (H*W, D/2)
+    grid = torch.stack([angles.cos(), angles.sin()], dim=-1)  # (H*W, D/2, 2)
+    prefix = torch.zeros(num_prefix, head_dim // 2, 2)
+    if not zero_prefix:
+        prefix[..., 0] = 1.0
+    return torch.cat([prefix, grid])
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` ``(B, T, H, D)`` by ``table`` ``(B, T, D/2, 2)`` (fp32 math)."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, T, H, D/2, 2)
+    cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]  # (B, T, 1, D/2)
+    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels -> one prefix token; index ``num_classes`` is the unconditional (CFG) class."""
+
+    def __init__(self, num_classes: int, hidden_size: int):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
+        self.num_classes = num_classes
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        return self.embedding_table(labels).unsqueeze(1)  # (B, 1, D)
+
+
+class CaptionMLP(nn.Module):
+    def __init__(self, in_features: int, hidden_features: int, out_features: int):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=False)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class CaptionEmbedder(nn.Module):
+    """Text-encoder token embeddings ``(B, N, caption_dim)`` -> prefix ``(B, N, D)``; ``uncond_embedding`` is
+    the fixed caption used for the unconditional (CFG) row."""
+
+    def __init__(self, caption_dim: int, hidden_size: int, num_tokens: int):
+        super().__init__()
+        self.cap_proj = CaptionMLP(caption_dim, hidden_size, hidden_size)
+        self.register_buffer("uncond_embedding", torch.randn(num_tokens, caption_dim) / caption_dim**0.5)
+
+    def forward(self, caption: torch.Tensor) -> torch.Tensor:
+        return self.cap_proj(caption)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, dropout: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = hidden_size // num_heads
+        self.wqkv = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x, rope, mask, cache: Optional[StaticKVCache], layer_idx: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        kv = self.num_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        q = apply_rope(q.view(b, t, self.num_heads, self.head_dim), rope).transpose(1, 2)  # (B, H, T, D)
+        k = apply_rope(k.view(b, t, self.num_kv_heads, self.head_dim), rope).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v)  # (B, Hkv, L+T, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.resid_dropout(self.wo(out.transpose(1, 2).reshape(b, t, -1)))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dropout: float):
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.ffn_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, hidden_size, num_heads, num_kv_heads, intermediate_size, norm_eps, dropout):
+        super().__init__()
+        self.attention = Attention(hidden_size, num_heads, num_kv_heads, dropout)
+        self.feed_forward = FeedForward(hidden_size, intermediate_size, dropout)
+        self.attention_norm = RMSNorm(hidden_size, norm_eps)
+        self.ffn_norm = RMSNorm(hidden_size, norm_eps)
+
+    def forward(self, x, rope, mask, cache, layer_idx):
+        h = x + self.attention(self.attention_norm(x), rope, mask, cache, layer_idx)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+@dataclass
+class LlamaGenTransformerOutput(BaseOutput):
+    """
+    Args:
+        hidden_states (`torch.Tensor` of shape `(B, T, D)`): last hidden state **before** the final norm.
+        last_hidden_state (`torch.Tensor` of shape `(B, T, D)`): the same **after** the final norm.
+    """
+
+    hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+
+
+class LlamaGenTransformer(ModelMixin, ConfigMixin):
+    r"""LlamaGen's GPT: a decoder-only Llama over ``[condition prefix, image codes]`` with 2-D RoPE.
+
+    Args:
+        vocab_size (`int`): image codes (the VQ codebook size).
+        hidden_size (`int`), num_layers (`int`), num_attention_heads (`int`): trunk size.
+        num_key_value_heads (`int`, *optional*): GQA heads (default: as many as attention heads).
+        intermediate_size (`int`, *optional*): SwiGLU width (default: LlamaGen's rule from ``multiple_of`` and
+            ``ffn_dim_multiplier``).
+        rope_theta (`float`), norm_eps (`float`): RoPE base and RMSNorm epsilon.
+        condition_type (`str`): ``"class"`` (a class-label prefix token) or ``"text"`` (projected text-encoder
+            token embeddings).
+        num_classes (`int`): labels of a class-conditional model.
+        caption_dim (`int`): width of the text encoder's token embeddings.
+        num_condition_tokens (`int`): prefix length (1 for class labels, the caption length for text).
+        grid_height (`int`), grid_width (`int`): the image-code grid.
+        zero_prefix_rope (`bool`): the original LlamaGen zeroes prefix queries/keys through its RoPE table; keep
+            ``True`` to reproduce original checkpoints.
+        dropout (`float`): residual/FFN dropout while training.
+    """
+
+    _supports_gradient_checkpointing = True
+    _no_split_modules = ["TransformerBlock"]
+
+    @register_to_config
+    def __init__(
+        self,
+        vocab_size: int = 16384,
+        hidden_size: int = 1280,
+        num_layers: int = 36,
+        num_attention_heads: int = 20,
+        num_key_value_heads: Optional[int] = None,
+        intermediate_size: Optional[int] = None,
+        multiple_of: int = 256,
+        ffn_dim_multiplier: Optional[float] = None,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-5,
+        condition_type: str = "text",
+        num_classes: int = 1000,
+        caption_dim: int = 2048,
+        num_condition_tokens: int = 120,
+        grid_height: int = 16,
+        grid_width: int = 16,
+        zero_prefix_rope: bool = True,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if condition_type not in CONDITION_TYPES:
+            raise ValueError(f"`condition_type` must be one of {CONDITION_TYPES}, got {condition_type!r}.")
+        if hidden_size % num_attention_heads or (hidden_size // num_attention_heads) % 4:
+            raise ValueError(
+                f"`hidden_size` ({hidden_size}) must split into `num_attention_heads` ({num_attention_heads}) heads "
+                "whose size is a multiple of 4 (2-D RoPE)."
+            )
+        num_kv = num_key_value_heads or num_attention_heads
+        inter = intermediate_size or llamagen_intermediate_size(hidden_size, multiple_of, ffn_dim_multiplier)
+        if condition_type == "class":
+            self.cls_embedding = LabelEmbedder(num_classes, hidden_size)
+        else:
+            self.cls_embedding = CaptionEmbedder(caption_dim, hidden_size, num_condition_tokens)
+        self.tok_embeddings = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(
+            TransformerBlock(hidden_size, num_attention_heads, num_kv, inter, norm_eps, dropout)
+            for _ in range(num_layers)
+        )
+        self.norm = RMSNorm(hidden_size, norm_eps)
+        self.output = nn.Linear(hidden_size, vocab_size, bias=False)
+        table = rope_2d_table(
+            grid_height, grid_width, hidden_size // num_attention_heads, rope_theta, num_condition_tokens, zero_prefix_rope
+        )
+        self.register_buffer("freqs_cis", table, persistent=False)
+        self.gradient_checkpointing = False
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    # -- pieces the pipeline adapter uses ---------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.config.hidden_size // self.config.num_attention_heads
+
+    def embed_condition(self, condition: torch.Tensor) -> torch.Tensor:
+        """Class labels ``(B,)`` or caption embeddings ``(B, N, caption_dim)`` -> prefix ``(B, P, D)``."""
+        return self.cls_embedding(condition)
+
+    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(codes)  # (B, T, D)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden states -> image-code logits (fp32)."""
+        return self.output(self.norm(hidden_states)).float()
+
+    def make_cache(self, batch_size: int, max_length: int) -> StaticKVCache:
+        p = self.tok_embeddings.weight
+        return StaticKVCache(
+            len(self.layers),
+            batch_size,
+            self.layers[0].attention.num_kv_heads,
+            self.head_dim,
+            max_length,
+            dtype=p.dtype,
+            device=p.device,
+        )
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_valid: Optional[torch.Tensor] = None,
+        past_key_values: Optional[StaticKVCache] = None,
+        return_dict: bool = True,
+    ):
+        """
+        Args:
+            inputs_embeds (`torch.Tensor` of shape `(B, T, D)`): prefix and/or image-code embeddings.
+            position_ids (`torch.LongTensor` of shape `(B, T)` or `(T,)`): absolute positions (prefix ``0..P-1``,
+                image code ``i`` at ``P + i``); they index the 2-D RoPE table.
+            attention_mask (`torch.BoolTensor` of shape `(B, T, T)` or `(T, T)`, *optional*): which new tokens see
+                which (default causal; a tree mask for speculative drafts). Cached tokens are always visible.
+            token_valid (`torch.BoolTensor` of shape `(B, T)`, *optional*): ``False`` marks padding.
+            past_key_values (`StaticKVCache`, *optional*): filled in place; call ``advance`` is done here.
+        """
+        b, t, _ = inputs_embeds.shape
+        device = inputs_embeds.device
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None].expand(b, t)
+        if attention_mask is None:
+            attention_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        if token_valid is None:
+            token_valid = torch.ones(b, t, dtype=torch.bool, device=device)
+        if past_key_values is None:
+            eye = torch.eye(t, dtype=torch.bool, device=device)
+            mask = ((attention_mask.expand(b, t, t) & token_valid[:, None, :]) | eye)[:, None]  # (B, 1, T, T)
+        else:
+            mask = past_key_values.attention_mask(attention_mask, token_valid)  # (B, 1, T, L+T)
+        rope = self.freqs_cis[position_ids]  # (B, T, D/2, 2)
+        h = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                h = self._gradient_checkpointing_func(layer, h, rope, mask, past_key_values, i)
+            else:
+                h = layer(h, rope, mask, past_key_values, i)
+        if past_key_values is not None:
+            past_key_values.advance(token_valid)
+        out = LlamaGenTransformerOutput(hidden_states=h, last_hidden_state=self.norm(h))
+        return out if return_dict else out.to_tuple()

@@ -1,0 +1,305 @@
+"""The LlamaGen family: class- or text-conditional LlamaGen GPT + VQ tokenizer, and original-checkpoint loading."""
+
+import os
+import re
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..core.layout import ImageTokenLayout
+from ..decoders.decoding_utils import SpatialDecoderMixin
+from ..heads.heads_utils import DraftHeadsMixin
+from ..models.transformer_llamagen import LlamaGenTransformer
+from ..models.vq_llamagen import LlamaGenVQModel
+from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
+
+#: LlamaGen's GPT sizes: (layers, heads, width).
+LLAMAGEN_GPT_SIZES = {
+    "GPT-B": (12, 12, 768),
+    "GPT-L": (24, 16, 1024),
+    "GPT-XL": (36, 20, 1280),
+    "GPT-XXL": (48, 24, 1536),
+    "GPT-XXXL": (48, 40, 2560),
+    "GPT-1B": (22, 32, 2048),
+    "GPT-3B": (24, 32, 3200),
+    "GPT-7B": (32, 32, 4096),
+}
+
+
+class LlamaGenBackbone(SpatialBackbone):
+    """Adapter over `LlamaGenTransformer` + `LlamaGenVQModel` (+ a transformers text encoder for text models)."""
+
+    @property
+    def transformer(self) -> LlamaGenTransformer:
+        return self.pipe.transformer
+
+    @property
+    def is_text(self) -> bool:
+        return self.transformer.config.condition_type == "text"
+
+    @property
+    def layout(self) -> ImageTokenLayout:
+        c = self.transformer.config
+        return ImageTokenLayout(c.grid_height, c.grid_width)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.transformer.config.hidden_size
+
+    @property
+    def num_image_codes(self) -> int:
+        return self.transformer.config.vocab_size
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.pipe.vqvae.downsample_factor
+
+    @property
+    def codebook(self) -> torch.Tensor:
+        return self.pipe.vqvae.codebook
+
+    @property
+    def default_guidance_scale(self) -> float:
+        return 7.5 if self.is_text else 4.0  # LlamaGen's defaults for t2i / c2i
+
+    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
+        if self.is_text:
+            if not all(isinstance(p, str) for p in prompt):
+                raise ValueError(f"`{name}` must be a string or a list of strings for a text-conditional model.")
+            if self.pipe.text_encoder is None or self.pipe.tokenizer is None:
+                raise ValueError(
+                    f"`{name}` is text, but this pipeline has no `text_encoder`/`tokenizer`; pass them to the pipeline."
+                )
+            return
+        num_classes = self.transformer.config.num_classes
+        for p in prompt:
+            if isinstance(p, torch.Tensor):
+                p = p.item()
+            if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < num_classes:
+                raise ValueError(
+                    f"`{name}` of a class-conditional model must be class labels in [0, {num_classes}), got {p!r}."
+                )
+
+    def _encode_text(self, prompts: List[str], device: torch.device):
+        """Caption embeddings ``(B, N, C)``, left-padded as LlamaGen does (valid tokens last), padding zeroed."""
+        n = self.transformer.config.num_condition_tokens
+        enc = self.pipe.tokenizer(
+            prompts, padding="max_length", max_length=n, truncation=True, return_tensors="pt"
+        )
+        ids, mask = enc.input_ids.to(device), enc.attention_mask.to(device).bool()
+        emb = self.pipe.text_encoder(input_ids=ids, attention_mask=mask.long()).last_hidden_state  # (B, N, C)
+        order = torch.argsort(mask.int(), dim=1, stable=True)  # padding first, tokens last, order kept
+        mask = mask.gather(1, order)
+        emb = emb.gather(1, order[..., None].expand_as(emb)) * mask[..., None]
+        return emb, mask
+
+    def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
+        t = self.transformer
+        dtype = t.tok_embeddings.weight.dtype
+        if not self.is_text:
+            labels = torch.tensor([int(p) for p in prompts], device=device)
+            if do_cfg:
+                uncond = (
+                    torch.tensor([int(p) for p in negative_prompts], device=device)
+                    if negative_prompts is not None
+                    else torch.full_like(labels, t.config.num_classes)  # the unconditional class
+                )
+                labels = torch.cat([labels, uncond])
+            embeds = t.embed_condition(labels)  # (R, 1, D)
+            return PromptEmbeddings(embeds, torch.ones(embeds.shape[:2], dtype=torch.bool, device=device))
+        caption, mask = self._encode_text(prompts, device)  # (B, N, C)
+        if do_cfg:
+            if negative_prompts is not None:
+                uncond, uncond_mask = self._encode_text(negative_prompts, device)
+            else:
+                # LlamaGen: the learned null caption, seen through the conditional row's padding mask
+                uncond, uncond_mask = t.cls_embedding.uncond_embedding.expand_as(caption), mask
+            caption, mask = torch.cat([caption, uncond]), torch.cat([mask, uncond_mask])
+        return PromptEmbeddings(t.embed_condition(caption.to(dtype)), mask)
+
+    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.transformer.embed_image_tokens(codes)
+
+    def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
+        return self.transformer(inputs_embeds, position_ids, attention_mask, token_valid, cache).hidden_states
+
+    def image_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.transformer.compute_logits(hidden_states)
+
+    def make_cache(self, rows: int, max_length: int):
+        return self.transformer.make_cache(rows, max_length)
+
+    def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.pipe.vqvae.decode_code(tokens)
+
+
+class LlamaGenPipeline(SpatialARPipeline):
+    r"""LlamaGen text-to-image (or class-to-image) generation with a swappable speculative decoder.
+
+    Args:
+        transformer (`LlamaGenTransformer`): the AR model over image codes.
+        vqvae (`LlamaGenVQModel`): the VQ tokenizer whose decoder turns code grids into pixels.
+        decoder (`SpatialDecoderMixin`): the decoding algorithm (`AutoregressiveDecoder` or a speculative one).
+        text_encoder (`PreTrainedModel`, *optional*): any transformers encoder whose token embeddings the
+            transformer's caption projection was trained on (text-conditional models).
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): the text encoder's tokenizer.
+        draft_heads (`DraftHeadsMixin`, *optional*): draft heads for the decoders that need them.
+    """
+
+    backbone_class = LlamaGenBackbone
+    model_cpu_offload_seq = "text_encoder->transformer->vqvae"
+    _optional_components = ["text_encoder", "tokenizer", "draft_heads"]
+
+    def __init__(
+        self,
+        transformer: LlamaGenTransformer,
+        vqvae: LlamaGenVQModel,
+        decoder: SpatialDecoderMixin,
+        text_encoder: Optional[PreTrainedModel] = None,
+        tokenizer: Optional[PreTrainedTokenizerBase] = None,
+        draft_heads: Optional[DraftHeadsMixin] = None,
+    ):
+        super().__init__()
+        self.register_modules(
+            transformer=transformer, vqvae=vqvae, decoder=decoder, text_encoder=text_encoder, tokenizer=tokenizer
+        )
+        self._check_draft_heads(draft_heads)
+        self.register_modules(draft_heads=draft_heads)
+
+    @classmethod
+    def load_backbone_components(
+        cls,
+        repo_or_path: Union[str, os.PathLike],
+        vq_checkpoint: Union[str, os.PathLike, None] = None,
+        gpt_model: Optional[str] = None,
+        num_attention_heads: Optional[int] = None,
+        image_size: int = 256,
+        downsample_size: int = 16,
+        text_encoder: Optional[PreTrainedModel] = None,
+        tokenizer: Optional[PreTrainedTokenizerBase] = None,
+        torch_dtype: Optional[torch.dtype] = None,
+    ) -> Dict[str, Any]:
+        """Read original LlamaGen ``.pt`` checkpoints (GPT + VQ) into components.
+
+        Args:
+            repo_or_path: the GPT checkpoint (``c2i_XL_384.pt``, ``t2i_XL_stage2_512.pt`` ...).
+            vq_checkpoint: the VQ checkpoint (``vq_ds16_c2i.pt`` / ``vq_ds16_t2i.pt``); required.
+            gpt_model (`str`, *optional*): ``"GPT-B"`` ... ``"GPT-7B"``; fixes the head count (else inferred from the
+                width, or given as ``num_attention_heads``).
+            image_size (`int`), downsample_size (`int`): the grid is ``image_size // downsample_size`` square.
+            text_encoder, tokenizer: for text-conditional checkpoints (LlamaGen used flan-t5-xl).
+        """
+        if vq_checkpoint is None:
+            raise ValueError("`vq_checkpoint` is required: LlamaGen ships the VQ tokenizer as its own .pt file.")
+        if image_size % downsample_size:
+            raise ValueError(f"`image_size` ({image_size}) must be a multiple of `downsample_size` ({downsample_size}).")
+        grid = image_size // downsample_size
+        transformer = llamagen_transformer_from_state_dict(
+            load_original_checkpoint(repo_or_path), grid, gpt_model=gpt_model, num_attention_heads=num_attention_heads
+        )
+        vqvae = llamagen_vq_from_state_dict(load_original_checkpoint(vq_checkpoint))
+        if vqvae.downsample_factor != downsample_size:
+            raise ValueError(
+                f"`downsample_size` is {downsample_size}, but the VQ checkpoint downsamples by {vqvae.downsample_factor}."
+            )
+        if transformer.config.vocab_size != vqvae.config.codebook_size:
+            raise ValueError(
+                f"`vq_checkpoint` has {vqvae.config.codebook_size} codes but the GPT predicts {transformer.config.vocab_size}."
+            )
+        if torch_dtype is not None:
+            transformer.to(torch_dtype)
+            vqvae.to(torch_dtype)
+        return {"transformer": transformer, "vqvae": vqvae, "text_encoder": text_encoder, "tokenizer": tokenizer}
+
+
+# -- original checkpoints ---------------------------------------------------------------------------------
+def load_original_checkpoint(path: Union[str, os.PathLike]) -> Dict[str, torch.Tensor]:
+    """The model weights of an original LlamaGen ``.pt`` file (tensors only: ``weights_only=True``)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {os.fspath(path)!r} does not exist.")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)  # restricted unpickler: tensors and containers only
+    for key in ("model", "module", "state_dict", "ema"):
+        if isinstance(ckpt, dict) and key in ckpt and isinstance(ckpt[key], dict):
+            return ckpt[key]
+    return ckpt
+
+
+def llamagen_transformer_from_state_dict(
+    state_dict: Dict[str, torch.Tensor],
+    grid_size: int,
+    gpt_model: Optional[str] = None,
+    num_attention_heads: Optional[int] = None,
+) -> LlamaGenTransformer:
+    """Build a `LlamaGenTransformer` from an original GPT state dict, inferring its config from the shapes."""
+    sd = {k: v for k, v in state_dict.items() if k not in ("freqs_cis", "causal_mask") and ".kv_cache." not in k}
+    vocab, hidden = sd["tok_embeddings.weight"].shape
+    num_layers = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"layers\.(\d+)\.", k)))
+    if gpt_model is not None:
+        if gpt_model not in LLAMAGEN_GPT_SIZES:
+            raise ValueError(f"`gpt_model` must be one of {sorted(LLAMAGEN_GPT_SIZES)}, got {gpt_model!r}.")
+        layers_expected, num_attention_heads, width = LLAMAGEN_GPT_SIZES[gpt_model]
+        if (layers_expected, width) != (num_layers, hidden):
+            raise ValueError(f"`gpt_model` {gpt_model} has {layers_expected} layers of width {width}; the checkpoint has {num_layers} of {hidden}.")
+    if num_attention_heads is None:
+        matches = [h for (n, h, w) in LLAMAGEN_GPT_SIZES.values() if (n, w) == (num_layers, hidden)]
+        if not matches:
+            raise ValueError("Cannot infer the head count of this checkpoint: pass `gpt_model` or `num_attention_heads`.")
+        num_attention_heads = matches[0]
+    head_dim = hidden // num_attention_heads
+    qkv_rows = sd["layers.0.attention.wqkv.weight"].shape[0]
+    num_kv = (qkv_rows // head_dim - num_attention_heads) // 2
+    if "cls_embedding.embedding_table.weight" in sd:
+        cond = dict(condition_type="class", num_classes=sd["cls_embedding.embedding_table.weight"].shape[0] - 1, num_condition_tokens=1)
+    else:
+        n_tokens, caption_dim = sd["cls_embedding.uncond_embedding"].shape
+        cond = dict(condition_type="text", caption_dim=caption_dim, num_condition_tokens=n_tokens)
+    model = LlamaGenTransformer(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_kv,
+        intermediate_size=sd["layers.0.feed_forward.w1.weight"].shape[0],
+        grid_height=grid_size,
+        grid_width=grid_size,
+        zero_prefix_rope=True,
+        **cond,
+    )
+    _load_strict(model, sd, "GPT")
+    return model
+
+
+def llamagen_vq_from_state_dict(state_dict: Dict[str, torch.Tensor]) -> LlamaGenVQModel:
+    """Build a `LlamaGenVQModel` from an original VQ state dict, inferring its config from the shapes."""
+    sd = {k: v for k, v in state_dict.items() if k != "quantize.codebook_used" and not k.startswith("discriminator")}
+    codebook_size, embed_dim = sd["quantize.embedding.weight"].shape
+    base = sd["encoder.conv_in.weight"].shape[0]
+
+    def mults(prefix: str) -> List[int]:
+        levels = sorted({int(m.group(1)) for k in sd if (m := re.match(rf"{prefix}\.conv_blocks\.(\d+)\.", k))})
+        return [sd[f"{prefix}.conv_blocks.{i}.res.0.conv2.weight"].shape[0] // base for i in levels]
+
+    dec = mults("decoder")[::-1]  # decoder stages run from the coarsest level
+    num_res = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"encoder\.conv_blocks\.0\.res\.(\d+)\.", k)))
+    model = LlamaGenVQModel(
+        codebook_size=codebook_size,
+        codebook_embed_dim=embed_dim,
+        encoder_ch_mult=mults("encoder"),
+        decoder_ch_mult=dec,
+        z_channels=sd["encoder.conv_out.weight"].shape[0],
+        base_channels=base,
+        num_res_blocks=num_res,
+    )
+    _load_strict(model, sd, "VQ")
+    return model
+
+
+def _load_strict(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], what: str) -> None:
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in result.missing_keys if k != "freqs_cis"]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"The {what} checkpoint does not match the LlamaGen layout: missing {missing[:8]}, "
+            f"unexpected {result.unexpected_keys[:8]}."
+        )

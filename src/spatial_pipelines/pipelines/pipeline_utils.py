@@ -1,0 +1,461 @@
+"""The one generation loop every family shares, its output types, and the backbone adapter contract."""
+
+import abc
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.utils import BaseOutput
+
+from ..core.kv_cache import StaticKVCache
+from ..core.layout import ImageTokenLayout
+from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
+from ..decoders.decoding_autoregressive import AutoregressiveDecoder
+from ..decoders.decoding_utils import SpatialDecoderMixin
+from ..heads.heads_utils import DraftHeadsMixin
+from ..utils import atomic_directory
+
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+PromptInput = Union[str, int, Sequence[Union[str, int]]]
+
+
+@dataclass
+class DecodingStats:
+    """What one generation cost.
+
+    Args:
+        num_forward_passes (`int`): target forward passes, prefill included.
+        num_draft_passes (`int`): forward passes of draft heads or draft models.
+        num_tokens (`int`): image codes generated over the whole batch.
+        mean_accepted_length (`float`): codes committed per target pass, averaged over passes and rows.
+        accepted_lengths (`torch.LongTensor` `(num_forward_passes, B)`): codes committed by each pass.
+        acceptance_map (`torch.LongTensor` `(B, H, W)`): accepted length of the pass that committed each code.
+        wall_time_s (`float`): wall-clock seconds of the whole call.
+    """
+
+    num_forward_passes: int
+    num_draft_passes: int
+    num_tokens: int
+    mean_accepted_length: float
+    accepted_lengths: torch.Tensor
+    acceptance_map: torch.Tensor
+    wall_time_s: float
+
+
+@dataclass
+class SpatialPipelineOutput(BaseOutput):
+    """
+    Args:
+        images (`list[PIL.Image.Image]`, `np.ndarray` or `torch.Tensor`): the images; with
+            ``output_type="latent"`` the token grids.
+        tokens (`torch.LongTensor` `(B, H, W)`): codebook indices.
+        stats (`DecodingStats`): passes, acceptance and time.
+    """
+
+    images: Union[List[PIL.Image.Image], np.ndarray, torch.Tensor]
+    tokens: torch.Tensor
+    stats: DecodingStats
+
+
+@dataclass
+class PromptEmbeddings:
+    """The prefix the target is prefilled with: conditional rows first, then (with CFG) unconditional rows.
+
+    Args:
+        embeds (`torch.Tensor` `(R, P, D)`): prefix embeddings.
+        valid (`torch.BoolTensor` `(R, P)`): ``False`` marks padding.
+    """
+
+    embeds: torch.Tensor
+    valid: torch.Tensor
+
+
+class SpatialBackbone(abc.ABC):
+    """What the loop needs from a backbone family. One subclass per family, built from the pipeline's components.
+
+    Hidden states passed around are the last hidden state **before** the final norm; `image_logits` applies the
+    norm and the head restricted to image-code columns.
+    """
+
+    def __init__(self, pipe: "SpatialARPipeline"):
+        self.pipe = pipe
+
+    @property
+    @abc.abstractmethod
+    def layout(self) -> ImageTokenLayout:
+        """The image-code grid."""
+
+    @property
+    @abc.abstractmethod
+    def hidden_size(self) -> int:
+        """Width of the trunk's hidden states."""
+
+    @property
+    @abc.abstractmethod
+    def num_image_codes(self) -> int:
+        """Codes in the VQ codebook."""
+
+    @property
+    @abc.abstractmethod
+    def vae_scale_factor(self) -> int:
+        """Pixels per code along each side."""
+
+    @property
+    @abc.abstractmethod
+    def codebook(self) -> torch.Tensor:
+        """VQ code vectors ``(V, d)`` as the VQ decoder sees them."""
+
+    @property
+    def default_guidance_scale(self) -> float:
+        return 1.0
+
+    def facts(self) -> Dict[str, Any]:
+        """Backbone facts draft heads must match."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_image_codes": self.num_image_codes,
+            "grid_height": self.layout.height,
+            "grid_width": self.layout.width,
+        }
+
+    @abc.abstractmethod
+    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
+        """Raise `ValueError` (naming ``name``) if a prompt list is not valid for this family."""
+
+    @abc.abstractmethod
+    def encode_prompt(
+        self, prompts: List[Any], negative_prompts: Optional[List[Any]], do_cfg: bool, device: torch.device
+    ) -> PromptEmbeddings:
+        """One row per image; with CFG the unconditional rows follow the conditional ones."""
+
+    @abc.abstractmethod
+    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes ``(R, T)`` -> input embeddings ``(R, T, D)``."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        token_valid: Optional[torch.Tensor],
+        cache: Optional[StaticKVCache],
+    ) -> torch.Tensor:
+        """Target forward -> pre-norm hidden states ``(R, T, D)``; appends the new keys/values to ``cache``."""
+
+    @abc.abstractmethod
+    def image_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden states ``(R, T, D)`` -> image-code logits ``(R, T, V)`` in fp32."""
+
+    @abc.abstractmethod
+    def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
+        """A KV cache for ``rows`` sequences of up to ``max_length`` positions."""
+
+    @abc.abstractmethod
+    def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Code grids ``(B, H, W)`` -> images ``(B, 3, h, w)`` in [-1, 1]."""
+
+
+class SpatialARPipeline(DiffusionPipeline):
+    r"""Base of the AR image pipelines: the generation loop, written once for every family and decoder.
+
+    Components of a family pipeline: the backbone's modules, a ``decoder`` (a `SpatialDecoderMixin`: the
+    speculative decoding algorithm, swappable like a diffusers scheduler) and optional ``draft_heads``.
+    """
+
+    backbone_class: type = None
+    _callback_tensor_inputs = ["tokens", "acceptance_map"]
+
+    # -- components -------------------------------------------------------------------------------------
+    @property
+    def backbone(self) -> SpatialBackbone:
+        """The family adapter over the current components."""
+        return self.backbone_class(self)
+
+    @property
+    def image_processor(self) -> VaeImageProcessor:
+        return VaeImageProcessor(vae_scale_factor=self.backbone.vae_scale_factor, do_normalize=True)
+
+    def _check_draft_heads(self, draft_heads) -> None:
+        if draft_heads is None:
+            return
+        if not isinstance(draft_heads, DraftHeadsMixin):
+            raise ValueError(f"`draft_heads` must be a `DraftHeadsMixin` (e.g. `SpatialDraftHeads`), got {type(draft_heads).__name__}.")
+        draft_heads.check_backbone(self.backbone.facts())
+
+    def set_draft_heads(self, draft_heads: Optional[DraftHeadsMixin]) -> None:
+        """Attach (or with ``None`` detach) draft heads after checking they fit the backbone."""
+        self._check_draft_heads(draft_heads)
+        if draft_heads is not None:
+            draft_heads.to(self.device)
+        self.register_modules(draft_heads=draft_heads)
+
+    def load_draft_heads(self, pretrained_model_name_or_path: Union[str, os.PathLike], **kwargs) -> DraftHeadsMixin:
+        """Load draft heads saved with ``save_pretrained``/``push_to_hub`` and attach them.
+
+        The heads' config is checked against this backbone before any weight is read; a mismatch raises
+        `ValueError`. Keyword arguments go to the heads class's ``from_pretrained``.
+        """
+        config = DraftHeadsMixin.load_config(pretrained_model_name_or_path, **{k: v for k, v in kwargs.items() if k in ("subfolder", "revision", "token")})
+        heads_cls = _find_subclass(DraftHeadsMixin, config.get("_class_name"))
+        if heads_cls is None:
+            raise ValueError(
+                f"`pretrained_model_name_or_path` {pretrained_model_name_or_path!r} holds a config of class "
+                f"{config.get('_class_name')!r}, which is not a draft-heads class of spatial_pipelines."
+            )
+        heads = heads_cls.from_pretrained(pretrained_model_name_or_path, backbone_facts=self.backbone.facts(), **kwargs)
+        self.set_draft_heads(heads)
+        return heads
+
+    @classmethod
+    def from_backbone(
+        cls,
+        repo_or_path: Union[str, os.PathLike],
+        decoder: Optional[SpatialDecoderMixin] = None,
+        draft_heads: Union[None, str, os.PathLike, DraftHeadsMixin] = None,
+        **kwargs,
+    ) -> "SpatialARPipeline":
+        """Build a pipeline from a plain backbone checkpoint (no ``model_index.json``).
+
+        Args:
+            repo_or_path: the family's original checkpoint (see the family's ``load_backbone_components``).
+            decoder (`SpatialDecoderMixin`, *optional*): defaults to `AutoregressiveDecoder`.
+            draft_heads: a heads object, or a path/repo to load them from.
+            kwargs: family-specific loading options.
+        """
+        components = cls.load_backbone_components(repo_or_path, **kwargs)
+        pipe = cls(**components, decoder=decoder if decoder is not None else AutoregressiveDecoder())
+        pipe.register_to_config(_name_or_path=str(repo_or_path))
+        if isinstance(draft_heads, (str, os.PathLike)):
+            pipe.load_draft_heads(draft_heads)
+        elif draft_heads is not None:
+            pipe.set_draft_heads(draft_heads)
+        return pipe
+
+    @classmethod
+    def load_backbone_components(cls, repo_or_path, **kwargs) -> Dict[str, Any]:
+        """Family hook for `from_backbone`: the backbone components read from an original checkpoint."""
+        raise ValueError(f"{cls.__name__} has no loader for plain backbone checkpoints; use `from_pretrained`.")
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], safe_serialization: bool = True, **kwargs):
+        """Save every component (safetensors only) all at once: a failed save leaves the folder as it was."""
+        if not safe_serialization:
+            raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
+        push = kwargs.pop("push_to_hub", False)
+        if push:
+            kwargs.setdefault("repo_id", os.path.basename(os.path.abspath(save_directory)))
+        with atomic_directory(save_directory) as tmp:
+            super().save_pretrained(tmp, safe_serialization=True, push_to_hub=push, **kwargs)
+
+    # -- inputs -----------------------------------------------------------------------------------------
+    def check_inputs(
+        self,
+        prompt,
+        negative_prompt,
+        guidance_scale,
+        temperature,
+        top_k,
+        top_p,
+        num_images_per_prompt,
+        generator,
+        output_type,
+        callback_on_step_end_tensor_inputs,
+    ) -> List[Any]:
+        """Validate the call's arguments; returns the prompt as a list. Raises `ValueError` naming the argument."""
+        prompts = _as_list(prompt)
+        if len(prompts) == 0:
+            raise ValueError("`prompt` must hold at least one prompt, got an empty list.")
+        backbone = self.backbone
+        backbone.check_prompt(prompts, "prompt")
+        if negative_prompt is not None:
+            negatives = _as_list(negative_prompt)
+            if len(negatives) not in (1, len(prompts)):
+                raise ValueError(
+                    f"`negative_prompt` must hold 1 or len(prompt)={len(prompts)} prompts, got {len(negatives)}."
+                )
+            backbone.check_prompt(negatives, "negative_prompt")
+        if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
+            raise ValueError(f"`guidance_scale` must be a number >= 0 (1 disables guidance), got {guidance_scale!r}.")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"`temperature` must be a number >= 0 (0 is greedy), got {temperature!r}.")
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
+            raise ValueError(f"`top_k` must be None or an int >= 0 (0 keeps every code), got {top_k!r}.")
+        if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+            raise ValueError(f"`top_p` must be None or in (0, 1], got {top_p!r}.")
+        if not isinstance(num_images_per_prompt, int) or isinstance(num_images_per_prompt, bool) or num_images_per_prompt < 1:
+            raise ValueError(f"`num_images_per_prompt` must be an int >= 1, got {num_images_per_prompt!r}.")
+        batch_size = len(prompts) * num_images_per_prompt
+        if isinstance(generator, (list, tuple)):
+            if len(generator) != batch_size:
+                raise ValueError(
+                    f"`generator` is a list of {len(generator)} generators, but the batch has {batch_size} images "
+                    f"({len(prompts)} prompts x num_images_per_prompt={num_images_per_prompt}); pass one per image or a single one."
+                )
+            if not all(isinstance(g, torch.Generator) for g in generator):
+                raise ValueError("`generator` list must hold only `torch.Generator` objects.")
+        elif generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"`generator` must be a torch.Generator, a list of them, or None; got {type(generator).__name__}.")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
+        unknown = [k for k in callback_on_step_end_tensor_inputs or () if k not in self._callback_tensor_inputs]
+        if unknown:
+            raise ValueError(
+                f"`callback_on_step_end_tensor_inputs` has {unknown}; allowed: {self._callback_tensor_inputs}."
+            )
+        return prompts
+
+    def _guided_logits(self, backbone: SpatialBackbone, hidden_states: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+        logits = backbone.image_logits(hidden_states)  # (R, T, V) fp32
+        return cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, T, V)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: PromptInput,
+        negative_prompt: Optional[PromptInput] = None,
+        guidance_scale: Optional[float] = None,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        num_images_per_prompt: int = 1,
+        generator: Union[None, torch.Generator, List[torch.Generator]] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback_on_step_end: Optional[Callable[["SpatialARPipeline", int, int, Dict[str, Any]], Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("tokens",),
+    ):
+        r"""Generate images.
+
+        Args:
+            prompt (`str`, `int` or a list of them): text prompts, or class labels for class-conditional models.
+            negative_prompt (*optional*): replaces the unconditional prompt of CFG (one, or one per prompt).
+            guidance_scale (`float`, *optional*): CFG scale ``s`` in ``uncond + s * (cond - uncond)``; 1 disables
+                CFG; default: the family's.
+            temperature (`float`): 0 is greedy.
+            top_k (`int`, *optional*), top_p (`float`, *optional*): filtering of the target distribution.
+            num_images_per_prompt (`int`): images per prompt.
+            generator (`torch.Generator` or a list, one per image): a list makes each image reproducible alone.
+            output_type (`str`): ``"pil"``, ``"np"``, ``"pt"`` or ``"latent"`` (the token grids).
+            return_dict (`bool`): return a `SpatialPipelineOutput` rather than a tuple.
+            callback_on_step_end (`Callable`, *optional*): called after every target pass as
+                ``callback(pipe, step_index, num_committed, callback_kwargs)``.
+            callback_on_step_end_tensor_inputs (`list[str]`): state tensors put in ``callback_kwargs``.
+
+        Returns:
+            `SpatialPipelineOutput` (or ``(images, tokens, stats)``).
+        """
+        start_time = time.perf_counter()
+        backbone = self.backbone
+        if guidance_scale is None:
+            guidance_scale = backbone.default_guidance_scale
+
+        # 1. Check inputs
+        prompts = self.check_inputs(
+            prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt, generator,
+            output_type, callback_on_step_end_tensor_inputs,
+        )
+        layout = backbone.layout
+        self.decoder.check_compatibility(layout, self.draft_heads)
+        batch_size = len(prompts) * num_images_per_prompt
+        sampling = SamplingConfig(guidance_scale, temperature, top_k, top_p)
+        device = self._execution_device
+
+        # 2. Encode prompts: one row per image, then (with CFG) the unconditional rows
+        prompt_rows = [p for p in prompts for _ in range(num_images_per_prompt)]
+        negative_rows = None
+        if negative_prompt is not None:
+            negatives = _as_list(negative_prompt) * (len(prompts) if len(_as_list(negative_prompt)) == 1 else 1)
+            negative_rows = [n for n in negatives for _ in range(num_images_per_prompt)]
+        prefix = backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)  # (R, P, D)
+        prefix_length = prefix.embeds.shape[1]
+
+        # 3. Prepare the decoding state, the random numbers and the KV cache
+        state = self.decoder.init_state(
+            layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device
+        )
+        cache = backbone.make_cache(
+            prefix.embeds.shape[0], prefix_length + layout.sequence_length + self.decoder.max_draft_tokens
+        )
+
+        # 4. Prefill: the prompt pass predicts the first code
+        positions = torch.arange(prefix_length, device=device)
+        hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, cache)  # (R, P, D)
+        logits = self._guided_logits(backbone, hidden[:, -1:], sampling)  # (B, 1, V)
+        self.decoder.step(logits, hidden[:batch_size, -1:], None, state, self.draft_heads)
+        num_forward_passes = 1
+
+        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache
+        with self.progress_bar(total=layout.num_tokens) as progress_bar:
+            progress_bar.update(state.num_committed)
+            while not state.finished:
+                # 5a. the decoder proposes what to verify (the last committed code first)
+                draft = self.decoder.propose(state, self.draft_heads)
+                input_ids = draft.input_ids.repeat(2, 1) if sampling.do_cfg else draft.input_ids  # (R, T)
+                slot = cache.length
+                # 5b. one target forward over the draft
+                hidden = backbone.forward(
+                    backbone.embed_image_tokens(input_ids), draft.position_ids, draft.attention_mask, None, cache
+                )  # (R, T, D)
+                # 5c. CFG mix
+                logits = self._guided_logits(backbone, hidden, sampling)  # (B, T, V)
+                # 5d. the decoder accepts codes and commits them to the state
+                committed_before = state.num_committed
+                result = self.decoder.step(logits, hidden[:batch_size], draft, state, self.draft_heads)
+                # 5e. keep only the accepted path in the KV cache
+                if result.keep_indices is not None:
+                    cache.keep(slot, result.keep_indices)
+                num_forward_passes += 1
+                progress_bar.update(state.num_committed - committed_before)
+                if callback_on_step_end is not None:
+                    tensors = {"tokens": layout.grid(state.tokens), "acceptance_map": layout.grid(state.acceptance_map)}
+                    callback_kwargs = {k: tensors[k] for k in callback_on_step_end_tensor_inputs}
+                    callback_on_step_end(self, num_forward_passes - 1, state.num_committed, callback_kwargs)
+
+        # 6. VQ decode
+        tokens = layout.grid(state.tokens)  # (B, H, W)
+        if output_type == "latent":
+            images = tokens
+        else:
+            pixels = backbone.decode_image(tokens)  # (B, 3, h, w) in [-1, 1]
+            # 7. Post-process
+            images = self.image_processor.postprocess(pixels.float(), output_type=output_type)
+        self.maybe_free_model_hooks()
+
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        accepted = torch.stack(state.accepted_lengths)  # (passes, B)
+        stats = DecodingStats(
+            num_forward_passes=num_forward_passes,
+            num_draft_passes=state.num_draft_passes,
+            num_tokens=batch_size * layout.num_tokens,
+            mean_accepted_length=accepted.float().mean().item(),
+            accepted_lengths=accepted.cpu(),
+            acceptance_map=layout.grid(state.acceptance_map).cpu(),
+            wall_time_s=time.perf_counter() - start_time,
+        )
+        if not return_dict:
+            return images, tokens, stats
+        return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats)
+
+
+def _as_list(prompt) -> List[Any]:
+    if isinstance(prompt, (str, int)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 0):
+        return [prompt]
+    return list(prompt)
+
+
+def _find_subclass(base: type, name: Optional[str]) -> Optional[type]:
+    todo = [base]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__name__ == name:
+                return sub
+            todo.append(sub)
+    return None

@@ -1,0 +1,45 @@
+"""Small helpers shared by pipelines and heads (no model code)."""
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Iterable, Iterator
+
+SAVED_MARKERS = ("model_index.json", "config.json")
+
+
+@contextlib.contextmanager
+def atomic_directory(save_directory: str, markers: Iterable[str] = SAVED_MARKERS) -> Iterator[str]:
+    """Write a folder all at once: yields a temporary sibling folder, then swaps it into place.
+
+    If the body raises, ``save_directory`` is left exactly as it was (absent, or the previous save), so a failed
+    save never leaves a half-written folder that loads. An existing non-empty folder is replaced only when it
+    holds a previous save (one of ``markers``); any other non-empty folder raises `ValueError`, so unrelated
+    files are never mixed with, or lost to, a save.
+    """
+    save_directory = os.path.abspath(os.fspath(save_directory))
+    if os.path.isfile(save_directory):
+        raise ValueError(f"`save_directory` {save_directory!r} is a file; pass a folder path.")
+    if os.path.isdir(save_directory) and os.listdir(save_directory):
+        if not any(os.path.exists(os.path.join(save_directory, m)) for m in markers):
+            raise ValueError(
+                f"`save_directory` {save_directory!r} is not empty and holds no previous save ({', '.join(markers)}); "
+                "choose an empty or new folder so its files are neither mixed with nor replaced by this save."
+            )
+    parent = os.path.dirname(save_directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save_directory)}.tmp-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if os.path.exists(save_directory):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(save_directory)}.old-", dir=parent)
+        os.rmdir(old)
+        os.rename(save_directory, old)
+    os.rename(tmp, save_directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
