@@ -1,0 +1,107 @@
+"""Invariants every decoder must keep (DESIGN.md section 6). A new decoder adds a row to `DECODER_CASES`."""
+
+import pytest
+import torch
+
+from pipeline_mixin import gen
+from reference import chi_square_pvalue, exact_joint_distribution, grid_index
+from spatial_pipelines import AutoregressiveDecoder
+from spatial_pipelines.core import SamplingConfig
+from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
+from spatial_pipelines.testing import dummy_pipeline
+
+# (decoder class, config kwargs, draft heads for dummy_pipeline)
+DECODER_CASES = [
+    pytest.param(AutoregressiveDecoder, {}, None, id="ar"),
+]
+EXACT_CASES = [c for c in DECODER_CASES if c.values[0].is_exact]
+FAMILY_CASES = [
+    pytest.param("llamagen", {"condition_type": "text"}, ["a red fox", "blue sky", "x"], id="llamagen-t2i"),
+    pytest.param("llamagen", {"condition_type": "class"}, [3, 7, 1], id="llamagen-c2i"),
+]
+
+
+def make(decoder_cls, kwargs, heads, family="llamagen", **dummy):
+    return dummy_pipeline(family, decoder_cls(**kwargs), heads, **dummy)
+
+
+@pytest.mark.parametrize("family,dummy,prompts", FAMILY_CASES)
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", EXACT_CASES)
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_autoregressive(decoder_cls, kwargs, heads, family, dummy, prompts, guidance_scale, batch):
+    """Invariant 1: token for token the grid of `AutoregressiveDecoder`."""
+    pipe = make(decoder_cls, kwargs, heads, family, grid=(4, 5), **dummy)
+    out = pipe(prompts[:batch], guidance_scale=guidance_scale, temperature=0, output_type="latent")
+    pipe.decoder = AutoregressiveDecoder()
+    ref = pipe(prompts[:batch], guidance_scale=guidance_scale, temperature=0, output_type="latent")
+    assert torch.equal(out.tokens, ref.tokens)
+    assert out.stats.num_forward_passes <= ref.stats.num_forward_passes
+
+
+N_SAMPLES = 20000
+
+
+def _empirical_counts(pipe, prompt, sampling: SamplingConfig, seed: int) -> torch.Tensor:
+    out = pipe(
+        prompt, guidance_scale=sampling.guidance_scale, temperature=sampling.temperature, top_k=sampling.top_k,
+        num_images_per_prompt=N_SAMPLES, generator=gen(seed), output_type="latent",
+    )
+    v = pipe.backbone.num_image_codes
+    return torch.bincount(grid_index(out.tokens, v), minlength=v ** pipe.backbone.layout.num_tokens)
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", EXACT_CASES)
+@pytest.mark.parametrize("sampling", [SamplingConfig(2.0, 1.0), SamplingConfig(1.0, 0.8, top_k=3)], ids=["cfg", "topk"])
+def test_sampling_distribution_equals_model(decoder_cls, kwargs, heads, sampling):
+    """Invariant 2: samples follow the model's own joint distribution over all 4**4 grids.
+
+    Pearson chi-square against the enumerated joint (bins with expected count < 5 pooled), 20,000 samples,
+    fixed seed; the test fails when p < 1e-4 (a correct decoder fails it with probability 1e-4).
+    """
+    pipe = make(decoder_cls, kwargs, heads, grid=(2, 2), num_codes=4)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    assert torch.isclose(exact.sum(), torch.tensor(1.0), atol=1e-5)
+    counts = _empirical_counts(pipe, "a fox", sampling, seed=1)
+    assert chi_square_pvalue(counts, exact) > 1e-4
+
+
+def test_distribution_test_detects_a_wrong_sampler():
+    """The statistical test has power: AR samples at temperature 1.3 are rejected against the T=1 joint."""
+    pipe = dummy_pipeline("llamagen", grid=(2, 2), num_codes=4)
+    exact = exact_joint_distribution(pipe, "a fox", SamplingConfig(2.0, 1.0))
+    counts = _empirical_counts(pipe, "a fox", SamplingConfig(2.0, 1.3), seed=1)
+    assert chi_square_pvalue(counts, exact) < 1e-4
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", DECODER_CASES)
+def test_same_seed_same_output(decoder_cls, kwargs, heads):
+    pipe = make(decoder_cls, kwargs, heads)
+    a = pipe("a fox", generator=gen(5), output_type="latent").tokens
+    b = pipe("a fox", generator=gen(5), output_type="latent").tokens
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", DECODER_CASES)
+def test_config_roundtrip_and_swap(decoder_cls, kwargs, heads, tmp_path):
+    decoder = decoder_cls(**kwargs)
+    decoder.save_pretrained(tmp_path)
+    loaded = decoder_cls.from_pretrained(tmp_path)
+    assert dict(loaded.config) == dict(decoder.config)
+    for other in DECODERS.values():  # every decoder builds from every other decoder's config
+        assert isinstance(other.from_config(decoder.config), other)
+    assert isinstance(decoder, SpatialDecoderMixin)
+
+
+def test_decoder_short_names_are_decoders():
+    assert DECODERS["ar"] is AutoregressiveDecoder
+    assert all(issubclass(c, SpatialDecoderMixin) for c in DECODERS.values())
+
+
+def test_decoder_that_needs_heads_refuses_to_run_without_them():
+    class NeedsHeads(AutoregressiveDecoder):
+        draft_heads_class = "SpatialDraftHeads"
+
+    pipe = dummy_pipeline("llamagen", NeedsHeads())
+    with pytest.raises(ValueError, match="draft_heads"):
+        pipe("a fox")

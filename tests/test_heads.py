@@ -1,0 +1,107 @@
+import json
+from typing import Optional
+
+import pytest
+import torch
+from diffusers.configuration_utils import register_to_config
+from torch import nn
+
+from spatial_pipelines import DraftHeadsMixin
+from spatial_pipelines.heads import check_backbone_facts
+from spatial_pipelines.testing import dummy_pipeline
+
+
+class ToyHeads(DraftHeadsMixin):
+    """A minimal concrete heads class: the base behaviour under test is the same for every head kind."""
+
+    @register_to_config
+    def __init__(
+        self,
+        base_model_name_or_path: Optional[str] = None,
+        base_model_revision: Optional[str] = None,
+        hidden_size: int = 32,
+        num_image_codes: int = 16,
+        grid_height: int = 4,
+        grid_width: int = 4,
+        num_heads: int = 2,
+    ):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, hidden_size * num_heads)
+
+
+def facts_of(pipe):
+    return pipe.backbone.facts()
+
+
+def test_heads_save_load_roundtrip_with_card(tmp_path):
+    heads = ToyHeads(base_model_name_or_path="org/llamagen-t2i")
+    heads.save_pretrained(tmp_path / "heads")
+    files = sorted(p.name for p in (tmp_path / "heads").iterdir())
+    assert files == ["README.md", "config.json", "diffusion_pytorch_model.safetensors"]
+    card = (tmp_path / "heads" / "README.md").read_text()
+    assert "base_model: org/llamagen-t2i" in card and "base_model_relation: adapter" in card
+    config = json.loads((tmp_path / "heads" / "config.json").read_text())
+    assert config["base_model_name_or_path"] == "org/llamagen-t2i" and config["hidden_size"] == 32
+    loaded = ToyHeads.from_pretrained(tmp_path / "heads")
+    assert torch.equal(loaded.proj.weight, heads.proj.weight)
+
+
+def test_pipeline_loads_matching_heads(tmp_path):
+    pipe = dummy_pipeline("llamagen")
+    ToyHeads().save_pretrained(tmp_path / "heads")
+    heads = pipe.load_draft_heads(tmp_path / "heads")
+    assert isinstance(heads, ToyHeads) and pipe.draft_heads is heads
+    assert pipe.config.draft_heads[1] == "ToyHeads"
+
+
+@pytest.mark.parametrize("fact,value", [("hidden_size", 64), ("num_image_codes", 32), ("grid_height", 8), ("grid_width", 2)])
+def test_mismatched_heads_raise_before_loading(tmp_path, fact, value):
+    pipe = dummy_pipeline("llamagen")
+    ToyHeads(**{fact: value}).save_pretrained(tmp_path / "heads")
+    with pytest.raises(ValueError, match=f"draft_heads.*{fact}"):
+        pipe.load_draft_heads(tmp_path / "heads")
+    assert pipe.draft_heads is None
+    with pytest.raises(ValueError, match=fact):
+        dummy_pipeline("llamagen", draft_heads=ToyHeads(**{fact: value}))
+    with pytest.raises(ValueError, match=fact):
+        ToyHeads.from_pretrained(tmp_path / "heads", backbone_facts=facts_of(pipe))
+
+
+def test_weights_that_do_not_fit_the_config_raise(tmp_path):
+    ToyHeads(num_heads=2).save_pretrained(tmp_path / "heads")
+    config_path = tmp_path / "heads" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_heads"] = 3  # the weights stay those of 2 heads
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="draft_heads"):
+        ToyHeads.from_pretrained(tmp_path / "heads")
+
+
+def test_unknown_heads_class_raises(tmp_path):
+    ToyHeads().save_pretrained(tmp_path / "heads")
+    config_path = tmp_path / "heads" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["_class_name"] = "NotAHeadsClass"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="NotAHeadsClass"):
+        dummy_pipeline("llamagen").load_draft_heads(tmp_path / "heads")
+
+
+def test_check_backbone_facts_lists_every_mismatch():
+    with pytest.raises(ValueError) as err:
+        check_backbone_facts({"hidden_size": 1, "num_image_codes": 2}, {"hidden_size": 3, "num_image_codes": 4})
+    assert "hidden_size" in str(err.value) and "num_image_codes" in str(err.value)
+
+
+def test_failed_heads_save_keeps_previous(tmp_path, monkeypatch):
+    old = ToyHeads()
+    old.save_pretrained(tmp_path / "heads")
+    new = ToyHeads()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ToyHeads, "model_card", boom)
+    with pytest.raises(OSError):
+        new.save_pretrained(tmp_path / "heads")
+    assert torch.equal(ToyHeads.from_pretrained(tmp_path / "heads").proj.weight, old.proj.weight)
