@@ -63,6 +63,14 @@ class LlamaGenBackbone(SpatialBackbone):
     def default_guidance_scale(self) -> float:
         return 7.5 if self.is_text else 4.0  # LlamaGen's defaults for t2i / c2i
 
+    def prompt_from_text(self, text: str):
+        if self.is_text:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"`prompt` of a class-conditional model must be a class label (an int), got {text!r}.") from None
+
     def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
         if self.is_text:
             if not all(isinstance(p, str) for p in prompt):

@@ -124,6 +124,10 @@ class SpatialBackbone(abc.ABC):
             "grid_width": self.layout.width,
         }
 
+    def prompt_from_text(self, text: str) -> Any:
+        """A prompt typed as text (the CLI) -> what this family's ``prompt`` takes."""
+        return text
+
     @abc.abstractmethod
     def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
         """Raise `ValueError` (naming ``name``) if a prompt list is not valid for this family."""
