@@ -29,7 +29,7 @@ def load_pipeline(model: str, torch_dtype: torch.dtype = torch.float32):
     pipeline_cls = getattr(spatial_pipelines, class_name, None)
     if pipeline_cls is None:
         raise ValueError(f"`--model` {model!r} holds a {class_name}, which spatial_pipelines does not provide.")
-    return pipeline_cls.from_pretrained(model, torch_dtype=torch_dtype)
+    return pipeline_cls.from_pretrained(model, dtype=torch_dtype)
 
 
 def grid_image(images):

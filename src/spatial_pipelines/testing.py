@@ -47,7 +47,12 @@ def dummy_llamagen_components(
         intermediate_size=64, condition_type=condition_type, num_classes=num_classes, caption_dim=16,
         num_condition_tokens=8 if condition_type == "text" else 1, grid_height=grid[0], grid_width=grid[1],
     )
-    # LlamaGen zero-initialises nothing we need random: give the head some scale so distributions are not flat
+    # weights at a tiny model's natural scale (not LlamaGen's 0.02 for wide models): attention then depends on
+    # content and position, so a wrong mask, position or cache entry changes the output and tests see it
+    for name, param in transformer.named_parameters():
+        if param.dim() == 2:
+            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
+    torch.nn.init.normal_(transformer.tok_embeddings.weight, std=1.0)
     torch.nn.init.normal_(transformer.output.weight, std=0.5)
     vqvae = LlamaGenVQModel(
         codebook_size=num_codes, codebook_embed_dim=4, encoder_ch_mult=(1, 2), decoder_ch_mult=(1, 2),
