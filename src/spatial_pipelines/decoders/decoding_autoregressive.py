@@ -23,11 +23,10 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
 
     def propose(self, state: DecodingState, draft_heads=None) -> Draft:
         index = state.num_committed - 1
-        device = state.tokens.device
         return Draft(
             input_ids=state.last_token[:, None],  # (B, 1)
-            position_ids=torch.tensor([state.position_of(index)], device=device),  # (1,)
-            attention_mask=torch.ones(1, 1, dtype=torch.bool, device=device),
+            position_ids=state.positions[index : index + 1],  # (1,) a view: no host-to-device copy per round
+            attention_mask=state.positions.new_ones(1, 1, dtype=torch.bool),
         )
 
     def step(

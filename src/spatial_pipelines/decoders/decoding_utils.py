@@ -27,6 +27,7 @@ class DecodingState:
         sampling (`SamplingConfig`): how logits become the target distribution ``p``.
         random (`RandomSource`): per-row random numbers.
         prefix_length (`int`): sequence positions before the first image code (same for all rows).
+        positions (`torch.LongTensor` `(H*W,)`): absolute sequence position of each raster code (EOL-aware).
         tokens (`torch.LongTensor` `(B, H*W)`): committed codes in raster order, ``-1`` where not yet decoded.
         acceptance_map (`torch.LongTensor` `(B, H*W)`): accepted length of the pass that committed each code.
         num_committed (`int`): codes committed per row so far (host-side; rows advance together).
@@ -39,6 +40,7 @@ class DecodingState:
     sampling: SamplingConfig
     random: RandomSource
     prefix_length: int
+    positions: torch.Tensor
     tokens: torch.Tensor
     acceptance_map: torch.Tensor
     num_committed: int = 0
@@ -58,10 +60,6 @@ class DecodingState:
     def last_token(self) -> torch.Tensor:
         """The newest committed code ``(B,)``: the next round feeds it to the target."""
         return self.tokens[:, self.num_committed - 1]
-
-    def position_of(self, index: int) -> int:
-        """Absolute sequence position at which raster code ``index`` is fed."""
-        return int(self.layout.sequence_position(index, self.prefix_length))
 
     def commit(self, new_tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """Append ``new_tokens`` ``(B, n)`` (``n`` known on the host) committed by one target pass whose accepted
@@ -159,6 +157,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
             sampling=sampling,
             random=random,
             prefix_length=prefix_length,
+            positions=layout.sequence_position(torch.arange(n, device=device), prefix_length),
             tokens=torch.full((batch_size, n), -1, dtype=torch.long, device=device),
             acceptance_map=torch.zeros(batch_size, n, dtype=torch.long, device=device),
         )
