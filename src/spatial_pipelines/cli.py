@@ -1,5 +1,6 @@
 """``spatial-pipelines``: generate images from the command line.
 
+    spatial-pipelines generate "grinning face" --out face.png       # the embedded Twemoji model
     spatial-pipelines generate "a red fox" --model path/to/pipeline --decoder ar --out fox.png
 """
 
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate an image from a prompt")
     g.add_argument("prompt", help="text prompt (or a class label for class-conditional models)")
-    g.add_argument("--model", required=True, help="a saved pipeline folder")
+    g.add_argument("--model", default=None, help="a saved pipeline folder (default: the embedded Twemoji model)")
     g.add_argument("--decoder", default="ar", choices=sorted(DECODERS), help="decoding algorithm (default: ar)")
     g.add_argument("--out", default="image.png", help="output PNG (a grid when --num-images > 1)")
     g.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the family's)")
@@ -65,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def generate(args: argparse.Namespace) -> int:
-    pipe = load_pipeline(args.model, DTYPES[args.dtype]).to(args.device)
+    from .embedded import default_model_path
+
+    pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype]).to(args.device)
     pipe.decoder = DECODERS[args.decoder].from_config(pipe.decoder.config)
     prompt = pipe.backbone.prompt_from_text(args.prompt)
     if args.num_images < 1:

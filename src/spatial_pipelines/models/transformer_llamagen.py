@@ -165,7 +165,7 @@ class LlamaGenTransformerOutput(BaseOutput):
     """
 
     hidden_states: torch.Tensor
-    last_hidden_state: torch.Tensor
+    last_hidden_state: Optional[torch.Tensor] = None
 
 
 class LlamaGenTransformer(ModelMixin, ConfigMixin):

@@ -182,10 +182,10 @@ class VQEncoderOutput(BaseOutput):
     """
 
     quant: torch.Tensor
-    indices: torch.Tensor
-    vq_loss: torch.Tensor
-    commit_loss: torch.Tensor
-    entropy_loss: torch.Tensor
+    indices: Optional[torch.Tensor] = None
+    vq_loss: Optional[torch.Tensor] = None
+    commit_loss: Optional[torch.Tensor] = None
+    entropy_loss: Optional[torch.Tensor] = None
 
 
 def _entropy_loss(affinity: torch.Tensor, temperature: float = 0.01) -> torch.Tensor:

