@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--mixed-precision", default="bf16", choices=["no", "fp16", "bf16"])
     p.add_argument("--checkpoint-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--limit", type=int, default=None, help="use only the first N training images (smoke tests)")
     return p.parse_args(argv)
 
 
@@ -55,7 +57,7 @@ def prepare_data(args, vqvae: LlamaGenVQModel, pipe: LlamaGenPipeline, path: str
     """VQ codes and MiniLM caption embeddings of the training split, computed once and cached (safetensors)."""
     if os.path.exists(path):
         return load_file(path)
-    data = TwemojiDataset("train", args.resolution)
+    data = TwemojiDataset("train", args.resolution, limit=args.limit)
     codes, captions, masks = [], [], []
     for i in tqdm(range(0, len(data), 64), desc="tokenize"):
         batch = [data[j] for j in range(i, min(i + 64, len(data)))]
@@ -134,7 +136,7 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         step += 1
         bar.update(1)
-        if step % 10 == 0 and accelerator.is_main_process:
+        if step % args.log_every == 0 and accelerator.is_main_process:
             log.append(step, loss=loss.item(), lr=sched.get_last_lr()[0])
             bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % args.checkpoint_every == 0 or step == args.steps:

@@ -34,14 +34,17 @@ def parse_args(argv=None):
     p.add_argument("--ch-mult", type=int, nargs="+", default=[1, 2, 2])
     p.add_argument("--z-channels", type=int, default=64)
     p.add_argument("--num-res-blocks", type=int, default=1)
+    p.add_argument("--norm-num-groups", type=int, default=32)
     p.add_argument("--entropy-loss-ratio", type=float, default=0.05)
     p.add_argument("--crop", type=int, default=48, help="train on random crops of this side (convolutions do not care)")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--mixed-precision", default="bf16", choices=["no", "fp16", "bf16"])
     p.add_argument("--checkpoint-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="use only the first N images of each split (smoke tests)")
     return p.parse_args(argv)
 
 
@@ -81,12 +84,13 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     log = TrainingLog(args.out)
 
-    train, held_out = TwemojiDataset("train", args.resolution), TwemojiDataset("eval", args.resolution)
+    train = TwemojiDataset("train", args.resolution, limit=args.limit)
+    held_out = TwemojiDataset("eval", args.resolution, limit=args.limit)
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model = LlamaGenVQModel(
         codebook_size=args.codebook_size, codebook_embed_dim=args.codebook_dim, encoder_ch_mult=args.ch_mult,
         decoder_ch_mult=args.ch_mult, z_channels=args.z_channels, base_channels=args.base_channels,
-        num_res_blocks=args.num_res_blocks, entropy_loss_ratio=args.entropy_loss_ratio,
+        num_res_blocks=args.num_res_blocks, norm_num_groups=args.norm_num_groups, entropy_loss_ratio=args.entropy_loss_ratio,
     )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -108,13 +112,14 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         step += 1
         bar.update(1)
-        if step % 25 == 0 and accelerator.is_main_process:
-            log.append(step, loss=loss.item(), recon=rec.item(), vq=enc.vq_loss.item(), commit=enc.commit_loss.item())
+        if step % args.log_every == 0 and accelerator.is_main_process:
+            log.append(step, loss=loss.item(), recon=rec.item(), vq=enc.vq_loss.item(), commit=enc.commit_loss.item(),
+                       entropy=enc.entropy_loss.item())
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if step % args.checkpoint_every == 0 or step == args.steps:
             save_checkpoint(accelerator, args.out, step)
             if accelerator.is_main_process:
-                log.plot("VQ tokenizer training on Twemoji", keys=["loss", "recon", "vq", "commit"])
+                log.plot("VQ tokenizer training on Twemoji", keys=["recon", "vq", "commit"])
     bar.close()
 
     if accelerator.is_main_process:

@@ -6,8 +6,8 @@ from diffusers import DiffusionPipeline, ModelMixin, SchedulerMixin
 
 from ._registration import register_with_diffusers
 from .core import ImageTokenLayout, SamplingConfig
-from .decoders import DECODERS, AutoregressiveDecoder, SpatialDecoderMixin
-from .heads import DraftHeadsMixin
+from .decoders import DECODERS, AutoregressiveDecoder, MedusaDecoder, SpatialDecoderMixin
+from .heads import DraftHeadsMixin, SpatialDraftHeads
 from .models import LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import (
     DecodingStats,
@@ -31,11 +31,13 @@ __all__ = [
     "LlamaGenPipeline",
     "LlamaGenTransformer",
     "LlamaGenVQModel",
+    "MedusaDecoder",
     "ModelMixin",
     "SamplingConfig",
     "SchedulerMixin",
     "SpatialARPipeline",
     "SpatialBackbone",
     "SpatialDecoderMixin",
+    "SpatialDraftHeads",
     "SpatialPipelineOutput",
 ]

@@ -49,7 +49,8 @@ class TrainingLog:
                 ax.plot(*zip(*pts), label=key)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
-        ax.set_yscale("log")
+        values = [r[k] for r in records for k in keys if k in r]
+        ax.set_yscale("log" if values and min(values) > 0 else "linear")  # log only when every value is positive
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()

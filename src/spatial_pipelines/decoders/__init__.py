@@ -1,11 +1,13 @@
 """Decoders: one algorithm per file, weight-free, swappable with ``Decoder.from_config(pipe.decoder.config)``."""
 
 from .decoding_autoregressive import AutoregressiveDecoder
-from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput
+from .decoding_medusa import MedusaDecoder
+from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin
 
 #: Short names used by the CLI and benchmarks.
 DECODERS = {
     "ar": AutoregressiveDecoder,
+    "medusa": MedusaDecoder,
 }
 
-__all__ = ["DECODERS", "AutoregressiveDecoder", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]
+__all__ = ["DECODERS", "AutoregressiveDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]

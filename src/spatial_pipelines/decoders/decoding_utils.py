@@ -12,8 +12,10 @@ from typing import Any, Dict, List, Optional
 import torch
 from diffusers import ConfigMixin, SchedulerMixin
 
+from ..core.acceptance import verify_tree
 from ..core.layout import ImageTokenLayout
-from ..core.sampling import RandomSource, SamplingConfig
+from ..core.sampling import RandomSource, SamplingConfig, logits_to_probs, sample_from_probs
+from ..core.tree import DraftTree
 
 DECODER_CONFIG_NAME = "decoder_config.json"
 
@@ -33,6 +35,8 @@ class DecodingState:
         num_committed (`int`): codes committed per row so far (host-side; rows advance together).
         accepted_lengths (`list[torch.LongTensor]`): one ``(B,)`` tensor per target pass.
         num_draft_passes (`int`): forward passes of draft heads/models.
+        backbone: the family adapter (its ``final_norm``, ``output_head``, ``embed_image_tokens``, ``codebook``),
+            for decoders whose drafts go through the backbone's own head; decoders never call its forward.
         extras (`dict`): decoder-specific state.
     """
 
@@ -46,7 +50,12 @@ class DecodingState:
     num_committed: int = 0
     accepted_lengths: List[torch.Tensor] = field(default_factory=list)
     num_draft_passes: int = 0
+    backbone: Any = None
     extras: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_remaining(self) -> int:
+        return self.layout.num_tokens - self.num_committed
 
     @property
     def batch_size(self) -> int:
@@ -149,6 +158,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         batch_size: int,
         prefix_length: int,
         device: torch.device,
+        backbone: Any = None,
     ) -> DecodingState:
         """A fresh `DecodingState`; subclasses add their own entries to ``state.extras``."""
         n = layout.num_tokens
@@ -160,6 +170,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
             positions=layout.sequence_position(torch.arange(n, device=device), prefix_length),
             tokens=torch.full((batch_size, n), -1, dtype=torch.long, device=device),
             acceptance_map=torch.zeros(batch_size, n, dtype=torch.long, device=device),
+            backbone=backbone,
         )
 
     @abc.abstractmethod
@@ -180,3 +191,43 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         ``draft is None`` for the prefill pass: ``logits``/``hidden_states`` are those of the last prompt position.
         ``hidden_states`` ``(B, T, D)`` are the conditional rows' pre-norm last hidden states.
         """
+
+
+class TreeDecoderMixin:
+    """What tree decoders share: drafting a static tree of head candidates and exact verification."""
+
+    def _heads_logits(self, state: DecodingState, draft_heads):
+        """Logits of every head from the hidden state that predicted the newest committed code."""
+        feats_h, feats_v = draft_heads(state.backbone.final_norm(state.extras["hidden"]))  # (B, Hh, D), (B, Hv, D)
+        state.num_draft_passes += 1
+        return state.backbone.output_head(feats_h), state.backbone.output_head(feats_v)  # (B, Hh, V), (B, Hv, V)
+
+    def _tree_draft(self, state: DecodingState, tree: DraftTree, node_tokens: torch.Tensor) -> Draft:
+        """Feed ``node_tokens`` ``(B, T)`` (root first) at their positions with the tree mask."""
+        last = state.layout.num_tokens - 1
+        index = (state.num_committed - 1 + tree.depths).clamp_max(last)  # nodes past the grid are never committed
+        state.extras["tree"], state.extras["node_tokens"] = tree, node_tokens
+        return Draft(input_ids=node_tokens, position_ids=state.positions[index], attention_mask=tree.attention_mask)
+
+    def _prefill_step(self, logits, hidden_states, state) -> StepOutput:
+        token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
+        state.extras["hidden"] = hidden_states[:, -1]
+        state.commit(token[:, None], torch.ones_like(token))
+        return StepOutput(num_accepted=1)
+
+    def _verify_step(self, logits, hidden_states, draft, state, q=None) -> StepOutput:
+        tree, tokens = state.extras["tree"], state.extras["node_tokens"]
+        probs = logits_to_probs(logits, state.sampling)  # (B, T, V)
+        acc = verify_tree(tree, tokens, probs, state.random, q)
+        # rows advance together: commit the shortest row's accepted run plus its bonus (a prefix of every
+        # row's exact sample is exact), and never past the end of the grid
+        n = min(int((acc.num_accepted.min() + 1).item()), state.num_remaining)  # the one host read per round
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        drafted = tokens.gather(1, acc.path[:, 1:].clamp_min(0))  # (B, D) accepted draft codes
+        codes = torch.cat([drafted, acc.bonus[:, None]], 1)  # (B, D + 1)
+        j = torch.arange(codes.shape[1], device=codes.device)
+        codes = torch.where(j[None] == acc.num_accepted[:, None], acc.bonus[:, None], codes)[:, :n]  # (B, n)
+        keep = acc.path[:, :n]  # root + the n - 1 accepted nodes whose KV stays
+        state.extras["hidden"] = hidden_states[rows, keep[:, -1]]  # the node that predicted the newest code
+        state.commit(codes, torch.full_like(acc.bonus, n))
+        return StepOutput(num_accepted=n, keep_indices=keep)

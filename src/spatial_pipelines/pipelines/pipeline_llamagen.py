@@ -133,8 +133,11 @@ class LlamaGenBackbone(SpatialBackbone):
     def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
         return self.transformer(inputs_embeds, position_ids, attention_mask, token_valid, cache).hidden_states
 
-    def image_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.transformer.compute_logits(hidden_states)
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.transformer.norm(hidden_states)
+
+    def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.transformer.output(hidden_states).float()
 
     def make_cache(self, rows: int, max_length: int):
         return self.transformer.make_cache(rows, max_length)

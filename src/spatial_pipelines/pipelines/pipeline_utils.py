@@ -154,8 +154,16 @@ class SpatialBackbone(abc.ABC):
         """Target forward -> pre-norm hidden states ``(R, T, D)``; appends the new keys/values to ``cache``."""
 
     @abc.abstractmethod
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The trunk's final norm: pre-norm -> post-norm hidden states."""
+
+    @abc.abstractmethod
+    def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Post-norm hidden states -> image-code logits (fp32); draft heads share it."""
+
     def image_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states ``(R, T, D)`` -> image-code logits ``(R, T, V)`` in fp32."""
+        return self.output_head(self.final_norm(hidden_states))
 
     @abc.abstractmethod
     def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
@@ -392,7 +400,7 @@ class SpatialARPipeline(DiffusionPipeline):
 
         # 3. Prepare the decoding state, the random numbers and the KV cache
         state = self.decoder.init_state(
-            layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device
+            layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device, backbone
         )
         cache = backbone.make_cache(
             prefix.embeds.shape[0], prefix_length + layout.sequence_length + self.decoder.max_draft_tokens
@@ -424,7 +432,8 @@ class SpatialARPipeline(DiffusionPipeline):
                 result = self.decoder.step(logits, hidden[:batch_size], draft, state, self.draft_heads)
                 # 5e. keep only the accepted path in the KV cache
                 if result.keep_indices is not None:
-                    cache.keep(slot, result.keep_indices)
+                    keep = result.keep_indices  # (n,) or (B, n)
+                    cache.keep(slot, keep.repeat(2, 1) if sampling.do_cfg and keep.dim() == 2 else keep)
                 num_forward_passes += 1
                 progress_bar.update(state.num_committed - committed_before)
                 if callback_on_step_end is not None:

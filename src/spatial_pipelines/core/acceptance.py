@@ -1,0 +1,95 @@
+"""Exact acceptance of draft trees (DESIGN.md section 5), batched and free of host syncs.
+
+Every candidate carries a proposal distribution ``q``. A candidate produced deterministically (top-k, copied,
+cached) is a point mass, and the rule reduces to "accept with ``p(x)``, else zero ``p[x]`` and renormalise".
+Siblings are tried in order, each with its own ``q``; a rejection replaces ``p`` by the residual
+``norm(max(p - q, 0))``. When every sibling fails, or a leaf is reached, one code is drawn from what is left.
+Either way the committed codes follow the target distribution exactly.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .sampling import RandomSource
+from .tree import DraftTree
+
+
+@dataclass
+class TreeAcceptance:
+    """Result of verifying one tree per row.
+
+    Args:
+        path (`torch.LongTensor` `(B, D + 1)`): accepted node indices from the root (column 0), ``-1`` after the
+            last accepted node.
+        num_accepted (`torch.LongTensor` `(B,)`): accepted drafts (root excluded).
+        bonus (`torch.LongTensor` `(B,)`): the code drawn after the last accepted node.
+        last_node (`torch.LongTensor` `(B,)`): the last accepted node (whose output gave ``bonus``).
+    """
+
+    path: torch.Tensor
+    num_accepted: torch.Tensor
+    bonus: torch.Tensor
+    last_node: torch.Tensor
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(p - q, 0))`` row-wise; a row with nothing left keeps ``p`` (cannot happen for exact use)."""
+    r = (p - q).clamp_min(0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+
+
+def verify_tree(
+    tree: DraftTree,
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    random: RandomSource,
+    q: Optional[torch.Tensor] = None,
+) -> TreeAcceptance:
+    """Walk every row's tree from the root, accepting candidates exactly.
+
+    Args:
+        tree (`DraftTree`): the shared tree shape.
+        tokens (`torch.LongTensor` `(B, T)`): the code at every node (node 0: the root, not verified).
+        probs (`torch.Tensor` `(B, T, V)`): target distribution after each node (fp32).
+        random (`RandomSource`): draws ``(B, D, K)`` uniforms and ``(B, V)`` exponentials per call (fixed shapes).
+        q (`torch.Tensor` `(B, T, V)`, *optional*): each node's proposal distribution; ``None`` means point masses.
+    """
+    b, t, v = probs.shape
+    depth, k = tree.max_depth, tree.children.shape[1]
+    rows = torch.arange(b, device=probs.device)
+    uniforms = random.uniform(max(depth, 1), k)  # (B, D, K)
+    cur = torch.zeros(b, dtype=torch.long, device=probs.device)  # (B,) current node
+    alive = torch.ones(b, dtype=torch.bool, device=probs.device)  # still walking
+    path = torch.full((b, depth + 1), -1, dtype=torch.long, device=probs.device)
+    path[:, 0] = 0
+    p_left = probs[:, 0]  # (B, V) what the bonus is drawn from
+    for d in range(depth):
+        p = probs[rows, cur]  # (B, V)
+        moved = torch.zeros(b, dtype=torch.bool, device=probs.device)
+        nxt = cur.clone()
+        for j in range(k):
+            node = tree.children[cur, j]  # (B,) -1 where there is no such sibling
+            valid = alive & ~moved & (node >= 0)
+            safe = node.clamp_min(0)
+            x = torch.where(valid, tokens[rows, safe], 0)  # (B,) code 0 stands in where there is no candidate
+            px = p.gather(1, x[:, None]).squeeze(1)
+            qx = torch.ones_like(px) if q is None else q[rows, safe].gather(1, x[:, None]).squeeze(1)
+            accept = valid & (uniforms[:, d, j] * qx < px)  # u < min(1, p/q) without dividing
+            nxt = torch.where(accept, safe, nxt)
+            moved |= accept
+            reject = valid & ~accept
+            q_node = torch.nn.functional.one_hot(x, v).to(p.dtype) if q is None else q[rows, safe]
+            p = torch.where(reject[:, None], residual(p, q_node), p)
+        # rows that stop here draw the bonus from their residual; rows that moved go one level down
+        stop = alive & ~moved
+        p_left = torch.where(stop[:, None], p, p_left)
+        cur = torch.where(moved, nxt, cur)
+        path[:, d + 1] = torch.where(moved, nxt, torch.full_like(nxt, -1))
+        alive &= moved
+    p_left = torch.where(alive[:, None], probs[rows, cur], p_left)  # reached the deepest level
+    bonus = (p_left / random.exponential(v)).argmax(-1)  # exponential race: a draw from p_left
+    num_accepted = (path[:, 1:] >= 0).sum(-1)
+    return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=cur)

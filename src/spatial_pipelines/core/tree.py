@@ -1,0 +1,94 @@
+"""Draft trees as data: node parents and depths, the tree attention mask, root-to-leaf retrieve indices and a
+child table, built vectorised from parent indices or from a list of paths.
+
+Node 0 is the root: the newest committed code, fed first. A node at depth ``d`` drafts the code ``d`` raster
+positions after the root. Candidates of one parent are siblings, tried in node order.
+"""
+
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A static draft tree.
+
+    Args:
+        parents (`torch.LongTensor` `(T,)`): parent node of each node (``-1`` for the root).
+        depths (`torch.LongTensor` `(T,)`): depth of each node (root 0).
+        attention_mask (`torch.BoolTensor` `(T, T)`): ``[i, j]`` is True when ``j`` is ``i`` or an ancestor of ``i``.
+        children (`torch.LongTensor` `(T, K)`): children of each node in sibling order, padded with ``-1``.
+        retrieve_indices (`torch.LongTensor` `(L, D + 1)`): node indices of every root-to-leaf path, padded with ``-1``.
+        ranks (`torch.LongTensor` `(T,)`): for trees built from paths, the candidate rank each node takes at its
+            depth (``-1`` for the root).
+    """
+
+    parents: torch.Tensor
+    depths: torch.Tensor
+    attention_mask: torch.Tensor
+    children: torch.Tensor
+    retrieve_indices: torch.Tensor
+    ranks: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    def to(self, device) -> "DraftTree":
+        return DraftTree(*(t.to(device) for t in (self.parents, self.depths, self.attention_mask, self.children,
+                                                   self.retrieve_indices, self.ranks)))
+
+
+def tree_from_parents(parents: Sequence[int], ranks: Sequence[int] = None) -> DraftTree:
+    """Build a tree from parent indices; every parent must come before its children (``parents[0] == -1``)."""
+    parents = torch.as_tensor(list(parents), dtype=torch.long)
+    t = parents.shape[0]
+    if t == 0 or parents[0] != -1 or (parents[1:] < 0).any() or (parents[1:] >= torch.arange(1, t)).any():
+        raise ValueError("`parents` must start with the root (-1) and list every parent before its children.")
+    depths = torch.zeros(t, dtype=torch.long)
+    ancestors = torch.eye(t, dtype=torch.bool)
+    for i in range(1, t):  # parents precede children: one pass fills depths and ancestor rows
+        depths[i] = depths[parents[i]] + 1
+        ancestors[i] |= ancestors[parents[i]]
+    counts = torch.bincount(parents[1:], minlength=t)
+    children = torch.full((t, max(int(counts.max()), 1)), -1, dtype=torch.long)
+    fill = torch.zeros(t, dtype=torch.long)
+    for i in range(1, t):
+        p = parents[i]
+        children[p, fill[p]] = i
+        fill[p] += 1
+    leaves = [i for i in range(t) if counts[i] == 0]
+    depth = int(depths.max())
+    retrieve = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        path = ancestors[leaf].nonzero().flatten()  # ancestors in index order = root-to-leaf order
+        retrieve[row, : path.numel()] = path
+    ranks = torch.as_tensor(list(ranks), dtype=torch.long) if ranks is not None else torch.full((t,), -1, dtype=torch.long)
+    return DraftTree(parents, depths, ancestors, children, retrieve, ranks)
+
+
+def tree_from_paths(paths: Sequence[Tuple[int, ...]]) -> DraftTree:
+    """Build a Medusa-style tree from candidate-rank paths: ``(0,)`` is the top-1 candidate at depth 1,
+    ``(0, 2)`` the top-3 candidate at depth 2 under it. Every prefix of a path is a node; siblings are ordered
+    by rank."""
+    nodes = sorted({tuple(p[:k]) for p in paths for k in range(1, len(p) + 1)}, key=lambda p: (len(p), p))
+    if any(r < 0 for p in nodes for r in p):
+        raise ValueError("`paths` hold candidate ranks, which must be >= 0.")
+    index = {(): 0}
+    parents, ranks = [-1], [-1]
+    for node in nodes:
+        index[node] = len(parents)
+        parents.append(index[node[:-1]])
+        ranks.append(node[-1])
+    return tree_from_parents(parents, ranks)
+
+
+def chain_tree(length: int) -> DraftTree:
+    """A chain of ``length`` drafts after the root (Jacobi windows, one-candidate trees)."""
+    return tree_from_parents([-1] + list(range(length)), [-1] + [0] * length)

@@ -1,0 +1,72 @@
+"""Medusa (1-D multi-token prediction): heads draft the next codes along the raster; a static tree of their
+top-k candidates is verified in one target pass with a tree attention mask; exact acceptance."""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from diffusers.configuration_utils import register_to_config
+
+from ..core.tree import tree_from_paths
+from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin
+
+
+def caterpillar_paths(depth: int, top_k: int) -> List[Tuple[int, ...]]:
+    """The default tree: the chain of top-1 candidates, with the top-``k`` alternatives at every depth."""
+    return [(0,) * d + (r,) for d in range(depth) for r in range(top_k)]
+
+
+class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
+    r"""Medusa / 1D multi-token prediction with a static tree and exact acceptance.
+
+    Args:
+        num_heads (`int`): horizontal heads used (offsets ``1..num_heads``); also the tree depth.
+        top_k (`int`): candidates per head in the default tree.
+        tree_paths (`list[list[int]]`, *optional*): the tree as candidate-rank paths (overrides the default
+            caterpillar tree of ``num_heads`` x ``top_k``).
+    """
+
+    draft_heads_class = "SpatialDraftHeads"
+
+    @register_to_config
+    def __init__(self, num_heads: int = 4, top_k: int = 4, tree_paths: Optional[Sequence[Sequence[int]]] = None):
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError(f"`num_heads` must be >= 1, got {num_heads}.")
+        if top_k < 1:
+            raise ValueError(f"`top_k` must be >= 1, got {top_k}.")
+        paths = [tuple(p) for p in tree_paths] if tree_paths is not None else caterpillar_paths(num_heads, top_k)
+        if not paths or max(len(p) for p in paths) > num_heads:
+            raise ValueError(f"`tree_paths` must be non-empty and no deeper than `num_heads` ({num_heads}).")
+        self.tree = tree_from_paths(paths)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.tree.num_nodes
+
+    def required_horizontal_offsets(self) -> List[int]:
+        return list(range(1, self.config.num_heads + 1))
+
+    def required_vertical_offsets(self) -> List[int]:
+        return []
+
+    def check_compatibility(self, layout, draft_heads=None) -> None:
+        super().check_compatibility(layout, draft_heads)
+        missing = set(self.required_horizontal_offsets()) - set(draft_heads.config.horizontal_offsets)
+        if missing:
+            raise ValueError(f"`draft_heads` lack the horizontal offsets {sorted(missing)} that `num_heads` needs.")
+        if int(self.tree.ranks.max()) >= draft_heads.config.num_image_codes:
+            raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
+
+    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
+        tree = self.tree.to(state.tokens.device)
+        logits_h, _ = self._heads_logits(state, draft_heads)
+        order = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()]
+        top = logits_h[:, order].topk(int(tree.ranks.max()) + 1, dim=-1).indices  # (B, K, k)
+        depth = tree.depths[1:] - 1
+        nodes = top[:, depth, tree.ranks[1:]]  # (B, T - 1) candidate of each node
+        return self._tree_draft(state, tree, torch.cat([state.last_token[:, None], nodes], 1))
+
+    def step(self, logits, hidden_states, draft, state, draft_heads=None) -> StepOutput:
+        if draft is None:
+            return self._prefill_step(logits, hidden_states, state)
+        return self._verify_step(logits, hidden_states, draft, state)
