@@ -68,9 +68,9 @@ def test_first_committed_code_follows_p(sampled_candidates):
     first = torch.where(acc.num_accepted > 0, tokens.gather(1, acc.path[:, 1:2].clamp_min(0)).squeeze(1), acc.bonus)
     counts = torch.bincount(first, minlength=v)
     assert chi_square_pvalue(counts, probs[0, 0]) > 1e-4
-    # the statistic has power: a rule that ignores q (or over-accepts) is caught
-    wrong = verify_tree(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(3), N, "cpu"),
-                        torch.full_like(probs, 0.5) if q is None else None)
+    # the statistic has power: a biased rule (over-accepting point masses, or the wrong q) is caught
+    wrong_q = torch.full_like(probs, 0.5) if q is None else q.roll(1, dims=-1)
+    wrong = verify_tree(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(3), N, "cpu"), wrong_q)
     first_wrong = torch.where(wrong.num_accepted > 0, tokens.gather(1, wrong.path[:, 1:2].clamp_min(0)).squeeze(1), wrong.bonus)
     assert chi_square_pvalue(torch.bincount(first_wrong, minlength=v), probs[0, 0]) < 1e-4
 
