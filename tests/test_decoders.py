@@ -5,7 +5,7 @@ import torch
 
 from pipeline_mixin import gen
 from reference import chi_square_pvalue, exact_joint_distribution, grid_index
-from spatial_pipelines import AutoregressiveDecoder, MedusaDecoder
+from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, MedusaDecoder
 from spatial_pipelines.core import SamplingConfig
 from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
 from spatial_pipelines.testing import dummy_pipeline
@@ -15,6 +15,8 @@ DECODER_CASES = [
     pytest.param(AutoregressiveDecoder, {}, None, id="ar"),
     pytest.param(MedusaDecoder, {}, "random", id="medusa"),
     pytest.param(MedusaDecoder, {"num_heads": 3, "tree_paths": [[0, 0, 0], [1, 0], [1, 1], [2]]}, "random", id="medusa-paths"),
+    pytest.param(HawkDecoder, {}, "random", id="hawk"),
+    pytest.param(HawkDecoder, {"num_horizontal_heads": 2, "vertical_speculation_depth": 1, "top_k": 1, "num_draft_tokens": 4}, "random", id="hawk-small"),
 ]
 EXACT_CASES = [c for c in DECODER_CASES if c.values[0].is_exact]
 FAMILY_CASES = [
@@ -108,3 +110,19 @@ def test_decoder_that_needs_heads_refuses_to_run_without_them():
     pipe = dummy_pipeline("llamagen", NeedsHeads())
     with pytest.raises(ValueError, match="draft_heads"):
         pipe("a fox")
+
+
+def test_distribution_test_detects_a_biased_acceptance_rule(monkeypatch):
+    """A tree decoder whose acceptance over-accepts (q = 0.5 instead of the candidates' point masses) is
+    rejected by the same chi-square test the exact decoders pass."""
+    from spatial_pipelines.decoders import decoding_utils
+
+    exact_verify = decoding_utils.verify_tree
+    monkeypatch.setattr(
+        decoding_utils, "verify_tree",
+        lambda tree, tokens, probs, random, q=None: exact_verify(tree, tokens, probs, random, torch.full_like(probs, 0.5)),
+    )
+    pipe = make(MedusaDecoder, {}, "random", grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    assert chi_square_pvalue(_empirical_counts(pipe, "a fox", sampling, seed=1), exact) < 1e-4

@@ -6,7 +6,7 @@ from diffusers import DiffusionPipeline, ModelMixin, SchedulerMixin
 
 from ._registration import register_with_diffusers
 from .core import ImageTokenLayout, SamplingConfig
-from .decoders import DECODERS, AutoregressiveDecoder, MedusaDecoder, SpatialDecoderMixin
+from .decoders import DECODERS, AutoregressiveDecoder, HawkDecoder, MedusaDecoder, SpatialDecoderMixin
 from .heads import DraftHeadsMixin, SpatialDraftHeads
 from .models import LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import (
@@ -27,6 +27,7 @@ __all__ = [
     "DecodingStats",
     "DiffusionPipeline",
     "DraftHeadsMixin",
+    "HawkDecoder",
     "ImageTokenLayout",
     "LlamaGenPipeline",
     "LlamaGenTransformer",

@@ -52,7 +52,8 @@ def verify_tree(
 
     Args:
         tree (`DraftTree`): the shared tree shape.
-        tokens (`torch.LongTensor` `(B, T)`): the code at every node (node 0: the root, not verified).
+        tokens (`torch.LongTensor` `(B, T)`): the code at every node (node 0: the root, not verified); ``-1``
+            marks a node that this row does not offer (an empty or duplicate pool slot): it is skipped.
         probs (`torch.Tensor` `(B, T, V)`): target distribution after each node (fp32).
         random (`RandomSource`): draws ``(B, D, K)`` uniforms and ``(B, V)`` exponentials per call (fixed shapes).
         q (`torch.Tensor` `(B, T, V)`, *optional*): each node's proposal distribution; ``None`` means point masses.
@@ -72,8 +73,8 @@ def verify_tree(
         nxt = cur.clone()
         for j in range(k):
             node = tree.children[cur, j]  # (B,) -1 where there is no such sibling
-            valid = alive & ~moved & (node >= 0)
             safe = node.clamp_min(0)
+            valid = alive & ~moved & (node >= 0) & (tokens[rows, safe] >= 0)
             x = torch.where(valid, tokens[rows, safe], 0)  # (B,) code 0 stands in where there is no candidate
             px = p.gather(1, x[:, None]).squeeze(1)
             qx = torch.ones_like(px) if q is None else q[rows, safe].gather(1, x[:, None]).squeeze(1)

@@ -1,6 +1,7 @@
 """Decoders: one algorithm per file, weight-free, swappable with ``Decoder.from_config(pipe.decoder.config)``."""
 
 from .decoding_autoregressive import AutoregressiveDecoder
+from .decoding_hawk import HawkDecoder
 from .decoding_medusa import MedusaDecoder
 from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin
 
@@ -8,6 +9,7 @@ from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutpu
 DECODERS = {
     "ar": AutoregressiveDecoder,
     "medusa": MedusaDecoder,
+    "hawk": HawkDecoder,
 }
 
-__all__ = ["DECODERS", "AutoregressiveDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]
+__all__ = ["DECODERS", "AutoregressiveDecoder", "HawkDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]

@@ -203,11 +203,16 @@ class TreeDecoderMixin:
         return state.backbone.output_head(feats_h), state.backbone.output_head(feats_v)  # (B, Hh, V), (B, Hv, V)
 
     def _tree_draft(self, state: DecodingState, tree: DraftTree, node_tokens: torch.Tensor) -> Draft:
-        """Feed ``node_tokens`` ``(B, T)`` (root first) at their positions with the tree mask."""
+        """Feed ``node_tokens`` ``(B, T)`` (root first; ``-1`` for slots a row does not offer) at their positions
+        with the tree mask."""
         last = state.layout.num_tokens - 1
         index = (state.num_committed - 1 + tree.depths).clamp_max(last)  # nodes past the grid are never committed
         state.extras["tree"], state.extras["node_tokens"] = tree, node_tokens
-        return Draft(input_ids=node_tokens, position_ids=state.positions[index], attention_mask=tree.attention_mask)
+        return Draft(
+            input_ids=node_tokens.clamp_min(0),  # an empty slot is fed as code 0 and never accepted
+            position_ids=state.positions[index],
+            attention_mask=tree.attention_mask,
+        )
 
     def _prefill_step(self, logits, hidden_states, state) -> StepOutput:
         token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
