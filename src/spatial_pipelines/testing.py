@@ -1,7 +1,7 @@
 """Tiny random pipelines for tests (ours and users'): CPU, built in well under a second, no downloads."""
 
 import string
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Tuple, Union
 
 import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors

