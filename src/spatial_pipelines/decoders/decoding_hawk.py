@@ -80,7 +80,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     def propose(self, state: DecodingState, draft_heads=None) -> Draft:
         c = self.config
         n_h, vsd, k = c.num_horizontal_heads, c.vertical_speculation_depth, c.top_k
-        tree = self.tree.to(state.tokens.device)
+        tree = self._device_tree(state)
         b, n = state.tokens.shape
         width = state.layout.width
         root = state.num_committed - 1  # raster index of the newest committed code

@@ -38,6 +38,7 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if not paths or max(len(p) for p in paths) > num_heads:
             raise ValueError(f"`tree_paths` must be non-empty and no deeper than `num_heads` ({num_heads}).")
         self.tree = tree_from_paths(paths)
+        self._num_ranks = 1 + max(r for p in paths for r in p)  # candidates needed per head (host int)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -54,14 +55,14 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         missing = set(self.required_horizontal_offsets()) - set(draft_heads.config.horizontal_offsets)
         if missing:
             raise ValueError(f"`draft_heads` lack the horizontal offsets {sorted(missing)} that `num_heads` needs.")
-        if int(self.tree.ranks.max()) >= draft_heads.config.num_image_codes:
+        if self._num_ranks > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 
     def propose(self, state: DecodingState, draft_heads=None) -> Draft:
-        tree = self.tree.to(state.tokens.device)
+        tree = self._device_tree(state)
         logits_h, _ = self._heads_logits(state, draft_heads)
         order = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()]
-        top = logits_h[:, order].topk(int(tree.ranks.max()) + 1, dim=-1).indices  # (B, K, k)
+        top = logits_h[:, order].topk(self._num_ranks, dim=-1).indices  # (B, K, k)
         depth = tree.depths[1:] - 1
         nodes = top[:, depth, tree.ranks[1:]]  # (B, T - 1) candidate of each node
         return self._tree_draft(state, tree, torch.cat([state.last_token[:, None], nodes], 1))

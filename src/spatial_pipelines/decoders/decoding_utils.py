@@ -196,6 +196,12 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 class TreeDecoderMixin:
     """What tree decoders share: drafting a static tree of head candidates and exact verification."""
 
+    def _device_tree(self, state: DecodingState) -> DraftTree:
+        """The decoder's static tree on the state's device, copied once per generation (not once per round)."""
+        if "device_tree" not in state.extras:
+            state.extras["device_tree"] = self.tree.to(state.tokens.device)
+        return state.extras["device_tree"]
+
     def _heads_logits(self, state: DecodingState, draft_heads):
         """Logits of every head from the hidden state that predicted the newest committed code."""
         feats_h, feats_v = draft_heads(state.backbone.final_norm(state.extras["hidden"]))  # (B, Hh, D), (B, Hv, D)
