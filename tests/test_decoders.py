@@ -5,7 +5,7 @@ import torch
 
 from pipeline_mixin import gen
 from reference import chi_square_pvalue, exact_joint_distribution, grid_index
-from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, MedusaDecoder
+from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
 from spatial_pipelines.core import SamplingConfig
 from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
 from spatial_pipelines.testing import dummy_pipeline
@@ -17,6 +17,9 @@ DECODER_CASES = [
     pytest.param(MedusaDecoder, {"num_heads": 3, "tree_paths": [[0, 0, 0], [1, 0], [1, 1], [2]]}, "random", id="medusa-paths"),
     pytest.param(HawkDecoder, {}, "random", id="hawk"),
     pytest.param(HawkDecoder, {"num_horizontal_heads": 2, "vertical_speculation_depth": 1, "top_k": 1, "num_draft_tokens": 4}, "random", id="hawk-small"),
+    pytest.param(JacobiDecoder, {}, None, id="sjd-random"),
+    pytest.param(JacobiDecoder, {"window_size": 4, "init": "left"}, None, id="sjd-left"),
+    pytest.param(JacobiDecoder, {"window_size": 3, "init": "above"}, None, id="sjd-above"),
 ]
 EXACT_CASES = [c for c in DECODER_CASES if c.values[0].is_exact]
 FAMILY_CASES = [
@@ -126,3 +129,31 @@ def test_distribution_test_detects_a_biased_acceptance_rule(monkeypatch):
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     assert chi_square_pvalue(_empirical_counts(pipe, "a fox", sampling, seed=1), exact) < 1e-4
+
+
+BAD_CONFIGS = [
+    (MedusaDecoder, {"num_heads": 0}, "num_heads"),
+    (MedusaDecoder, {"top_k": 0}, "top_k"),
+    (MedusaDecoder, {"num_heads": 2, "tree_paths": [[0, 0, 0]]}, "tree_paths"),
+    (HawkDecoder, {"vertical_speculation_depth": -1}, "vertical_speculation_depth"),
+    (HawkDecoder, {"num_draft_tokens": 0}, "num_draft_tokens"),
+    (JacobiDecoder, {"window_size": 0}, "window_size"),
+    (JacobiDecoder, {"init": "middle"}, "init"),
+    (JacobiDecoder, {"acceptance": "greedy"}, "acceptance"),
+]
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,name", BAD_CONFIGS, ids=[f"{c.__name__}-{n}" for c, _, n in BAD_CONFIGS])
+def test_bad_decoder_config_raises(decoder_cls, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        decoder_cls(**kwargs)
+
+
+def test_heads_without_the_offsets_a_decoder_needs_are_refused():
+    pipe = dummy_pipeline("llamagen", MedusaDecoder(num_heads=2), "random")
+    pipe.decoder = HawkDecoder(num_horizontal_heads=2, vertical_speculation_depth=1)
+    with pytest.raises(ValueError, match="vertical"):
+        pipe("a fox")
+    pipe.decoder = MedusaDecoder(num_heads=3)
+    with pytest.raises(ValueError, match="horizontal"):
+        pipe("a fox")

@@ -6,7 +6,7 @@ from diffusers import DiffusionPipeline, ModelMixin, SchedulerMixin
 
 from ._registration import register_with_diffusers
 from .core import ImageTokenLayout, SamplingConfig
-from .decoders import DECODERS, AutoregressiveDecoder, HawkDecoder, MedusaDecoder, SpatialDecoderMixin
+from .decoders import DECODERS, AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SpatialDecoderMixin
 from .heads import DraftHeadsMixin, SpatialDraftHeads
 from .models import LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import (
@@ -28,6 +28,7 @@ __all__ = [
     "DiffusionPipeline",
     "DraftHeadsMixin",
     "HawkDecoder",
+    "JacobiDecoder",
     "ImageTokenLayout",
     "LlamaGenPipeline",
     "LlamaGenTransformer",

@@ -2,6 +2,7 @@
 
 from .decoding_autoregressive import AutoregressiveDecoder
 from .decoding_hawk import HawkDecoder
+from .decoding_jacobi import JacobiDecoder
 from .decoding_medusa import MedusaDecoder
 from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin
 
@@ -10,6 +11,7 @@ DECODERS = {
     "ar": AutoregressiveDecoder,
     "medusa": MedusaDecoder,
     "hawk": HawkDecoder,
+    "sjd": JacobiDecoder,
 }
 
-__all__ = ["DECODERS", "AutoregressiveDecoder", "HawkDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]
+__all__ = ["DECODERS", "AutoregressiveDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]
