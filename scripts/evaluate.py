@@ -46,7 +46,7 @@ def parse_args(argv=None):
 
 def generate(pipe, prompts, args, seed_offset=0):
     """Images in [-1, 1] ``(N, 3, H, W)`` (one generator per image) and the summed decoding stats."""
-    images, passes, seconds = [], 0, 0.0
+    images, passes, seconds, calls = [], 0, 0.0, 0
     for i in range(0, len(prompts), args.batch_size):
         chunk = prompts[i : i + args.batch_size]
         gens = [torch.Generator().manual_seed(args.seed + seed_offset + i + j) for j in range(len(chunk))]
@@ -55,7 +55,8 @@ def generate(pipe, prompts, args, seed_offset=0):
         images.append(out.images.cpu() * 2 - 1)
         passes += out.stats.num_forward_passes
         seconds += out.stats.wall_time_s
-    return torch.cat(images), {"forward_passes": passes, "wall_time_s": seconds}
+        calls += 1
+    return torch.cat(images), {"forward_passes_per_call": passes / calls, "wall_time_s": seconds}
 
 
 def contact_sheet(real, generated, captions, path, title):
@@ -138,7 +139,8 @@ def main(argv=None):
         "lpips_diversity_samples_per_prompt": args.diversity_samples,
         "vq_heldout_psnr_db": (10 * torch.log10(1 / mse.clamp_min(1e-10))).mean().item(),
         "vq_heldout_lpips": lpips(recon, heldout_real).mean().item(),
-        "target_forward_passes": cost["forward_passes"],
+        "target_forward_passes_per_image": cost["forward_passes_per_call"],  # every image of a call shares its passes
+        "batch_size": args.batch_size,
         "generation_wall_time_s": cost["wall_time_s"],
         "seconds_per_image": cost["wall_time_s"] / len(prompts),
         "total_eval_time_s": time.perf_counter() - t0,
@@ -156,8 +158,9 @@ def main(argv=None):
     def to_pil(t):
         return Image.fromarray(((t.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy())
 
-    strip = [to_pil(t) for t in torch.cat([heldout_real[:12], recon[:12]])]
-    make_image_grid(strip, rows=2, cols=12).save(os.path.join(args.out, "vq_reconstructions.png"))
+    k = min(12, len(heldout_real))
+    strip = [to_pil(t) for t in torch.cat([heldout_real[:k], recon[:k]])]
+    make_image_grid(strip, rows=2, cols=k).save(os.path.join(args.out, "vq_reconstructions.png"))
 
     sheet = train_caps[:16] + eval_caps[:16]
     contact_sheet(real_images[[index[c] for c in sheet]], generated[[prompts.index(c) for c in sheet]], sheet,
