@@ -47,3 +47,19 @@ def test_cli_main_job_uses_the_embedded_model(tmp_path, capsys):
     assert len(set(image.getdata())) > 10  # a picture, not a flat colour
     printed = capsys.readouterr().out
     assert "576 target forward passes" in printed
+
+
+def test_shipped_heads_fit_the_model_and_keep_greedy_exact():
+    from spatial_pipelines import AutoregressiveDecoder, HawkDecoder
+    from spatial_pipelines.embedded import default_heads_path
+
+    pipe = load_default_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    heads = pipe.load_draft_heads(default_heads_path())
+    assert list(heads.config.horizontal_offsets) == [1, 2, 3, 4] and list(heads.config.vertical_offsets) == [1, 2]
+    pipe.decoder = HawkDecoder()
+    hawk = pipe("red heart", temperature=0, output_type="latent")
+    pipe.decoder = AutoregressiveDecoder()
+    ar = pipe("red heart", temperature=0, output_type="latent")
+    assert torch.equal(hawk.tokens, ar.tokens)
+    assert hawk.stats.num_forward_passes < ar.stats.num_forward_passes

@@ -7,11 +7,17 @@ It ships inside the package (``twemoji_llamagen/``, safetensors only) so the CLI
 import os
 
 DEFAULT_MODEL_NAME = "twemoji_llamagen"
+DEFAULT_HEADS_NAME = "twemoji_llamagen_spatial_heads"
 
 
 def default_model_path() -> str:
     """Folder of the embedded pipeline."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_MODEL_NAME)
+
+
+def default_heads_path() -> str:
+    """Folder of the draft heads trained for the embedded model (horizontal 1..4, vertical 1..2: Medusa and Hawk)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_HEADS_NAME)
 
 
 def load_default_pipeline(**kwargs):
