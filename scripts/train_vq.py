@@ -8,24 +8,20 @@ Resumes from the newest checkpoint in ``--out``. Writes ``<out>/vqvae`` (diffuse
 """
 
 import argparse
-import itertools
 import json
 import math
 import os
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 from spatial_pipelines import LlamaGenVQModel
 from spatial_pipelines.data import TwemojiDataset
-from spatial_pipelines.training import TrainingLog, fit, resume
+from spatial_pipelines.training import add_training_args, fit, prepare_and_resume, setup
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="runs/vq")
     p.add_argument("--resolution", type=int, default=96)
     p.add_argument("--codebook-size", type=int, default=1024)
     p.add_argument("--codebook-dim", type=int, default=8)
@@ -36,14 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--norm-num-groups", type=int, default=32)
     p.add_argument("--entropy-loss-ratio", type=float, default=0.05)
     p.add_argument("--crop", type=int, default=48, help="train on random crops of this side (convolutions do not care)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--mixed-precision", default="bf16", choices=["no", "fp16", "bf16"])
-    p.add_argument("--checkpoint-every", type=int, default=250)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="use only the first N images of each split (smoke tests)")
+    add_training_args(p, out="runs/vq", batch_size=32, steps=3000, lr=3e-4, checkpoint_every=250, log_every=25)
     return p.parse_args(argv)
 
 
@@ -78,10 +67,7 @@ def evaluate(model, dataset, accelerator, batch_size=64):
 
 def main(argv=None):
     args = parse_args(argv)
-    accelerator = Accelerator(mixed_precision=args.mixed_precision)
-    set_seed(args.seed)
-    os.makedirs(args.out, exist_ok=True)
-    log = TrainingLog(args.out)
+    accelerator, log = setup(args)
 
     train = TwemojiDataset("train", args.resolution, limit=args.limit)
     held_out = TwemojiDataset("eval", args.resolution, limit=args.limit)
@@ -93,10 +79,7 @@ def main(argv=None):
     )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
-    step = resume(accelerator, args.out)
-    log.truncate(step)
-    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    model, opt, sched, batches, step = prepare_and_resume(accelerator, args, log, model, opt, loader, sched)
 
     def loss_fn(batch):
         x = random_crop(batch["pixel_values"], args.crop)

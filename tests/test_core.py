@@ -160,3 +160,15 @@ def test_kv_cache_keep_accepted_path_equals_recompute(per_row):
     model(seq[:, :-1], torch.arange(seq.shape[1] - 1), past_key_values=fresh)
     for kept, want_kv in zip(cache.keys + cache.values, fresh.keys + fresh.values):
         torch.testing.assert_close(kept[:, :, : 1 + n], want_kv[:, :, : 1 + n], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_teacher_forced_hidden_states_and_condition_drop():
+    model = _tiny_transformer()  # class-conditional, 3x3 grid
+    codes = torch.randint(0, 16, (2, 9))
+    labels = torch.tensor([1, 2])
+    got = model.teacher_forced_hidden_states(codes, labels, torch.ones(2, 1, dtype=torch.bool), drop=torch.tensor([False, True]))
+    assert got.shape == (2, 9, 32)
+    dropped = torch.tensor([1, model.config.num_classes])  # the dropped row gets the unconditional class
+    emb = torch.cat([model.embed_condition(dropped), model.embed_image_tokens(codes[:, :-1])], 1)
+    torch.testing.assert_close(got, model(emb, torch.arange(9)).hidden_states, rtol=1e-5, atol=1e-5)

@@ -1,12 +1,15 @@
 """Helpers the training scripts share: a loss log that writes JSON + a loss-curve PNG, and resumable checkpoints
 with accelerate."""
 
+import argparse
+import itertools
 import json
 import os
 import shutil
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 
 
 class TrainingLog:
@@ -59,6 +62,38 @@ class TrainingLog:
         fig.savefig(out)
         plt.close(fig)
         return out
+
+
+def add_training_args(parser: argparse.ArgumentParser, *, out: str, batch_size: int, steps: int, lr: float,
+                      checkpoint_every: int, log_every: int) -> argparse.ArgumentParser:
+    """The options every training script shares (defaults differ per script)."""
+    parser.add_argument("--out", default=out, help="run folder: checkpoints, log, loss curve, result")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--mixed-precision", default="bf16", choices=["no", "fp16", "bf16"])
+    parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every)
+    parser.add_argument("--log-every", type=int, default=log_every)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N images (smoke tests)")
+    return parser
+
+
+def setup(args: argparse.Namespace) -> Tuple[Accelerator, TrainingLog]:
+    """Accelerator with the run's precision, seeded, and the run folder's log."""
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    set_seed(args.seed)
+    return accelerator, TrainingLog(args.out)
+
+
+def prepare_and_resume(accelerator: Accelerator, args: argparse.Namespace, log: TrainingLog, model, optimizer, loader, scheduler):
+    """``accelerator.prepare`` the objects, resume from the newest checkpoint (the log forgets later steps) and
+    return ``(model, optimizer, scheduler, endless batches, start step)``."""
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    step = resume(accelerator, args.out)
+    log.truncate(step)
+    batches: Iterator = itertools.chain.from_iterable(itertools.repeat(loader))
+    return model, optimizer, scheduler, batches, step
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:

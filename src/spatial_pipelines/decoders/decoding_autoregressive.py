@@ -23,10 +23,12 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
 
     def propose(self, state: DecodingState, draft_heads=None) -> Draft:
         index = state.num_committed - 1
+        if "mask" not in state.extras:  # allocated once per generation, not once per round
+            state.extras["mask"] = state.positions.new_ones(1, 1, dtype=torch.bool)
         return Draft(
             input_ids=state.last_token[:, None],  # (B, 1)
             position_ids=state.positions[index : index + 1],  # (1,) a view: no host-to-device copy per round
-            attention_mask=state.positions.new_ones(1, 1, dtype=torch.bool),
+            attention_mask=state.extras["mask"],
         )
 
     def step(

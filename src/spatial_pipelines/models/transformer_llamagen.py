@@ -263,6 +263,31 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
         """Pre-norm hidden states -> image-code logits (fp32)."""
         return self.output(self.norm(hidden_states)).float()
 
+    def drop_condition(self, condition: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+        """Training-time CFG dropout: rows where ``drop`` is True get the null condition (the unconditional
+        class, or the null caption under the row's own padding mask, as LlamaGen)."""
+        if self.config.condition_type == "class":
+            return torch.where(drop, torch.full_like(condition, self.config.num_classes), condition)
+        null = self.cls_embedding.uncond_embedding.to(condition.dtype)
+        return torch.where(drop[:, None, None], null, condition)
+
+    def teacher_forced_hidden_states(
+        self, codes: torch.Tensor, condition: torch.Tensor, condition_valid: torch.Tensor, drop: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Pre-norm hidden states ``(B, N, D)`` over a whole code grid ``(B, N)``: row ``i`` predicts code ``i``.
+
+        Args:
+            condition: class labels ``(B,)`` or caption embeddings ``(B, P, caption_dim)``; condition_valid ``(B, P)``.
+            drop (`torch.BoolTensor` `(B,)`, *optional*): rows whose condition is dropped (CFG training).
+        """
+        if drop is not None:
+            condition = self.drop_condition(condition, drop)
+        prefix = self.embed_condition(condition)  # (B, P, D)
+        x = torch.cat([prefix, self.embed_image_tokens(codes[:, :-1])], 1)  # (B, P + N - 1, D)
+        valid = torch.cat([condition_valid, torch.ones_like(codes[:, :-1], dtype=torch.bool)], 1)
+        hidden = self(x, torch.arange(x.shape[1], device=x.device), token_valid=valid).hidden_states
+        return hidden[:, prefix.shape[1] - 1 :]
+
     def make_cache(self, batch_size: int, max_length: int) -> StaticKVCache:
         p = self.tok_embeddings.weight
         return StaticKVCache(
