@@ -5,7 +5,7 @@ import torch
 
 from pipeline_mixin import gen
 from reference import chi_square_pvalue, exact_joint_distribution, grid_index
-from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
+from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SSDDecoder
 from spatial_pipelines.core import SamplingConfig
 from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
 from spatial_pipelines.testing import dummy_pipeline
@@ -20,6 +20,8 @@ DECODER_CASES = [
     pytest.param(JacobiDecoder, {}, None, id="sjd-random"),
     pytest.param(JacobiDecoder, {"window_size": 4, "init": "left"}, None, id="sjd-left"),
     pytest.param(JacobiDecoder, {"window_size": 3, "init": "above"}, None, id="sjd-above"),
+    pytest.param(SSDDecoder, {}, "random", id="ssd"),
+    pytest.param(SSDDecoder, {"num_vertical_rows": 2, "staged_base_rounds": 2, "staged_incremental_rounds": 1, "draft": "sample"}, "random", id="ssd-staged"),
 ]
 EXACT_CASES = [c for c in DECODER_CASES if c.values[0].is_exact]
 FAMILY_CASES = [
@@ -140,6 +142,13 @@ BAD_CONFIGS = [
     (JacobiDecoder, {"window_size": 0}, "window_size"),
     (JacobiDecoder, {"init": "middle"}, "init"),
     (JacobiDecoder, {"acceptance": "greedy"}, "acceptance"),
+    (SSDDecoder, {"num_horizontal": 0}, "num_horizontal"),
+    (SSDDecoder, {"vertical_rounds": -1}, "vertical_rounds"),
+    (SSDDecoder, {"horizontal_rounds": 1.5}, "horizontal_rounds"),
+    (SSDDecoder, {"num_vertical_rows": 0}, "num_vertical_rows"),
+    (SSDDecoder, {"staged_base_rounds": -2}, "staged_base_rounds"),
+    (SSDDecoder, {"staged_incremental_rounds": -1}, "staged_incremental_rounds"),
+    (SSDDecoder, {"draft": "top1"}, "draft"),
 ]
 
 

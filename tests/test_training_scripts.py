@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, LlamaGenPipeline
+from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, LlamaGenPipeline, SSDDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +55,17 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     pipe.decoder = AutoregressiveDecoder()
     ar_out = pipe("red heart", guidance_scale=2.0, temperature=0, output_type="latent")
     assert torch.equal(hawk.tokens, ar_out.tokens)
+
+    ssd_dir = tmp_path / "heads_ssd"
+    ssd_args = ["--model", ar / "pipeline", "--kind", "ssd", "--num-horizontal", 2, "--vsd", 1, "--intermediate-size", 16,
+                "--generated", 4, "--limit", 8, "--batch-size", 2, "--log-every", 1, "--checkpoint-every", 1,
+                "--mixed-precision", "no", "--out", ssd_dir]
+    run("train_heads.py", *ssd_args, "--steps", 1)
+    run("train_heads.py", *ssd_args, "--steps", 2)  # resumes at step 1, reuses the cached generations
+    log = [json.loads(line) for line in (ssd_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and {"h1", "h2", "v1", "acc_v1"} <= set(log[-1])
+    heads = pipe.load_draft_heads(ssd_dir / "heads")
+    assert type(heads).__name__ == "LatentDraftHeads" and heads.config.horizontal_offsets == [1, 2]
+    pipe.decoder = SSDDecoder(num_horizontal=2, vertical_rounds=1)
+    out = pipe("red heart", guidance_scale=2.0, generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert out.stats.num_forward_passes == 1 + 8 * 2 + 23 * 2  # prefill, 8 first-row chunks of 3 codes, 23 rows

@@ -6,8 +6,8 @@ from diffusers import DiffusionPipeline, ModelMixin, SchedulerMixin
 
 from ._registration import register_with_diffusers
 from .core import ImageTokenLayout, SamplingConfig
-from .decoders import DECODERS, AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SpatialDecoderMixin
-from .heads import DraftHeadsMixin, SpatialDraftHeads
+from .decoders import DECODERS, AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SpatialDecoderMixin, SSDDecoder
+from .heads import DraftHeadsMixin, LatentDraftHeads, SpatialDraftHeads
 from .models import LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import (
     DecodingStats,
@@ -29,6 +29,7 @@ __all__ = [
     "DraftHeadsMixin",
     "HawkDecoder",
     "JacobiDecoder",
+    "LatentDraftHeads",
     "ImageTokenLayout",
     "LlamaGenPipeline",
     "LlamaGenTransformer",
@@ -42,4 +43,5 @@ __all__ = [
     "SpatialDecoderMixin",
     "SpatialDraftHeads",
     "SpatialPipelineOutput",
+    "SSDDecoder",
 ]

@@ -8,7 +8,7 @@ Either way the committed codes follow the target distribution exactly.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -94,3 +94,32 @@ def verify_tree(
     bonus = (p_left / random.exponential(v)).argmax(-1)  # exponential race: a draw from p_left
     num_accepted = (path[:, 1:] >= 0).sum(-1)
     return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=cur)
+
+
+def accept_independently(
+    tokens: torch.Tensor, probs: torch.Tensor, random: RandomSource, q: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Test every drafted position on its own (SSD's "verification as auto-correction"): accept ``x`` with
+    ``min(1, p(x) / q(x))``, otherwise replace it by a draw from ``norm(max(p - q, 0))``.
+
+    Each position's result follows its ``p`` exactly *given the context it was evaluated in*; positions do not
+    wait for their left neighbours, which is what makes the rule lossy for the joint distribution.
+
+    Args:
+        tokens (`torch.LongTensor` `(B, n)`): drafted codes.
+        probs (`torch.Tensor` `(B, n, V)`): target distribution at each position (fp32).
+        random (`RandomSource`): draws ``(B, n)`` uniforms and ``(B, n, V)`` exponentials per call.
+        q (`torch.Tensor` `(B, n, V)`, *optional*): the distribution each code was drawn from; ``None`` means
+            point masses (argmax or copied drafts).
+
+    Returns:
+        ``(codes (B, n), accepted (B, n) bool)``.
+    """
+    uniforms = random.uniform(tokens.shape[1])  # (B, n)
+    px = probs.gather(-1, tokens[..., None]).squeeze(-1)  # (B, n)
+    qx = torch.ones_like(px) if q is None else q.gather(-1, tokens[..., None]).squeeze(-1)
+    accepted = uniforms * qx < px  # u < min(1, p/q) without dividing
+    q_full = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs.dtype) if q is None else q
+    left = residual(probs, q_full)  # (B, n, V)
+    redrawn = (left / random.exponential(*left.shape[1:])).argmax(-1)  # (B, n) exponential race
+    return torch.where(accepted, tokens, redrawn), accepted

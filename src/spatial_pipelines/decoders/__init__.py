@@ -4,6 +4,7 @@ from .decoding_autoregressive import AutoregressiveDecoder
 from .decoding_hawk import HawkDecoder
 from .decoding_jacobi import JacobiDecoder
 from .decoding_medusa import MedusaDecoder
+from .decoding_ssd import SSD_PRESETS, SSDDecoder
 from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin
 
 #: Short names used by the CLI and benchmarks.
@@ -12,6 +13,7 @@ DECODERS = {
     "medusa": MedusaDecoder,
     "hawk": HawkDecoder,
     "sjd": JacobiDecoder,
+    "ssd": SSDDecoder,
 }
 
-__all__ = ["DECODERS", "AutoregressiveDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]
+__all__ = ["DECODERS", "SSD_PRESETS", "SSDDecoder", "AutoregressiveDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]

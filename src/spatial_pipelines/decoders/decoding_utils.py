@@ -80,6 +80,10 @@ class DecodingState:
         self.accepted_lengths.append(accepted)
         self.num_committed = end
 
+    def commit_nothing(self) -> None:
+        """Record a target pass that committed no code (a verification round of a lossy decoder)."""
+        self.accepted_lengths.append(torch.zeros_like(self.tokens[:, 0]))
+
 
 @dataclass
 class Draft:
@@ -105,10 +109,13 @@ class StepOutput:
         num_accepted (`int`): codes committed this round (per row; rows advance together).
         keep_indices (`torch.LongTensor` `(n,)` or `(B, n)`, *optional*): fed positions whose KV stays in the
             cache, in order (an accepted tree path). ``None`` keeps every fed position.
+        keep_length (`int`, *optional*): keep only the first ``keep_length`` fed positions (a prefix: the cache
+            is cropped, nothing is copied); ``0`` rolls the whole pass back. Exclusive with ``keep_indices``.
     """
 
     num_accepted: int
     keep_indices: Optional[torch.Tensor] = None
+    keep_length: Optional[int] = None
 
 
 class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
@@ -142,8 +149,8 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def check_compatibility(self, layout: ImageTokenLayout, draft_heads=None) -> None:
         """Raise `ValueError` if this decoder cannot serve ``layout`` with ``draft_heads``."""
         if self.draft_heads_class is not None and (
-            draft_heads is None or type(draft_heads).__name__ != self.draft_heads_class
-        ):
+            draft_heads is None or self.draft_heads_class not in {c.__name__ for c in type(draft_heads).__mro__}
+        ):  # by name: decoders never import heads (DESIGN.md section 2); subclasses of the class qualify
             found = "none" if draft_heads is None else type(draft_heads).__name__
             raise ValueError(
                 f"`decoder` {type(self).__name__} needs `draft_heads` of class {self.draft_heads_class}, found {found}. "

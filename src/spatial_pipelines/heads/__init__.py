@@ -1,6 +1,7 @@
 """Trainable draft heads (diffusers `ModelMixin` + `ConfigMixin`), loaded and pushed beside the frozen backbone."""
 
+from .heads_latent import LatentDraftHeads
 from .heads_medusa import SpatialDraftHeads
 from .heads_utils import BACKBONE_FACTS, DraftHeadsMixin, check_backbone_facts
 
-__all__ = ["BACKBONE_FACTS", "DraftHeadsMixin", "SpatialDraftHeads", "check_backbone_facts"]
+__all__ = ["BACKBONE_FACTS", "DraftHeadsMixin", "LatentDraftHeads", "SpatialDraftHeads", "check_backbone_facts"]

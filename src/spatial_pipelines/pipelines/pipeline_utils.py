@@ -441,6 +441,8 @@ class SpatialARPipeline(DiffusionPipeline):
                 if result.keep_indices is not None:
                     keep = result.keep_indices  # (n,) or (B, n)
                     cache.keep(slot, keep.repeat(2, 1) if sampling.do_cfg and keep.dim() == 2 else keep)
+                elif result.keep_length is not None:
+                    cache.crop(slot + result.keep_length)  # a prefix stays where it is: no copy
                 num_forward_passes += 1
                 progress_bar.update(state.num_committed - committed_before)
                 if callback_on_step_end is not None:

@@ -1,0 +1,240 @@
+"""Spatially Speculative Decoding (SSD): lossy by design, O(H) target passes instead of O(H*W).
+
+The first row is drafted horizontally in chunks; every later row is drafted at once, one code per column, from
+the completed row above by vertical latent predictors; drafted rows are then repaired by ``r`` rounds of
+"verification as auto-correction" (every position tested on its own, rejected ones redrawn from the residual,
+the KV cache rolled back) and committed by one last pass.
+
+Schedule (target passes; the prefill pass draws code 0):
+
+* first row: chunks of ``m = min(num_horizontal, codes left in the row - 1)`` horizontal drafts; each chunk takes
+  ``horizontal_rounds`` verification passes plus one commit pass, which also draws the code after the chunk
+  from its last output (so a chunk commits ``m + 1`` codes, and a chunk of 0 drafts is one AR step);
+* ``num_vertical_rows == 1``: every later row takes ``vertical_rounds + 1`` passes;
+* ``num_vertical_rows = g > 1`` (staged): a group of ``g`` rows takes ``b`` rounds on all rows, then for each
+  of its rows but the last a commit pass of the leading row followed by ``i`` rounds on the rows left, then the
+  final commit pass: ``b + (g - 1) * (1 + i) + 1`` passes (``b = staged_base_rounds``,
+  ``i = staged_incremental_rounds``; the last group of the image may be shorter).
+
+Indexing used by heads and decoder alike: ``h_j`` is the pre-norm hidden state whose logits drew code ``j``; a
+predictor fed ``[h_j; e(x_j)]`` drafts code ``j + k`` (horizontal offset ``k``) or ``j + d * W`` (vertical
+offset ``d``).
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from diffusers.configuration_utils import register_to_config
+
+from ..core.acceptance import accept_independently
+from ..core.sampling import logits_to_probs, sample_from_probs
+from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput
+
+DRAFT_MODES = ("argmax", "sample")
+
+#: The paper's per-model settings (Table 9), usable with `SSDDecoder.from_preset`.
+SSD_PRESETS = {
+    "janus_pro": dict(num_horizontal=5, horizontal_rounds=1, num_vertical_rows=1, vertical_rounds=2),
+    "lumina_mgpt": dict(num_horizontal=5, horizontal_rounds=1, num_vertical_rows=2, staged_base_rounds=5, staged_incremental_rounds=4),
+    "emu3": dict(num_horizontal=5, horizontal_rounds=1, num_vertical_rows=1, vertical_rounds=6),
+}
+
+
+@dataclass
+class _Block:
+    """Drafted codes being repaired; they start right after the last committed code.
+
+    tokens ``(B, n)``; q ``(B, n, V)`` the distribution each code follows (``None``: point masses);
+    rounds_left: verification passes still to run; commit_length: codes the next commit pass commits;
+    bonus: the commit pass also draws the code after the block from its last output.
+    """
+
+    tokens: torch.Tensor
+    q: Optional[torch.Tensor]
+    rounds_left: int
+    commit_length: int
+    bonus: bool
+
+
+class SSDDecoder(SpatialDecoderMixin):
+    r"""Spatially Speculative Decoding with `LatentDraftHeads`.
+
+    Args:
+        num_horizontal (`int`): horizontal drafts per chunk on the first row (k_h; the heads need offsets
+            ``1..num_horizontal``).
+        horizontal_rounds (`int`): verification rounds per first-row chunk.
+        vertical_rounds (`int`): verification rounds ``r`` per later row when ``num_vertical_rows == 1``; also
+            the default of the staged rounds.
+        num_vertical_rows (`int`): rows drafted per iteration (k_v; the heads need vertical offsets
+            ``1..num_vertical_rows``).
+        staged_base_rounds (`int`, *optional*): ``b``, rounds on all rows of a group (default: ``vertical_rounds``).
+        staged_incremental_rounds (`int`, *optional*): ``i``, rounds on the rows left after each leading row is
+            committed (default: ``vertical_rounds``).
+        draft (`str`): ``"argmax"`` (the paper: drafts are the heads' argmax, verified as point masses) or
+            ``"sample"`` (drafts drawn from the heads' distribution ``q`` under the sampling settings, verified
+            with ``min(1, p/q)``).
+    """
+
+    is_exact = False
+    draft_heads_class = "LatentDraftHeads"
+
+    @register_to_config
+    def __init__(
+        self,
+        num_horizontal: int = 5,
+        horizontal_rounds: int = 1,
+        vertical_rounds: int = 2,
+        num_vertical_rows: int = 1,
+        staged_base_rounds: Optional[int] = None,
+        staged_incremental_rounds: Optional[int] = None,
+        draft: str = "argmax",
+    ):
+        super().__init__()
+        for name, value, low in (
+            ("num_horizontal", num_horizontal, 1),
+            ("horizontal_rounds", horizontal_rounds, 0),
+            ("vertical_rounds", vertical_rounds, 0),
+            ("num_vertical_rows", num_vertical_rows, 1),
+            ("staged_base_rounds", staged_base_rounds, 0),
+            ("staged_incremental_rounds", staged_incremental_rounds, 0),
+        ):
+            if value is None and name.startswith("staged"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+        if draft not in DRAFT_MODES:
+            raise ValueError(f"`draft` must be one of {DRAFT_MODES}, got {draft!r}.")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "SSDDecoder":
+        """The paper's settings for a model family (``SSD_PRESETS``: janus_pro, lumina_mgpt, emu3)."""
+        if name not in SSD_PRESETS:
+            raise ValueError(f"`name` must be one of {sorted(SSD_PRESETS)}, got {name!r}.")
+        return cls(**{**SSD_PRESETS[name], **overrides})
+
+    @property
+    def base_rounds(self) -> int:
+        c = self.config
+        return c.vertical_rounds if c.staged_base_rounds is None else c.staged_base_rounds
+
+    @property
+    def incremental_rounds(self) -> int:
+        c = self.config
+        return c.vertical_rounds if c.staged_incremental_rounds is None else c.staged_incremental_rounds
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return 1  # blocks never pass the end of the grid, so the cache needs no slack beyond it
+
+    def required_horizontal_offsets(self) -> List[int]:
+        return list(range(1, self.config.num_horizontal + 1))
+
+    def required_vertical_offsets(self) -> List[int]:
+        return list(range(1, self.config.num_vertical_rows + 1))
+
+    def check_compatibility(self, layout, draft_heads=None) -> None:
+        super().check_compatibility(layout, draft_heads)
+        for direction, need in (("horizontal", self.required_horizontal_offsets()), ("vertical", self.required_vertical_offsets())):
+            have = draft_heads.offsets(direction)
+            if have[: len(need)] != need:
+                raise ValueError(
+                    f"`draft_heads` must start with the {direction} offsets {need} this SSDDecoder uses, found {have}."
+                )
+        if layout.has_eol:
+            raise ValueError("`decoder` SSDDecoder does not serve grids with end-of-row tokens yet (`layout.eol_token_id`).")
+
+    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> DecodingState:
+        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
+        # h_j for every committed code j: the sources of the vertical drafts of the rows below
+        state.extras["hidden"] = torch.zeros(batch_size, layout.num_tokens, backbone.hidden_size, device=device)
+        state.extras["block"] = None
+        state.extras["masks"] = {}
+        return state
+
+    # -- drafting --------------------------------------------------------------------------------------
+    def _draft(self, logits: torch.Tensor, state: DecodingState):
+        """Draft codes ``(B, n)`` and their distribution (``None``: point masses) from draft logits ``(B, n, V)``."""
+        if self.config.draft == "argmax":
+            return logits.argmax(-1), None
+        q = logits_to_probs(logits, state.sampling)  # (B, n, V)
+        return sample_from_probs(q, state.random), q
+
+    def _new_block(self, state: DecodingState, draft_heads) -> _Block:
+        layout, c = state.layout, state.num_committed
+        w, backbone, hidden = layout.width, state.backbone, state.extras["hidden"]
+        if c < w:  # first row: a horizontal chunk drafted from the newest code
+            m = min(self.config.num_horizontal, w - c - 1)
+            if m == 0:  # one code left in the row: an AR step
+                return _Block(state.tokens[:, c:c], None, 0, 0, bonus=True)
+            src = torch.arange(c - 1, c, device=hidden.device)
+            logits = draft_heads.draft_logits(backbone, hidden[:, src], state.tokens[:, src], "horizontal", m, src)
+            tokens, q = self._draft(logits[:, 0], state)  # (B, m)
+            state.num_draft_passes += 1
+            return _Block(tokens, q, self.config.horizontal_rounds, m, bonus=True)
+        # a later row: up to num_vertical_rows rows at once, one code per column, from the completed row above
+        row = c // w
+        g = min(self.config.num_vertical_rows, layout.height - row)
+        src = torch.arange((row - 1) * w, row * w, device=hidden.device)  # (W,)
+        logits = draft_heads.draft_logits(backbone, hidden[:, src], state.tokens[:, src], "vertical", g, src)  # (B, W, g, V)
+        tokens, q = self._draft(logits.transpose(1, 2).flatten(1, 2), state)  # (B, g*W) row-major
+        state.num_draft_passes += 1
+        return _Block(tokens, q, self.base_rounds, w, bonus=False)
+
+    def _causal_mask(self, state: DecodingState, t: int) -> torch.Tensor:
+        masks = state.extras["masks"]
+        if t not in masks:  # one per block length, allocated once per generation
+            masks[t] = torch.ones(t, t, dtype=torch.bool, device=state.tokens.device).tril()
+        return masks[t]
+
+    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
+        block = state.extras["block"]
+        if block is None:
+            block = state.extras["block"] = self._new_block(state, draft_heads)
+        n = block.tokens.shape[1] if block.rounds_left > 0 else block.commit_length
+        c = state.num_committed
+        return Draft(
+            input_ids=torch.cat([state.last_token[:, None], block.tokens[:, :n]], 1),  # (B, 1 + n)
+            position_ids=state.positions[c - 1 : c + n],
+            attention_mask=self._causal_mask(state, n + 1),
+        )
+
+    # -- verification and commit -----------------------------------------------------------------------
+    def step(self, logits, hidden_states, draft, state, draft_heads=None) -> StepOutput:
+        if draft is None:  # prefill: code 0 from the prompt's last position
+            token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
+            state.extras["hidden"][:, 0] = hidden_states[:, -1]
+            state.commit(token[:, None], torch.ones_like(token))
+            return StepOutput(num_accepted=1)
+        block: _Block = state.extras["block"]
+        if block.rounds_left > 0:
+            # auto-correction: output j is the target's p for block code j given the block drafted before it
+            probs = logits_to_probs(logits[:, :-1], state.sampling)  # (B, n, V)
+            block.tokens, _ = accept_independently(block.tokens, probs, state.random, block.q)
+            block.q = probs  # every code now follows this round's p: the next round tests against it
+            block.rounds_left -= 1
+            state.commit_nothing()
+            return StepOutput(num_accepted=0, keep_length=0)  # roll the pass back
+        return self._commit(logits, hidden_states, state, block)
+
+    def _commit(self, logits, hidden_states, state: DecodingState, block: _Block) -> StepOutput:
+        c, m = state.num_committed, block.commit_length
+        hidden = state.extras["hidden"]
+        codes = block.tokens[:, :m]  # (B, m)
+        hidden[:, c : c + m] = hidden_states[:, :m]  # output j drew (or judged) code c + j
+        if block.bonus:  # the code after the chunk, drawn exactly from the pass's last output
+            bonus = sample_from_probs(logits_to_probs(logits[:, m], state.sampling), state.random)  # (B,)
+            hidden[:, c + m] = hidden_states[:, m]
+            codes = torch.cat([codes, bonus[:, None]], 1)
+        n = codes.shape[1]
+        state.commit(codes, torch.full_like(codes[:, 0], n))
+        rest = block.tokens.shape[1] - m
+        if rest > 0:  # staged: the trailing rows get `incremental_rounds` more rounds with the leading row fixed
+            state.extras["block"] = _Block(
+                block.tokens[:, m:], None if block.q is None else block.q[:, m:], self.incremental_rounds,
+                min(state.layout.width, rest), bonus=False,
+            )
+        else:
+            state.extras["block"] = None
+        # the newest committed code is fed first next round: keep the KV of what came before it only
+        return StepOutput(num_accepted=n, keep_length=None if block.bonus else m)

@@ -1,0 +1,190 @@
+"""SSDDecoder (lossy by design): the pass schedule, oracle drafts, the fixed point of auto-correction, and
+LatentDraftHeads. The invariants SSD shares with every decoder (same seed, config round trip) run from
+`test_decoders.DECODER_CASES`."""
+
+import pytest
+import torch
+
+from pipeline_mixin import gen
+from spatial_pipelines import AutoregressiveDecoder, LatentDraftHeads, SSDDecoder
+from spatial_pipelines.decoders import SSD_PRESETS
+from spatial_pipelines.testing import dummy_pipeline
+
+
+def ssd_pipeline(grid=(5, 7), heads="random", **kwargs):
+    pipe = dummy_pipeline("llamagen", SSDDecoder(**kwargs), heads, grid=grid)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def expected_passes(grid, num_horizontal=5, horizontal_rounds=1, vertical_rounds=2, num_vertical_rows=1,
+                    staged_base_rounds=None, staged_incremental_rounds=None):
+    """The schedule written out from the method description (not from the decoder's code)."""
+    h, w = grid
+    b = vertical_rounds if staged_base_rounds is None else staged_base_rounds
+    i = vertical_rounds if staged_incremental_rounds is None else staged_incremental_rounds
+    passes = 1  # prefill: code 0
+    done = 1
+    while done < w:  # first row: chunks of m drafts + the code drawn after them
+        m = min(num_horizontal, w - done - 1)
+        passes += horizontal_rounds + 1 if m else 1  # no drafts left to repair: one AR step
+        done += m + 1
+    rows_left = h - 1
+    while rows_left > 0:
+        g = min(num_vertical_rows, rows_left)
+        passes += b + (g - 1) * (1 + i) + 1  # k_v = 1: r + 1
+        rows_left -= g
+    return passes
+
+
+SCHEDULES = [
+    pytest.param((5, 7), dict(num_horizontal=2, horizontal_rounds=1, vertical_rounds=0), id="r0"),
+    pytest.param((5, 7), dict(num_horizontal=2, horizontal_rounds=1, vertical_rounds=1), id="r1"),
+    pytest.param((5, 7), dict(num_horizontal=2, horizontal_rounds=0, vertical_rounds=3), id="r3"),
+    pytest.param((6, 7), dict(num_horizontal=2, num_vertical_rows=2, staged_base_rounds=2, staged_incremental_rounds=1), id="staged-kv2"),
+    pytest.param((6, 4), dict(num_horizontal=1, num_vertical_rows=3, staged_base_rounds=1, staged_incremental_rounds=2), id="staged-kv3"),
+]
+
+
+@pytest.mark.parametrize("grid,kwargs", SCHEDULES)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_pass_count_follows_the_schedule(grid, kwargs, temperature):
+    pipe = ssd_pipeline(grid, **kwargs)
+    out = pipe("a fox", temperature=temperature, generator=gen(0), output_type="latent")
+    stats = out.stats
+    assert stats.num_forward_passes == expected_passes(grid, **kwargs)
+    assert stats.accepted_lengths.shape == (stats.num_forward_passes, 1)  # one entry per target pass
+    assert stats.accepted_lengths.sum().item() == grid[0] * grid[1]
+    assert stats.mean_accepted_length == pytest.approx(grid[0] * grid[1] / stats.num_forward_passes)
+    assert (out.tokens >= 0).all()
+    if grid[0] > 1:  # every later row is committed whole by one pass
+        assert (stats.acceptance_map[0, 1:] == grid[1]).all()
+
+
+def test_paper_schedule_on_a_24x24_grid():
+    """SSD paper, Table 5 (Janus-Pro, 24x24): 23 later rows at r + 1 passes each; our first row takes 9."""
+    assert [expected_passes((24, 24), vertical_rounds=r) for r in range(3)] == [32, 55, 78]
+
+
+class OracleHeads(LatentDraftHeads):
+    """Draft heads that know the answer: every draft is the code of a fixed grid (one-hot logits)."""
+
+    def set_grid(self, grid: torch.Tensor):
+        self.grid = grid.flatten(1)  # (B, N)
+
+    def draft_logits(self, backbone, hidden_states, codes, direction, num_offsets, source_index=None):
+        stride = 1 if direction == "horizontal" else self.config.grid_width
+        offsets = torch.tensor(self.offsets(direction)[:num_offsets]) * stride  # (K,)
+        target = (source_index[:, None] + offsets[None]).clamp_max(self.grid.shape[1] - 1)  # (n, K)
+        return torch.nn.functional.one_hot(self.grid[:, target], backbone.num_image_codes).float() * 30  # (B, n, K, V)
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+@pytest.mark.parametrize("kwargs", [dict(vertical_rounds=0, horizontal_rounds=0), dict(vertical_rounds=1),
+                                    dict(num_vertical_rows=2, staged_base_rounds=0, staged_incremental_rounds=0)],
+                         ids=["r0", "r1", "staged"])
+def test_oracle_drafts_give_the_autoregressive_grid(guidance_scale, kwargs):
+    """Greedy SSD whose heads draft the AR greedy grid returns exactly that grid, in H + first-row passes.
+
+    Fails if drafts land on the wrong positions (offsets/strides), the rows are committed out of order, or a
+    verification round changes codes that are already the target's argmax."""
+    pipe = ssd_pipeline((5, 7), heads=None, num_horizontal=2)
+    prompts = ["a red fox", "blue sky"]
+    pipe.decoder = AutoregressiveDecoder()
+    ref = pipe(prompts, guidance_scale=guidance_scale, temperature=0, output_type="latent").tokens
+    decoder = SSDDecoder(num_horizontal=2, **kwargs)
+    heads = OracleHeads.for_backbone(pipe.backbone, decoder, random_init=False)
+    heads.set_grid(ref)
+    pipe.decoder = decoder
+    pipe.set_draft_heads(heads)
+    out = pipe(prompts, guidance_scale=guidance_scale, temperature=0, output_type="latent")
+    assert torch.equal(out.tokens, ref)
+
+
+def test_random_heads_without_rounds_do_not_reproduce_the_grid():
+    """The control of the oracle test: the same check fails with random drafts and no verification."""
+    pipe = ssd_pipeline((5, 7), num_horizontal=2, horizontal_rounds=0, vertical_rounds=0)
+    out = pipe(["a red fox", "blue sky"], temperature=0, output_type="latent").tokens
+    pipe.decoder = AutoregressiveDecoder()
+    ref = pipe(["a red fox", "blue sky"], temperature=0, output_type="latent").tokens
+    assert not torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+@pytest.mark.parametrize("kwargs", [dict(num_horizontal=3, horizontal_rounds=3, vertical_rounds=7),
+                                    dict(num_horizontal=3, horizontal_rounds=5, vertical_rounds=9),
+                                    dict(num_horizontal=2, horizontal_rounds=2, num_vertical_rows=2,
+                                         staged_base_rounds=7, staged_incremental_rounds=7)],
+                         ids=["r=W", "r>W", "staged"])
+def test_enough_greedy_rounds_reach_the_autoregressive_fixed_point(guidance_scale, kwargs):
+    """With greedy sampling a verification round replaces every drafted code by the target's argmax given the
+    codes before it: a Jacobi iteration. Its fixed point is the greedy AR row, and position ``j`` of a block is
+    final after ``j + 1`` rounds, so with rounds >= block length (W = 7 for rows, k_h for chunks) greedy SSD
+    must return the AR grid from random heads. It fails if a round does not re-feed the corrected codes, if
+    the rolled-back KV leaks into the next round, or if positions/hidden states are misaligned."""
+    prompts = ["a red fox", "blue sky"]
+    pipe = ssd_pipeline((4, 7), **kwargs)
+    out = pipe(prompts, guidance_scale=guidance_scale, temperature=0, output_type="latent").tokens
+    pipe.decoder = AutoregressiveDecoder()
+    ref = pipe(prompts, guidance_scale=guidance_scale, temperature=0, output_type="latent").tokens
+    assert torch.equal(out, ref)
+
+
+def test_batch_rows_follow_their_own_generators():
+    pipe = ssd_pipeline((4, 5), num_horizontal=2, vertical_rounds=1, draft="sample")
+    both = pipe(["a fox", "a cat"], generator=[gen(1), gen(2)], output_type="latent").tokens
+    one = pipe("a cat", generator=gen(2), output_type="latent").tokens
+    assert torch.equal(both[1], one[0])
+
+
+def test_presets_are_the_papers_table_9():
+    lumina = SSDDecoder.from_preset("lumina_mgpt")
+    assert (lumina.config.num_vertical_rows, lumina.base_rounds, lumina.incremental_rounds) == (2, 5, 4)
+    assert SSDDecoder.from_preset("janus_pro").config.vertical_rounds == 2
+    assert SSDDecoder.from_preset("emu3", vertical_rounds=3).config.vertical_rounds == 3
+    assert set(SSD_PRESETS) == {"janus_pro", "lumina_mgpt", "emu3"}
+    with pytest.raises(ValueError, match="name"):
+        SSDDecoder.from_preset("llava")
+
+
+def test_heads_without_enough_vertical_offsets_are_refused():
+    pipe = ssd_pipeline((4, 5), num_vertical_rows=2)
+    pipe.decoder = SSDDecoder(num_vertical_rows=3)
+    with pytest.raises(ValueError, match="vertical offsets"):
+        pipe("a fox")
+    pipe.decoder = SSDDecoder(num_horizontal=6)
+    with pytest.raises(ValueError, match="horizontal offsets"):
+        pipe("a fox")
+
+
+def test_untrained_latent_predictor_copies_its_source_hidden_state():
+    """``W0 = [I, 0]`` and ``W2 = 0``: f([h; e]) = h, so untrained heads draft what the source predicted."""
+    heads = LatentDraftHeads(hidden_size=8, num_image_codes=16, grid_height=2, grid_width=2, intermediate_size=4)
+    h, e = torch.randn(3, 8), torch.randn(3, 8)
+    out = heads(h, e, "vertical")  # (3, 2, 8)
+    assert out.shape == (3, 2, 8)
+    assert torch.allclose(out, h[:, None].expand(3, 2, 8))
+
+
+def test_latent_heads_roundtrip_through_the_pipeline(tmp_path):
+    pipe = ssd_pipeline((4, 5))
+    pipe.draft_heads.save_pretrained(tmp_path / "heads")
+    fresh = dummy_pipeline("llamagen", SSDDecoder(), grid=(4, 5))
+    heads = fresh.load_draft_heads(tmp_path / "heads")
+    assert isinstance(heads, LatentDraftHeads)
+    for a, b in zip(heads.state_dict().values(), pipe.draft_heads.state_dict().values()):
+        assert torch.equal(a, b)
+    fresh.set_progress_bar_config(disable=True)
+    a = fresh("a fox", generator=gen(3), output_type="latent").tokens
+    b = pipe("a fox", generator=gen(3), output_type="latent").tokens
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(horizontal_offsets=(0, 1)), "horizontal_offsets"),
+    (dict(vertical_offsets=(1, 1)), "vertical_offsets"),
+    (dict(intermediate_size=0), "intermediate_size"),
+])
+def test_bad_latent_heads_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LatentDraftHeads(hidden_size=8, num_image_codes=16, grid_height=2, grid_width=2, **kwargs)
