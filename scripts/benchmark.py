@@ -1,10 +1,15 @@
 #!/usr/bin/env python
 """Benchmark decoders on one pipeline, same prompts and seeds, in one run: target forward passes, mean accepted
-length, wall-clock and speed-up versus the AR baseline (the same fast loop, not a slow `generate`).
+length, wall-clock and speed-up versus the AR baseline (the same fast loop, not a slow `generate`), and with
+``--quality`` FD-EffNet, caption retrieval and LPIPS diversity of each decoder's images.
 
-    python scripts/benchmark.py --decoders ar medusa hawk --heads <heads folder> --num-prompts 50 --out docs/benchmarks
+    python scripts/benchmark.py --decoders ar medusa hawk sjd sjd:init=left ssd:vertical_rounds=0 \\
+        ssd:num_vertical_rows=2,staged_base_rounds=2,staged_incremental_rounds=1 \\
+        --heads <spatial heads folder> <latent heads folder> --quality --picture 6 --out docs/benchmarks
 
-Writes ``<out>/benchmark.json`` and ``<out>/benchmark.md``.
+A decoder is ``name`` or ``name:key=value,key=value`` (values are JSON, else strings); each decoder gets the
+loaded heads of the class it needs. Writes ``<out>/benchmark.json``, ``<out>/benchmark.md`` and, with
+``--picture N``, ``<out>/decoders_side_by_side.png`` (the first N prompts and seeds under every decoder).
 """
 
 import argparse
@@ -15,77 +20,171 @@ import random
 import time
 
 import diffusers
+import numpy as np
 import torch
 import transformers
 
 import spatial_pipelines
 from spatial_pipelines.cli import load_pipeline
-from spatial_pipelines.data import twemoji_items
+from spatial_pipelines.data import TwemojiDataset
 from spatial_pipelines.decoders import DECODERS
 from spatial_pipelines.embedded import default_model_path
+
+
+def parse_decoder(spec: str):
+    """``"ssd:vertical_rounds=1,draft=sample"`` -> (decoder class, {"vertical_rounds": 1, "draft": "sample"})."""
+    name, _, options = spec.partition(":")
+    if name not in DECODERS:
+        raise argparse.ArgumentTypeError(f"unknown decoder {name!r}; choose from {sorted(DECODERS)}")
+    kwargs = {}
+    for item in filter(None, options.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"decoder option {item!r} of {spec!r} is not key=value")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return spec, DECODERS[name], kwargs
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="pipeline folder (default: the embedded model)")
-    p.add_argument("--decoders", nargs="+", default=["ar", "medusa", "hawk"], choices=sorted(DECODERS))
-    p.add_argument("--heads", default=None, help="draft heads folder for the decoders that need them")
+    p.add_argument("--decoders", nargs="+", type=parse_decoder, default=[parse_decoder(d) for d in ("ar", "medusa", "hawk")])
+    p.add_argument("--heads", nargs="*", default=[], help="draft heads folders; each decoder uses the ones of its class")
     p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--split", default="all", choices=["all", "train", "eval"], help="where the prompts are sampled")
     p.add_argument("--batch-size", type=int, default=1, help="images per call (1: the latency setting)")
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quality", action="store_true", help="also FD-EffNet, retrieval and LPIPS diversity per decoder")
+    p.add_argument("--diversity-prompts", type=int, default=4)
+    p.add_argument("--diversity-samples", type=int, default=4)
+    p.add_argument("--picture", type=int, default=0, help="side-by-side picture of the first N prompts")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N Twemoji as prompts and gallery (smoke tests)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="docs/benchmarks")
     return p.parse_args(argv)
 
 
+def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent"):
+    """Generate ``prompts`` (one seeded generator per image); returns outputs and the summed cost."""
+    outs, cost = [], {"passes": 0, "draft_passes": 0, "tokens": 0, "accepted": [], "seconds": 0.0}
+    for i in range(0, len(prompts), args.batch_size):
+        chunk = prompts[i : i + args.batch_size]
+        gens = [torch.Generator().manual_seed(args.seed + seed_offset + i + j) for j in range(len(chunk))]
+        start = time.perf_counter()
+        out = pipe(chunk, guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
+                   generator=gens, output_type=output_type)
+        cost["seconds"] += time.perf_counter() - start
+        cost["passes"] += out.stats.num_forward_passes * len(chunk)
+        cost["draft_passes"] += out.stats.num_draft_passes * len(chunk)
+        cost["accepted"].append(out.stats.accepted_lengths.float().flatten())
+        cost["tokens"] += out.stats.num_tokens
+        outs.append(out.images.cpu() * 2 - 1 if output_type == "pt" else out.tokens)
+    return torch.cat(outs), cost
+
+
+def side_by_side(images: dict, prompts, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(images)
+    fig, axes = plt.subplots(len(prompts), len(names), figsize=(1.3 * len(names), 1.4 * len(prompts)), dpi=110, squeeze=False)
+    for r, prompt in enumerate(prompts):
+        for c, name in enumerate(names):
+            ax = axes[r, c]
+            ax.imshow(((images[name][r].permute(1, 2, 0).clamp(-1, 1) + 1) / 2).numpy())
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(name.replace(":", "\n").replace(",", "\n"), fontsize=5)
+            if c == 0:
+                ax.set_ylabel(prompt[:18], fontsize=5)
+    fig.suptitle("same prompts and seeds under every decoder", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     pipe = load_pipeline(args.model or default_model_path()).to(args.device)
     pipe.set_progress_bar_config(disable=True)
-    if args.heads:
-        pipe.load_draft_heads(args.heads)
-    prompts = random.Random(args.seed).sample([it.caption for it in twemoji_items("all")], args.num_prompts)
+    heads = {}
+    for path in args.heads:
+        loaded = pipe.load_draft_heads(path)
+        heads[type(loaded).__name__] = (loaded, path)
+    pipe.set_draft_heads(None)
+    resolution = pipe.backbone.layout.height * pipe.backbone.vae_scale_factor
+    real = TwemojiDataset(args.split, resolution, limit=args.limit)
+    prompts = random.Random(args.seed).sample(real.captions, args.num_prompts)
     pipe(prompts[:1], output_type="latent", generator=torch.Generator().manual_seed(0))  # warm-up
-    rows = {}
-    for name in args.decoders:
-        pipe.decoder = DECODERS[name].from_config(pipe.decoder.config)
-        passes, accepted, draft_passes, tokens = 0, [], 0, 0
-        start = time.perf_counter()
-        for i in range(0, len(prompts), args.batch_size):
-            chunk = prompts[i : i + args.batch_size]
-            gens = [torch.Generator().manual_seed(args.seed + i + j) for j in range(len(chunk))]
-            out = pipe(chunk, guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
-                       generator=gens, output_type="latent")
-            passes += out.stats.num_forward_passes * len(chunk)
-            draft_passes += out.stats.num_draft_passes * len(chunk)
-            accepted.append(out.stats.accepted_lengths.float())
-            tokens += out.stats.num_tokens
-        seconds = time.perf_counter() - start
-        rows[name] = {
+
+    if args.quality:
+        from spatial_pipelines.evaluation import LPIPS, EffNetFeatures, extract_features, frechet_distance, lpips_diversity, retrieval_accuracy
+
+        everything = TwemojiDataset("all", resolution, limit=args.limit)
+        real_images = torch.stack([everything[i]["pixel_values"] for i in range(len(everything))])
+        effnet, lpips = EffNetFeatures(), LPIPS()
+        real_feats = extract_features(effnet, real_images)
+        index = {c: i for i, c in enumerate(everything.captions)}
+        matched = real_feats[[index[c] for c in prompts]]
+        div_rep = [p for p in prompts[: args.diversity_prompts] for _ in range(args.diversity_samples)]
+
+    rows, pictures = {}, {}
+    for spec, decoder_cls, kwargs in args.decoders:
+        pipe.decoder = decoder_cls(**kwargs)  # a fresh config: no option leaks from the previous row
+        need = pipe.decoder.draft_heads_class
+        if need is not None and need not in heads:
+            raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
+        pipe.set_draft_heads(heads[need][0] if need else None)
+        images, cost = run_decoder(pipe, prompts, args, output_type="pt" if args.quality or args.picture else "latent")
+        row = {
+            "decoder_class": decoder_cls.__name__,
             "decoder_config": {k: v for k, v in dict(pipe.decoder.config).items() if not k.startswith("_")},
-            "target_forward_passes_per_image": passes / len(prompts),
-            "draft_passes_per_image": draft_passes / len(prompts),
-            "mean_accepted_length": torch.cat([a.flatten() for a in accepted]).mean().item(),
-            "wall_clock_s": seconds,
-            "seconds_per_image": seconds / len(prompts),
-            "tokens_per_s": tokens / seconds,
+            "heads": heads[need][1] if need else None,
+            "exact": decoder_cls.is_exact,
+            "target_forward_passes_per_image": cost["passes"] / len(prompts),
+            "draft_passes_per_image": cost["draft_passes"] / len(prompts),
+            "mean_accepted_length": torch.cat(cost["accepted"]).mean().item(),
+            "wall_clock_s": cost["seconds"],
+            "seconds_per_image": cost["seconds"] / len(prompts),
+            "tokens_per_s": cost["tokens"] / cost["seconds"],
         }
-        print(name, json.dumps(rows[name]))
+        if args.quality:
+            feats = extract_features(effnet, images)
+            row["fd_effnet"] = frechet_distance(feats, matched)
+            row["retrieval"] = retrieval_accuracy(feats, prompts, real_feats, everything.captions)
+            div, _ = run_decoder(pipe, div_rep, args, seed_offset=10**6, output_type="pt")
+            k = args.diversity_samples
+            row["lpips_diversity"] = float(np.mean([lpips_diversity(lpips, div[i : i + k]) for i in range(0, len(div), k)]))
+        if args.picture:
+            pictures[spec] = images[: args.picture]
+        rows[spec] = row
+        print(spec, json.dumps(row))
+
     base = rows.get("ar")
     for r in rows.values():
         r["speedup_vs_ar"] = base["wall_clock_s"] / r["wall_clock_s"] if base else None
         r["pass_reduction_vs_ar"] = base["target_forward_passes_per_image"] / r["target_forward_passes_per_image"] if base else None
     report = {
         "model": args.model or "embedded twemoji_llamagen",
-        "heads": args.heads,
         "num_prompts": len(prompts),
+        "prompt_split": args.split,
         "batch_size": args.batch_size,
         "sampling": {"guidance_scale": args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale,
-                     "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed},
+                     "temperature": args.temperature,
+                     "top_k": args.top_k if args.top_k is not None else pipe.backbone.default_top_k, "seed": args.seed},
+        "quality": {"fd_effnet": "vs the real images of the same captions", "retrieval": f"top-k nearest of {len(everything)} real Twemoji carry the prompt's caption",
+                    "lpips_diversity": f"{args.diversity_prompts} prompts x {args.diversity_samples} seeds"} if args.quality else None,
         "device": args.device if args.device != "cpu" else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
         "dtype": str(pipe.transformer.dtype),
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__,
@@ -94,13 +193,22 @@ def main(argv=None):
     }
     with open(os.path.join(args.out, "benchmark.json"), "w") as f:
         json.dump(report, f, indent=2)
-    lines = ["| decoder | target passes / image | mean accepted length | s / image | speed-up vs AR |", "|---|---|---|---|---|"]
+    header = "| decoder | exact | target passes / image | mean accepted length | s / image | speed-up vs AR |"
+    if args.quality:
+        header += " FD-EffNet | retrieval top-1 / top-5 | LPIPS diversity |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['target_forward_passes_per_image']:.1f} | {r['mean_accepted_length']:.2f} | "
-                     f"{r['seconds_per_image']:.2f} | {r['speedup_vs_ar']:.2f}x |")
+        line = (f"| `{name}` | {'yes' if r['exact'] else 'no'} | {r['target_forward_passes_per_image']:.1f} | "
+                f"{r['mean_accepted_length']:.2f} | {r['seconds_per_image']:.2f} | {r['speedup_vs_ar']:.2f}x |")
+        if args.quality:
+            line += (f" {r['fd_effnet']:.1f} | {100 * r['retrieval']['top1']:.0f}% / {100 * r['retrieval']['top5']:.0f}% | "
+                     f"{r['lpips_diversity']:.3f} |")
+        lines.append(line)
     with open(os.path.join(args.out, "benchmark.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.picture:
+        side_by_side(pictures, prompts[: args.picture], os.path.join(args.out, "decoders_side_by_side.png"))
 
 
 if __name__ == "__main__":

@@ -125,8 +125,12 @@ class LPIPS(nn.Module):
         self.register_buffer("scale", torch.tensor([0.458, 0.448, 0.450])[None, :, None, None])
         self.eval().requires_grad_(False)
 
+    MIN_SIDE = 64  # AlexNet's stride-4 stem and two poolings need at least this many pixels per side
+
     def _features(self, x: torch.Tensor) -> List[torch.Tensor]:
         x = (x.float() - self.shift) / self.scale
+        if min(x.shape[-2:]) < self.MIN_SIDE:  # tiny images (test models) are upsampled, never silently dropped
+            x = F.interpolate(x, size=(max(x.shape[-2], self.MIN_SIDE), max(x.shape[-1], self.MIN_SIDE)), mode="bilinear", align_corners=False)
         feats = []
         for n, conv in enumerate(self.convs):
             x = F.relu(conv(x))

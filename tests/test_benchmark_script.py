@@ -1,0 +1,40 @@
+"""Smoke test of scripts/benchmark.py on a tiny saved pipeline: decoder variants, heads picked per decoder,
+quality columns and the side-by-side picture (the real run and its command are in docs/benchmarks.md)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from spatial_pipelines import HawkDecoder, LatentDraftHeads, SpatialDraftHeads, SSDDecoder
+from spatial_pipelines.testing import dummy_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_rows_quality_and_picture(tmp_path):
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    SpatialDraftHeads.for_backbone(pipe.backbone, HawkDecoder()).save_pretrained(tmp_path / "spatial")
+    LatentDraftHeads.for_backbone(pipe.backbone, SSDDecoder()).save_pretrained(tmp_path / "latent")
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--model", str(tmp_path / "model"),
+           "--decoders", "ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
+           "--heads", str(tmp_path / "spatial"), str(tmp_path / "latent"), "--num-prompts", "3", "--limit", "40", "--quality",
+           "--diversity-prompts", "1", "--diversity-samples", "2", "--picture", "2", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    report = json.loads((out / "benchmark.json").read_text())
+    rows = report["decoders"]
+    assert list(rows) == ["ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left"]
+    assert rows["ar"]["target_forward_passes_per_image"] == 16 and rows["ar"]["speedup_vs_ar"] == 1.0
+    # 4x4 grid, k_h = 5: prefill + one chunk of 2 drafts and the code after them (2 passes); 3 rows x (r + 1)
+    assert rows["ssd:vertical_rounds=0"]["target_forward_passes_per_image"] == 1 + 2 + 3 * 1
+    assert rows["ssd:vertical_rounds=2,draft=sample"]["target_forward_passes_per_image"] == 1 + 2 + 3 * 3
+    assert rows["ssd:vertical_rounds=2,draft=sample"]["decoder_config"]["draft"] == "sample"
+    assert rows["hawk"]["heads"].endswith("spatial") and rows["ssd:vertical_rounds=0"]["heads"].endswith("latent")
+    assert not rows["ssd:vertical_rounds=0"]["exact"] and rows["sjd:init=left"]["exact"]
+    for r in rows.values():
+        assert r["fd_effnet"] >= 0 and 0 <= r["retrieval"]["top5"] <= 1 and r["lpips_diversity"] >= 0
+    table = (out / "benchmark.md").read_text()
+    assert "FD-EffNet" in table and "`ssd:vertical_rounds=0`" in table
+    assert (out / "decoders_side_by_side.png").stat().st_size > 0
