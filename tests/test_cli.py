@@ -34,3 +34,15 @@ def test_generate_reports_bad_input(model_dir, tmp_path, capsys):
     assert "top_p" in capsys.readouterr().err
     assert main(["generate", "fox", "--model", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.png")]) == 2
     assert "model_index.json" in capsys.readouterr().err
+
+
+def test_generate_with_a_decoder_that_needs_heads(model_dir, tmp_path, capsys):
+    from spatial_pipelines import LatentDraftHeads, LlamaGenPipeline, SSDDecoder
+
+    pipe = LlamaGenPipeline.from_pretrained(model_dir)
+    LatentDraftHeads.for_backbone(pipe.backbone, SSDDecoder()).save_pretrained(tmp_path / "heads")
+    out = tmp_path / "ssd.png"
+    assert main(["generate", "fox", "--model", str(model_dir), "--decoder", "ssd", "--out", str(out)]) == 2
+    assert "LatentDraftHeads" in capsys.readouterr().err  # no heads: a clear error, not a crash
+    assert main(["generate", "fox", "--model", str(model_dir), "--decoder", "ssd", "--heads", str(tmp_path / "heads"), "--out", str(out)]) == 0
+    assert "decoder ssd | 12 target forward passes" in capsys.readouterr().out  # 4x4: 1 + 2 + 3 rows x (2 + 1)

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="text prompt (or a class label for class-conditional models)")
     g.add_argument("--model", default=None, help="a saved pipeline folder (default: the embedded Twemoji model)")
     g.add_argument("--decoder", default="ar", choices=sorted(DECODERS), help="decoding algorithm (default: ar)")
+    g.add_argument("--heads", default=None,
+                   help="draft heads folder for decoders that need them (default with the embedded model: its shipped heads)")
     g.add_argument("--out", default="image.png", help="output PNG (a grid when --num-images > 1)")
     g.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the family's)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
@@ -65,11 +67,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def embedded_heads_path(heads_class: str) -> str:
+    """The heads shipped with the embedded model for a decoder's heads class."""
+    from .embedded import default_heads_path, default_ssd_heads_path
+
+    paths = {"SpatialDraftHeads": default_heads_path(), "LatentDraftHeads": default_ssd_heads_path()}
+    if heads_class not in paths:
+        raise ValueError(f"`--decoder` needs {heads_class} heads; the embedded model ships none: pass `--heads`.")
+    return paths[heads_class]
+
+
 def generate(args: argparse.Namespace) -> int:
     from .embedded import default_model_path
 
     pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype]).to(args.device)
     pipe.decoder = DECODERS[args.decoder].from_config(pipe.decoder.config)
+    heads = args.heads
+    if heads is None and args.model is None and pipe.decoder.draft_heads_class is not None:
+        heads = embedded_heads_path(pipe.decoder.draft_heads_class)
+    if heads is not None:
+        pipe.load_draft_heads(heads)
     prompt = pipe.backbone.prompt_from_text(args.prompt)
     if args.num_images < 1:
         raise ValueError(f"`--num-images` must be >= 1, got {args.num_images}.")

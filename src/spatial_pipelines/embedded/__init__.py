@@ -8,6 +8,7 @@ import os
 
 DEFAULT_MODEL_NAME = "twemoji_llamagen"
 DEFAULT_HEADS_NAME = "twemoji_llamagen_spatial_heads"
+DEFAULT_SSD_HEADS_NAME = "twemoji_llamagen_latent_heads"
 
 
 def default_model_path() -> str:
@@ -18,6 +19,11 @@ def default_model_path() -> str:
 def default_heads_path() -> str:
     """Folder of the draft heads trained for the embedded model (horizontal 1..4, vertical 1..2: Medusa and Hawk)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_HEADS_NAME)
+
+
+def default_ssd_heads_path() -> str:
+    """Folder of the SSD latent draft heads trained for the embedded model (horizontal 1..5, vertical 1..2)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_SSD_HEADS_NAME)
 
 
 def load_default_pipeline(**kwargs):
