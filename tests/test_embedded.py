@@ -63,3 +63,19 @@ def test_shipped_heads_fit_the_model_and_keep_greedy_exact():
     ar = pipe("red heart", temperature=0, output_type="latent")
     assert torch.equal(hawk.tokens, ar.tokens)
     assert hawk.stats.num_forward_passes < ar.stats.num_forward_passes
+
+
+def test_shipped_latent_heads_drive_ssd_on_the_schedule():
+    from spatial_pipelines import SSDDecoder
+    from spatial_pipelines.embedded import default_ssd_heads_path
+
+    pipe = load_default_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    heads = pipe.load_draft_heads(default_ssd_heads_path())
+    assert type(heads).__name__ == "LatentDraftHeads"
+    assert list(heads.config.horizontal_offsets) == [1, 2, 3, 4, 5] and list(heads.config.vertical_offsets) == [1, 2]
+    pipe.decoder = SSDDecoder(vertical_rounds=2)
+    out = pipe("red heart", generator=torch.Generator().manual_seed(0), output_type="latent")
+    # 24x24: prefill + 4 first-row chunks x 2 passes + 23 rows x (2 rounds + 1 commit)
+    assert out.stats.num_forward_passes == 1 + 8 + 23 * 3
+    assert out.tokens.shape == (1, 24, 24) and (out.tokens >= 0).all()

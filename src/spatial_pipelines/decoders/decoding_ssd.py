@@ -146,8 +146,7 @@ class SSDDecoder(SpatialDecoderMixin):
 
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> DecodingState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        # h_j for every committed code j: the sources of the vertical drafts of the rows below
-        state.extras["hidden"] = torch.zeros(batch_size, layout.num_tokens, backbone.hidden_size, device=device)
+        state.extras["hidden"] = None  # h_j of every committed code j (allocated at prefill, in the trunk's dtype)
         state.extras["block"] = None
         state.extras["masks"] = {}
         return state
@@ -203,7 +202,9 @@ class SSDDecoder(SpatialDecoderMixin):
     def step(self, logits, hidden_states, draft, state, draft_heads=None) -> StepOutput:
         if draft is None:  # prefill: code 0 from the prompt's last position
             token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
-            state.extras["hidden"][:, 0] = hidden_states[:, -1]
+            hidden = hidden_states.new_zeros(state.batch_size, state.layout.num_tokens, hidden_states.shape[-1])  # (B, N, D)
+            hidden[:, 0] = hidden_states[:, -1]
+            state.extras["hidden"] = hidden
             state.commit(token[:, None], torch.ones_like(token))
             return StepOutput(num_accepted=1)
         block: _Block = state.extras["block"]

@@ -98,7 +98,8 @@ class LatentDraftHeads(DraftHeadsMixin):
         predicted pre-norm hidden states ``(..., K, D)`` for the first ``num_offsets`` offsets of ``direction``."""
         heads = self.predictors(direction)
         k = len(heads) if num_offsets is None else num_offsets
-        z = torch.cat([hidden_states, token_embeds.to(hidden_states.dtype)], dim=-1)  # (..., 2D)
+        dtype = heads[0].w0.weight.dtype  # heads may run in another precision than the trunk
+        z = torch.cat([hidden_states.to(dtype), token_embeds.to(dtype)], dim=-1)  # (..., 2D)
         return torch.stack([heads[i](z) for i in range(k)], dim=-2)  # (..., K, D)
 
     def draft_logits(
