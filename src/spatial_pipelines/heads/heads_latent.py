@@ -127,19 +127,3 @@ class LatentDraftHeads(DraftHeadsMixin):
         """
         predicted = self(hidden_states, backbone.embed_image_tokens(codes), direction, num_offsets)  # (B, n, K, D)
         return backbone.image_logits(predicted.flatten(1, 2)).unflatten(1, predicted.shape[1:3])  # (B, n, K, V)
-
-    @classmethod
-    def for_backbone(cls, backbone, decoder, random_init: bool = True, **kwargs) -> "LatentDraftHeads":
-        """Heads sized for ``backbone`` with the offsets ``decoder`` uses; ``random_init`` perturbs every
-        projection (tests: drafts that differ from the backbone's own prediction)."""
-        heads = cls(
-            base_model_name_or_path=kwargs.pop("base_model_name_or_path", None),
-            horizontal_offsets=decoder.required_horizontal_offsets(),
-            vertical_offsets=decoder.required_vertical_offsets(),
-            **{**backbone.facts(), **kwargs},
-        )
-        if random_init:
-            for module in heads.modules():
-                if isinstance(module, nn.Linear):
-                    nn.init.normal_(module.weight, std=1.0 / module.in_features**0.5)
-        return heads

@@ -75,19 +75,3 @@ class SpatialDraftHeads(DraftHeadsMixin):
 
     def vertical_index(self, offset: int) -> int:
         return list(self.config.vertical_offsets).index(offset)
-
-    @classmethod
-    def for_backbone(cls, backbone, decoder, random_init: bool = True, **kwargs) -> "SpatialDraftHeads":
-        """Heads sized for ``backbone`` with the offsets ``decoder`` uses; ``random_init`` gives them random
-        weights (tests: drafts that differ from the backbone's own prediction)."""
-        heads = cls(
-            base_model_name_or_path=kwargs.pop("base_model_name_or_path", None),
-            horizontal_offsets=decoder.required_horizontal_offsets(),
-            vertical_offsets=decoder.required_vertical_offsets(),
-            **{**backbone.facts(), **kwargs},
-        )
-        if random_init:
-            for module in heads.modules():
-                if isinstance(module, nn.Linear):
-                    nn.init.normal_(module.weight, std=1.0 / module.in_features**0.5)
-        return heads

@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 
 from diffusers import ConfigMixin, ModelMixin
 from huggingface_hub import ModelCard, ModelCardData, create_repo
+from torch import nn
 
 from ..utils import atomic_directory
 
@@ -39,6 +40,22 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
     Subclasses register (with ``@register_to_config``) at least ``base_model_name_or_path``,
     ``base_model_revision`` and the `BACKBONE_FACTS`.
     """
+
+    @classmethod
+    def for_backbone(cls, backbone, decoder, random_init: bool = True, **kwargs) -> "DraftHeadsMixin":
+        """Heads sized for ``backbone`` with the horizontal and vertical offsets ``decoder`` uses;
+        ``random_init`` redraws every projection (tests: drafts that differ from the backbone's own prediction)."""
+        heads = cls(
+            base_model_name_or_path=kwargs.pop("base_model_name_or_path", None),
+            horizontal_offsets=decoder.required_horizontal_offsets(),
+            vertical_offsets=decoder.required_vertical_offsets(),
+            **{**backbone.facts(), **kwargs},
+        )
+        if random_init:
+            for module in heads.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, std=1.0 / module.in_features**0.5)
+        return heads
 
     def check_backbone(self, backbone_facts: Dict[str, Any]) -> None:
         """Raise `ValueError` if these heads do not fit a backbone with ``backbone_facts``."""
