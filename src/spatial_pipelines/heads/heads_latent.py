@@ -17,7 +17,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from .heads_utils import DraftHeadsMixin
+from .heads_utils import DraftHeadsMixin, check_offsets
 
 DIRECTIONS = ("horizontal", "vertical")
 
@@ -74,9 +74,7 @@ class LatentDraftHeads(DraftHeadsMixin):
         rms_norm_eps: float = 1e-5,
     ):
         super().__init__()
-        for name, offsets in (("horizontal_offsets", horizontal_offsets), ("vertical_offsets", vertical_offsets)):
-            if any(int(o) < 1 for o in offsets) or len(set(offsets)) != len(offsets):
-                raise ValueError(f"`{name}` must hold distinct offsets >= 1, got {list(offsets)}.")
+        check_offsets(horizontal_offsets, vertical_offsets)
         if intermediate_size is not None and intermediate_size < 1:
             raise ValueError(f"`intermediate_size` must be None or >= 1, got {intermediate_size}.")
         m = intermediate_size or 2 * hidden_size

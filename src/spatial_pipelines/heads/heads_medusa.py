@@ -12,7 +12,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from .heads_utils import DraftHeadsMixin
+from .heads_utils import DraftHeadsMixin, check_offsets
 
 
 class ResBlock(nn.Module):
@@ -51,10 +51,7 @@ class SpatialDraftHeads(DraftHeadsMixin):
         num_layers: int = 1,
     ):
         super().__init__()
-        if any(o < 1 for o in list(horizontal_offsets) + list(vertical_offsets)):
-            raise ValueError("`horizontal_offsets` and `vertical_offsets` must be >= 1.")
-        if len(set(horizontal_offsets)) != len(horizontal_offsets) or len(set(vertical_offsets)) != len(vertical_offsets):
-            raise ValueError("`horizontal_offsets` and `vertical_offsets` must not repeat an offset.")
+        check_offsets(horizontal_offsets, vertical_offsets)
 
         def head():
             return nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)])

@@ -34,6 +34,13 @@ def check_backbone_facts(heads_config: Dict[str, Any], backbone_facts: Dict[str,
         )
 
 
+def check_offsets(horizontal_offsets, vertical_offsets) -> None:
+    """Raise `ValueError` unless each offset list holds distinct offsets >= 1."""
+    for name, offsets in (("horizontal_offsets", horizontal_offsets), ("vertical_offsets", vertical_offsets)):
+        if any(int(o) < 1 for o in offsets) or len(set(offsets)) != len(offsets):
+            raise ValueError(f"`{name}` must hold distinct offsets >= 1, got {list(offsets)}.")
+
+
 class DraftHeadsMixin(ModelMixin, ConfigMixin):
     """Base of `SpatialDraftHeads`, `LatentDraftHeads` and `EagleDraftHead`.
 
