@@ -20,8 +20,18 @@ def full_sequence_probs(pipe, prompts, sampling: SamplingConfig, prefixes: torch
     device = pipe.device
     prefix = backbone.encode_prompt(list(prompts), None, sampling.do_cfg, device)
     ids = prefixes.repeat(2, 1) if sampling.do_cfg else prefixes  # (R, i)
-    embeds = torch.cat([prefix.embeds, backbone.embed_image_tokens(ids)], dim=1)
-    valid = torch.cat([prefix.valid, torch.ones_like(ids, dtype=torch.bool)], dim=1)
+    codes = backbone.embed_image_tokens(ids)  # (R, i, D)
+    layout = backbone.layout
+    if layout.has_eol:  # the sequence the model was trained on: an EOL after every completed row
+        eol = backbone.eol_embedding.expand(ids.shape[0], 1, -1)
+        parts = []
+        for j in range(ids.shape[1]):
+            parts.append(codes[:, j : j + 1])
+            if (j + 1) % layout.width == 0:
+                parts.append(eol)
+        codes = torch.cat(parts, 1) if parts else codes
+    embeds = torch.cat([prefix.embeds, codes], dim=1)
+    valid = torch.cat([prefix.valid, torch.ones_like(codes[..., 0], dtype=torch.bool)], dim=1)
     positions = torch.arange(embeds.shape[1], device=device)
     hidden = backbone.forward(embeds, positions, None, valid, None)  # (R, P + i, D)
     logits = backbone.image_logits(hidden[:, -1])  # (R, V)

@@ -12,6 +12,8 @@ from spatial_pipelines.core import (
     logits_to_probs,
     sample_from_probs,
 )
+from spatial_pipelines.core.layout import EndOfRowInsertion, ImageTokenLayout
+from spatial_pipelines.core.tree import tree_from_parents
 from spatial_pipelines.models import LlamaGenTransformer
 
 
@@ -87,13 +89,16 @@ def test_random_source_rows_follow_their_own_generator():
 
 
 # -- KV cache ------------------------------------------------------------------------------------------------
-def _tiny_transformer():
+def _tiny_transformer(end_of_row_token=False):
     torch.manual_seed(0)
-    return LlamaGenTransformer(
+    model = LlamaGenTransformer(
         vocab_size=16, hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, condition_type="class", num_classes=4, num_condition_tokens=1, grid_height=3,
-        grid_width=3, zero_prefix_rope=False,
+        grid_width=3, zero_prefix_rope=False, end_of_row_token=end_of_row_token,
     ).eval()
+    if end_of_row_token:
+        torch.nn.init.normal_(model.eol_embedding)
+    return model
 
 
 @torch.no_grad()
@@ -195,3 +200,86 @@ def test_accept_independently_keeps_each_position_distributed_as_p(with_q):
     for j in range(n):
         assert chi_square_pvalue(torch.bincount(out[:, j], minlength=v), p[j]) > 1e-4
     assert torch.equal(out[accepted], tokens[accepted])
+
+
+# -- end-of-row tokens ------------------------------------------------------------------------------------
+EOL_LAYOUT = ImageTokenLayout(3, 3, eol_token_id=16)  # rows 4 positions apart; codes 2 and 5 end rows
+
+
+def test_end_of_row_insertion_in_a_chain_is_a_longer_chain():
+    positions = EOL_LAYOUT.sequence_position(torch.arange(1, 5), 1)  # codes 1..4 after a 1-token prefix
+    assert positions.tolist() == [2, 3, 5, 6]
+    ins = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions, 1)
+    assert ins.row_end == (False, True, False, False)
+    assert ins.source.tolist() == [0, 1, 1, 2, 3] and ins.is_eol.tolist() == [False, False, True, False, False]
+    assert ins.position_ids(positions).tolist() == [2, 3, 4, 5, 6]  # the EOL fills the gap
+    assert ins.view.tolist() == [0, 2, 3, 4]  # code 2's output is its EOL's
+    mask = ins.attention_mask(torch.ones(4, 4, dtype=torch.bool).tril())
+    assert torch.equal(mask, torch.ones(5, 5, dtype=torch.bool).tril())
+    assert [ins.keep_length(k) for k in range(5)] == [0, 1, 3, 4, 5]
+    assert ins.keep_indices(torch.tensor([0, 1, 2])).tolist() == [0, 1, 2, 3]
+    # the last row's end is followed by nothing; a draft without row ends needs no insertion
+    assert EndOfRowInsertion.for_positions(EOL_LAYOUT, EOL_LAYOUT.sequence_position(torch.tensor([7, 8]), 1), 1) is None
+
+
+def test_end_of_row_insertion_gives_every_row_end_candidate_its_own_eol():
+    # root = code 1; candidates a, b for code 2 (the row end); c under a and d under b for code 3
+    tree = tree_from_parents([-1, 0, 0, 1, 2])
+    positions = EOL_LAYOUT.sequence_position(1 + tree.depths, 1)
+    ins = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions, 1)
+    assert ins.source.tolist() == [0, 1, 1, 2, 2, 3, 4]  # root, a, EOL(a), b, EOL(b), c, d
+    mask = ins.attention_mask(tree.attention_mask)
+    a, eol_a, b, eol_b, c, d = 1, 2, 3, 4, 5, 6
+    assert mask[c, eol_a] and mask[c, a] and not mask[c, eol_b] and not mask[c, b]
+    assert mask[d, eol_b] and not mask[d, eol_a]
+    assert mask[eol_a, a] and not mask[a, eol_a] and not mask[eol_a, b]
+    assert ins.position_ids(positions).tolist() == [2, 3, 4, 3, 4, 5, 5]
+    assert ins.keep_indices(torch.tensor([[0, 2, 4], [0, 1, 3]])).tolist() == [[0, 3, 4, 6], [0, 1, 2, 5]]
+    with pytest.raises(ValueError, match="advance together"):
+        ins.keep_indices(torch.tensor([[0, 2], [0, 0]]))
+
+
+@torch.no_grad()
+def test_kv_after_a_tree_through_a_row_end_equals_recompute():
+    """Invariant 3 with EOLs: keeping an accepted path that crosses a row end leaves the cache (and the next
+    output) as if ``[prefix, codes, EOL, codes]`` had been fed from scratch."""
+    model = _tiny_transformer(end_of_row_token=True)
+    layout = model.layout
+    b = 2
+    prefix = model.embed_condition(torch.tensor([0, 3]))  # (B, 1, D)
+    committed = torch.randint(0, 16, (b, 2))  # codes 0, 1
+    cache = model.make_cache(b, 32)
+    model(torch.cat([prefix, model.embed_image_tokens(committed[:, :1])], 1), torch.arange(2), past_key_values=cache)
+    # root = code 1 (fed now), then two candidates for code 2 (the row end) and one child each for code 3
+    tree = tree_from_parents([-1, 0, 0, 1, 2])
+    ids = torch.cat([committed[:, 1:], torch.randint(0, 16, (b, 4))], 1)  # (B, 5)
+    positions = layout.sequence_position(1 + tree.depths, 1)
+    ins = EndOfRowInsertion.for_positions(layout, positions, 1)
+    embeds = ins.embeds(model.embed_image_tokens(ins.input_ids(ids)), model.eol_embedding)
+    start = cache.length
+    model(embeds, ins.position_ids(positions), attention_mask=ins.attention_mask(tree.attention_mask), past_key_values=cache)
+    path = torch.tensor([[0, 2, 4], [0, 1, 3]])  # row 0 accepts b then d, row 1 a then c
+    cache.keep(start, ins.keep_indices(path))
+    assert cache.length == start + 4  # root, candidate, its EOL, child
+    seq_codes = torch.cat([committed[:, :1], ids.gather(1, path)], 1)  # codes 0..3
+    seq = torch.cat([prefix, model.embed_image_tokens(seq_codes[:, :3]), model.eol_embedding.expand(b, 1, -1),
+                     model.embed_image_tokens(seq_codes[:, 3:])], 1)  # (B, 1 + 5, D)
+    fresh = model.make_cache(b, 32)
+    model(seq, torch.arange(seq.shape[1]), past_key_values=fresh)
+    assert fresh.length == cache.length
+    for kept, want in zip(cache.keys + cache.values, fresh.keys + fresh.values):
+        torch.testing.assert_close(kept[:, :, : cache.length], want[:, :, : cache.length], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_teacher_forcing_with_eol_reads_each_code_from_the_input_before_it():
+    model = _tiny_transformer(end_of_row_token=True)  # 3x3 grid, EOL after rows 0 and 1
+    codes = torch.randint(0, 16, (2, 9))
+    labels = torch.tensor([1, 2])
+    got = model.teacher_forced_hidden_states(codes, labels, torch.ones(2, 1, dtype=torch.bool))
+    eol = model.eol_embedding.expand(2, 1, -1)
+    e = model.embed_image_tokens(codes)
+    seq = torch.cat([model.embed_condition(labels), e[:, 0:3], eol, e[:, 3:6], eol, e[:, 6:8]], 1)  # (B, 11, D)
+    full = model(seq, torch.arange(seq.shape[1])).hidden_states
+    want = full[:, [0, 1, 2, 4, 5, 6, 8, 9, 10]]  # code 3 is read from the first EOL, code 6 from the second
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -27,6 +27,7 @@ EXACT_CASES = [c for c in DECODER_CASES if c.values[0].is_exact]
 FAMILY_CASES = [
     pytest.param("llamagen", {"condition_type": "text"}, ["a red fox", "blue sky", "x"], id="llamagen-t2i"),
     pytest.param("llamagen", {"condition_type": "class"}, [3, 7, 1], id="llamagen-c2i"),
+    pytest.param("llamagen", {"end_of_row": True}, ["a red fox", "blue sky", "x"], id="llamagen-eol"),
 ]
 
 
@@ -61,14 +62,19 @@ def _empirical_counts(pipe, prompt, sampling: SamplingConfig, seed: int) -> torc
 
 
 @pytest.mark.parametrize("decoder_cls,kwargs,heads", EXACT_CASES)
-@pytest.mark.parametrize("sampling", [SamplingConfig(2.0, 1.0), SamplingConfig(1.0, 0.8, top_k=3)], ids=["cfg", "topk"])
-def test_sampling_distribution_equals_model(decoder_cls, kwargs, heads, sampling):
-    """Invariant 2: samples follow the model's own joint distribution over all 4**4 grids.
+@pytest.mark.parametrize(
+    "sampling,end_of_row",
+    [(SamplingConfig(2.0, 1.0), False), (SamplingConfig(1.0, 0.8, top_k=3), False), (SamplingConfig(2.0, 1.0), True)],
+    ids=["cfg", "topk", "cfg-eol"],
+)
+def test_sampling_distribution_equals_model(decoder_cls, kwargs, heads, sampling, end_of_row):
+    """Invariant 2: samples follow the model's own joint distribution over all 4**4 grids (with an end-of-row
+    token after each row for ``cfg-eol``: the reference enumerates sequences with the EOL written in).
 
     Pearson chi-square against the enumerated joint (bins with expected count < 5 pooled), 20,000 samples,
     fixed seed; the test fails when p < 1e-4 (a correct decoder fails it with probability 1e-4).
     """
-    pipe = make(decoder_cls, kwargs, heads, grid=(2, 2), num_codes=4)
+    pipe = make(decoder_cls, kwargs, heads, grid=(2, 2), num_codes=4, end_of_row=end_of_row)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     assert torch.isclose(exact.sum(), torch.tensor(1.0), atol=1e-5)
     counts = _empirical_counts(pipe, "a fox", sampling, seed=1)

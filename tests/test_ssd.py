@@ -11,8 +11,8 @@ from spatial_pipelines.decoders import SSD_PRESETS
 from spatial_pipelines.testing import dummy_pipeline
 
 
-def ssd_pipeline(grid=(5, 7), heads="random", **kwargs):
-    pipe = dummy_pipeline("llamagen", SSDDecoder(**kwargs), heads, grid=grid)
+def ssd_pipeline(grid=(5, 7), heads="random", end_of_row=False, **kwargs):
+    pipe = dummy_pipeline("llamagen", SSDDecoder(**kwargs), heads, grid=grid, end_of_row=end_of_row)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -47,9 +47,10 @@ SCHEDULES = [
 
 
 @pytest.mark.parametrize("grid,kwargs", SCHEDULES)
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_pass_count_follows_the_schedule(grid, kwargs, temperature):
-    pipe = ssd_pipeline(grid, **kwargs)
+@pytest.mark.parametrize("temperature,end_of_row", [(0.0, False), (1.0, False), (1.0, True)], ids=["greedy", "sample", "sample-eol"])
+def test_pass_count_follows_the_schedule(grid, kwargs, temperature, end_of_row):
+    """The forced end-of-row tokens ride along with the passes that feed a row's last code: no extra pass."""
+    pipe = ssd_pipeline(grid, end_of_row=end_of_row, **kwargs)
     out = pipe("a fox", temperature=temperature, generator=gen(0), output_type="latent")
     stats = out.stats
     assert stats.num_forward_passes == expected_passes(grid, **kwargs)
@@ -83,12 +84,14 @@ class OracleHeads(LatentDraftHeads):
 @pytest.mark.parametrize("kwargs", [dict(vertical_rounds=0, horizontal_rounds=0), dict(vertical_rounds=1),
                                     dict(num_vertical_rows=2, staged_base_rounds=0, staged_incremental_rounds=0)],
                          ids=["r0", "r1", "staged"])
-def test_oracle_drafts_give_the_autoregressive_grid(guidance_scale, kwargs):
+@pytest.mark.parametrize("end_of_row", [False, True], ids=["", "eol"])
+def test_oracle_drafts_give_the_autoregressive_grid(guidance_scale, kwargs, end_of_row):
     """Greedy SSD whose heads draft the AR greedy grid returns exactly that grid, in H + first-row passes.
 
     Fails if drafts land on the wrong positions (offsets/strides), the rows are committed out of order, or a
-    verification round changes codes that are already the target's argmax."""
-    pipe = ssd_pipeline((5, 7), heads=None, num_horizontal=2)
+    verification round changes codes that are already the target's argmax (with EOLs: if a row is judged
+    without the end-of-row token that precedes it)."""
+    pipe = ssd_pipeline((5, 7), heads=None, end_of_row=end_of_row, num_horizontal=2)
     prompts = ["a red fox", "blue sky"]
     pipe.decoder = AutoregressiveDecoder()
     ref = pipe(prompts, guidance_scale=guidance_scale, temperature=0, output_type="latent").tokens
@@ -116,14 +119,15 @@ def test_random_heads_without_rounds_do_not_reproduce_the_grid():
                                     dict(num_horizontal=2, horizontal_rounds=2, num_vertical_rows=2,
                                          staged_base_rounds=7, staged_incremental_rounds=7)],
                          ids=["r=W", "r>W", "staged"])
-def test_enough_greedy_rounds_reach_the_autoregressive_fixed_point(guidance_scale, kwargs):
+@pytest.mark.parametrize("end_of_row", [False, True], ids=["", "eol"])
+def test_enough_greedy_rounds_reach_the_autoregressive_fixed_point(guidance_scale, kwargs, end_of_row):
     """With greedy sampling a verification round replaces every drafted code by the target's argmax given the
     codes before it: a Jacobi iteration. Its fixed point is the greedy AR row, and position ``j`` of a block is
     final after ``j + 1`` rounds, so with rounds >= block length (W = 7 for rows, k_h for chunks) greedy SSD
     must return the AR grid from random heads. It fails if a round does not re-feed the corrected codes, if
     the rolled-back KV leaks into the next round, or if positions/hidden states are misaligned."""
     prompts = ["a red fox", "blue sky"]
-    pipe = ssd_pipeline((4, 7), **kwargs)
+    pipe = ssd_pipeline((4, 7), end_of_row=end_of_row, **kwargs)
     out = pipe(prompts, guidance_scale=guidance_scale, temperature=0, output_type="latent").tokens
     pipe.decoder = AutoregressiveDecoder()
     ref = pipe(prompts, guidance_scale=guidance_scale, temperature=0, output_type="latent").tokens

@@ -33,7 +33,11 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def dummy_llamagen_components(
-    grid: Tuple[int, int] = (4, 4), num_codes: int = 16, condition_type: str = "text", num_classes: int = 10
+    grid: Tuple[int, int] = (4, 4),
+    num_codes: int = 16,
+    condition_type: str = "text",
+    num_classes: int = 10,
+    end_of_row: bool = False,
 ) -> Dict[str, Any]:
     """Random tiny LlamaGen components (call under a fixed seed for reproducibility)."""
     tokenizer = tiny_tokenizer() if condition_type == "text" else None
@@ -46,6 +50,7 @@ def dummy_llamagen_components(
         vocab_size=num_codes, hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, condition_type=condition_type, num_classes=num_classes, caption_dim=16,
         num_condition_tokens=8 if condition_type == "text" else 1, grid_height=grid[0], grid_width=grid[1],
+        end_of_row_token=end_of_row,
     )
     # weights at a tiny model's natural scale (not LlamaGen's 0.02 for wide models): attention then depends on
     # content and position, so a wrong mask, position or cache entry changes the output and tests see it
@@ -54,6 +59,8 @@ def dummy_llamagen_components(
             torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
     torch.nn.init.normal_(transformer.tok_embeddings.weight, std=1.0)
     torch.nn.init.normal_(transformer.output.weight, std=0.5)
+    if end_of_row:  # drawn last: the other weights are those of the same seed without an EOL
+        torch.nn.init.normal_(transformer.eol_embedding, std=1.0)
     vqvae = LlamaGenVQModel(
         codebook_size=num_codes, codebook_embed_dim=4, encoder_ch_mult=(1, 2), decoder_ch_mult=(1, 2),
         z_channels=8, base_channels=8, num_res_blocks=1, norm_num_groups=4,
@@ -70,6 +77,7 @@ def dummy_pipeline(
     num_codes: int = 16,
     seed: int = 0,
     condition_type: str = "text",
+    end_of_row: bool = False,
 ) -> SpatialARPipeline:
     """A tiny random pipeline of ``family`` on CPU.
 
@@ -81,6 +89,8 @@ def dummy_pipeline(
         num_codes (`int`): codebook size.
         seed (`int`): weights are a function of the seed alone (the global RNG is left untouched).
         condition_type (`str`): LlamaGen only: ``"text"`` (a tiny T5 encoder) or ``"class"``.
+        end_of_row (`bool`): LlamaGen only: give the transformer an end-of-row token fed after every row (the
+            layout Emu3 and Lumina-mGPT use), to exercise EOL handling on a small model.
     """
     if family not in FAMILIES:
         raise ValueError(f"`family` must be one of {FAMILIES}, got {family!r}.")
@@ -94,7 +104,7 @@ def dummy_pipeline(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         pipe = LlamaGenPipeline(
-            **dummy_llamagen_components(grid, num_codes, condition_type), decoder=decoder
+            **dummy_llamagen_components(grid, num_codes, condition_type, end_of_row=end_of_row), decoder=decoder
         )
         if isinstance(draft_heads, str):
             if draft_heads != "random":

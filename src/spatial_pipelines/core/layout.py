@@ -72,3 +72,106 @@ class ImageTokenLayout:
     def grid(self, tokens: torch.Tensor) -> torch.Tensor:
         """Flat codes ``(B, H*W)`` -> grid ``(B, H, W)``."""
         return tokens.reshape(tokens.shape[0], self.height, self.width)
+
+
+@dataclass(frozen=True)
+class EndOfRowInsertion:
+    """A draft with the layout's forced end-of-row tokens put in, and the maps back to the draft's own nodes.
+
+    Decoders draft codes only, at EOL-aware positions (`ImageTokenLayout.sequence_position`), and never draft or
+    verify an end-of-row token. The loop feeds one EOL right after every fed node that ends a row (except the
+    last row: no code follows it), as a child of that node: the node's descendants see it, nothing else does.
+    The EOL's output predicts the first code of the next row, so it stands in for its parent's output.
+
+    Args:
+        source (`torch.LongTensor` `(T',)`): the draft node each fed slot comes from (an EOL: its parent).
+        is_eol (`torch.BoolTensor` `(T',)`): which fed slots are end-of-row tokens.
+        view (`torch.LongTensor` `(T,)`): per draft node, the fed slot whose output predicts the code after it.
+        row_end (`tuple[bool]`): per draft node, whether it ends a row that an EOL follows (host-side).
+    """
+
+    source: torch.Tensor
+    is_eol: torch.Tensor
+    view: torch.Tensor
+    row_end: Tuple[bool, ...]
+
+    @classmethod
+    def for_positions(
+        cls, layout: ImageTokenLayout, position_ids: torch.Tensor, prefix_length: int
+    ) -> Optional["EndOfRowInsertion"]:
+        """The insertion for a draft fed at ``position_ids`` ``(T,)``; ``None`` when no fed node ends a row.
+
+        Reads the positions on the host: one small device-to-host copy per round, paid by EOL layouts only.
+        """
+        if position_ids.dim() != 1:
+            raise ValueError("End-of-row insertion needs one position per fed node for all rows, `(T,)`.")
+        offsets = [p - prefix_length for p in position_ids.tolist()]
+        last_row = layout.height - 1
+        row_end = tuple(
+            o % layout.row_stride == layout.width - 1 and o // layout.row_stride < last_row for o in offsets
+        )
+        if not any(row_end):
+            return None
+        source, is_eol, view = [], [], []
+        for i, end in enumerate(row_end):
+            source.append(i)
+            is_eol.append(False)
+            if end:
+                source.append(i)
+                is_eol.append(True)
+            view.append(len(source) - 1)  # the EOL when there is one, else the node itself
+        device = position_ids.device
+        return cls(
+            source=torch.tensor(source, device=device),
+            is_eol=torch.tensor(is_eol, device=device),
+            view=torch.tensor(view, device=device),
+            row_end=row_end,
+        )
+
+    @property
+    def num_fed(self) -> int:
+        return len(self.row_end) + sum(self.row_end)
+
+    def input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` codes -> ``(B, T')``; EOL slots carry their parent's code (the caller embeds them as EOL)."""
+        return input_ids[:, self.source]
+
+    def position_ids(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """``(T,)`` -> ``(T',)``: an EOL sits one position after the row's last code."""
+        return position_ids[self.source] + self.is_eol.long()
+
+    def attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``(T, T)`` or ``(B, T, T)`` -> ``(T', T')`` or ``(B, T', T')``: a slot sees what its node sees, except
+        that a node does not see its own EOL (which comes after it) while the node's descendants and the EOL do."""
+        mask = attention_mask[..., self.source, :][..., :, self.source]
+        own = self.source[:, None] == self.source[None, :]  # (T', T') slots of the same draft node
+        hidden = own & self.is_eol[None, :] & ~self.is_eol[:, None]  # the node itself must not see its EOL
+        return mask & ~hidden
+
+    def embeds(self, embeds: torch.Tensor, eol_embedding: torch.Tensor) -> torch.Tensor:
+        """Put the EOL embedding ``(D,)`` into the EOL slots of ``(R, T', D)``."""
+        return torch.where(self.is_eol[None, :, None], eol_embedding.to(embeds.dtype), embeds)
+
+    def outputs(self, fed: torch.Tensor) -> torch.Tensor:
+        """``(R, T', ...)`` outputs over the fed slots -> ``(R, T, ...)``: per draft node, the output predicting
+        the code after it."""
+        return fed[:, self.view]
+
+    def keep_length(self, length: int) -> int:
+        """A kept prefix of ``length`` draft nodes -> the fed slots to keep (their EOLs included)."""
+        return length + sum(self.row_end[:length])
+
+    def keep_indices(self, keep: torch.Tensor) -> torch.Tensor:
+        """Kept draft nodes ``(n,)`` or ``(B, n)`` -> kept fed slots, each row-ending node followed by its EOL.
+
+        Rows keep paths at the same positions (rows advance together), so every row keeps as many EOLs; the
+        indices are read on the host (EOL layouts only).
+        """
+        first = self.keep_length  # node i's slots are [first(i), first(i + 1)): itself, then its EOL if any
+        rows = [
+            [s for i in row for s in range(first(i), first(i + 1))] for row in (keep[None] if keep.dim() == 1 else keep).tolist()
+        ]
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError("Rows keep paths that end different numbers of rows; rows must advance together.")
+        out = torch.tensor(rows, device=keep.device)
+        return out[0] if keep.dim() == 1 else out

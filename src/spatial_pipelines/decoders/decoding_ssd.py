@@ -141,8 +141,6 @@ class SSDDecoder(SpatialDecoderMixin):
                 raise ValueError(
                     f"`draft_heads` must start with the {direction} offsets {need} this SSDDecoder uses, found {have}."
                 )
-        if layout.has_eol:
-            raise ValueError("`decoder` SSDDecoder does not serve grids with end-of-row tokens yet (`layout.eol_token_id`).")
 
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> DecodingState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)

@@ -16,6 +16,7 @@ from diffusers.utils import BaseOutput
 from torch import nn
 
 from ..core.kv_cache import StaticKVCache
+from ..core.layout import ImageTokenLayout
 
 CONDITION_TYPES = ("class", "text")
 
@@ -186,6 +187,9 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
         grid_height (`int`), grid_width (`int`): the image-code grid.
         zero_prefix_rope (`bool`): the original LlamaGen zeroes prefix queries/keys through its RoPE table; keep
             ``True`` to reproduce original checkpoints.
+        end_of_row_token (`bool`): feed a learned end-of-row (EOL) token after every row of codes, as Emu3 and
+            Lumina-mGPT do (original LlamaGen checkpoints have none). Rows are then ``grid_width + 1`` positions
+            apart; the EOL takes the RoPE column ``grid_width`` and is never predicted (the decoding loop forces it).
         dropout (`float`): residual/FFN dropout while training.
     """
 
@@ -212,6 +216,7 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
         grid_height: int = 16,
         grid_width: int = 16,
         zero_prefix_rope: bool = True,
+        end_of_row_token: bool = False,
         dropout: float = 0.0,
     ):
         super().__init__()
@@ -235,8 +240,11 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
         )
         self.norm = RMSNorm(hidden_size, norm_eps)
         self.output = nn.Linear(hidden_size, vocab_size, bias=False)
+        # the EOL, when there is one, is an extra column of the grid: it takes that column's rotation
+        # (zeros: learned from there; drawing it would shift every other weight a seed gives)
+        self.eol_embedding = nn.Parameter(torch.zeros(hidden_size)) if end_of_row_token else None
         table = rope_2d_table(
-            grid_height, grid_width, hidden_size // num_attention_heads, rope_theta, num_condition_tokens, zero_prefix_rope
+            grid_height, grid_width + int(end_of_row_token), hidden_size // num_attention_heads, rope_theta, num_condition_tokens, zero_prefix_rope
         )
         self.register_buffer("freqs_cis", table, persistent=False)
         self.gradient_checkpointing = False
@@ -256,8 +264,25 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
         """Class labels ``(B,)`` or caption embeddings ``(B, N, caption_dim)`` -> prefix ``(B, P, D)``."""
         return self.cls_embedding(condition)
 
+    @property
+    def layout(self) -> ImageTokenLayout:
+        """The code grid; with ``end_of_row_token`` the EOL's id is ``vocab_size`` (the id after the codes)."""
+        c = self.config
+        return ImageTokenLayout(c.grid_height, c.grid_width, c.vocab_size if c.end_of_row_token else None)
+
     def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(codes)  # (B, T, D)
+
+    def embed_code_sequence(self, codes: torch.Tensor) -> torch.Tensor:
+        """Code grids ``(B, N)`` in raster order -> the embeddings of their image sequence ``(B, S, D)``, with an
+        EOL after every row when the model has one (``S = layout.sequence_length``)."""
+        emb = self.embed_image_tokens(codes)  # (B, N, D)
+        if self.eol_embedding is None:
+            return emb
+        layout = self.layout
+        rows = emb.reshape(emb.shape[0], layout.height, layout.width, -1)  # (B, H, W, D)
+        eol = self.eol_embedding.to(emb.dtype).expand(emb.shape[0], layout.height, 1, -1)  # (B, H, 1, D)
+        return torch.cat([rows, eol], 2).flatten(1, 2)  # (B, H*(W+1), D)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states -> image-code logits (fp32)."""
@@ -283,10 +308,14 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
         if drop is not None:
             condition = self.drop_condition(condition, drop)
         prefix = self.embed_condition(condition)  # (B, P, D)
-        x = torch.cat([prefix, self.embed_image_tokens(codes[:, :-1])], 1)  # (B, P + N - 1, D)
-        valid = torch.cat([condition_valid, torch.ones_like(codes[:, :-1], dtype=torch.bool)], 1)
+        p, layout = prefix.shape[1], self.layout
+        # the input that precedes code i sits at p - 1 + offset(i): code i - 1, or the EOL ending the row above
+        index = p - 1 + layout.sequence_offset(torch.arange(codes.shape[1], device=codes.device))  # (N,)
+        seq = self.embed_code_sequence(codes)  # (B, S, D)
+        x = torch.cat([prefix, seq], 1)[:, : p + layout.sequence_offset(codes.shape[1] - 1)]  # nothing after the last input
+        valid = torch.cat([condition_valid, torch.ones_like(x[:, p:, 0], dtype=torch.bool)], 1)
         hidden = self(x, torch.arange(x.shape[1], device=x.device), token_valid=valid).hidden_states
-        return hidden[:, prefix.shape[1] - 1 :]
+        return hidden[:, index]
 
     def make_cache(self, batch_size: int, max_length: int) -> StaticKVCache:
         p = self.tok_embeddings.weight

@@ -41,8 +41,7 @@ class LlamaGenBackbone(SpatialBackbone):
 
     @property
     def layout(self) -> ImageTokenLayout:
-        c = self.transformer.config
-        return ImageTokenLayout(c.grid_height, c.grid_width)
+        return self.transformer.layout
 
     @property
     def hidden_size(self) -> int:
@@ -134,6 +133,12 @@ class LlamaGenBackbone(SpatialBackbone):
 
     def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
         return self.transformer.embed_image_tokens(codes)
+
+    @property
+    def eol_embedding(self) -> torch.Tensor:
+        if self.transformer.eol_embedding is None:
+            raise ValueError("This LlamaGen transformer has no end-of-row token (`end_of_row_token=False`).")
+        return self.transformer.eol_embedding
 
     def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
         return self.transformer(inputs_embeds, position_ids, attention_mask, token_valid, cache).hidden_states

@@ -14,7 +14,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import BaseOutput
 
 from ..core.kv_cache import StaticKVCache
-from ..core.layout import ImageTokenLayout
+from ..core.layout import EndOfRowInsertion, ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import SpatialDecoderMixin
@@ -145,6 +145,11 @@ class SpatialBackbone(abc.ABC):
     @abc.abstractmethod
     def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
         """Codes ``(R, T)`` -> input embeddings ``(R, T, D)``."""
+
+    @property
+    def eol_embedding(self) -> torch.Tensor:
+        """Input embedding ``(D,)`` of the end-of-row token; families whose layout has one must provide it."""
+        raise NotImplementedError(f"{type(self).__name__} has no end-of-row token.")
 
     @abc.abstractmethod
     def forward(
@@ -409,9 +414,8 @@ class SpatialARPipeline(DiffusionPipeline):
         state = self.decoder.init_state(
             layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device, backbone
         )
-        cache = backbone.make_cache(
-            prefix.embeds.shape[0], prefix_length + layout.sequence_length + self.decoder.max_draft_tokens
-        )
+        max_fed = self.decoder.max_draft_tokens * (2 if layout.has_eol else 1)  # an EOL may follow every fed code
+        cache = backbone.make_cache(prefix.embeds.shape[0], prefix_length + layout.sequence_length + max_fed)
 
         # 4. Prefill: the prompt pass predicts the first code
         positions = torch.arange(prefix_length, device=device)
@@ -426,23 +430,32 @@ class SpatialARPipeline(DiffusionPipeline):
             while not state.finished:
                 # 5a. the decoder proposes what to verify (the last committed code first)
                 draft = self.decoder.propose(state, self.draft_heads)
-                input_ids = draft.input_ids.repeat(2, 1) if sampling.do_cfg else draft.input_ids  # (R, T)
+                input_ids, position_ids, mask = draft.input_ids, draft.position_ids, draft.attention_mask  # (B, T)
+                # 5b. end-of-row tokens are forced, never drafted: one is fed after every fed code that ends a row
+                eol = EndOfRowInsertion.for_positions(layout, position_ids, prefix_length) if layout.has_eol else None
+                if eol is not None:
+                    input_ids, position_ids, mask = eol.input_ids(input_ids), eol.position_ids(position_ids), eol.attention_mask(mask)
+                input_ids = input_ids.repeat(2, 1) if sampling.do_cfg else input_ids  # (R, T')
+                embeds = backbone.embed_image_tokens(input_ids)  # (R, T', D)
+                if eol is not None:
+                    embeds = eol.embeds(embeds, backbone.eol_embedding)
                 slot = cache.length
-                # 5b. one target forward over the draft
-                hidden = backbone.forward(
-                    backbone.embed_image_tokens(input_ids), draft.position_ids, draft.attention_mask, None, cache
-                )  # (R, T, D)
-                # 5c. CFG mix
+                # 5c. one target forward over the draft
+                hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T', D)
+                if eol is not None:
+                    hidden = eol.outputs(hidden)  # (R, T, D): a row's last code sees its EOL's output
+                # 5d. CFG mix
                 logits = self._guided_logits(backbone, hidden, sampling)  # (B, T, V)
-                # 5d. the decoder accepts codes and commits them to the state
+                # 5e. the decoder accepts codes and commits them to the state
                 committed_before = state.num_committed
                 result = self.decoder.step(logits, hidden[:batch_size], draft, state, self.draft_heads)
-                # 5e. keep only the accepted path in the KV cache
+                # 5f. keep only the accepted path in the KV cache (with the EOLs that follow its row ends)
                 if result.keep_indices is not None:
-                    keep = result.keep_indices  # (n,) or (B, n)
+                    keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (n,) or (B, n)
                     cache.keep(slot, keep.repeat(2, 1) if sampling.do_cfg and keep.dim() == 2 else keep)
                 elif result.keep_length is not None:
-                    cache.crop(slot + result.keep_length)  # a prefix stays where it is: no copy
+                    keep_length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
+                    cache.crop(slot + keep_length)  # a prefix stays where it is: no copy
                 num_forward_passes += 1
                 progress_bar.update(state.num_committed - committed_before)
                 if callback_on_step_end is not None:
