@@ -5,6 +5,7 @@ an end-of-row (EOL) token after every row, so consecutive rows are ``row_stride 
 positions apart. Everything before the first image token (text, BOI, resolution tokens) is the prefix.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -112,21 +113,7 @@ class EndOfRowInsertion:
         )
         if not any(row_end):
             return None
-        source, is_eol, view = [], [], []
-        for i, end in enumerate(row_end):
-            source.append(i)
-            is_eol.append(False)
-            if end:
-                source.append(i)
-                is_eol.append(True)
-            view.append(len(source) - 1)  # the EOL when there is one, else the node itself
-        device = position_ids.device
-        return cls(
-            source=torch.tensor(source, device=device),
-            is_eol=torch.tensor(is_eol, device=device),
-            view=torch.tensor(view, device=device),
-            row_end=row_end,
-        )
+        return _insertion(row_end, position_ids.device)
 
     @property
     def num_fed(self) -> int:
@@ -175,3 +162,23 @@ class EndOfRowInsertion:
             raise ValueError("Rows keep paths that end different numbers of rows; rows must advance together.")
         out = torch.tensor(rows, device=keep.device)
         return out[0] if keep.dim() == 1 else out
+
+
+@functools.lru_cache(maxsize=256)
+def _insertion(row_end: Tuple[bool, ...], device: torch.device) -> EndOfRowInsertion:
+    """Built once per row-end pattern and device: a static tree meets the same few patterns every row, so the
+    index tensors are not copied to the device every round."""
+    source, is_eol, view = [], [], []
+    for i, end in enumerate(row_end):
+        source.append(i)
+        is_eol.append(False)
+        if end:
+            source.append(i)
+            is_eol.append(True)
+        view.append(len(source) - 1)  # the EOL when there is one, else the node itself
+    return EndOfRowInsertion(
+        source=torch.tensor(source, device=device),
+        is_eol=torch.tensor(is_eol, device=device),
+        view=torch.tensor(view, device=device),
+        row_end=row_end,
+    )
