@@ -3,6 +3,7 @@
 import os
 
 import PIL.Image
+import pytest
 import torch
 
 from spatial_pipelines import LlamaGenPipeline
@@ -49,20 +50,40 @@ def test_cli_main_job_uses_the_embedded_model(tmp_path, capsys):
     assert "576 target forward passes" in printed
 
 
-def test_shipped_heads_fit_the_model_and_keep_greedy_exact():
-    from spatial_pipelines import AutoregressiveDecoder, HawkDecoder
+@pytest.fixture(scope="module")
+def embedded_with_heads():
+    """The embedded pipeline with its shipped Medusa/Hawk heads, and its greedy AR grids (computed once)."""
+    from spatial_pipelines import AutoregressiveDecoder
     from spatial_pipelines.embedded import default_heads_path
 
     pipe = load_default_pipeline()
     pipe.set_progress_bar_config(disable=True)
     heads = pipe.load_draft_heads(default_heads_path())
     assert list(heads.config.horizontal_offsets) == [1, 2, 3, 4] and list(heads.config.vertical_offsets) == [1, 2]
-    pipe.decoder = HawkDecoder()
-    hawk = pipe("red heart", temperature=0, output_type="latent")
     pipe.decoder = AutoregressiveDecoder()
-    ar = pipe("red heart", temperature=0, output_type="latent")
-    assert torch.equal(hawk.tokens, ar.tokens)
-    assert hawk.stats.num_forward_passes < ar.stats.num_forward_passes
+    refs = {}
+    for guidance_scale in (1.0, 1.5):
+        for prompts in (SHIPPED_PROMPTS[:1], SHIPPED_PROMPTS):
+            refs[guidance_scale, len(prompts)] = pipe(prompts, guidance_scale=guidance_scale, temperature=0, output_type="latent")
+    return pipe, refs
+
+
+SHIPPED_PROMPTS = ["red heart", "grinning face", "flag: Japan"]
+
+
+@pytest.mark.parametrize("decoder", ["medusa", "hawk"])
+@pytest.mark.parametrize("guidance_scale", [1.0, 1.5])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_shipped_heads_fit_the_model_and_keep_greedy_exact(embedded_with_heads, decoder, guidance_scale, batch):
+    """Invariant 1 with the trained heads: token for token the AR grid, fewer target passes."""
+    from spatial_pipelines.decoders import DECODERS
+
+    pipe, refs = embedded_with_heads
+    ref = refs[guidance_scale, batch]
+    pipe.decoder = DECODERS[decoder]()
+    out = pipe(SHIPPED_PROMPTS[:batch], guidance_scale=guidance_scale, temperature=0, output_type="latent")
+    assert torch.equal(out.tokens, ref.tokens)
+    assert out.stats.num_forward_passes < ref.stats.num_forward_passes
 
 
 def test_shipped_latent_heads_drive_ssd_on_the_schedule():
