@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark decoders on one pipeline, same prompts and seeds, in one run: target forward passes, mean accepted
 length, wall-clock and speed-up versus the AR baseline (the same fast loop, not a slow `generate`), and with
-``--quality`` FD-EffNet, caption retrieval and LPIPS diversity of each decoder's images.
+``--quality`` FD-EffNet, caption retrieval and LPIPS diversity of each decoder's images, and the target model's
+own score of each decoder's code grids (NLL per code, share of codes outside the sampling support).
 
     python scripts/benchmark.py --decoders ar medusa hawk sjd sjd:init=left ssd:vertical_rounds=0 \\
         ssd:num_vertical_rows=2,staged_base_rounds=2,staged_incremental_rounds=1 \\
@@ -71,8 +72,8 @@ def parse_args(argv=None):
 
 
 def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent"):
-    """Generate ``prompts`` (one seeded generator per image); returns outputs and the summed cost."""
-    outs, cost = [], {"passes": 0, "draft_passes": 0, "tokens": 0, "accepted": [], "seconds": 0.0}
+    """Generate ``prompts`` (one seeded generator per image); returns outputs, code grids and the summed cost."""
+    outs, grids, cost = [], [], {"passes": 0, "draft_passes": 0, "tokens": 0, "accepted": [], "seconds": 0.0}
     for i in range(0, len(prompts), args.batch_size):
         chunk = prompts[i : i + args.batch_size]
         gens = [torch.Generator().manual_seed(args.seed + seed_offset + i + j) for j in range(len(chunk))]
@@ -85,7 +86,8 @@ def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent"):
         cost["accepted"].append(out.stats.accepted_lengths.float().flatten())
         cost["tokens"] += out.stats.num_tokens
         outs.append(out.images.cpu() * 2 - 1 if output_type == "pt" else out.tokens)
-    return torch.cat(outs), cost
+        grids.append(out.tokens.cpu())
+    return torch.cat(outs), torch.cat(grids), cost
 
 
 def side_by_side(images: dict, prompts, path):
@@ -129,7 +131,9 @@ def main(argv=None):
     pipe(prompts[:1], output_type="latent", generator=torch.Generator().manual_seed(0))  # warm-up
 
     if args.quality:
-        from spatial_pipelines.evaluation import LPIPS, EffNetFeatures, extract_features, frechet_distance, lpips_diversity, retrieval_accuracy
+        from spatial_pipelines.evaluation import (
+            LPIPS, EffNetFeatures, extract_features, frechet_distance, lpips_diversity, retrieval_accuracy, target_fit,
+        )
 
         everything = TwemojiDataset("all", resolution, limit=args.limit)
         real_images = torch.stack([everything[i]["pixel_values"] for i in range(len(everything))])
@@ -146,7 +150,7 @@ def main(argv=None):
         if need is not None and need not in heads:
             raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
         pipe.set_draft_heads(heads[need][0] if need else None)
-        images, cost = run_decoder(pipe, prompts, args, output_type="pt" if args.quality or args.picture else "latent")
+        images, grids, cost = run_decoder(pipe, prompts, args, output_type="pt" if args.quality or args.picture else "latent")
         row = {
             "decoder_class": decoder_cls.__name__,
             "decoder_config": {k: v for k, v in dict(pipe.decoder.config).items() if not k.startswith("_")},
@@ -163,7 +167,10 @@ def main(argv=None):
             feats = extract_features(effnet, images)
             row["fd_effnet"] = frechet_distance(feats, matched)
             row["retrieval"] = retrieval_accuracy(feats, prompts, real_feats, everything.captions)
-            div, _ = run_decoder(pipe, div_rep, args, seed_offset=10**6, output_type="pt")
+            fit = target_fit(pipe, prompts, grids, args.guidance_scale, args.temperature, args.top_k)
+            row["target_nll_per_code"] = fit["nll_per_code"].mean().item()
+            row["outside_target_support"] = fit["outside_support"].mean().item()
+            div, _, _ = run_decoder(pipe, div_rep, args, seed_offset=10**6, output_type="pt")
             k = args.diversity_samples
             row["lpips_diversity"] = float(np.mean([lpips_diversity(lpips, div[i : i + k]) for i in range(0, len(div), k)]))
         if args.picture:
@@ -184,7 +191,9 @@ def main(argv=None):
                      "temperature": args.temperature,
                      "top_k": args.top_k if args.top_k is not None else pipe.backbone.default_top_k, "seed": args.seed},
         "quality": {"fd_effnet": "vs the real images of the same captions", "retrieval": f"top-k nearest of {len(everything)} real Twemoji carry the prompt's caption",
-                    "lpips_diversity": f"{args.diversity_prompts} prompts x {args.diversity_samples} seeds"} if args.quality else None,
+                    "lpips_diversity": f"{args.diversity_prompts} prompts x {args.diversity_samples} seeds",
+                    "target_nll_per_code": "mean -log p(code | codes before it), CFG-mixed, temperature 1, no filtering",
+                    "outside_target_support": "share of codes the sampling distribution gives probability 0"} if args.quality else None,
         "device": args.device if args.device != "cpu" else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
         "dtype": str(pipe.transformer.dtype),
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__,
@@ -195,14 +204,14 @@ def main(argv=None):
         json.dump(report, f, indent=2)
     header = "| decoder | exact | target passes / image | mean accepted length | s / image | speed-up vs AR |"
     if args.quality:
-        header += " FD-EffNet | retrieval top-1 / top-5 | LPIPS diversity |"
+        header += " FD-EffNet | retrieval top-1 / top-5 | LPIPS diversity | target NLL / code | codes outside target support |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, r in rows.items():
         line = (f"| `{name}` | {'yes' if r['exact'] else 'no'} | {r['target_forward_passes_per_image']:.1f} | "
                 f"{r['mean_accepted_length']:.2f} | {r['seconds_per_image']:.2f} | {r['speedup_vs_ar']:.2f}x |")
         if args.quality:
             line += (f" {r['fd_effnet']:.1f} | {100 * r['retrieval']['top1']:.0f}% / {100 * r['retrieval']['top5']:.0f}% | "
-                     f"{r['lpips_diversity']:.3f} |")
+                     f"{r['lpips_diversity']:.3f} | {r['target_nll_per_code']:.3f} | {100 * r['outside_target_support']:.1f}% |")
         lines.append(line)
     with open(os.path.join(args.out, "benchmark.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -20,7 +20,7 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--model", str(tmp_path / "model"),
            "--decoders", "ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
-           "--heads", str(tmp_path / "spatial"), str(tmp_path / "latent"), "--num-prompts", "3", "--limit", "40", "--quality",
+           "--heads", str(tmp_path / "spatial"), str(tmp_path / "latent"), "--num-prompts", "3", "--limit", "40", "--quality", "--top-k", "2",
            "--diversity-prompts", "1", "--diversity-samples", "2", "--picture", "2", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     report = json.loads((out / "benchmark.json").read_text())
@@ -35,6 +35,11 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     assert not rows["ssd:vertical_rounds=0"]["exact"] and rows["sjd:init=left"]["exact"]
     for r in rows.values():
         assert r["fd_effnet"] >= 0 and 0 <= r["retrieval"]["top5"] <= 1 and r["lpips_diversity"] >= 0
+        assert r["target_nll_per_code"] > 0 and 0 <= r["outside_target_support"] <= 1
+    for exact in ("ar", "hawk", "sjd:init=left"):  # exact decoders draw only what the target could draw
+        assert rows[exact]["outside_target_support"] == 0
+    # random heads, no repair: many codes the target's top-2 would never give
+    assert rows["ssd:vertical_rounds=0"]["outside_target_support"] > 0.2
     table = (out / "benchmark.md").read_text()
     assert "FD-EffNet" in table and "`ssd:vertical_rounds=0`" in table
     assert (out / "decoders_side_by_side.png").stat().st_size > 0

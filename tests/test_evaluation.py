@@ -75,3 +75,31 @@ def test_lpips_weights_refuse_code_in_pickles(tmp_path):
     path.write_bytes(pickle.dumps({"x": os.getcwd}))
     with open(path, "rb") as f, pytest.raises(pickle.UnpicklingError, match="only numpy"):
         evaluation._NumpyOnlyUnpickler(f).load()
+
+
+@pytest.mark.parametrize("end_of_row", [False, True])
+def test_target_fit_scores_grids_like_the_reference(end_of_row):
+    """NLL per code equals the full-sequence reference; exact samples never leave the top-k support, and a grid of
+    codes the model ranks last always does."""
+    from reference import full_sequence_probs
+    from spatial_pipelines.core import SamplingConfig
+    from spatial_pipelines.evaluation import target_fit
+    from spatial_pipelines.testing import dummy_pipeline
+
+    pipe = dummy_pipeline("llamagen", grid=(3, 4), num_codes=8, end_of_row=end_of_row)
+    prompts = ["a fox", "blue sky"]
+    out = pipe(prompts, guidance_scale=2.0, top_k=3, generator=torch.Generator().manual_seed(0), output_type="latent")
+    fit = target_fit(pipe, prompts, out.tokens, guidance_scale=2.0, top_k=3)
+    assert fit["outside_support"].tolist() == [0.0, 0.0]
+    flat = out.tokens.flatten(1)
+    t1 = SamplingConfig(2.0, 1.0)
+    want = torch.stack([
+        -torch.log(full_sequence_probs(pipe, prompts, t1, flat[:, :i]).gather(1, flat[:, i : i + 1])[:, 0])
+        for i in range(flat.shape[1])
+    ], 1).mean(1)
+    torch.testing.assert_close(fit["nll_per_code"], want, rtol=1e-4, atol=1e-4)
+    worst = out.tokens.clone().flatten(1)
+    for i in range(worst.shape[1]):  # greedy towards the least likely code
+        worst[:, i] = full_sequence_probs(pipe, prompts, t1, worst[:, :i]).argmin(-1)
+    bad = target_fit(pipe, prompts, worst.reshape_as(out.tokens), guidance_scale=2.0, top_k=3)
+    assert bad["outside_support"].tolist() == [1.0, 1.0] and (bad["nll_per_code"] > fit["nll_per_code"]).all()

