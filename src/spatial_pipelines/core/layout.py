@@ -115,10 +115,6 @@ class EndOfRowInsertion:
             return None
         return _insertion(row_end, position_ids.device)
 
-    @property
-    def num_fed(self) -> int:
-        return len(self.row_end) + sum(self.row_end)
-
     def input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` codes -> ``(B, T')``; EOL slots carry their parent's code (the caller embeds them as EOL)."""
         return input_ids[:, self.source]
@@ -132,8 +128,8 @@ class EndOfRowInsertion:
         that a node does not see its own EOL (which comes after it) while the node's descendants and the EOL do."""
         mask = attention_mask[..., self.source, :][..., :, self.source]
         own = self.source[:, None] == self.source[None, :]  # (T', T') slots of the same draft node
-        hidden = own & self.is_eol[None, :] & ~self.is_eol[:, None]  # the node itself must not see its EOL
-        return mask & ~hidden
+        own_eol = own & self.is_eol[None, :] & ~self.is_eol[:, None]  # a node's own EOL comes after it
+        return mask & ~own_eol
 
     def embeds(self, embeds: torch.Tensor, eol_embedding: torch.Tensor) -> torch.Tensor:
         """Put the EOL embedding ``(D,)`` into the EOL slots of ``(R, T', D)``."""
