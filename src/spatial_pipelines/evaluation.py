@@ -204,11 +204,8 @@ def target_fit(
         codes = flat[i : i + batch_size]
         prefix = backbone.encode_prompt(list(prompts[i : i + batch_size]), None, sampling.do_cfg, device)
         ids = codes.repeat(2, 1) if sampling.do_cfg else codes  # (R, N)
-        seq = backbone.embed_image_tokens(ids)  # (R, N, D)
-        if layout.has_eol:  # the sequence the model reads: an EOL after every row
-            rows = seq.reshape(len(ids), layout.height, layout.width, -1)
-            eol = backbone.eol_embedding.to(seq.dtype).expand(len(ids), layout.height, 1, -1)
-            seq = torch.cat([rows, eol], 2).flatten(1, 2)
+        eol = backbone.eol_embedding if layout.has_eol else None
+        seq = layout.image_sequence(backbone.embed_image_tokens(ids), eol)  # (R, S, D): EOLs written in
         embeds = torch.cat([prefix.embeds, seq], 1)  # (R, P + S, D)
         valid = torch.cat([prefix.valid, torch.ones_like(seq[..., 0], dtype=torch.bool)], 1)
         hidden = backbone.forward(embeds, torch.arange(embeds.shape[1], device=device), None, valid, None)

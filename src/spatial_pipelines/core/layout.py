@@ -74,6 +74,16 @@ class ImageTokenLayout:
         """Flat codes ``(B, H*W)`` -> grid ``(B, H, W)``."""
         return tokens.reshape(tokens.shape[0], self.height, self.width)
 
+    def image_sequence(self, code_embeds: torch.Tensor, eol_embedding: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Embeddings of a whole grid's codes ``(B, H*W, D)`` -> the image sequence the model reads ``(B, S, D)``:
+        with an EOL layout, ``eol_embedding`` ``(D,)`` after every row (``S = sequence_length``)."""
+        if not self.has_eol:
+            return code_embeds
+        b = code_embeds.shape[0]
+        rows = code_embeds.reshape(b, self.height, self.width, -1)  # (B, H, W, D)
+        eol = eol_embedding.to(code_embeds.dtype).expand(b, self.height, 1, -1)  # (B, H, 1, D)
+        return torch.cat([rows, eol], 2).flatten(1, 2)  # (B, H*(W+1), D)
+
 
 @dataclass(frozen=True)
 class EndOfRowInsertion:

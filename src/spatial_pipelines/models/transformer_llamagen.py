@@ -273,17 +273,6 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
     def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(codes)  # (B, T, D)
 
-    def embed_code_sequence(self, codes: torch.Tensor) -> torch.Tensor:
-        """Code grids ``(B, N)`` in raster order -> the embeddings of their image sequence ``(B, S, D)``, with an
-        EOL after every row when the model has one (``S = layout.sequence_length``)."""
-        emb = self.embed_image_tokens(codes)  # (B, N, D)
-        if self.eol_embedding is None:
-            return emb
-        layout = self.layout
-        rows = emb.reshape(emb.shape[0], layout.height, layout.width, -1)  # (B, H, W, D)
-        eol = self.eol_embedding.to(emb.dtype).expand(emb.shape[0], layout.height, 1, -1)  # (B, H, 1, D)
-        return torch.cat([rows, eol], 2).flatten(1, 2)  # (B, H*(W+1), D)
-
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states -> image-code logits (fp32)."""
         return self.output(self.norm(hidden_states)).float()
@@ -311,7 +300,7 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
         p, layout = prefix.shape[1], self.layout
         # the input that precedes code i sits at p - 1 + offset(i): code i - 1, or the EOL ending the row above
         index = p - 1 + layout.sequence_offset(torch.arange(codes.shape[1], device=codes.device))  # (N,)
-        seq = self.embed_code_sequence(codes)  # (B, S, D)
+        seq = layout.image_sequence(self.embed_image_tokens(codes), self.eol_embedding)  # (B, S, D)
         x = torch.cat([prefix, seq], 1)[:, : p + layout.sequence_offset(codes.shape[1] - 1)]  # nothing after the last input
         valid = torch.cat([condition_valid, torch.ones_like(x[:, p:, 0], dtype=torch.bool)], 1)
         hidden = self(x, torch.arange(x.shape[1], device=x.device), token_valid=valid).hidden_states

@@ -149,7 +149,10 @@ class SpatialBackbone(abc.ABC):
     @property
     def eol_embedding(self) -> torch.Tensor:
         """Input embedding ``(D,)`` of the end-of-row token; families whose layout has one must provide it."""
-        raise NotImplementedError(f"{type(self).__name__} has no end-of-row token.")
+        raise ValueError(
+            f"{type(self).__name__} has no end-of-row token, but its layout sets `eol_token_id`: a family whose "
+            "layout has EOLs must give its backbone an `eol_embedding`."
+        )
 
     @abc.abstractmethod
     def forward(
