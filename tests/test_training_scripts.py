@@ -1,6 +1,7 @@
 """Smoke tests of the training scripts on a few images: they train, checkpoint, resume and write what they
 promise (the real runs and their commands are in hub_cards/ and docs/quality.md)."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -80,3 +81,24 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     pipe.decoder = SSDDecoder(num_horizontal=2, vertical_rounds=1)
     out = pipe("red heart", guidance_scale=2.0, generator=torch.Generator().manual_seed(0), output_type="latent")
     assert out.stats.num_forward_passes == 1 + 8 * 2 + 23 * 2  # prefill, 8 first-row chunks of 3 codes, 23 rows
+
+
+def test_auto_mixed_precision_is_bf16_only_where_native(monkeypatch):
+    from spatial_pipelines import training
+
+    monkeypatch.setattr(training, "native_bf16", lambda: False)
+    assert training.resolve_mixed_precision("auto") == "no"  # emulated bf16 would be ~25x slower than fp32
+    monkeypatch.setattr(training, "native_bf16", lambda: True)
+    assert training.resolve_mixed_precision("auto") == "bf16"
+    for explicit in ("no", "fp16", "bf16"):
+        assert training.resolve_mixed_precision(explicit) == explicit
+    parser = training.add_training_args(argparse.ArgumentParser(), out="o", batch_size=1, steps=1, lr=1.0,
+                                        checkpoint_every=1, log_every=1)
+    assert parser.parse_args([]).mixed_precision == "auto"
+
+
+def test_native_bf16_matches_the_cpu(monkeypatch):
+    from spatial_pipelines import training
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert training.native_bf16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -8,6 +8,7 @@ import os
 import shutil
 from typing import Dict, Iterator, List, Optional, Tuple
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
@@ -71,7 +72,8 @@ def add_training_args(parser: argparse.ArgumentParser, *, out: str, batch_size: 
     parser.add_argument("--batch-size", type=int, default=batch_size)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--mixed-precision", default="bf16", choices=["no", "fp16", "bf16"])
+    parser.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "fp16", "bf16"],
+                        help="autocast precision; auto: bf16 where the device computes it natively, else fp32 ('no')")
     parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every)
     parser.add_argument("--log-every", type=int, default=log_every)
     parser.add_argument("--seed", type=int, default=0)
@@ -79,8 +81,26 @@ def add_training_args(parser: argparse.ArgumentParser, *, out: str, batch_size: 
     return parser
 
 
+def native_bf16() -> bool:
+    """Whether this machine's training device computes bf16 natively: a CUDA GPU that supports it, or a CPU with
+    bf16 instructions (oneDNN's check). Elsewhere bf16 autocast is emulated and far slower than fp32 (measured
+    on an AVX2-only CPU: 186 s against 7.7 s for one step of the embedded model's training)."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_mixed_precision(value: str) -> str:
+    """``"auto"`` becomes ``"bf16"`` where :func:`native_bf16`, else ``"no"``; other values are kept."""
+    if value != "auto":
+        return value
+    return "bf16" if native_bf16() else "no"
+
+
 def setup(args: argparse.Namespace) -> Tuple[Accelerator, TrainingLog]:
-    """Accelerator with the run's precision, seeded, and the run folder's log."""
+    """Accelerator with the run's precision (``auto`` resolved and written back to ``args``), seeded, and the run
+    folder's log."""
+    args.mixed_precision = resolve_mixed_precision(args.mixed_precision)
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     set_seed(args.seed)
     return accelerator, TrainingLog(args.out)
