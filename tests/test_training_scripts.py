@@ -14,9 +14,9 @@ from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, LlamaGenPipeli
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(script, *args):
+def run(script, *args, check=True):
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / script), *map(str, args)], capture_output=True, text=True, check=True
+        [sys.executable, str(ROOT / "scripts" / script), *map(str, args)], capture_output=True, text=True, check=check
     )
 
 
@@ -48,8 +48,7 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     # continued training: --init-from starts from the saved transformer (lr 0: one step leaves it unchanged)
     cont = tmp_path / "ar_continued"
     tiny_cont = ["--vq", vq / "vqvae", "--limit", 8, "--batch-size", 4, "--mixed-precision", "no", "--out", cont]
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_ar.py"), *map(str, tiny_cont),
-                          "--init-from", str(ar / "pipeline"), "--hidden-size", "64", "--steps", "1"], capture_output=True, text=True)
+    bad = run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--hidden-size", 64, "--steps", 1, check=False)
     assert bad.returncode != 0 and "`--hidden-size` is 64 but the `--init-from` transformer has hidden_size=32" in bad.stderr
     run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--steps", 1, "--lr", 0)
     continued = LlamaGenPipeline.from_pretrained(cont / "pipeline").transformer.state_dict()

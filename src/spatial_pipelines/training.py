@@ -87,7 +87,8 @@ def native_bf16() -> bool:
     on an AVX2-only CPU: 186 s against 7.7 s for one step of the embedded model's training)."""
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # private: fp32 if a torch moves it
+    return bool(check()) if check is not None else False
 
 
 def resolve_mixed_precision(value: str) -> str:
