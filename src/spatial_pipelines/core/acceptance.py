@@ -50,13 +50,85 @@ def verify_tree(
 ) -> TreeAcceptance:
     """Walk every row's tree from the root, accepting candidates exactly.
 
+    Vectorised over every node at once (no loop over depths or siblings) when the candidates are point masses
+    (``q is None``: top-k, copied or cached drafts) or the tree is a chain (each node has at most one child);
+    other trees with a known ``q`` per node fall back to `verify_tree_sequential`, whose residuals chain from
+    sibling to sibling.
+
     Args:
         tree (`DraftTree`): the shared tree shape.
         tokens (`torch.LongTensor` `(B, T)`): the code at every node (node 0: the root, not verified); ``-1``
             marks a node that this row does not offer (an empty or duplicate pool slot): it is skipped.
         probs (`torch.Tensor` `(B, T, V)`): target distribution after each node (fp32).
-        random (`RandomSource`): draws ``(B, D, K)`` uniforms and ``(B, V)`` exponentials per call (fixed shapes).
+        random (`RandomSource`): draws ``(B, T - 1 + V)`` uniforms per call (fixed shape): one per node, and the
+            exponentials of the bonus draw.
         q (`torch.Tensor` `(B, T, V)`, *optional*): each node's proposal distribution; ``None`` means point masses.
+    """
+    if q is not None and tree.max_children > 1:
+        return verify_tree_sequential(tree, tokens, probs, random, q)
+    b, t, v = probs.shape
+    if t == 1:  # nothing drafted: the bonus is a plain draw from the root's p
+        noise = -torch.log(random.uniform(v))  # (B, V) Exp(1); u = 0 gives inf: that code scores 0, never NaN
+        bonus = (probs[:, 0] / noise).argmax(-1)
+        zero = torch.zeros(b, dtype=torch.long, device=probs.device)
+        return TreeAcceptance(path=zero[:, None], num_accepted=zero, bonus=bonus, last_node=zero)
+    rows = torch.arange(b, device=probs.device)
+    draws = random.uniform(t - 1 + v)  # (B, T - 1 + V): one random call per round
+    u, noise = draws[:, : t - 1], -torch.log(draws[:, t - 1 :])  # (B, T-1) uniforms, (B, V) Exp(1)
+    parents = tree.parents[1:]  # (T-1,)
+    x = tokens[:, 1:]  # (B, T-1) candidate of every node
+    siblings = tree.earlier_siblings[1:, 1:]  # (T-1, T-1)
+    # a candidate that repeats an earlier sibling's code is offered nothing: after that sibling's rejection p(x) = 0
+    repeated = ((x[:, :, None] == x[:, None, :]) & siblings & (x[:, None, :] >= 0)).any(-1)  # (B, T-1)
+    valid = (x >= 0) & ~repeated
+    xs = x.clamp_min(0)
+    p_parent = probs[:, parents]  # (B, T-1, V) target distribution each candidate is tested against
+    px = p_parent.gather(-1, xs[..., None]).squeeze(-1) * valid  # (B, T-1)
+    if q is None:
+        # point masses: after rejecting earlier siblings s, p is renormalised over 1 - sum p(s)
+        left = 1.0 - (px[:, None, :] * siblings).sum(-1)  # (B, T-1) mass not taken by earlier siblings
+        accept = valid & (u * left < px)  # u < p(x) / left, without dividing
+    else:
+        # a chain: one candidate per node, accepted with min(1, p/q)
+        qx = q[:, 1:].gather(-1, xs[..., None]).squeeze(-1)  # (B, T-1)
+        accept = valid & (u * qx < px)
+    # a node is taken when it is the first accepted sibling and every ancestor was taken too
+    first = accept & ~((accept[:, None, :] & siblings).any(-1))  # (B, T-1)
+    above = tree.attention_mask[1:, 1:]  # (T-1, T-1) ancestors-or-self below the root
+    taken = ~((above & ~first[:, None, :]).any(-1))  # (B, T-1)
+    depth = torch.where(taken, tree.depths[1:], 0)  # (B, T-1)
+    num_accepted, deepest = depth.max(-1)  # taken nodes form one path: its deepest node ends it
+    last = torch.where(num_accepted > 0, deepest + 1, 0)  # (B,)
+    path = tree.node_paths[last]  # (B, D + 1)
+    # the bonus: from the last node's p, less what its children (all tried and rejected) took
+    p_last = probs[rows, last]  # (B, V)
+    kids = tree.children[last]  # (B, K) -1 where there is no such child
+    kid_ok = kids >= 0
+    kid_valid = kid_ok & torch.cat([valid.new_zeros(b, 1), valid], 1).gather(1, kids.clamp_min(0))
+    if q is None:
+        kid_codes = torch.where(kid_valid, tokens.gather(1, kids.clamp_min(0)), 0)  # (B, K)
+        removed = torch.zeros_like(p_last).scatter_add_(1, kid_codes, kid_valid.to(p_last.dtype)) > 0  # (B, V)
+        p_left = p_last.masked_fill(removed, 0.0)
+    else:
+        q_kid = q[rows, kids[:, 0].clamp_min(0)]  # (B, V) a chain: at most one child
+        p_left = torch.where(kid_valid[:, :1], (p_last - q_kid).clamp_min(0), p_last)
+    p_left = torch.where(p_left.sum(-1, keepdim=True) > 0, p_left, p_last)  # nothing left: cannot happen exactly
+    bonus = (p_left / noise).argmax(-1)  # exponential race: a draw from p_left (no normalising needed)
+    return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=last)
+
+
+def verify_tree_sequential(
+    tree: DraftTree,
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    random: RandomSource,
+    q: Optional[torch.Tensor] = None,
+) -> TreeAcceptance:
+    """`verify_tree` by walking the tree depth by depth and sibling by sibling, applying each rejected sibling's
+    residual ``norm(max(p - q, 0))`` before the next is tried: the general rule for siblings drawn from
+    different proposals, and the reference the vectorised walk is tested against.
+
+    ``random`` draws ``(B, D, K)`` uniforms and ``(B, V)`` exponentials per call.
     """
     b, t, v = probs.shape
     depth, k = tree.max_depth, tree.children.shape[1]

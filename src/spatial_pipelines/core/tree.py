@@ -5,7 +5,7 @@ Node 0 is the root: the newest committed code, fed first. A node at depth ``d`` 
 positions after the root. Candidates of one parent are siblings, tried in node order.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence, Tuple
 
 import torch
@@ -23,6 +23,9 @@ class DraftTree:
         retrieve_indices (`torch.LongTensor` `(L, D + 1)`): node indices of every root-to-leaf path, padded with ``-1``.
         ranks (`torch.LongTensor` `(T,)`): for trees built from paths, the candidate rank each node takes at its
             depth (``-1`` for the root).
+        node_paths (`torch.LongTensor` `(T, D + 1)`): root-to-node indices of every node, padded with ``-1``
+            (the accepted path is one row of it: a gather, no walk).
+        earlier_siblings (`torch.BoolTensor` `(T, T)`): ``[i, j]`` is True when ``j`` is a sibling tried before ``i``.
     """
 
     parents: torch.Tensor
@@ -31,6 +34,8 @@ class DraftTree:
     children: torch.Tensor
     retrieve_indices: torch.Tensor
     ranks: torch.Tensor
+    node_paths: torch.Tensor
+    earlier_siblings: torch.Tensor
 
     @property
     def num_nodes(self) -> int:
@@ -40,9 +45,13 @@ class DraftTree:
     def max_depth(self) -> int:
         return self.retrieve_indices.shape[1] - 1  # a shape, not a device read
 
+    @property
+    def max_children(self) -> int:
+        """Most children of one node (1 for a chain); a shape, not a device read."""
+        return self.children.shape[1]
+
     def to(self, device) -> "DraftTree":
-        return DraftTree(*(t.to(device) for t in (self.parents, self.depths, self.attention_mask, self.children,
-                                                   self.retrieve_indices, self.ranks)))
+        return DraftTree(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def tree_from_parents(parents: Sequence[int], ranks: Sequence[int] = None) -> DraftTree:
@@ -69,8 +78,14 @@ def tree_from_parents(parents: Sequence[int], ranks: Sequence[int] = None) -> Dr
     for row, leaf in enumerate(leaves):
         path = ancestors[leaf].nonzero().flatten()  # ancestors in index order = root-to-leaf order
         retrieve[row, : path.numel()] = path
+    node_paths = torch.full((t, depth + 1), -1, dtype=torch.long)
+    for i in range(t):
+        path = ancestors[i].nonzero().flatten()
+        node_paths[i, : path.numel()] = path
+    same_parent = parents[:, None] == parents[None, :]
+    earlier = same_parent & (torch.arange(t)[None, :] < torch.arange(t)[:, None])  # siblings are tried in index order
     ranks = torch.as_tensor(list(ranks), dtype=torch.long) if ranks is not None else torch.full((t,), -1, dtype=torch.long)
-    return DraftTree(parents, depths, ancestors, children, retrieve, ranks)
+    return DraftTree(parents, depths, ancestors, children, retrieve, ranks, node_paths, earlier)
 
 
 def tree_from_paths(paths: Sequence[Tuple[int, ...]]) -> DraftTree:

@@ -1,5 +1,6 @@
 """Plain autoregressive decoding: one code per target pass. The reference every exact decoder must match."""
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -9,6 +10,13 @@ from ..core.sampling import logits_to_probs, sample_from_probs
 from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput
 
 
+@dataclass
+class AutoregressiveState(DecodingState):
+    """`DecodingState` plus the one-token mask ``(1, 1)``, allocated once per generation."""
+
+    mask: Optional[torch.Tensor] = None
+
+
 class AutoregressiveDecoder(SpatialDecoderMixin):
     """One code per target forward; CFG rows run as one batch in the same forward.
 
@@ -16,19 +24,23 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
     """
 
     is_exact = True
+    state_class = AutoregressiveState
 
     @register_to_config
     def __init__(self):
         super().__init__()
 
-    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
+    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> AutoregressiveState:
+        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
+        state.mask = torch.ones(1, 1, dtype=torch.bool, device=device)
+        return state
+
+    def propose(self, state: AutoregressiveState, draft_heads=None) -> Draft:
         index = state.num_committed - 1
-        if "mask" not in state.extras:  # allocated once per generation, not once per round
-            state.extras["mask"] = state.positions.new_ones(1, 1, dtype=torch.bool)
         return Draft(
-            input_ids=state.last_token[:, None],  # (B, 1)
+            input_ids=state.tokens[:, index : index + 1],  # (B, 1) a view
             position_ids=state.positions[index : index + 1],  # (1,) a view: no host-to-device copy per round
-            attention_mask=state.extras["mask"],
+            attention_mask=state.mask,
         )
 
     def step(

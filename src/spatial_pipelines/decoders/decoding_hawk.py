@@ -2,13 +2,34 @@
 that merge horizontal candidates with vertical ones made from the rows above; the tree is the bounded
 Cartesian product of the pools; exact verification."""
 
-from typing import List
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.tree import DraftTree, tree_from_paths
-from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin
+from .decoding_utils import Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
+
+
+@dataclass
+class HawkState(TreeState):
+    """`TreeState` plus Hawk's vertical speculation cache and the index tables its pools use.
+
+    Args:
+        vertical_cache (`torch.LongTensor` `(B, N, max(VSD, 1), k)`): candidates cached for each raster code, one
+            slot per "rows above" distance (``-1``: none yet).
+        depth_offsets (`torch.LongTensor` `(n_h,)`): ``1..n_h``, the raster offsets of the pools.
+        node_depth (`torch.LongTensor` `(T - 1,)`), node_rank (`torch.LongTensor` `(T - 1,)`): pool and slot of
+            every draft node.
+        earlier_slot (`torch.BoolTensor` `(S, S)`): ``[i, j]`` when pool slot ``j`` comes before slot ``i``.
+    """
+
+    vertical_cache: Optional[torch.Tensor] = None
+    depth_offsets: Optional[torch.Tensor] = None
+    node_depth: Optional[torch.Tensor] = None
+    node_rank: Optional[torch.Tensor] = None
+    earlier_slot: Optional[torch.Tensor] = None
 
 
 def bounded_product_paths(depth: int, pool_size: int, num_nodes: int) -> List[tuple]:
@@ -36,6 +57,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     """
 
     draft_heads_class = "SpatialDraftHeads"
+    state_class = HawkState
 
     @register_to_config
     def __init__(
@@ -70,40 +92,43 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self.config.top_k > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k` ({self.config.top_k}) exceeds the {draft_heads.config.num_image_codes} image codes.")
 
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> DecodingState:
+    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> HawkState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
         vsd, k = self.config.vertical_speculation_depth, self.config.top_k
-        # vertical speculation cache: candidates for each raster code, one slot per "rows above" distance
-        state.extras["vertical_cache"] = torch.full((batch_size, layout.num_tokens, max(vsd, 1), k), -1, dtype=torch.long, device=device)
+        state.vertical_cache = torch.full((batch_size, layout.num_tokens, max(vsd, 1), k), -1, dtype=torch.long, device=device)
+        state.depth_offsets = torch.arange(1, self.config.num_horizontal_heads + 1, device=device)
+        state.node_depth, state.node_rank = state.tree.depths[1:] - 1, state.tree.ranks[1:]
+        state.earlier_slot = torch.ones(self.pool_size, self.pool_size, dtype=torch.bool, device=device).tril(-1)
         return state
 
-    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
+    def propose(self, state: HawkState, draft_heads=None) -> Draft:
         c = self.config
-        n_h, vsd, k = c.num_horizontal_heads, c.vertical_speculation_depth, c.top_k
-        tree = self._device_tree(state)
+        vsd, k = c.vertical_speculation_depth, c.top_k
         b, n = state.tokens.shape
         width = state.layout.width
         root = state.num_committed - 1  # raster index of the newest committed code
         logits_h, logits_v = self._heads_logits(state, draft_heads)
         h_idx = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()]
         horizontal = logits_h[:, h_idx].topk(k, dim=-1).indices  # (B, n_h, k)
-        cache = state.extras["vertical_cache"]  # (B, N, VSD, k)
+        cache = state.vertical_cache  # (B, N, VSD, k)
         if vsd:
             v_idx = [draft_heads.vertical_index(o) for o in self.required_vertical_offsets()]
             vertical = logits_v[:, v_idx].topk(k, dim=-1).indices  # (B, VSD, k)
-            for d in range(1, vsd + 1):  # cache the prediction d rows below for when decoding gets there
-                if root + d * width < n:
-                    cache[:, root + d * width, d - 1] = vertical[:, d - 1]
+            rows_below = min(vsd, (n - 1 - root) // width)  # host ints: cache the predictions that land in the grid
+            if rows_below > 0:  # one strided write: the prediction d rows below lands d * W codes later
+                cache[:, root + width : root + (rows_below + 1) * width : width].diagonal(0, 1, 2).copy_(
+                    vertical[:, :rows_below].permute(0, 2, 1)
+                )
         # pool per depth: rank r of [horizontal, cached vertical from 1..VSD rows above], r = 0..k-1
-        targets = (root + torch.arange(1, n_h + 1, device=cache.device)).clamp_max(n - 1)  # (n_h,)
-        cached = cache[:, targets, :vsd]  # (B, n_h, VSD, k)
-        pool = torch.cat([horizontal[:, :, None], cached], 2).transpose(2, 3).reshape(b, n_h, self.pool_size)  # (B, n_h, S)
+        if root + c.num_horizontal_heads < n:
+            cached = cache[:, root + 1 : root + 1 + c.num_horizontal_heads, :vsd]  # (B, n_h, VSD, k) a view
+        else:
+            cached = cache[:, (root + state.depth_offsets).clamp_max(n - 1), :vsd]
+        pool = torch.cat([horizontal[:, :, None], cached], 2).transpose(2, 3).reshape(b, -1, self.pool_size)  # (B, n_h, S)
         same = pool[..., :, None] == pool[..., None, :]  # (B, n_h, S, S)
-        earlier = torch.ones(self.pool_size, self.pool_size, dtype=torch.bool, device=pool.device).tril(-1)
-        pool = pool.masked_fill((same & earlier).any(-1) | (pool < 0), -1)  # duplicates and empty slots offer nothing
-        depth = tree.depths[1:] - 1
-        nodes = pool[:, depth, tree.ranks[1:]]  # (B, T - 1)
-        return self._tree_draft(state, tree, torch.cat([state.last_token[:, None], nodes], 1))
+        pool = pool.masked_fill((same & state.earlier_slot).any(-1) | (pool < 0), -1)  # duplicates and empty slots offer nothing
+        nodes = pool[:, state.node_depth, state.node_rank]  # (B, T - 1)
+        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 
     def step(self, logits, hidden_states, draft, state, draft_heads=None) -> StepOutput:
         if draft is None:

@@ -2,16 +2,35 @@
 accepted drafts are committed, the first rejection is resampled from the residual, and the drafts that were
 not reached are re-drawn from this pass's distribution (which becomes their proposal ``q``)."""
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from diffusers.configuration_utils import register_to_config
 
 from ..core.sampling import logits_to_probs
 from ..core.tree import chain_tree
-from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin
+from .decoding_utils import Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
 
 INITS = ("random", "left", "above")
 ACCEPTANCE = ("exact",)
+
+
+@dataclass
+class JacobiState(TreeState):
+    """`TreeState` plus the window.
+
+    Args:
+        drafts (`torch.LongTensor` `(B, L)`): the current drafts after the newest committed code.
+        q (`torch.Tensor` `(B, L + 1, V)`): column ``j + 1`` is the distribution draft ``j`` was drawn from
+            (column 0, the root's, is never read): laid out like the fed window, so no copy per round.
+        num_fresh (`int`): positions at the window's end still to initialise (host-side).
+    """
+
+    drafts: Optional[torch.Tensor] = None
+    q: Optional[torch.Tensor] = None
+    num_fresh: int = 0
 
 
 class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
@@ -40,56 +59,58 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     def max_draft_tokens(self) -> int:
         return self.config.window_size + 1
 
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> DecodingState:
+    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> JacobiState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        v = backbone.num_image_codes
-        state.extras["drafts"] = torch.zeros(batch_size, self.config.window_size, dtype=torch.long, device=device)
-        state.extras["q"] = torch.full((batch_size, self.config.window_size, v), 1.0 / v, device=device)
-        state.extras["num_fresh"] = self.config.window_size  # positions at the window's end still to initialise
+        v, L = backbone.num_image_codes, self.config.window_size
+        state.drafts = torch.zeros(batch_size, L, dtype=torch.long, device=device)
+        state.q = torch.full((batch_size, L + 1, v), 1.0 / v, device=device)
+        state.num_fresh = L
         return state
 
-    def _initialise(self, state: DecodingState) -> None:
+    def _initialise(self, state: JacobiState) -> None:
         """Draft the ``num_fresh`` positions at the end of the window with the configured ``init``."""
-        fresh = state.extras.pop("num_fresh")
+        fresh, state.num_fresh = state.num_fresh, 0
         if fresh == 0:
             return
-        drafts, q = state.extras["drafts"], state.extras["q"]
+        drafts, q = state.drafts, state.q[:, 1:]  # (B, L), (B, L, V) views
         b, L, v = q.shape
         start = L - fresh
-        uniform = torch.full((b, fresh, v), 1.0 / v, device=q.device)
-        random_codes = (uniform / state.random.exponential(fresh, v)).argmax(-1)  # (B, fresh) uniform draws
-        if self.config.init == "random":
-            drafts[:, start:], q[:, start:] = random_codes, uniform
+        if self.config.init == "random":  # uniform draws: q is uniform
+            drafts[:, start:] = (state.random.uniform(fresh) * v).long().clamp_max(v - 1)
+            q[:, start:] = 1.0 / v
             return
-        for j in range(start, L):  # copies are point masses: their q is one-hot
-            if self.config.init == "left":
-                left = drafts[:, j - 1] if j > 0 else state.last_token
-                code = left
-            else:
-                above = state.num_committed + j - state.layout.width
-                code = state.tokens[:, above] if 0 <= above < state.num_committed else random_codes[:, j - start]
-            drafts[:, j] = code
-            q[:, j] = F.one_hot(code, v).float()
+        if self.config.init == "left":  # copies of the left neighbour: point masses
+            left = drafts[:, start - 1] if start > 0 else state.last_token
+            codes = left[:, None].expand(b, fresh)
+        else:  # the committed code one row above, or a uniform draw where there is none yet
+            above = state.num_committed + torch.arange(start, L, device=drafts.device) - state.layout.width  # (fresh,)
+            has = (above >= 0) & (above < state.num_committed)
+            copied = state.tokens[:, above.clamp_min(0)]  # (B, fresh)
+            drawn = (state.random.uniform(fresh) * v).long().clamp_max(v - 1)
+            codes = torch.where(has, copied, drawn)
+            q[:, start:] = torch.where(has[None, :, None], F.one_hot(codes, v).float(), 1.0 / v)
+            drafts[:, start:] = codes
+            return
+        drafts[:, start:] = codes
+        q[:, start:] = F.one_hot(codes, v).float()
 
-    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
+    def propose(self, state: JacobiState, draft_heads=None) -> Draft:
         self._initialise(state)
-        tree = self._device_tree(state)
-        return self._tree_draft(state, tree, torch.cat([state.last_token[:, None], state.extras["drafts"]], 1))
+        return self._tree_draft(state, torch.cat([state.last_token[:, None], state.drafts], 1))
 
-    def step(self, logits, hidden_states, draft, state, draft_heads=None) -> StepOutput:
+    def step(self, logits, hidden_states, draft, state: JacobiState, draft_heads=None) -> StepOutput:
         if draft is None:
             return self._prefill_step(logits, hidden_states, state)
-        q_drafts = state.extras["q"]
-        q = torch.cat([q_drafts[:, :1], q_drafts], 1)  # (B, L + 1, V): the root's q is never read
-        out = self._verify_step(logits, hidden_states, draft, state, q)
+        probs = logits_to_probs(logits, state.sampling)  # (B, L + 1, V)
+        out = self._verify_step(logits, hidden_states, draft, state, state.q, probs=probs)
         L = self.config.window_size
         n = out.num_accepted
         left = max(L - n, 0)  # drafts not reached (none when the whole window and its bonus were committed)
-        # they are re-drawn from this pass's p at the node before each (their new q); the window slides by n
-        probs = logits_to_probs(logits, state.sampling)[:, n : n + left]  # (B, left, V)
-        redraw = (probs / state.random.exponential(left, probs.shape[-1])).argmax(-1)  # (B, left)
-        drafts, q_new = torch.zeros_like(state.extras["drafts"]), torch.zeros_like(q_drafts)
-        drafts[:, :left], q_new[:, :left] = redraw, probs
-        state.extras["drafts"], state.extras["q"] = drafts, q_new
-        state.extras["num_fresh"] = L - left
+        if left:
+            # they are re-drawn from this pass's p at the node before each (their new q); the window slides by n
+            redrawn = probs[:, n : n + left]  # (B, left, V)
+            noise = -torch.log(state.random.uniform(left, redrawn.shape[-1]))  # Exp(1)
+            state.drafts[:, :left] = (redrawn / noise).argmax(-1)
+            state.q[:, 1 : left + 1] = redrawn
+        state.num_fresh = L - left
         return out

@@ -1,13 +1,22 @@
 """Medusa (1-D multi-token prediction): heads draft the next codes along the raster; a static tree of their
 top-k candidates is verified in one target pass with a tree attention mask; exact acceptance."""
 
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.tree import tree_from_paths
-from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin
+from .decoding_utils import Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
+
+
+@dataclass
+class MedusaState(TreeState):
+    """`TreeState` plus the head (``node_depth``) and candidate rank (``node_rank``) of every draft node ``(T - 1,)``."""
+
+    node_depth: Optional[torch.Tensor] = None
+    node_rank: Optional[torch.Tensor] = None
 
 
 def caterpillar_paths(depth: int, top_k: int) -> List[Tuple[int, ...]]:
@@ -26,6 +35,7 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     """
 
     draft_heads_class = "SpatialDraftHeads"
+    state_class = MedusaState
 
     @register_to_config
     def __init__(self, num_heads: int = 4, top_k: int = 4, tree_paths: Optional[Sequence[Sequence[int]]] = None):
@@ -58,14 +68,20 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self._num_ranks > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 
-    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
-        tree = self._device_tree(state)
+    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> MedusaState:
+        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
+        tree = state.tree
+        state.node_depth, state.node_rank = tree.depths[1:] - 1, tree.ranks[1:]
+        return state
+
+    def propose(self, state: MedusaState, draft_heads=None) -> Draft:
         logits_h, _ = self._heads_logits(state, draft_heads)
         order = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()]
-        top = logits_h[:, order].topk(self._num_ranks, dim=-1).indices  # (B, K, k)
-        depth = tree.depths[1:] - 1
-        nodes = top[:, depth, tree.ranks[1:]]  # (B, T - 1) candidate of each node
-        return self._tree_draft(state, tree, torch.cat([state.last_token[:, None], nodes], 1))
+        if order != list(range(len(order))):
+            logits_h = logits_h[:, order]
+        top = logits_h.topk(self._num_ranks, dim=-1).indices  # (B, K, k)
+        nodes = top[:, state.node_depth, state.node_rank]  # (B, T - 1) candidate of each node
+        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 
     def step(self, logits, hidden_states, draft, state, draft_heads=None) -> StepOutput:
         if draft is None:

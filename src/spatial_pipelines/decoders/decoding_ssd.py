@@ -21,8 +21,8 @@ predictor fed ``[h_j; e(x_j)]`` drafts code ``j + k`` (horizontal offset ``k``) 
 offset ``d``).
 """
 
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 from diffusers.configuration_utils import register_to_config
@@ -57,6 +57,22 @@ class _Block:
     bonus: bool
 
 
+@dataclass
+class SSDState(DecodingState):
+    """`DecodingState` plus SSD's per-generation data.
+
+    Args:
+        hidden (`torch.Tensor` `(B, N, D)`): ``h_j`` of every committed code ``j`` (allocated at prefill, in the
+            trunk's dtype).
+        block (`_Block`, *optional*): the drafted codes being repaired.
+        masks (`dict[int, torch.BoolTensor]`): causal masks by fed length, allocated once per generation.
+    """
+
+    hidden: Optional[torch.Tensor] = None
+    block: Optional[_Block] = None
+    masks: Dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class SSDDecoder(SpatialDecoderMixin):
     r"""Spatially Speculative Decoding with `LatentDraftHeads`.
 
@@ -78,6 +94,7 @@ class SSDDecoder(SpatialDecoderMixin):
 
     is_exact = False
     draft_heads_class = "LatentDraftHeads"
+    state_class = SSDState
 
     @register_to_config
     def __init__(
@@ -142,24 +159,17 @@ class SSDDecoder(SpatialDecoderMixin):
                     f"`draft_heads` must start with the {direction} offsets {need} this SSDDecoder uses, found {have}."
                 )
 
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> DecodingState:
-        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        state.extras["hidden"] = None  # h_j of every committed code j (allocated at prefill, in the trunk's dtype)
-        state.extras["block"] = None
-        state.extras["masks"] = {}
-        return state
-
     # -- drafting --------------------------------------------------------------------------------------
-    def _draft(self, logits: torch.Tensor, state: DecodingState):
+    def _draft(self, logits: torch.Tensor, state: SSDState):
         """Draft codes ``(B, n)`` and their distribution (``None``: point masses) from draft logits ``(B, n, V)``."""
         if self.config.draft == "argmax":
             return logits.argmax(-1), None
         q = logits_to_probs(logits, state.sampling)  # (B, n, V)
         return sample_from_probs(q, state.random), q
 
-    def _new_block(self, state: DecodingState, draft_heads) -> _Block:
+    def _new_block(self, state: SSDState, draft_heads) -> _Block:
         layout, c = state.layout, state.num_committed
-        w, backbone, hidden = layout.width, state.backbone, state.extras["hidden"]
+        w, backbone, hidden = layout.width, state.backbone, state.hidden
         if c < w:  # first row: a horizontal chunk drafted from the newest code
             m = min(self.config.num_horizontal, w - c - 1)
             if m == 0:  # one code left in the row: an AR step
@@ -178,16 +188,16 @@ class SSDDecoder(SpatialDecoderMixin):
         state.num_draft_passes += 1
         return _Block(tokens, q, self.base_rounds, w, bonus=False)
 
-    def _causal_mask(self, state: DecodingState, t: int) -> torch.Tensor:
-        masks = state.extras["masks"]
+    def _causal_mask(self, state: SSDState, t: int) -> torch.Tensor:
+        masks = state.masks
         if t not in masks:  # one per block length, allocated once per generation
             masks[t] = torch.ones(t, t, dtype=torch.bool, device=state.tokens.device).tril()
         return masks[t]
 
-    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
-        block = state.extras["block"]
+    def propose(self, state: SSDState, draft_heads=None) -> Draft:
+        block = state.block
         if block is None:
-            block = state.extras["block"] = self._new_block(state, draft_heads)
+            block = state.block = self._new_block(state, draft_heads)
         n = block.tokens.shape[1] if block.rounds_left > 0 else block.commit_length
         c = state.num_committed
         return Draft(
@@ -202,10 +212,10 @@ class SSDDecoder(SpatialDecoderMixin):
             token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
             hidden = hidden_states.new_zeros(state.batch_size, state.layout.num_tokens, hidden_states.shape[-1])  # (B, N, D)
             hidden[:, 0] = hidden_states[:, -1]
-            state.extras["hidden"] = hidden
+            state.hidden = hidden
             state.commit(token[:, None], torch.ones_like(token))
             return StepOutput(num_accepted=1)
-        block: _Block = state.extras["block"]
+        block: _Block = state.block
         if block.rounds_left > 0:
             # auto-correction: output j is the target's p for block code j given the block drafted before it
             probs = logits_to_probs(logits[:, :-1], state.sampling)  # (B, n, V)
@@ -216,9 +226,9 @@ class SSDDecoder(SpatialDecoderMixin):
             return StepOutput(num_accepted=0, keep_length=0)  # roll the pass back
         return self._commit(logits, hidden_states, state, block)
 
-    def _commit(self, logits, hidden_states, state: DecodingState, block: _Block) -> StepOutput:
+    def _commit(self, logits, hidden_states, state: SSDState, block: _Block) -> StepOutput:
         c, m = state.num_committed, block.commit_length
-        hidden = state.extras["hidden"]
+        hidden = state.hidden
         codes = block.tokens[:, :m]  # (B, m)
         hidden[:, c : c + m] = hidden_states[:, :m]  # output j drew (or judged) code c + j
         if block.bonus:  # the code after the chunk, drawn exactly from the pass's last output
@@ -229,11 +239,11 @@ class SSDDecoder(SpatialDecoderMixin):
         state.commit(codes, torch.full_like(codes[:, 0], n))
         rest = block.tokens.shape[1] - m
         if rest > 0:  # staged: the trailing rows get `incremental_rounds` more rounds with the leading row fixed
-            state.extras["block"] = _Block(
+            state.block = _Block(
                 block.tokens[:, m:], None if block.q is None else block.q[:, m:], self.incremental_rounds,
                 min(state.layout.width, rest), bonus=False,
             )
         else:
-            state.extras["block"] = None
+            state.block = None
         # the newest committed code is fed first next round: keep the KV of what came before it only
         return StepOutput(num_accepted=n, keep_length=None if block.bonus else m)

@@ -7,7 +7,7 @@ commits them to the `DecodingState` and says which fed positions stay in the KV 
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 from diffusers import ConfigMixin, SchedulerMixin
@@ -37,7 +37,9 @@ class DecodingState:
         num_draft_passes (`int`): forward passes of draft heads/models.
         backbone: the family adapter (its ``final_norm``, ``output_head``, ``embed_image_tokens``, ``codebook``),
             for decoders whose drafts go through the backbone's own head; decoders never call its forward.
-        extras (`dict`): decoder-specific state.
+
+    A decoder that carries more between rounds subclasses this dataclass (typed fields with defaults, set in its
+    ``init_state``) and names it in its ``state_class``.
     """
 
     layout: ImageTokenLayout
@@ -51,7 +53,6 @@ class DecodingState:
     accepted_lengths: List[torch.Tensor] = field(default_factory=list)
     num_draft_passes: int = 0
     backbone: Any = None
-    extras: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_remaining(self) -> int:
@@ -127,6 +128,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     """
 
     config_name = DECODER_CONFIG_NAME
+    state_class: type = DecodingState  # the typed state this decoder carries between rounds
     is_exact: bool = True
     draft_heads_class: Optional[str] = None
     order = 1  # diffusers scheduler attribute; unused here
@@ -167,9 +169,11 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         device: torch.device,
         backbone: Any = None,
     ) -> DecodingState:
-        """A fresh `DecodingState`; subclasses add their own entries to ``state.extras``."""
+        """A fresh ``self.state_class`` (a `DecodingState`); subclasses fill their own fields."""
         n = layout.num_tokens
-        return DecodingState(
+        if not (isinstance(self.state_class, type) and issubclass(self.state_class, DecodingState)):
+            raise TypeError(f"{type(self).__name__}.state_class must be a DecodingState subclass, got {self.state_class!r}.")
+        return self.state_class(
             layout=layout,
             sampling=sampling,
             random=random,
@@ -200,52 +204,86 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         """
 
 
+@dataclass
+class TreeState(DecodingState):
+    """The state of tree decoders.
+
+    Args:
+        tree (`DraftTree`): the decoder's static tree on the generation's device (copied once per generation).
+        hidden (`torch.Tensor` `(B, D)`): pre-norm hidden state that predicted the newest committed code.
+        node_tokens (`torch.LongTensor` `(B, T)`): the tree fed this round (``-1``: slot not offered).
+        rows (`torch.LongTensor` `(B,)`), slots (`torch.LongTensor` `(D + 1,)`): index tables built once.
+    """
+
+    tree: Optional[DraftTree] = None
+    hidden: Optional[torch.Tensor] = None
+    node_tokens: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
+    slots: Optional[torch.Tensor] = None
+
+
 class TreeDecoderMixin:
-    """What tree decoders share: drafting a static tree of head candidates and exact verification."""
+    """What tree decoders share: drafting a static tree of head candidates and exact verification.
 
-    def _device_tree(self, state: DecodingState) -> DraftTree:
-        """The decoder's static tree on the state's device, copied once per generation (not once per round)."""
-        if "device_tree" not in state.extras:
-            state.extras["device_tree"] = self.tree.to(state.tokens.device)
-        return state.extras["device_tree"]
+    A subclass sets ``self.tree`` (a `DraftTree`) in ``__init__``; its ``state_class`` must be a `TreeState`.
+    """
 
-    def _heads_logits(self, state: DecodingState, draft_heads):
+    state_class = TreeState
+
+    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> TreeState:
+        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
+        if not isinstance(state, TreeState):
+            raise TypeError(f"{type(self).__name__}.state_class must subclass TreeState, got {type(state).__name__}.")
+        state.tree = self.tree.to(device)  # once per generation, not once per round
+        state.rows = torch.arange(batch_size, device=device)
+        state.slots = torch.arange(state.tree.max_depth + 1, device=device)
+        return state
+
+    def _heads_logits(self, state: TreeState, draft_heads):
         """Logits of every head from the hidden state that predicted the newest committed code."""
-        feats_h, feats_v = draft_heads(state.backbone.final_norm(state.extras["hidden"]))  # (B, Hh, D), (B, Hv, D)
+        feats_h, feats_v = draft_heads(state.backbone.final_norm(state.hidden))  # (B, Hh, D), (B, Hv, D)
         state.num_draft_passes += 1
         return state.backbone.output_head(feats_h), state.backbone.output_head(feats_v)  # (B, Hh, V), (B, Hv, V)
 
-    def _tree_draft(self, state: DecodingState, tree: DraftTree, node_tokens: torch.Tensor) -> Draft:
+    def _tree_draft(self, state: TreeState, node_tokens: torch.Tensor) -> Draft:
         """Feed ``node_tokens`` ``(B, T)`` (root first; ``-1`` for slots a row does not offer) at their positions
         with the tree mask."""
-        last = state.layout.num_tokens - 1
-        index = (state.num_committed - 1 + tree.depths).clamp_max(last)  # nodes past the grid are never committed
-        state.extras["tree"], state.extras["node_tokens"] = tree, node_tokens
+        tree = state.tree
+        first = state.prefix_length + state.layout.sequence_offset(state.num_committed - 1)  # host int
+        if state.layout.has_eol or state.num_committed - 1 + tree.max_depth >= state.layout.num_tokens:
+            last = state.layout.num_tokens - 1
+            index = (state.num_committed - 1 + tree.depths).clamp_max(last)  # nodes past the grid are never committed
+            position_ids = state.positions[index]
+        else:  # no EOL and inside the grid: positions are the root's plus the depths (one add, no gather)
+            position_ids = tree.depths + first
+        state.node_tokens = node_tokens
         return Draft(
             input_ids=node_tokens.clamp_min(0),  # an empty slot is fed as code 0 and never accepted
-            position_ids=state.positions[index],
+            position_ids=position_ids,
             attention_mask=tree.attention_mask,
         )
 
-    def _prefill_step(self, logits, hidden_states, state) -> StepOutput:
+    def _prefill_step(self, logits, hidden_states, state: TreeState) -> StepOutput:
         token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
-        state.extras["hidden"] = hidden_states[:, -1]
+        state.hidden = hidden_states[:, -1]
         state.commit(token[:, None], torch.ones_like(token))
         return StepOutput(num_accepted=1)
 
-    def _verify_step(self, logits, hidden_states, draft, state, q=None) -> StepOutput:
-        tree, tokens = state.extras["tree"], state.extras["node_tokens"]
-        probs = logits_to_probs(logits, state.sampling)  # (B, T, V)
-        acc = verify_tree(tree, tokens, probs, state.random, q)
+    def _verify_step(self, logits, hidden_states, draft, state: TreeState, q=None, probs=None) -> StepOutput:
+        tokens = state.node_tokens
+        probs = logits_to_probs(logits, state.sampling) if probs is None else probs  # (B, T, V)
+        acc = verify_tree(state.tree, tokens, probs, state.random, q)
         # rows advance together: commit the shortest row's accepted run plus its bonus (a prefix of every
         # row's exact sample is exact), and never past the end of the grid
-        n = min(int((acc.num_accepted.min() + 1).item()), state.num_remaining)  # the one host read per round
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        drafted = tokens.gather(1, acc.path[:, 1:].clamp_min(0))  # (B, D) accepted draft codes
-        codes = torch.cat([drafted, acc.bonus[:, None]], 1)  # (B, D + 1)
-        j = torch.arange(codes.shape[1], device=codes.device)
-        codes = torch.where(j[None] == acc.num_accepted[:, None], acc.bonus[:, None], codes)[:, :n]  # (B, n)
-        keep = acc.path[:, :n]  # root + the n - 1 accepted nodes whose KV stays
-        state.extras["hidden"] = hidden_states[rows, keep[:, -1]]  # the node that predicted the newest code
-        state.commit(codes, torch.full_like(acc.bonus, n))
-        return StepOutput(num_accepted=n, keep_indices=keep)
+        shortest = int(acc.num_accepted.min())  # the one host read per round
+        n = min(shortest + 1, state.num_remaining)
+        path = acc.path[:, :n]  # (B, n) root + the n - 1 accepted nodes whose KV stays
+        drafted = tokens.gather(1, path).clamp_min(0)  # (B, n): column j is the code of accepted node j (j >= 1)
+        codes = torch.cat([drafted[:, 1:], acc.bonus[:, None]], 1)  # (B, n)
+        if (state.batch_size > 1 or n <= shortest) and n <= state.tree.max_depth:
+            # a row that accepted n or more drafts commits its n-th accepted node, not its bonus
+            longer = acc.num_accepted[:, None] >= n
+            codes[:, -1:] = torch.where(longer, tokens.gather(1, acc.path[:, n : n + 1].clamp_min(0)), codes[:, -1:])
+        state.hidden = hidden_states[state.rows, path[:, -1]]  # the node that predicted the newest code
+        state.commit(codes, acc.bonus.new_full(acc.bonus.shape, n))
+        return StepOutput(num_accepted=n, keep_indices=path)
