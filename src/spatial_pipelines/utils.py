@@ -43,3 +43,46 @@ def atomic_directory(save_directory: str, markers: Iterable[str] = SAVED_MARKERS
     os.rename(tmp, save_directory)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+class RoundTimer:
+    """Wall-clock seconds spent in each named section of the generation loop, summed over rounds.
+
+    The loop calls ``timer.section(name)`` around each part of a round; `SpatialARPipeline.profile_rounds`
+    installs one. Without a timer the loop uses `NULL_TIMER`, whose sections cost one attribute lookup.
+
+    Args:
+        synchronize (`Callable`, *optional*): called before each reading of the clock (e.g.
+            ``torch.cuda.synchronize`` on a GPU, where work is asynchronous); CPU work needs none.
+    """
+
+    def __init__(self, synchronize=None):
+        import time
+
+        self._clock = time.perf_counter
+        self._sync = synchronize
+        self.seconds = {}
+        self.rounds = 0
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        if self._sync is not None:
+            self._sync()
+        start = self._clock()
+        try:
+            yield
+        finally:
+            if self._sync is not None:
+                self._sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + self._clock() - start
+
+
+class _NullTimer:
+    _null = contextlib.nullcontext()
+    rounds = 0
+
+    def section(self, name: str):
+        return self._null
+
+
+NULL_TIMER = _NullTimer()

@@ -3,13 +3,13 @@ that merge horizontal candidates with vertical ones made from the rows above; th
 Cartesian product of the pools; exact verification."""
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.tree import DraftTree, tree_from_paths
-from .decoding_utils import Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
+from .decoding_utils import AUTO, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
 
 
 @dataclass
@@ -30,6 +30,9 @@ class HawkState(TreeState):
     node_depth: Optional[torch.Tensor] = None
     node_rank: Optional[torch.Tensor] = None
     earlier_slot: Optional[torch.Tensor] = None
+
+
+MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
 
 
 def bounded_product_paths(depth: int, pool_size: int, num_nodes: int) -> List[tuple]:
@@ -53,7 +56,9 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_horizontal_heads (`int`): horizontal heads (offsets ``1..n``); the tree depth.
         vertical_speculation_depth (`int`): VSD, vertical heads at ``1..VSD`` rows below.
         top_k (`int`): candidates each head contributes to a pool (vertical: per cached prediction).
-        num_draft_tokens (`int`): bound on the tree's draft nodes (root excluded).
+        num_draft_tokens (`int` or `"auto"`): bound on the tree's draft nodes (root excluded). ``"auto"`` (default)
+            picks the bound that maximises expected codes per second from the target pass cost measured on the
+            device (see `TreeDecoderMixin`), up to `MAX_DRAFT_TOKENS`.
     """
 
     draft_heads_class = "SpatialDraftHeads"
@@ -61,20 +66,22 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     @register_to_config
     def __init__(
-        self, num_horizontal_heads: int = 4, vertical_speculation_depth: int = 2, top_k: int = 2, num_draft_tokens: int = 32
+        self,
+        num_horizontal_heads: int = 4,
+        vertical_speculation_depth: int = 2,
+        top_k: int = 2,
+        num_draft_tokens: Union[int, str] = AUTO,
     ):
         super().__init__()
         for name, value, low in (("num_horizontal_heads", num_horizontal_heads, 1), ("vertical_speculation_depth", vertical_speculation_depth, 0),
-                                 ("top_k", top_k, 1), ("num_draft_tokens", num_draft_tokens, 1)):
-            if value < low:
-                raise ValueError(f"`{name}` must be >= {low}, got {value}.")
+                                 ("top_k", top_k, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+        check_draft_size("num_draft_tokens", num_draft_tokens)
         self.pool_size = top_k * (1 + vertical_speculation_depth)  # slots: rank r of [horizontal, vertical 1..VSD]
-        paths = bounded_product_paths(num_horizontal_heads, self.pool_size, num_draft_tokens)
-        self.tree: DraftTree = tree_from_paths(paths)
-
-    @property
-    def max_draft_tokens(self) -> int:
-        return self.tree.num_nodes
+        bound = MAX_DRAFT_TOKENS if num_draft_tokens == AUTO else num_draft_tokens
+        full: DraftTree = tree_from_paths(bounded_product_paths(num_horizontal_heads, self.pool_size, bound))
+        self._set_tree(full, num_draft_tokens if num_draft_tokens == AUTO else None)
 
     def required_horizontal_offsets(self) -> List[int]:
         return list(range(1, self.config.num_horizontal_heads + 1))

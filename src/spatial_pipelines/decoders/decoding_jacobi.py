@@ -3,7 +3,7 @@ accepted drafts are committed, the first rejection is resampled from the residua
 not reached are re-drawn from this pass's distribution (which becomes their proposal ``q``)."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +11,11 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.sampling import logits_to_probs
 from ..core.tree import chain_tree
-from .decoding_utils import Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
+from .decoding_utils import AUTO, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
 
 INITS = ("random", "left", "above")
 ACCEPTANCE = ("exact",)
+MAX_WINDOW = 32  # the largest window "auto" considers
 
 
 @dataclass
@@ -37,31 +38,35 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     r"""Speculative Jacobi Decoding.
 
     Args:
-        window_size (`int`): drafts verified per pass (L; the paper uses 16).
+        window_size (`int` or `"auto"`): drafts verified per pass (L; the paper uses 16). ``"auto"`` (default) picks
+            the window that maximises expected codes per second from the target pass cost measured on the device
+            (see `TreeDecoderMixin`), up to `MAX_WINDOW`.
         init (`str`): how a position entering the window is first drafted: ``"random"`` (uniform over the
             codes), ``"left"`` (a copy of its left neighbour's draft) or ``"above"`` (a copy of the committed
             code one row above; random on the first row).
         acceptance (`str`): ``"exact"`` (``min(1, p/q)`` with the residual ``norm(max(p - q, 0))``).
     """
 
+    acceptance_prior = (0.6, 0.5)  # per-draft acceptance of SJD windows (a chain: no siblings)
+
     @register_to_config
-    def __init__(self, window_size: int = 16, init: str = "random", acceptance: str = "exact"):
+    def __init__(self, window_size: Union[int, str] = AUTO, init: str = "random", acceptance: str = "exact"):
         super().__init__()
-        if window_size < 1:
-            raise ValueError(f"`window_size` must be >= 1, got {window_size}.")
+        check_draft_size("window_size", window_size)
         if init not in INITS:
             raise ValueError(f"`init` must be one of {INITS}, got {init!r}.")
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"`acceptance` must be one of {ACCEPTANCE}, got {acceptance!r}.")
-        self.tree = chain_tree(window_size)
+        self._set_tree(chain_tree(MAX_WINDOW if window_size == AUTO else window_size), window_size if window_size == AUTO else None)
 
     @property
-    def max_draft_tokens(self) -> int:
-        return self.config.window_size + 1
+    def window(self) -> int:
+        """The window in use (``window_size``, or what ``"auto"`` resolved to)."""
+        return self.tree.num_nodes - 1
 
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> JacobiState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        v, L = backbone.num_image_codes, self.config.window_size
+        v, L = backbone.num_image_codes, self.window
         state.drafts = torch.zeros(batch_size, L, dtype=torch.long, device=device)
         state.q = torch.full((batch_size, L + 1, v), 1.0 / v, device=device)
         state.num_fresh = L
@@ -103,7 +108,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             return self._prefill_step(logits, hidden_states, state)
         probs = logits_to_probs(logits, state.sampling)  # (B, L + 1, V)
         out = self._verify_step(logits, hidden_states, draft, state, state.q, probs=probs)
-        L = self.config.window_size
+        L = state.drafts.shape[1]
         n = out.num_accepted
         left = max(L - n, 0)  # drafts not reached (none when the whole window and its bonus were committed)
         if left:

@@ -2,13 +2,13 @@
 top-k candidates is verified in one target pass with a tree attention mask; exact acceptance."""
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.tree import tree_from_paths
-from .decoding_utils import Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
+from .decoding_utils import AUTO, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
 
 
 @dataclass
@@ -32,14 +32,25 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         top_k (`int`): candidates per head in the default tree.
         tree_paths (`list[list[int]]`, *optional*): the tree as candidate-rank paths (overrides the default
             caterpillar tree of ``num_heads`` x ``top_k``).
+        num_draft_tokens (`int`, `"auto"` or `None`): draft nodes fed per pass: the likeliest nodes of that tree.
+            ``"auto"`` (default) picks the count that maximises expected codes per second from the target pass cost
+            measured on the device (see `TreeDecoderMixin`); ``None`` feeds the whole tree.
     """
 
     draft_heads_class = "SpatialDraftHeads"
     state_class = MedusaState
 
     @register_to_config
-    def __init__(self, num_heads: int = 4, top_k: int = 4, tree_paths: Optional[Sequence[Sequence[int]]] = None):
+    def __init__(
+        self,
+        num_heads: int = 4,
+        top_k: int = 4,
+        tree_paths: Optional[Sequence[Sequence[int]]] = None,
+        num_draft_tokens: Union[int, str, None] = AUTO,
+    ):
         super().__init__()
+        if num_draft_tokens is not None:
+            check_draft_size("num_draft_tokens", num_draft_tokens)
         if num_heads < 1:
             raise ValueError(f"`num_heads` must be >= 1, got {num_heads}.")
         if top_k < 1:
@@ -47,12 +58,8 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         paths = [tuple(p) for p in tree_paths] if tree_paths is not None else caterpillar_paths(num_heads, top_k)
         if not paths or max(len(p) for p in paths) > num_heads:
             raise ValueError(f"`tree_paths` must be non-empty and no deeper than `num_heads` ({num_heads}).")
-        self.tree = tree_from_paths(paths)
+        self._set_tree(tree_from_paths(paths), num_draft_tokens)
         self._num_ranks = 1 + max(r for p in paths for r in p)  # candidates needed per head (host int)
-
-    @property
-    def max_draft_tokens(self) -> int:
-        return self.tree.num_nodes
 
     def required_horizontal_offsets(self) -> List[int]:
         return list(range(1, self.config.num_heads + 1))

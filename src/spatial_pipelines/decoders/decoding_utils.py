@@ -7,7 +7,7 @@ commits them to the `DecodingState` and says which fed positions stay in the KV 
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from diffusers import ConfigMixin, SchedulerMixin
@@ -15,9 +15,46 @@ from diffusers import ConfigMixin, SchedulerMixin
 from ..core.acceptance import verify_tree
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig, logits_to_probs, sample_from_probs
-from ..core.tree import DraftTree
+from ..core.tree import DraftTree, tree_from_parents
 
 DECODER_CONFIG_NAME = "decoder_config.json"
+AUTO = "auto"
+#: Draft sizes ``"auto"`` chooses from (nodes after the root).
+DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+
+
+def check_draft_size(name: str, value, low: int = 1) -> None:
+    """Raise `ValueError` naming ``name`` unless ``value`` is ``"auto"`` or an int >= ``low``."""
+    if value == AUTO:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"`{name}` must be \"auto\" or an int >= {low}, got {value!r}.")
+
+
+def node_priors(tree: DraftTree, first_rate: float, sibling_decay: float) -> List[float]:
+    """Prior probability that each node lies on the accepted path: the sibling tried ``r``-th is accepted with
+    ``first_rate * sibling_decay**r`` once its parent is reached and its earlier siblings failed (root: 1)."""
+    parents = tree.parents.tolist()
+    prior, tried, seen = [1.0] * len(parents), {}, {}
+    for i in range(1, len(parents)):
+        p = parents[i]
+        r = seen.get(p, 0)
+        seen[p] = r + 1
+        rate = first_rate * sibling_decay**r
+        prior[i] = prior[p] * tried.get(p, 1.0) * rate
+        tried[p] = tried.get(p, 1.0) * (1.0 - rate)
+    return prior
+
+
+def best_subtree(tree: DraftTree, num_nodes: int, first_rate: float, sibling_decay: float) -> Tuple[DraftTree, float]:
+    """The ``num_nodes`` draft nodes of ``tree`` most likely to be accepted (prefix-closed: a child is never likelier
+    than its parent) and the expected number of accepted drafts under the prior of `node_priors`."""
+    prior = node_priors(tree, first_rate, sibling_decay)
+    keep = sorted(sorted(range(1, len(prior)), key=lambda i: (-prior[i], i))[:num_nodes])
+    index = {0: 0, **{old: new + 1 for new, old in enumerate(keep)}}
+    parents = [-1] + [index[tree.parents[i].item()] for i in keep]
+    ranks = [-1] + [tree.ranks[i].item() for i in keep]
+    return tree_from_parents(parents, ranks), sum(prior[i] for i in keep)
 
 
 @dataclass
@@ -148,6 +185,14 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         """Largest number of positions one round feeds to the target (sizes the KV cache)."""
         return 1
 
+    @property
+    def sizes_from_pass_cost(self) -> bool:
+        """Whether a draft size is ``"auto"``: the pipeline then calls `resolve_draft_size` before decoding."""
+        return False
+
+    def resolve_draft_size(self, pass_cost: Callable[[int], float]) -> None:
+        """Fix ``"auto"`` sizes from ``pass_cost(T)``, the measured seconds of a target pass over ``T`` fed tokens."""
+
     def check_compatibility(self, layout: ImageTokenLayout, draft_heads=None) -> None:
         """Raise `ValueError` if this decoder cannot serve ``layout`` with ``draft_heads``."""
         if self.draft_heads_class is not None and (
@@ -225,10 +270,48 @@ class TreeState(DecodingState):
 class TreeDecoderMixin:
     """What tree decoders share: drafting a static tree of head candidates and exact verification.
 
-    A subclass sets ``self.tree`` (a `DraftTree`) in ``__init__``; its ``state_class`` must be a `TreeState`.
+    A subclass calls ``self._set_tree(full_tree, size)`` in ``__init__``: ``full_tree`` is the largest tree it drafts,
+    ``size`` an int (keep the ``size`` likeliest nodes, or all of them with ``None``) or ``"auto"``: the pipeline then
+    measures the pass cost ``c(T)`` on its device and `resolve_draft_size` keeps the node count that maximises the
+    expected codes per second, ``(1 + E[accepted]) / c(1 + nodes)``, under the prior `node_priors` with the class's
+    ``acceptance_prior`` ``(first_rate, sibling_decay)``. Its ``state_class`` must be a `TreeState`.
     """
 
     state_class = TreeState
+    acceptance_prior: Tuple[float, float] = (0.5, 0.5)
+
+    def _set_tree(self, full_tree: DraftTree, size) -> None:
+        self._full_tree, self._size = full_tree, size
+        self._resolved_for = None
+        nodes = full_tree.num_nodes - 1
+        self.tree = self._subtree(nodes if size in (None, AUTO) else min(size, nodes))
+
+    def _subtree(self, num_nodes: int) -> DraftTree:
+        if num_nodes >= self._full_tree.num_nodes - 1:
+            return self._full_tree
+        return best_subtree(self._full_tree, num_nodes, *self.acceptance_prior)[0]
+
+    @property
+    def sizes_from_pass_cost(self) -> bool:
+        return self._size == AUTO
+
+    def resolve_draft_size(self, pass_cost: Callable[[int], float]) -> None:
+        if self._size != AUTO or self._resolved_for is pass_cost:  # once per pipeline cost model
+            return
+        full = self._full_tree.num_nodes - 1
+        best, best_rate = None, -1.0
+        for n in [c for c in DRAFT_SIZE_CANDIDATES if c < full] + [full]:
+            tree, accepted = (self._full_tree, best_subtree(self._full_tree, full, *self.acceptance_prior)[1]) if n == full \
+                else best_subtree(self._full_tree, n, *self.acceptance_prior)
+            rate = (1.0 + accepted) / pass_cost(n + 1)  # expected codes per second
+            if rate > best_rate:
+                best, best_rate = tree, rate
+        self.tree, self._resolved_for = best, pass_cost
+        self.resolved_num_draft_tokens = best.num_nodes - 1
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.tree.num_nodes
 
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> TreeState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)

@@ -56,11 +56,13 @@ def rope_2d_table(
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` ``(B, T, H, D)`` by ``table`` ``(B, T, D/2, 2)`` (fp32 math)."""
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, T, H, D/2, 2)
-    cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]  # (B, T, 1, D/2)
-    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1)
-    return out.flatten(3).type_as(x)
+    """Rotate interleaved pairs of ``x`` ``(B, T, H, D)`` by ``table``: complex ``(B, T, D/2)`` (one complex multiply:
+    the fewest ops per call, which is what a small model's step pays for) or cos/sin pairs ``(B, T, D/2, 2)``
+    (fp32 math either way)."""
+    if not table.is_complex():
+        table = torch.view_as_complex(table.float().contiguous())
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, T, H, D/2)
+    return torch.view_as_real(xc * table[:, :, None]).flatten(3).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -70,8 +72,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        # one fused op instead of five (per-op dispatch is half a small model's step); fp32 math as LlamaGen
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
 class LabelEmbedder(nn.Module):
@@ -121,15 +123,16 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, mask, cache: Optional[StaticKVCache], layer_idx: int) -> torch.Tensor:
         b, t, _ = x.shape
-        kv = self.num_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
-        q = apply_rope(q.view(b, t, self.num_heads, self.head_dim), rope).transpose(1, 2)  # (B, H, T, D)
-        k = apply_rope(k.view(b, t, self.num_kv_heads, self.head_dim), rope).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = self.wqkv(x).split([(h + hkv) * d, hkv * d], dim=-1)
+        qk = apply_rope(qk.reshape(b, t, h + hkv, d), rope).transpose(1, 2)  # (B, H + Hkv, T, D): one rotation for both
+        q, k = qk[:, :h], qk[:, h:]  # (B, H, T, D), (B, Hkv, T, D)
+        v = v.view(b, t, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)  # (B, Hkv, L+T, D)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.resid_dropout(self.wo(out.transpose(1, 2).reshape(b, t, -1)))
+        out = self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return self.resid_dropout(out) if self.training else out  # no dropout call per layer at inference
 
 
 class FeedForward(nn.Module):
@@ -141,7 +144,8 @@ class FeedForward(nn.Module):
         self.ffn_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        out = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.ffn_dropout(out) if self.training else out
 
 
 class TransformerBlock(nn.Module):
@@ -247,6 +251,7 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
             grid_height, grid_width + int(end_of_row_token), hidden_size // num_attention_heads, rope_theta, num_condition_tokens, zero_prefix_rope
         )
         self.register_buffer("freqs_cis", table, persistent=False)
+        self._freqs_complex: Optional[torch.Tensor] = None  # complex view of freqs_cis, built once (not a buffer: .to(dtype) would drop its imaginary part)
         self.gradient_checkpointing = False
         self.apply(self._init_weights)
 
@@ -254,6 +259,14 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
+
+    def rope_table(self) -> torch.Tensor:
+        """``freqs_cis`` as complex rotations ``(P + H*W, D/2)``, built once per device and dtype of the buffer."""
+        table = self._freqs_complex
+        if table is None or table.device != self.freqs_cis.device or self._freqs_source_dtype != self.freqs_cis.dtype:
+            table = self._freqs_complex = torch.view_as_complex(self.freqs_cis.float().contiguous())
+            self._freqs_source_dtype = self.freqs_cis.dtype
+        return table
 
     # -- pieces the pipeline adapter uses ---------------------------------------------------------------
     @property
@@ -350,7 +363,7 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
             mask = ((attention_mask.expand(b, t, t) & token_valid[:, None, :]) | eye)[:, None]  # (B, 1, T, T)
         else:
             mask = past_key_values.attention_mask(attention_mask, token_valid)  # (B, 1, T, L+T)
-        rope = self.freqs_cis[position_ids]  # (B, T, D/2, 2)
+        rope = self.rope_table()[position_ids]  # (B, T, D/2) complex
         h = inputs_embeds
         for i, layer in enumerate(self.layers):
             if torch.is_grad_enabled() and self.gradient_checkpointing:

@@ -1,6 +1,7 @@
 """The one generation loop every family shares, its output types, and the backbone adapter contract."""
 
 import abc
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -17,9 +18,10 @@ from ..core.kv_cache import StaticKVCache
 from ..core.layout import EndOfRowInsertion, ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
-from ..decoders.decoding_utils import SpatialDecoderMixin
+from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from ..utils import atomic_directory
+from .pass_cost import PassCost
+from ..utils import NULL_TIMER, RoundTimer, atomic_directory
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 PromptInput = Union[str, int, Sequence[Union[str, int]]]
@@ -195,6 +197,7 @@ class SpatialARPipeline(DiffusionPipeline):
 
     backbone_class: type = None
     _callback_tensor_inputs = ["tokens", "acceptance_map"]
+    _round_timer = None  # a RoundTimer while `profile_rounds` is active
 
     # -- components -------------------------------------------------------------------------------------
     @property
@@ -413,7 +416,9 @@ class SpatialARPipeline(DiffusionPipeline):
         prefix = backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)  # (R, P, D)
         prefix_length = prefix.embeds.shape[1]
 
-        # 3. Prepare the decoding state, the random numbers and the KV cache
+        # 3. Prepare the decoding state, the random numbers and the KV cache ("auto" draft sizes: from c(T))
+        if self.decoder.sizes_from_pass_cost:
+            self.decoder.resolve_draft_size(self.pass_cost(prefix.embeds.shape[0]))
         state = self.decoder.init_state(
             layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device, backbone
         )
@@ -421,44 +426,18 @@ class SpatialARPipeline(DiffusionPipeline):
         cache = backbone.make_cache(prefix.embeds.shape[0], prefix_length + layout.sequence_length + max_fed)
 
         # 4. Prefill: the prompt pass predicts the first code
-        positions = torch.arange(prefix_length, device=device)
-        hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, cache)  # (R, P, D)
-        logits = self._guided_logits(backbone, hidden[:, -1:], sampling)  # (B, 1, V)
-        self.decoder.step(logits, hidden[:batch_size, -1:], None, state, self.draft_heads)
+        self._prefill(backbone, prefix, state, cache)
         num_forward_passes = 1
 
-        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache
+        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`)
+        timer = self._round_timer or NULL_TIMER
         with self.progress_bar(total=layout.num_tokens) as progress_bar:
             progress_bar.update(state.num_committed)
             while not state.finished:
-                # 5a. the decoder proposes what to verify (the last committed code first)
-                draft = self.decoder.propose(state, self.draft_heads)
-                input_ids, position_ids, mask = draft.input_ids, draft.position_ids, draft.attention_mask  # (B, T)
-                # 5b. end-of-row tokens are forced, never drafted: one is fed after every fed code that ends a row
-                eol = EndOfRowInsertion.for_positions(layout, position_ids, prefix_length) if layout.has_eol else None
-                if eol is not None:
-                    input_ids, position_ids, mask = eol.input_ids(input_ids), eol.position_ids(position_ids), eol.attention_mask(mask)
-                input_ids = input_ids.repeat(2, 1) if sampling.do_cfg else input_ids  # (R, T')
-                embeds = backbone.embed_image_tokens(input_ids)  # (R, T', D)
-                if eol is not None:
-                    embeds = eol.embeds(embeds, backbone.eol_embedding)
-                slot = cache.length
-                # 5c. one target forward over the draft
-                hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T', D)
-                if eol is not None:
-                    hidden = eol.outputs(hidden)  # (R, T, D): a row's last code sees its EOL's output
-                # 5d. CFG mix
-                logits = self._guided_logits(backbone, hidden, sampling)  # (B, T, V)
-                # 5e. the decoder accepts codes and commits them to the state
                 committed_before = state.num_committed
-                result = self.decoder.step(logits, hidden[:batch_size], draft, state, self.draft_heads)
-                # 5f. keep only the accepted path in the KV cache (with the EOLs that follow its row ends)
-                if result.keep_indices is not None:
-                    keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (n,) or (B, n)
-                    cache.keep(slot, keep.repeat(2, 1) if sampling.do_cfg and keep.dim() == 2 else keep)
-                elif result.keep_length is not None:
-                    keep_length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
-                    cache.crop(slot + keep_length)  # a prefix stays where it is: no copy
+                with timer.section("round"):
+                    self._round(backbone, state, cache, timer)
+                timer.rounds += 1
                 num_forward_passes += 1
                 progress_bar.update(state.num_committed - committed_before)
                 if callback_on_step_end is not None:
@@ -491,6 +470,74 @@ class SpatialARPipeline(DiffusionPipeline):
         if not return_dict:
             return images, tokens, stats
         return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats)
+
+    # -- the loop's parts ---------------------------------------------------------------------------------
+    def _prefill(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, state: DecodingState, cache: StaticKVCache) -> None:
+        """Step 4: one pass over the prompt fills the cache; its last output gives the first code."""
+        positions = torch.arange(prefix.embeds.shape[1], device=prefix.embeds.device)
+        hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, cache)  # (R, P, D)
+        logits = self._guided_logits(backbone, hidden[:, -1:], state.sampling)  # (B, 1, V)
+        self.decoder.step(logits, hidden[: state.batch_size, -1:], None, state, self.draft_heads)
+
+    def _round(self, backbone: SpatialBackbone, state: DecodingState, cache: StaticKVCache, timer) -> None:
+        """Step 5, one round: a-f below. Each part runs inside ``timer.section`` (see `profile_rounds`)."""
+        layout, sampling = state.layout, state.sampling
+        # 5a. the decoder proposes what to verify (the last committed code first)
+        with timer.section("draft"):
+            draft = self.decoder.propose(state, self.draft_heads)
+        # 5b. end-of-row tokens are forced, never drafted: one is fed after every fed code that ends a row
+        with timer.section("eol"):
+            input_ids, position_ids, mask = draft.input_ids, draft.position_ids, draft.attention_mask  # (B, T)
+            eol = EndOfRowInsertion.for_positions(layout, position_ids, state.prefix_length) if layout.has_eol else None
+            if eol is not None:
+                input_ids, position_ids, mask = eol.input_ids(input_ids), eol.position_ids(position_ids), eol.attention_mask(mask)
+        # 5c. one target forward over the draft (CFG rows as one batch), logits over image codes
+        with timer.section("forward"):
+            input_ids = input_ids.repeat(2, 1) if sampling.do_cfg else input_ids  # (R, T')
+            embeds = backbone.embed_image_tokens(input_ids)  # (R, T', D)
+            if eol is not None:
+                embeds = eol.embeds(embeds, backbone.eol_embedding)
+            slot = cache.length
+            hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T', D)
+            if eol is not None:
+                hidden = eol.outputs(hidden)  # (R, T, D): a row's last code sees its EOL's output
+            logits = backbone.image_logits(hidden)  # (R, T, V) fp32
+        # 5d-e. CFG mix; the decoder accepts codes and commits them to the state
+        with timer.section("accept"):
+            logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, T, V)
+            result = self.decoder.step(logits, hidden[: state.batch_size], draft, state, self.draft_heads)
+        # 5f. keep only the accepted path in the KV cache (with the EOLs that follow its row ends)
+        with timer.section("kv"):
+            if result.keep_indices is not None:
+                keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (n,) or (B, n)
+                cache.keep(slot, keep.repeat(2, 1) if sampling.do_cfg and keep.dim() == 2 else keep)
+            elif result.keep_length is not None:
+                keep_length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
+                cache.crop(slot + keep_length)  # a prefix stays where it is: no copy
+
+    def pass_cost(self, rows: int) -> PassCost:
+        """The measured cost ``c(T)`` of a target pass with ``rows`` batch rows on this pipeline's device and dtype,
+        kept per pipeline (measured on first use of each ``T``): what ``"auto"`` draft sizes are chosen from."""
+        device, dtype = self._execution_device, self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._execution_device)).dtype
+        key = (rows, str(device), str(dtype))
+        costs = self.__dict__.setdefault("_pass_costs", {})
+        if key not in costs:
+            costs[key] = PassCost(self.backbone, rows)
+        return costs[key]
+
+    @contextlib.contextmanager
+    def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):
+        """Time every part of every round of the calls made inside the block (``scripts/bench_cost.py``).
+
+        Yields a `RoundTimer`: ``seconds`` per section (``draft``, ``eol``, ``forward``, ``accept``, ``kv``, and
+        ``round`` for the whole round) summed over ``rounds``. On a GPU pass ``synchronize=torch.cuda.synchronize``.
+        """
+        timer = RoundTimer(synchronize)
+        self._round_timer = timer
+        try:
+            yield timer
+        finally:
+            self._round_timer = None
 
 
 def _as_list(prompt) -> List[Any]:

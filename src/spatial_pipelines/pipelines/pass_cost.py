@@ -1,0 +1,61 @@
+"""c(T): what one target pass over T fed tokens costs on the device a pipeline runs on, measured, not assumed.
+
+Speculative decoders size their drafts from it (``num_draft_tokens="auto"``, ``window_size="auto"``): on a
+weight-bound device a pass over 16 tokens costs about what a pass over 1 does, on a compute-bound one it does not.
+"""
+
+import time
+from typing import Dict
+
+import torch
+
+
+class PassCost:
+    """Seconds of one target pass (CFG rows as one batch, final norm and image-code head included) over ``T`` fed
+    tokens with a realistic cache (the prompt and half the image), measured on first use of each ``T``.
+
+    Args:
+        backbone: the pipeline's `SpatialBackbone`.
+        rows (`int`): batch rows of a pass (2 with CFG at batch 1).
+        repeats (`int`), warmup (`int`): timed and untimed passes per ``T`` (the median is kept).
+    """
+
+    def __init__(self, backbone, rows: int, repeats: int = 5, warmup: int = 2):
+        self.backbone, self.rows, self.repeats, self.warmup = backbone, rows, repeats, warmup
+        self.seconds: Dict[int, float] = {}
+        self._cache = None
+
+    def __call__(self, t: int) -> float:
+        if t not in self.seconds:
+            self.seconds[t] = self._measure(t)
+        return self.seconds[t]
+
+    @torch.no_grad()
+    def _measure(self, t: int) -> float:
+        backbone, layout = self.backbone, self.backbone.layout
+        weight = backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._device()))
+        device, dtype = weight.device, weight.dtype
+        filled = min(layout.sequence_length // 2 + 16, layout.sequence_length)  # the prompt and half the image
+        if self._cache is None or self._cache.max_length < filled + t:
+            self._cache = backbone.make_cache(self.rows, filled + max(t, 64))
+            embeds = torch.zeros(self.rows, filled, weight.shape[-1], device=device, dtype=dtype)
+            backbone.forward(embeds, torch.arange(filled, device=device), None, None, self._cache)
+        cache = self._cache
+        positions = torch.arange(filled, filled + t, device=device).clamp_max(layout.sequence_length - 1)  # inside RoPE
+        mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        ids = torch.zeros(self.rows, t, dtype=torch.long, device=device)
+        times = []
+        for i in range(self.warmup + self.repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            backbone.image_logits(backbone.forward(backbone.embed_image_tokens(ids), positions, mask, None, cache))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= self.warmup:
+                times.append(time.perf_counter() - start)
+            cache.crop(cache.length - t)
+        return sorted(times)[len(times) // 2]
+
+    def _device(self):
+        return self.backbone.pipe._execution_device
