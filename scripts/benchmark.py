@@ -9,7 +9,11 @@ own score of each decoder's code grids (NLL per code, share of codes outside the
         --heads <spatial heads folder> <latent heads folder> --quality --picture 6 --out docs/benchmarks
 
 A decoder is ``name`` or ``name:key=value,key=value`` (values are JSON, else strings); each decoder gets the
-loaded heads of the class it needs. Writes ``<out>/benchmark.json``, ``<out>/benchmark.md`` and, with
+loaded heads of the class it needs. Decoders are timed interleaved (every decoder on prompt 1, then on prompt 2
+...), so a slow spell of a shared machine hits every row alike; ``minimal-ar`` adds the row of an independent
+gpt-fast-style AR loop over the same weights (`scripts/minimal_ar.py`), the floor the pipeline's AR loop must match.
+On a CPU the OpenMP threads spin between passes (``OMP_WAIT_POLICY=ACTIVE``, set before torch loads unless you
+set it): a speculative round's small host ops would otherwise put them to sleep before every target pass. Writes ``<out>/benchmark.json``, ``<out>/benchmark.md`` and, with
 ``--picture N``, ``<out>/decoders_side_by_side.png`` (the first N prompts and seeds under every decoder).
 """
 
@@ -18,7 +22,10 @@ import json
 import os
 import platform
 import random
+import sys
 import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # must precede torch's OpenMP start-up
 
 import diffusers
 import numpy as np
@@ -32,8 +39,16 @@ from spatial_pipelines.decoders import DECODERS
 from spatial_pipelines.embedded import default_model_path
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from minimal_ar import minimal_ar_generate  # noqa: E402
+
+MINIMAL_AR = "minimal-ar"
+
+
 def parse_decoder(spec: str):
     """``"ssd:vertical_rounds=1,draft=sample"`` -> (decoder class, {"vertical_rounds": 1, "draft": "sample"})."""
+    if spec == MINIMAL_AR:
+        return spec, None, {}
     name, _, options = spec.partition(":")
     if name not in DECODERS:
         raise argparse.ArgumentTypeError(f"unknown decoder {name!r}; choose from {sorted(DECODERS)}")
@@ -67,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--picture", type=int, default=0, help="side-by-side picture of the first N prompts")
     p.add_argument("--limit", type=int, default=None, help="use only the first N Twemoji as prompts and gallery (smoke tests)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="docs/benchmarks")
     return p.parse_args(argv)
 
@@ -118,7 +135,9 @@ def side_by_side(images: dict, prompts, path):
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    pipe = load_pipeline(args.model or default_model_path()).to(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype)).to(args.device)
     pipe.set_progress_bar_config(disable=True)
     heads = {}
     for path in args.heads:
@@ -129,6 +148,8 @@ def main(argv=None):
     real = TwemojiDataset(args.split, resolution, limit=args.limit)
     prompts = random.Random(args.seed).sample(real.captions, args.num_prompts)
     pipe(prompts[:1], output_type="latent", generator=torch.Generator().manual_seed(0))  # warm-up
+    guidance = args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale
+    top_k = args.top_k if args.top_k is not None else pipe.backbone.default_top_k
 
     if args.quality:
         from spatial_pipelines.evaluation import (
@@ -143,19 +164,58 @@ def main(argv=None):
         matched = real_feats[[index[c] for c in prompts]]
         div_rep = [p for p in prompts[: args.diversity_prompts] for _ in range(args.diversity_samples)]
 
-    rows, pictures = {}, {}
+    # every row's decoder and heads, then the timed runs interleaved prompt by prompt
+    setups = []
     for spec, decoder_cls, kwargs in args.decoders:
-        pipe.decoder = decoder_cls(**kwargs)  # a fresh config: no option leaks from the previous row
-        need = pipe.decoder.draft_heads_class
+        if decoder_cls is None:
+            setups.append((spec, None, None, None))
+            continue
+        decoder = decoder_cls(**kwargs)  # a fresh config: no option leaks from another row
+        need = decoder.draft_heads_class
         if need is not None and need not in heads:
             raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
+        setups.append((spec, decoder_cls, decoder, need))
+    output_type = "pt" if args.quality or args.picture else "latent"
+    runs = {spec: [] for spec, *_ in setups}
+    for i in range(0, len(prompts), args.batch_size):
+        for spec, decoder_cls, decoder, need in setups:
+            if decoder_cls is None:
+                gens = [torch.Generator().manual_seed(args.seed + i + j) for j in range(len(prompts[i : i + args.batch_size]))]
+                start = time.perf_counter()
+                grid = minimal_ar_generate(pipe, prompts[i : i + args.batch_size], guidance, args.temperature, top_k, gens)
+                runs[spec].append((None, grid, {"passes": pipe.backbone.layout.num_tokens * len(gens), "draft_passes": 0,
+                                                "tokens": grid.numel(), "accepted": [torch.ones(1)], "seconds": time.perf_counter() - start}))
+                continue
+            pipe.decoder = decoder
+            pipe.set_draft_heads(heads[need][0] if need else None)
+            runs[spec].append(run_decoder(pipe, prompts[i : i + args.batch_size], args, seed_offset=i, output_type=output_type))
+
+    rows, pictures = {}, {}
+    for spec, decoder_cls, decoder, need in setups:
+        parts = runs[spec]
+        cost = {k: sum(c[k] for *_, c in parts) for k in ("passes", "draft_passes", "tokens", "seconds")}
+        cost["accepted"] = [a for *_, c in parts for a in c["accepted"]]
+        if decoder_cls is None:
+            rows[spec] = {
+                "decoder_class": "minimal gpt-fast-style AR loop (scripts/minimal_ar.py)", "decoder_config": {}, "heads": None,
+                "exact": True, "target_forward_passes_per_image": cost["passes"] / len(prompts), "draft_passes_per_image": 0.0,
+                "mean_accepted_length": 1.0, "wall_clock_s": cost["seconds"], "seconds_per_image": cost["seconds"] / len(prompts),
+                "tokens_per_s": cost["tokens"] / cost["seconds"],
+            }
+            print(spec, json.dumps(rows[spec]))
+            continue
+        images = torch.cat([im for im, _, _ in parts])
+        grids = torch.cat([g for _, g, _ in parts])
+        pipe.decoder = decoder
         pipe.set_draft_heads(heads[need][0] if need else None)
-        images, grids, cost = run_decoder(pipe, prompts, args, output_type="pt" if args.quality or args.picture else "latent")
+        config = {k: v for k, v in dict(decoder.config).items() if not k.startswith("_")}
+        if getattr(decoder, "sizes_from_pass_cost", False):
+            config["resolved_draft_tokens"] = decoder.tree.num_nodes - 1  # what "auto" chose on this device
         row = {
             "decoder_class": decoder_cls.__name__,
-            "decoder_config": {k: v for k, v in dict(pipe.decoder.config).items() if not k.startswith("_")},
+            "decoder_config": config,
             "heads": heads[need][1] if need else None,
-            "exact": decoder_cls.is_exact,
+            "exact": decoder.is_exact,
             "target_forward_passes_per_image": cost["passes"] / len(prompts),
             "draft_passes_per_image": cost["draft_passes"] / len(prompts),
             "mean_accepted_length": torch.cat(cost["accepted"]).mean().item(),
@@ -194,7 +254,8 @@ def main(argv=None):
                     "lpips_diversity": f"{args.diversity_prompts} prompts x {args.diversity_samples} seeds",
                     "target_nll_per_code": "mean -log p(code | codes before it), CFG-mixed, temperature 1, no filtering",
                     "outside_target_support": "share of codes the sampling distribution gives probability 0"} if args.quality else None,
-        "device": args.device if args.device != "cpu" else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+        "device": (torch.cuda.get_device_name(args.device) if str(args.device).startswith("cuda")
+                   else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')})"),
         "dtype": str(pipe.transformer.dtype),
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__,
                      "diffusers": diffusers.__version__, "transformers": transformers.__version__},
@@ -209,7 +270,9 @@ def main(argv=None):
     for name, r in rows.items():
         line = (f"| `{name}` | {'yes' if r['exact'] else 'no'} | {r['target_forward_passes_per_image']:.1f} | "
                 f"{r['mean_accepted_length']:.2f} | {r['seconds_per_image']:.2f} | {r['speedup_vs_ar']:.2f}x |")
-        if args.quality:
+        if args.quality and "fd_effnet" not in r:
+            line += " - | - | - | - | - |"
+        elif args.quality:
             line += (f" {r['fd_effnet']:.1f} | {100 * r['retrieval']['top1']:.0f}% / {100 * r['retrieval']['top5']:.0f}% | "
                      f"{r['lpips_diversity']:.3f} | {r['target_nll_per_code']:.3f} | {100 * r['outside_target_support']:.1f}% |")
         lines.append(line)

@@ -19,13 +19,15 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     LatentDraftHeads.for_backbone(pipe.backbone, SSDDecoder()).save_pretrained(tmp_path / "latent")
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--model", str(tmp_path / "model"),
-           "--decoders", "ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
+           "--decoders", "ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
            "--heads", str(tmp_path / "spatial"), str(tmp_path / "latent"), "--num-prompts", "3", "--limit", "40", "--quality", "--top-k", "2",
            "--diversity-prompts", "1", "--diversity-samples", "2", "--picture", "2", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     report = json.loads((out / "benchmark.json").read_text())
     rows = report["decoders"]
-    assert list(rows) == ["ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left"]
+    assert list(rows) == ["ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left"]
+    minimal = rows.pop("minimal-ar")  # the independent AR loop: a timing row, no quality columns
+    assert minimal["exact"] and minimal["target_forward_passes_per_image"] == 16 and minimal["speedup_vs_ar"] > 0
     assert rows["ar"]["target_forward_passes_per_image"] == 16 and rows["ar"]["speedup_vs_ar"] == 1.0
     # 4x4 grid, k_h = 5: prefill + one chunk of 2 drafts and the code after them (2 passes); 3 rows x (r + 1)
     assert rows["ssd:vertical_rounds=0"]["target_forward_passes_per_image"] == 1 + 2 + 3 * 1

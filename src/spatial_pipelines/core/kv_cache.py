@@ -32,9 +32,11 @@ class StaticKVCache:
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device] = None,
     ):
-        shape = (batch_size, num_kv_heads, max_length, head_dim)
-        self.keys: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # one tensor for every layer's keys and values, so compacting an accepted path is one gather and one copy
+        # for the whole cache instead of two per layer (per-op dispatch dominates a small model's round)
+        self.storage = torch.zeros(num_layers, 2, batch_size, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
+        self.keys: List[torch.Tensor] = [self.storage[i, 0] for i in range(num_layers)]  # (B, H_kv, S, D) views
+        self.values: List[torch.Tensor] = [self.storage[i, 1] for i in range(num_layers)]
         self.key_valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)  # (B, S)
         self.length = 0  # host-side int: filled slots (never read back from the device)
         self.max_length = max_length
@@ -84,9 +86,13 @@ class StaticKVCache:
             indices: ``(n,)`` or ``(B, n)`` slot offsets inside the segment, in the order to keep.
         """
         n = indices.shape[-1]
-        for layer_keys, layer_values in zip(self.keys, self.values):
-            compact_positions_(layer_keys, start, indices)
-            compact_positions_(layer_values, start, indices)
+        slots = start + indices  # (n,) or (B, n)
+        if indices.dim() == 1:
+            picked = self.storage.index_select(4, slots)  # (L, 2, B, H_kv, n, D)
+        else:
+            layers, two, b, h, _, d = self.storage.shape
+            picked = self.storage.gather(4, slots[None, None, :, None, :, None].expand(layers, two, b, h, n, d))
+        self.storage[:, :, :, :, start : start + n] = picked
         compact_positions_(self.key_valid[:, None, :, None], start, indices)
         self.crop(start + n)
 

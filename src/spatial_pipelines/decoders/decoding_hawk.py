@@ -115,12 +115,10 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         width = state.layout.width
         root = state.num_committed - 1  # raster index of the newest committed code
         logits_h, logits_v = self._heads_logits(state, draft_heads)
-        h_idx = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()]
-        horizontal = logits_h[:, h_idx].topk(k, dim=-1).indices  # (B, n_h, k)
+        horizontal = logits_h.topk(k, dim=-1).indices  # (B, n_h, k) offsets 1..n_h
         cache = state.vertical_cache  # (B, N, VSD, k)
         if vsd:
-            v_idx = [draft_heads.vertical_index(o) for o in self.required_vertical_offsets()]
-            vertical = logits_v[:, v_idx].topk(k, dim=-1).indices  # (B, VSD, k)
+            vertical = logits_v.topk(k, dim=-1).indices  # (B, VSD, k) rows 1..VSD
             rows_below = min(vsd, (n - 1 - root) // width)  # host ints: cache the predictions that land in the grid
             if rows_below > 0:  # one strided write: the prediction d rows below lands d * W codes later
                 cache[:, root + width : root + (rows_below + 1) * width : width].diagonal(0, 1, 2).copy_(

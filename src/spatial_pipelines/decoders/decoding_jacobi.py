@@ -47,7 +47,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         acceptance (`str`): ``"exact"`` (``min(1, p/q)`` with the residual ``norm(max(p - q, 0))``).
     """
 
-    acceptance_prior = (0.6, 0.5)  # per-draft acceptance of SJD windows (a chain: no siblings)
+    acceptance_prior = (0.7, 0.5)  # per-draft acceptance of SJD windows (a chain: no siblings)
 
     @register_to_config
     def __init__(self, window_size: Union[int, str] = AUTO, init: str = "random", acceptance: str = "exact"):

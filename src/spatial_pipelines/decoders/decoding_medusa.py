@@ -82,10 +82,7 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         return state
 
     def propose(self, state: MedusaState, draft_heads=None) -> Draft:
-        logits_h, _ = self._heads_logits(state, draft_heads)
-        order = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()]
-        if order != list(range(len(order))):
-            logits_h = logits_h[:, order]
+        logits_h, _ = self._heads_logits(state, draft_heads)  # (B, K, V) offsets 1..K
         top = logits_h.topk(self._num_ranks, dim=-1).indices  # (B, K, k)
         nodes = top[:, state.node_depth, state.node_rank]  # (B, T - 1) candidate of each node
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))

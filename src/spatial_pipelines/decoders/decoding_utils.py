@@ -323,8 +323,11 @@ class TreeDecoderMixin:
         return state
 
     def _heads_logits(self, state: TreeState, draft_heads):
-        """Logits of every head from the hidden state that predicted the newest committed code."""
-        feats_h, feats_v = draft_heads(state.backbone.final_norm(state.hidden))  # (B, Hh, D), (B, Hv, D)
+        """Logits of the heads this decoder uses (``required_horizontal_offsets`` / ``required_vertical_offsets``,
+        in that order) from the hidden state that predicted the newest committed code."""
+        h = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()]
+        v = [draft_heads.vertical_index(o) for o in self.required_vertical_offsets()]
+        feats_h, feats_v = draft_heads(state.backbone.final_norm(state.hidden), h, v)  # (B, Hh, D), (B, Hv, D)
         state.num_draft_passes += 1
         return state.backbone.output_head(feats_h), state.backbone.output_head(feats_v)  # (B, Hh, V), (B, Hv, V)
 
@@ -369,4 +372,6 @@ class TreeDecoderMixin:
             codes[:, -1:] = torch.where(longer, tokens.gather(1, acc.path[:, n : n + 1].clamp_min(0)), codes[:, -1:])
         state.hidden = hidden_states[state.rows, path[:, -1]]  # the node that predicted the newest code
         state.commit(codes, acc.bonus.new_full(acc.bonus.shape, n))
+        if state.tree.max_children == 1:  # a chain: the accepted path is its first n slots, a crop (no copy)
+            return StepOutput(num_accepted=n, keep_length=n)
         return StepOutput(num_accepted=n, keep_indices=path)

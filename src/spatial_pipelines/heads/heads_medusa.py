@@ -59,13 +59,19 @@ class SpatialDraftHeads(DraftHeadsMixin):
         self.horizontal = nn.ModuleList(head() for _ in horizontal_offsets)
         self.vertical = nn.ModuleList(head() for _ in vertical_offsets)
 
-    def forward(self, hidden_states: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, horizontal: Optional[Sequence[int]] = None, vertical: Optional[Sequence[int]] = None):
         """Post-norm hidden states ``(B, D)`` -> head features ``(B, H_h, D)`` and ``(B, H_v, D)`` (for the
-        backbone's output head)."""
+        backbone's output head).
+
+        Args:
+            horizontal, vertical (`list[int]`, *optional*): indices of the heads to run, in the order wanted (default:
+                all); a decoder runs only the heads it drafts with.
+        """
         empty = hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[-1])  # (B, 0, D)
-        horizontal = torch.stack([h(hidden_states) for h in self.horizontal], 1) if len(self.horizontal) else empty
-        vertical = torch.stack([h(hidden_states) for h in self.vertical], 1) if len(self.vertical) else empty
-        return horizontal, vertical
+        hs = list(self.horizontal) if horizontal is None else [self.horizontal[i] for i in horizontal]
+        vs = list(self.vertical) if vertical is None else [self.vertical[i] for i in vertical]
+        return (torch.stack([h(hidden_states) for h in hs], 1) if hs else empty,
+                torch.stack([h(hidden_states) for h in vs], 1) if vs else empty)
 
     def horizontal_index(self, offset: int) -> int:
         return list(self.config.horizontal_offsets).index(offset)

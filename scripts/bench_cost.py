@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Where a decoding round's time goes: the target pass cost ``c(T)`` for ``T`` fed tokens on this device, and per
+decoder the split of a round into draft (heads, tree building), forward (embedding, target pass, norm and
+image-code head), accept (CFG mix, sampling, exact acceptance, commit), kv (cache compaction or crop), eol and the
+rest. The cost model it checks: speed-up ~= (codes per pass) / (round cost / AR step cost).
+
+    python scripts/bench_cost.py --decoders ar medusa hawk sjd sjd:init=left --num-prompts 6 --out docs/performance
+
+Writes ``<out>/cost.json`` and ``<out>/cost.png`` (c(T) relative to c(1), and the stacked round breakdown per
+decoder), prints markdown tables. Decoders and heads are given as for ``scripts/benchmark.py`` (the embedded
+model's shipped heads are used by default).
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as scripts/benchmark.py: before torch's OpenMP start-up
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+import spatial_pipelines  # noqa: E402
+from spatial_pipelines.cli import load_pipeline  # noqa: E402
+from spatial_pipelines.data import TwemojiDataset  # noqa: E402
+from spatial_pipelines.embedded import default_model_path  # noqa: E402
+from spatial_pipelines.pipelines import PassCost  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark import parse_decoder  # noqa: E402
+
+SECTIONS = ("draft", "eol", "forward", "accept", "kv")
+
+
+def parse_args(argv=None):
+    e = os.path.dirname(default_model_path())
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="pipeline folder (default: the embedded model)")
+    p.add_argument("--decoders", nargs="+", type=parse_decoder, default=[parse_decoder(d) for d in ("ar", "medusa", "hawk", "sjd")])
+    p.add_argument("--heads", nargs="*", default=[os.path.join(e, "twemoji_llamagen_spatial_heads"), os.path.join(e, "twemoji_llamagen_latent_heads")])
+    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="fed tokens T for c(T)")
+    p.add_argument("--repeats", type=int, default=20, help="timed passes per T")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N Twemoji as prompts (smoke tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", default="docs/performance")
+    args = p.parse_args(argv)
+    if any(t < 1 for t in args.sizes) or args.repeats < 1 or args.num_prompts < 1:
+        p.error("--sizes, --repeats and --num-prompts must be >= 1")
+    return args
+
+
+@torch.no_grad()
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype)).to(args.device)
+    pipe.set_progress_bar_config(disable=True)
+    heads = {}
+    for path in args.heads:
+        loaded = pipe.load_draft_heads(path)
+        heads[type(loaded).__name__] = loaded
+    pipe.set_draft_heads(None)
+    backbone = pipe.backbone
+    rows = 2 if backbone.default_guidance_scale != 1.0 else 1
+    cost = PassCost(backbone, rows, repeats=args.repeats, warmup=3)
+    c = {t: cost(t) for t in args.sizes}
+    sync = torch.cuda.synchronize if str(args.device).startswith("cuda") else None
+    prompts = random.Random(args.seed).sample(TwemojiDataset("all", 96, limit=args.limit).captions, args.num_prompts)
+
+    decoders = {}
+    for spec, decoder_cls, kwargs in args.decoders:
+        if decoder_cls is None:
+            continue
+        decoder = decoder_cls(**kwargs)
+        need = decoder.draft_heads_class
+        if need is not None and need not in heads:
+            raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
+        decoders[spec] = (decoder, heads.get(need))
+    totals = {spec: {"seconds": {}, "rounds": 0, "passes": 0, "wall": 0.0} for spec in decoders}
+    for spec, (decoder, h) in decoders.items():  # warm-up (and "auto" size resolution)
+        pipe.decoder = decoder
+        pipe.set_draft_heads(h)
+        pipe(prompts[:1], output_type="latent", generator=torch.Generator().manual_seed(0))
+    for i, prompt in enumerate(prompts):  # interleaved: a slow spell of the machine hits every decoder alike
+        for spec, (decoder, h) in decoders.items():
+            pipe.decoder = decoder
+            pipe.set_draft_heads(h)
+            with pipe.profile_rounds(synchronize=sync) as timer:
+                start = time.perf_counter()
+                out = pipe([prompt], output_type="latent", generator=[torch.Generator().manual_seed(args.seed + i)])
+                totals[spec]["wall"] += time.perf_counter() - start
+            for k, v in timer.seconds.items():
+                totals[spec]["seconds"][k] = totals[spec]["seconds"].get(k, 0.0) + v
+            totals[spec]["rounds"] += timer.rounds
+            totals[spec]["passes"] += out.stats.num_forward_passes
+
+    report_rows = {}
+    for spec, tot in totals.items():
+        decoder = decoders[spec][0]
+        rnd = tot["seconds"]["round"]
+        ms = {k: 1000 * tot["seconds"].get(k, 0.0) / tot["rounds"] for k in SECTIONS}
+        ms["other"] = 1000 * rnd / tot["rounds"] - sum(ms.values())
+        fed = decoder.max_draft_tokens
+        report_rows[spec] = {
+            "decoder_class": type(decoder).__name__,
+            "fed_tokens_per_round": fed,
+            "codes_per_pass": backbone.layout.num_tokens * len(prompts) / tot["passes"],
+            "round_ms": 1000 * rnd / tot["rounds"],
+            "breakdown_ms": ms,
+            "outside_forward_share": 1 - ms["forward"] / (1000 * rnd / tot["rounds"]),
+            "seconds_per_image": tot["wall"] / len(prompts),
+        }
+    base = report_rows.get("ar")
+    for r in report_rows.values():
+        if base:
+            r["round_cost_vs_ar_step"] = r["round_ms"] / base["round_ms"]
+            r["predicted_speedup"] = r["codes_per_pass"] / r["round_cost_vs_ar_step"]
+            r["measured_speedup"] = base["seconds_per_image"] / r["seconds_per_image"]
+    report = {
+        "model": args.model or "embedded twemoji_llamagen",
+        "device": (torch.cuda.get_device_name(args.device) if str(args.device).startswith("cuda")
+                   else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')})"),
+        "dtype": args.dtype,
+        "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__},
+        "batch_rows": rows,
+        "pass_cost_ms": {str(t): 1000 * s for t, s in c.items()},
+        "num_prompts": len(prompts),
+        "decoders": report_rows,
+    }
+    with open(os.path.join(args.out, "cost.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    lines = ["| T fed | c(T) ms | c(T) / c(1) |", "|---|---|---|"]
+    lines += [f"| {t} | {1000 * s:.2f} | {s / c[min(c)]:.2f} |" for t, s in c.items()]
+    lines += ["", "| decoder | fed / round | codes / pass | round ms | " + " | ".join(f"{k} ms" for k in SECTIONS)
+              + " | other ms | outside forward | round / AR step | predicted speed-up | measured speed-up |",
+              "|" + "---|" * (9 + len(SECTIONS))]
+    for spec, r in report_rows.items():
+        b = r["breakdown_ms"]
+        lines.append(f"| `{spec}` | {r['fed_tokens_per_round']} | {r['codes_per_pass']:.2f} | {r['round_ms']:.2f} | "
+                     + " | ".join(f"{b[k]:.2f}" for k in SECTIONS) + f" | {b['other']:.2f} | {100 * r['outside_forward_share']:.0f}% | "
+                     f"{r.get('round_cost_vs_ar_step', float('nan')):.2f} | {r.get('predicted_speedup', float('nan')):.2f}x | "
+                     f"{r.get('measured_speedup', float('nan')):.2f}x |")
+    with open(os.path.join(args.out, "cost.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(report, os.path.join(args.out, "cost.png"))
+
+
+def plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
+    ts = [int(t) for t in report["pass_cost_ms"]]
+    ms = list(report["pass_cost_ms"].values())
+    a.plot(ts, [m / ms[0] for m in ms], marker="o")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("fed tokens T")
+    a.set_ylabel("c(T) / c(1)")
+    a.set_title(f"target pass cost ({report['device'][:40]})", fontsize=8)
+    a.grid(alpha=0.3)
+    names = list(report["decoders"])
+    bottom = [0.0] * len(names)
+    for k in SECTIONS + ("other",):
+        vals = [report["decoders"][n]["breakdown_ms"][k] for n in names]
+        b.bar(range(len(names)), vals, bottom=bottom, label=k)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    b.set_xticks(range(len(names)), [n.replace(":", "\n") for n in names], fontsize=7)
+    b.set_ylabel("ms per round")
+    b.set_title("round breakdown", fontsize=8)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""A minimal, independent gpt-fast-style AR loop over a `LlamaGenTransformer`'s weights: the reference the pipeline's
+own AR loop is timed against (`scripts/benchmark.py` reports it as the ``minimal-ar`` row).
+
+Static KV cache written at a fixed index, one boolean mask row per step sliced from a table built once, RoPE rows
+sliced from a complex table built once, CFG rows as one batch, sampling by the exponential race (no host sync).
+It shares no code with the pipeline's loop, decoders or cache: only the weights and the prompt encoding.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def minimal_ar_generate(
+    pipe, prompts: List[str], guidance_scale: float, temperature: float, top_k: Optional[int], generators
+) -> torch.Tensor:
+    """Code grids ``(B, H, W)`` for ``prompts`` with plain AR decoding; ``generators`` one per image."""
+    t = pipe.transformer
+    backbone = pipe.backbone
+    cfg = guidance_scale != 1.0
+    device = pipe._execution_device
+    prefix = backbone.encode_prompt(list(prompts), None, cfg, device)  # (R, P, D), valid (R, P)
+    rows, p, d = prefix.embeds.shape
+    b = len(prompts)
+    h, hkv = t.config.num_attention_heads, t.layers[0].attention.num_kv_heads
+    hd = d // h
+    n = t.config.grid_height * t.config.grid_width
+    total = p + n
+    keys = [torch.zeros(rows, hkv, total, hd, dtype=prefix.embeds.dtype, device=device) for _ in t.layers]
+    values = [torch.zeros_like(k) for k in keys]
+    # mask table, built once: row i lets position i see valid prefix slots and every image slot <= i
+    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    valid = torch.cat([prefix.valid, torch.ones(rows, n, dtype=torch.bool, device=device)], 1)  # (R, S)
+    masks = (causal[None] & valid[:, None, :]) | torch.eye(total, dtype=torch.bool, device=device)  # (R, S, S)
+    rope = torch.view_as_complex(t.freqs_cis.float().contiguous())  # (S, hd/2)
+
+    def layer_forward(x, layer, i, pos, mask):  # x (R, T, D); pos (T,) slots written
+        a = layer.attention
+        y = F.rms_norm(x, (d,), layer.attention_norm.weight, layer.attention_norm.eps)
+        qkv = F.linear(y, a.wqkv.weight)
+        q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], -1)
+        q = torch.view_as_real(torch.view_as_complex(q.reshape(rows, -1, h, hd // 2, 2)) * rope[pos][None, :, None]).flatten(3)
+        k = torch.view_as_real(torch.view_as_complex(k.reshape(rows, -1, hkv, hd // 2, 2)) * rope[pos][None, :, None]).flatten(3)
+        keys[i].index_copy_(2, pos, k.transpose(1, 2))  # fixed-shape cache write
+        values[i].index_copy_(2, pos, v.reshape(rows, -1, hkv, hd).transpose(1, 2))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[i], values[i], attn_mask=mask, enable_gqa=h != hkv)
+        x = x + F.linear(o.transpose(1, 2).reshape(rows, -1, d), a.wo.weight)
+        ff = layer.feed_forward
+        y = F.rms_norm(x, (d,), layer.ffn_norm.weight, layer.ffn_norm.eps)
+        return x + F.linear(F.silu(F.linear(y, ff.w1.weight)) * F.linear(y, ff.w3.weight), ff.w2.weight)
+
+    def logits_of(x):  # (R, D) -> (B, V) guided
+        logits = F.linear(F.rms_norm(x, (d,), t.norm.weight, t.norm.eps), t.output.weight).float()
+        if cfg:
+            cond, uncond = logits.chunk(2)
+            logits = uncond + guidance_scale * (cond - uncond)
+        return logits
+
+    def sample(logits):
+        if temperature == 0:
+            return logits.argmax(-1)
+        logits = logits / temperature
+        if top_k:
+            kth = logits.topk(top_k, -1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators]).to(device)
+        return (logits.softmax(-1) / noise).argmax(-1)
+
+    x = prefix.embeds
+    pos = torch.arange(p, device=device)
+    for i, layer in enumerate(t.layers):
+        x = layer_forward(x, layer, i, pos, masks[:, None, :p, :].expand(rows, 1, p, total))
+    tokens = torch.empty(b, n, dtype=torch.long, device=device)
+    tokens[:, 0] = sample(logits_of(x[:, -1]))
+    positions = torch.arange(p, total, device=device)  # slot of each image code's input, built once
+    for j in range(1, n):
+        code = tokens[:, j - 1]
+        x = t.tok_embeddings.weight[code.repeat(2) if cfg else code][:, None]  # (R, 1, D)
+        slot = positions[j - 1 : j]
+        mask = masks[:, None, p + j - 1 : p + j, :]  # (R, 1, 1, S) a view of the table
+        for i, layer in enumerate(t.layers):
+            x = layer_forward(x, layer, i, slot, mask)
+        tokens[:, j] = sample(logits_of(x[:, -1]))
+    return tokens.view(b, t.config.grid_height, t.config.grid_width)
