@@ -70,7 +70,7 @@ def main(argv=None):
     backbone = pipe.backbone
     rows = 2 if backbone.default_guidance_scale != 1.0 else 1
     cost = PassCost(backbone, rows, repeats=args.repeats, warmup=3)
-    c = {t: cost(t) for t in args.sizes}
+    c = cost.measure(args.sizes)
     sync = torch.cuda.synchronize if str(args.device).startswith("cuda") else None
     prompts = random.Random(args.seed).sample(TwemojiDataset("all", 96, limit=args.limit).captions, args.num_prompts)
 

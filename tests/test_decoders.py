@@ -131,7 +131,7 @@ def test_distribution_test_detects_a_biased_acceptance_rule(monkeypatch):
     exact_verify = decoding_utils.verify_tree
     monkeypatch.setattr(
         decoding_utils, "verify_tree",
-        lambda tree, tokens, probs, random, q=None: exact_verify(tree, tokens, probs, random, torch.full_like(probs, 0.5)),
+        lambda tree, tokens, probs, random, q=None, **kw: exact_verify(tree, tokens, probs, random, torch.full_like(probs, 0.5)),
     )
     pipe = make(MedusaDecoder, {}, "random", grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)

@@ -55,19 +55,29 @@ class StaticKVCache:
         """Boolean mask ``(B, 1, T, length + T)`` for ``T`` new queries.
 
         Args:
-            new_mask: ``(B, T, T)`` or ``(T, T)`` which new tokens see which (causal or a tree mask).
-            new_valid: ``(B, T)`` which new tokens are real (padding is not).
+            new_mask: ``(B, T, T)`` or ``(T, T)`` which new tokens see which (causal or a tree mask; every token
+                sees itself).
+            new_valid: ``(B, T)`` which new tokens are real (padding is not); ``None``: all of them (decoding
+                rounds), which skips the padding terms.
         """
+        if new_valid is None:  # a decoding round: no padding, the draft's mask already has its diagonal
+            b, t = self.key_valid.shape[0], new_mask.shape[-1]
+            past = self.key_valid[:, None, : self.length].expand(b, t, self.length)  # (B, T, L)
+            return torch.cat([past, new_mask.expand(b, t, t)], dim=-1)[:, None]  # (B, 1, T, L + T)
         b, t = new_valid.shape
         past = self.key_valid[:, None, : self.length].expand(b, t, self.length)  # (B, T, L)
         new = new_mask.expand(b, t, t) & new_valid[:, None, :]  # (B, T, T)
         eye = torch.eye(t, dtype=torch.bool, device=new_valid.device)  # a padded query sees itself: no NaN rows
         return torch.cat([past, new | eye], dim=-1)[:, None]  # (B, 1, T, L + T)
 
-    def advance(self, new_valid: torch.Tensor) -> None:
-        """Account for the ``T`` slots just written by every layer."""
-        t = new_valid.shape[1]
-        self.key_valid[:, self.length : self.length + t] = new_valid
+    def advance(self, new_valid: Optional[torch.Tensor], t: Optional[int] = None) -> None:
+        """Account for the ``T`` slots just written by every layer (``new_valid`` ``(B, T)``, or ``None`` and ``t``:
+        all valid)."""
+        if new_valid is None:
+            self.key_valid[:, self.length : self.length + t] = True
+        else:
+            t = new_valid.shape[1]
+            self.key_valid[:, self.length : self.length + t] = new_valid
         self.length += t
 
     def crop(self, length: int) -> None:

@@ -63,6 +63,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     draft_heads_class = "SpatialDraftHeads"
     state_class = HawkState
+    distinct_siblings = True  # duplicate pool slots are offered as -1
 
     @register_to_config
     def __init__(

@@ -39,6 +39,7 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     draft_heads_class = "SpatialDraftHeads"
     state_class = MedusaState
+    distinct_siblings = True  # top-k candidates are distinct
 
     @register_to_config
     def __init__(

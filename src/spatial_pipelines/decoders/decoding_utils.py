@@ -279,6 +279,7 @@ class TreeDecoderMixin:
 
     state_class = TreeState
     acceptance_prior: Tuple[float, float] = (0.5, 0.5)
+    distinct_siblings: bool = False  # True when the decoder never offers one code twice among siblings
 
     def _set_tree(self, full_tree: DraftTree, size) -> None:
         self._full_tree, self._size = full_tree, size
@@ -299,8 +300,11 @@ class TreeDecoderMixin:
         if self._size != AUTO or self._resolved_for is pass_cost:  # once per pipeline cost model
             return
         full = self._full_tree.num_nodes - 1
+        sizes = [c for c in DRAFT_SIZE_CANDIDATES if c < full] + [full]
+        if hasattr(pass_cost, "measure"):  # a PassCost: measure every size interleaved, in one go
+            pass_cost.measure([1 + n for n in sizes])
         best, best_rate = None, -1.0
-        for n in [c for c in DRAFT_SIZE_CANDIDATES if c < full] + [full]:
+        for n in sizes:
             tree, accepted = (self._full_tree, best_subtree(self._full_tree, full, *self.acceptance_prior)[1]) if n == full \
                 else best_subtree(self._full_tree, n, *self.acceptance_prior)
             rate = (1.0 + accepted) / pass_cost(n + 1)  # expected codes per second
@@ -358,7 +362,7 @@ class TreeDecoderMixin:
     def _verify_step(self, logits, hidden_states, draft, state: TreeState, q=None, probs=None) -> StepOutput:
         tokens = state.node_tokens
         probs = logits_to_probs(logits, state.sampling) if probs is None else probs  # (B, T, V)
-        acc = verify_tree(state.tree, tokens, probs, state.random, q)
+        acc = verify_tree(state.tree, tokens, probs, state.random, q, distinct_siblings=self.distinct_siblings)
         # rows advance together: commit the shortest row's accepted run plus its bonus (a prefix of every
         # row's exact sample is exact), and never past the end of the grid
         shortest = int(acc.num_accepted.min())  # the one host read per round

@@ -59,8 +59,11 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of ``x`` ``(B, T, H, D)`` by ``table``: complex ``(B, T, D/2)`` (one complex multiply:
     the fewest ops per call, which is what a small model's step pays for) or cos/sin pairs ``(B, T, D/2, 2)``
     (fp32 math either way)."""
-    if not table.is_complex():
-        table = torch.view_as_complex(table.float().contiguous())
+    if not table.is_complex():  # real arithmetic: what torch.compile turns into one fused kernel
+        xs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, T, H, D/2, 2)
+        cos, sin = table[:, :, None, :, 0].float(), table[:, :, None, :, 1].float()  # (B, T, 1, D/2)
+        out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1)
+        return out.flatten(3).type_as(x)
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, T, H, D/2)
     return torch.view_as_real(xc * table[:, :, None]).flatten(3).type_as(x)
 
@@ -356,14 +359,18 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
             position_ids = position_ids[None].expand(b, t)
         if attention_mask is None:
             attention_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-        if token_valid is None:
-            token_valid = torch.ones(b, t, dtype=torch.bool, device=device)
-        if past_key_values is None:
-            eye = torch.eye(t, dtype=torch.bool, device=device)
-            mask = ((attention_mask.expand(b, t, t) & token_valid[:, None, :]) | eye)[:, None]  # (B, 1, T, T)
+        if past_key_values is not None and token_valid is None:  # a decoding round: nothing to pad, nothing allocated
+            mask = past_key_values.attention_mask(attention_mask, None)  # (B, 1, T, L+T)
         else:
-            mask = past_key_values.attention_mask(attention_mask, token_valid)  # (B, 1, T, L+T)
-        rope = self.rope_table()[position_ids]  # (B, T, D/2) complex
+            if token_valid is None:
+                token_valid = torch.ones(b, t, dtype=torch.bool, device=device)
+            if past_key_values is None:
+                eye = torch.eye(t, dtype=torch.bool, device=device)
+                mask = ((attention_mask.expand(b, t, t) & token_valid[:, None, :]) | eye)[:, None]  # (B, 1, T, T)
+            else:
+                mask = past_key_values.attention_mask(attention_mask, token_valid)  # (B, 1, T, L+T)
+        # eager: complex rotations (fewest ops); compiled: cos/sin pairs (inductor generates no complex code)
+        rope = self.freqs_cis[position_ids] if torch.compiler.is_compiling() else self.rope_table()[position_ids]
         h = inputs_embeds
         for i, layer in enumerate(self.layers):
             if torch.is_grad_enabled() and self.gradient_checkpointing:
@@ -371,6 +378,6 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
             else:
                 h = layer(h, rope, mask, past_key_values, i)
         if past_key_values is not None:
-            past_key_values.advance(token_valid)
+            past_key_values.advance(token_valid, t)
         out = LlamaGenTransformerOutput(hidden_states=h, last_hidden_state=self.norm(h))
         return out if return_dict else out.to_tuple()

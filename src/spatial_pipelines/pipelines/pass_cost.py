@@ -20,18 +20,32 @@ class PassCost:
         repeats (`int`), warmup (`int`): timed and untimed passes per ``T`` (the median is kept).
     """
 
-    def __init__(self, backbone, rows: int, repeats: int = 5, warmup: int = 2):
+    def __init__(self, backbone, rows: int, repeats: int = 9, warmup: int = 2):
         self.backbone, self.rows, self.repeats, self.warmup = backbone, rows, repeats, warmup
         self.seconds: Dict[int, float] = {}
         self._cache = None
 
     def __call__(self, t: int) -> float:
         if t not in self.seconds:
-            self.seconds[t] = self._measure(t)
+            self.measure([t])
         return self.seconds[t]
 
+    def measure(self, sizes) -> Dict[int, float]:
+        """Measure several ``T`` at once, interleaved round by round (a slow spell of a shared machine then hits
+        every ``T`` alike rather than biasing the comparison); keeps and returns the medians."""
+        todo = [t for t in dict.fromkeys(sizes) if t not in self.seconds]
+        times = {t: [] for t in todo}
+        for i in range(self.warmup + self.repeats):
+            for t in todo:
+                seconds = self._measure(t, 1)
+                if i >= self.warmup:
+                    times[t].append(seconds)
+        for t in todo:
+            self.seconds[t] = sorted(times[t])[len(times[t]) // 2]
+        return {t: self.seconds[t] for t in sizes}
+
     @torch.no_grad()
-    def _measure(self, t: int) -> float:
+    def _measure(self, t: int, passes: int) -> float:
         backbone, layout = self.backbone, self.backbone.layout
         weight = backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._device()))
         device, dtype = weight.device, weight.dtype
@@ -44,18 +58,15 @@ class PassCost:
         positions = torch.arange(filled, filled + t, device=device).clamp_max(layout.sequence_length - 1)  # inside RoPE
         mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         ids = torch.zeros(self.rows, t, dtype=torch.long, device=device)
-        times = []
-        for i in range(self.warmup + self.repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(passes):
             backbone.image_logits(backbone.forward(backbone.embed_image_tokens(ids), positions, mask, None, cache))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= self.warmup:
-                times.append(time.perf_counter() - start)
             cache.crop(cache.length - t)
-        return sorted(times)[len(times) // 2]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / passes
 
     def _device(self):
         return self.backbone.pipe._execution_device

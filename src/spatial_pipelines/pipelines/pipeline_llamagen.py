@@ -149,6 +149,10 @@ class LlamaGenBackbone(SpatialBackbone):
     def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.transformer.output(hidden_states).float()
 
+    @property
+    def target_module(self):
+        return self.transformer
+
     def make_cache(self, rows: int, max_length: int):
         return self.transformer.make_cache(rows, max_length)
 

@@ -179,6 +179,11 @@ class SpatialBackbone(abc.ABC):
         """Pre-norm hidden states ``(R, T, D)`` -> image-code logits ``(R, T, V)`` in fp32."""
         return self.output_head(self.final_norm(hidden_states))
 
+    @property
+    def target_module(self) -> torch.nn.Module:
+        """The module whose forward `forward` runs (what `SpatialARPipeline.enable_compile` compiles)."""
+        raise ValueError(f"{type(self).__name__} does not name its target module; it cannot be compiled.")
+
     @abc.abstractmethod
     def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
         """A KV cache for ``rows`` sequences of up to ``max_length`` positions."""
@@ -417,8 +422,8 @@ class SpatialARPipeline(DiffusionPipeline):
         prefix_length = prefix.embeds.shape[1]
 
         # 3. Prepare the decoding state, the random numbers and the KV cache ("auto" draft sizes: from c(T))
-        if self.decoder.sizes_from_pass_cost:
-            self.decoder.resolve_draft_size(self.pass_cost(prefix.embeds.shape[0]))
+        if self.decoder.sizes_from_pass_cost:  # measured at up to 4 images (a big batch would take long to time)
+            self.decoder.resolve_draft_size(self.pass_cost(min(prefix.embeds.shape[0], 4 * (2 if sampling.do_cfg else 1))))
         state = self.decoder.init_state(
             layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device, backbone
         )
@@ -514,6 +519,44 @@ class SpatialARPipeline(DiffusionPipeline):
             elif result.keep_length is not None:
                 keep_length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
                 cache.crop(slot + keep_length)  # a prefix stays where it is: no copy
+
+    def enable_compile(self, mode: Optional[str] = None, dynamic: Optional[bool] = None, keep_if_slower: bool = False, **kwargs) -> Dict[str, Any]:
+        """Run the target forward through `torch.compile`, and keep it only where it measures faster.
+
+        The KV cache grows every round, so the default is ``dynamic=True`` on a CPU (one graph for every cache
+        length, inductor's C++ backend) and ``mode="reduce-overhead"`` (CUDA graphs) on a GPU. The first call of
+        each fed length compiles (tens of seconds on a CPU). The eager and compiled pass costs are measured (one fed
+        token and eight, CFG rows) after warming up; unless ``keep_if_slower``, a compiled forward that is not faster
+        is dropped again.
+
+        Returns:
+            ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool}``.
+        """
+        module = self.backbone.target_module
+        on_gpu = self._execution_device.type == "cuda"
+        options = dict(mode=mode if mode is not None else ("reduce-overhead" if on_gpu else None),
+                       dynamic=dynamic if dynamic is not None else not on_gpu, **kwargs)
+        rows = 2 if self.backbone.default_guidance_scale != 1.0 else 1
+        sizes = [1, 8]
+        self.disable_compile()
+        eager = PassCost(self.backbone, rows, repeats=5, warmup=1).measure(sizes)
+        module.compile(**options)
+        compiled = PassCost(self.backbone, rows, repeats=5, warmup=2).measure(sizes)
+        enabled = keep_if_slower or compiled[1] < eager[1]
+        if not enabled:
+            self.disable_compile()
+        self.__dict__["_pass_costs"] = {}  # "auto" sizes are chosen again for the forward that runs now
+        return {"eager_ms": {t: 1e3 * s for t, s in eager.items()}, "compiled_ms": {t: 1e3 * s for t, s in compiled.items()}, "enabled": enabled}
+
+    def disable_compile(self) -> None:
+        """Undo `enable_compile`: the target forward runs eagerly again."""
+        module = self.backbone.target_module
+        module._compiled_call_impl = None  # what nn.Module.compile sets
+        self.__dict__["_pass_costs"] = {}
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self.backbone.target_module, "_compiled_call_impl", None) is not None
 
     def pass_cost(self, rows: int) -> PassCost:
         """The measured cost ``c(T)`` of a target pass with ``rows`` batch rows on this pipeline's device and dtype,

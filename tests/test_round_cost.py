@@ -1,0 +1,180 @@
+"""The round's cost rules (issue: a round that costs little more than its forward pass): at most one host read per
+round, "auto" draft sizes chosen from the measured pass cost, the vectorised tree walk equal in distribution to
+the sequential one, and the round timer's sections."""
+
+import pytest
+import torch
+
+from spatial_pipelines import HawkDecoder, JacobiDecoder, MedusaDecoder
+from spatial_pipelines.core import RandomSource
+from spatial_pipelines.core.acceptance import verify_tree, verify_tree_sequential
+from spatial_pipelines.core.tree import tree_from_paths
+from spatial_pipelines.decoders.decoding_utils import best_subtree, node_priors
+from spatial_pipelines.testing import dummy_pipeline
+from test_decoders import DECODER_CASES, make
+
+HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+
+def _count_host_reads(monkeypatch, pipe):
+    """Count device-to-host reads (tensor -> Python value) made inside `_round` only."""
+    counts = {"reads": 0, "rounds": 0, "inside": False}
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            if counts["inside"]:
+                counts["reads"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    round_ = pipe._round
+
+    def counted_round(*args, **kwargs):
+        counts["inside"], counts["rounds"] = True, counts["rounds"] + 1
+        try:
+            return round_(*args, **kwargs)
+        finally:
+            counts["inside"] = False
+
+    monkeypatch.setattr(pipe, "_round", counted_round)
+    return counts
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", DECODER_CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_at_most_one_host_read_per_round(decoder_cls, kwargs, heads, batch, monkeypatch):
+    pipe = make(decoder_cls, kwargs, heads, grid=(4, 5))
+    pipe("warm", generator=torch.Generator().manual_seed(0), output_type="latent")  # "auto" sizes resolved here
+    counts = _count_host_reads(monkeypatch, pipe)
+    out = pipe(["a red fox", "blue sky", "x"][:batch], guidance_scale=2.0, generator=torch.Generator().manual_seed(1), output_type="latent")
+    assert counts["rounds"] == out.stats.num_forward_passes - 1 > 0
+    assert counts["reads"] <= counts["rounds"], f"{counts['reads']} host reads in {counts['rounds']} rounds"
+
+
+def test_host_read_counter_can_fail(monkeypatch):
+    """The counter sees a read: a decoder step that reads a tensor twice per round is caught."""
+    pipe = make(MedusaDecoder, {}, "random", grid=(4, 5))
+    counts = _count_host_reads(monkeypatch, pipe)
+    step = pipe.decoder.step
+
+    def greedy_reader(logits, *args, **kwargs):
+        logits.sum().item()
+        return step(logits, *args, **kwargs)
+
+    monkeypatch.setattr(pipe.decoder, "step", greedy_reader)
+    pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert counts["reads"] > counts["rounds"]
+
+
+@pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
+def test_auto_size_follows_the_pass_cost(decoder_cls, size_arg):
+    """Flat cost: the largest tree pays; cost growing with every fed token: a single draft is best."""
+    flat = decoder_cls(**{size_arg: "auto"})
+    flat.resolve_draft_size(lambda t: 1.0)
+    assert flat.tree.num_nodes == flat._full_tree.num_nodes
+    steep = decoder_cls(**{size_arg: "auto"})
+    steep.resolve_draft_size(lambda t: float(t))
+    assert steep.tree.num_nodes == 2  # the root and one draft
+    fixed = decoder_cls(**{size_arg: 3})
+    assert fixed.tree.num_nodes == 4 and not fixed.sizes_from_pass_cost
+
+
+def test_auto_size_is_resolved_once_per_pipeline_and_serves_the_invariants():
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(), None, grid=(4, 5))
+    assert pipe.decoder.sizes_from_pass_cost
+    greedy = pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent")
+    chosen = pipe.decoder.tree.num_nodes
+    costs = dict(pipe.pass_cost(4).seconds)
+    assert len(costs) > 3 and all(s > 0 for s in costs.values())
+    assert pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent").tokens.equal(greedy.tokens)
+    assert pipe.decoder.tree.num_nodes == chosen and pipe.pass_cost(4).seconds == costs  # measured once
+
+
+@pytest.mark.parametrize("bad", [0, -2, "big", 1.5, True])
+@pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
+def test_bad_draft_size_is_refused(decoder_cls, size_arg, bad):
+    with pytest.raises(ValueError, match=size_arg):
+        decoder_cls(**{size_arg: bad})
+
+
+def test_best_subtree_keeps_the_likeliest_nodes_prefix_closed():
+    tree = tree_from_paths([(0, 0, 0), (0, 1), (1,), (1, 0), (2,)])
+    prior = node_priors(tree, 0.5, 0.5)
+    assert prior[0] == 1.0 and all(0 < p < 1 for p in prior[1:])
+    small, accepted = best_subtree(tree, 3, 0.5, 0.5)
+    assert small.num_nodes == 4 and small.parents.tolist() == [-1, 0, 0, 1]  # (0,), (1,), (0, 0)
+    assert accepted == pytest.approx(sum(sorted(prior[1:], reverse=True)[:3]))
+
+
+N = 30000
+
+
+def test_vectorised_walk_matches_the_sequential_walk_in_distribution():
+    """Point-mass candidates on a tree with siblings: the joint law of (accepted path, bonus) of the vectorised walk
+    equals the sequential walk's (two-sample chi-square on the sequential frequencies, fails at p < 1e-4)."""
+    v = 5
+    tree = tree_from_paths([(0, 0), (0, 1), (1,), (1, 0), (2,)])
+    g = torch.Generator().manual_seed(0)
+    probs = torch.randn(tree.num_nodes, v, generator=g).mul(1.2).softmax(-1).expand(N, -1, -1).clone()
+    tokens = torch.tensor([0, 1, 2, 3, 1, 4, 0])[: tree.num_nodes].expand(N, -1).clone()
+
+    def outcomes(fn, seed):
+        acc = fn(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(seed), N, "cpu"))
+        key = acc.last_node * v + acc.bonus
+        return torch.bincount(key, minlength=tree.num_nodes * v)
+
+    from scipy.stats import chi2_contingency
+
+    fast, slow = outcomes(verify_tree, 1), outcomes(verify_tree_sequential, 2)
+    big = (fast + slow) >= 20  # bins rare in both pooled into one
+    table = torch.stack([torch.cat([fast[big], fast[~big].sum()[None]]), torch.cat([slow[big], slow[~big].sum()[None]])])
+    table = table[:, table.sum(0) > 0]
+    assert table.shape[1] > 5
+    assert chi2_contingency(table.numpy()).pvalue > 1e-4  # two-sample test of one law
+
+
+def test_round_timer_sections():
+    pipe = dummy_pipeline("llamagen", MedusaDecoder(), "random", grid=(4, 5))
+    with pipe.profile_rounds() as timer:
+        out = pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert timer.rounds == out.stats.num_forward_passes - 1
+    assert {"draft", "eol", "forward", "accept", "kv", "round"} <= set(timer.seconds)
+    parts = sum(v for k, v in timer.seconds.items() if k != "round")
+    assert 0 < parts <= timer.seconds["round"]
+    assert pipe._round_timer is None  # removed when the block ends
+
+
+def test_batched_heads_equal_head_by_head():
+    pipe = dummy_pipeline("llamagen", HawkDecoder(), "random", grid=(4, 5))
+    heads = pipe.draft_heads
+    for p in heads.parameters():  # ResBlocks start at zero: give them weights to compare
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, heads.config.hidden_size)
+    heads.train()
+    ref = heads(x, [1, 0], [0])
+    heads.eval()
+    out = heads(x, [1, 0], [0])
+    torch.testing.assert_close(out[0], ref[0])
+    torch.testing.assert_close(out[1], ref[1])
+    with torch.no_grad():
+        heads.horizontal[0][0].linear.weight.add_(1.0)  # a changed weight is seen (the stack is rebuilt)
+    changed = heads(x, [1, 0], [0])[0]
+    assert not torch.allclose(changed[:, 1], out[0][:, 1]) and torch.allclose(changed[:, 0], out[0][:, 0])
+
+
+@pytest.mark.slow
+def test_compiled_forward_keeps_the_exact_decoders_exact():
+    """`enable_compile`: the compiled target forward (inductor) gives the greedy AR grid token for token, and an
+    exact decoder run on it does too; `disable_compile` restores eager."""
+    from spatial_pipelines import AutoregressiveDecoder
+
+    pipe = dummy_pipeline("llamagen", AutoregressiveDecoder(), None, grid=(3, 4))
+    ref = pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent").tokens
+    info = pipe.enable_compile(keep_if_slower=True)  # kept even if slower: the test is about exactness
+    assert pipe.is_compiled and info["enabled"] and set(info["compiled_ms"]) == {1, 8}
+    assert pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent").tokens.equal(ref)
+    pipe.decoder = JacobiDecoder(window_size=3, init="left")
+    assert pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent").tokens.equal(ref)
+    pipe.disable_compile()
+    assert not pipe.is_compiled
