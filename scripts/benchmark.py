@@ -84,6 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--compile", action="store_true", help="pipe.enable_compile(): the target forward through torch.compile where measured faster")
     p.add_argument("--out", default="docs/benchmarks")
     return p.parse_args(argv)
 
@@ -139,6 +140,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype)).to(args.device)
     pipe.set_progress_bar_config(disable=True)
+    compiled = pipe.enable_compile() if args.compile else None
     heads = {}
     for path in args.heads:
         loaded = pipe.load_draft_heads(path)
@@ -257,6 +259,7 @@ def main(argv=None):
         "device": (torch.cuda.get_device_name(args.device) if str(args.device).startswith("cuda")
                    else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')})"),
         "dtype": str(pipe.transformer.dtype),
+        "compile": compiled,
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__,
                      "diffusers": diffusers.__version__, "transformers": transformers.__version__},
         "decoders": rows,

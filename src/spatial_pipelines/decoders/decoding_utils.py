@@ -19,6 +19,10 @@ from ..core.tree import DraftTree, tree_from_parents
 
 DECODER_CONFIG_NAME = "decoder_config.json"
 AUTO = "auto"
+#: ``"auto"`` keeps the smallest draft whose expected codes per second are within this factor of the best: a measured
+#: c(T) varies by a few percent between runs on a shared machine, and the work around the pass (acceptance, KV edits)
+#: grows with the draft while the cost model leaves it out.
+AUTO_MARGIN = 1.05
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
@@ -303,13 +307,13 @@ class TreeDecoderMixin:
         sizes = [c for c in DRAFT_SIZE_CANDIDATES if c < full] + [full]
         if hasattr(pass_cost, "measure"):  # a PassCost: measure every size interleaved, in one go
             pass_cost.measure([1 + n for n in sizes])
-        best, best_rate = None, -1.0
+        rates = []
         for n in sizes:
             tree, accepted = (self._full_tree, best_subtree(self._full_tree, full, *self.acceptance_prior)[1]) if n == full \
                 else best_subtree(self._full_tree, n, *self.acceptance_prior)
-            rate = (1.0 + accepted) / pass_cost(n + 1)  # expected codes per second
-            if rate > best_rate:
-                best, best_rate = tree, rate
+            rates.append((tree, (1.0 + accepted) / pass_cost(n + 1)))  # expected codes per second
+        top = max(rate for _, rate in rates)
+        best = next(tree for tree, rate in rates if rate * AUTO_MARGIN >= top)  # the smallest nearly as good
         self.tree, self._resolved_for = best, pass_cost
         self.resolved_num_draft_tokens = best.num_nodes - 1
 
