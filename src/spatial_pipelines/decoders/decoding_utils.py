@@ -19,10 +19,6 @@ from ..core.tree import DraftTree, tree_from_parents
 
 DECODER_CONFIG_NAME = "decoder_config.json"
 AUTO = "auto"
-#: ``"auto"`` keeps the smallest draft whose expected codes per second are within this factor of the best: a measured
-#: c(T) varies by a few percent between runs on a shared machine, and the work around the pass (acceptance, KV edits)
-#: grows with the draft while the cost model leaves it out.
-AUTO_MARGIN = 1.05
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
@@ -312,8 +308,7 @@ class TreeDecoderMixin:
             tree, accepted = (self._full_tree, best_subtree(self._full_tree, full, *self.acceptance_prior)[1]) if n == full \
                 else best_subtree(self._full_tree, n, *self.acceptance_prior)
             rates.append((tree, (1.0 + accepted) / pass_cost(n + 1)))  # expected codes per second
-        top = max(rate for _, rate in rates)
-        best = next(tree for tree, rate in rates if rate * AUTO_MARGIN >= top)  # the smallest nearly as good
+        best = max(rates, key=lambda tr: tr[1])[0]  # ties: the smaller draft (max keeps the first)
         self.tree, self._resolved_for = best, pass_cost
         self.resolved_num_draft_tokens = best.num_nodes - 1
 
