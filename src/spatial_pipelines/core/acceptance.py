@@ -88,8 +88,8 @@ def verify_tree(
         # a candidate that repeats an earlier sibling's code is offered nothing: after that sibling's rejection p(x) = 0
         valid = valid & ~((x[:, :, None] == x[:, None, :]) & siblings & (x[:, None, :] >= 0)).any(-1)  # (B, T-1)
     xs = x.clamp_min(0)
-    p_parent = probs[:, parents]  # (B, T-1, V) target distribution each candidate is tested against
-    px = p_parent.gather(-1, xs[..., None]).squeeze(-1) * valid  # (B, T-1)
+    # p(x) under the parent's distribution, read straight from the flat (B, T*V) view: no (B, T-1, V) copy
+    px = probs.reshape(b, t * v).gather(1, parents * v + xs) * valid  # (B, T-1)
     if q is None:
         # point masses: after rejecting earlier siblings s, p is renormalised over 1 - sum p(s)
         left = 1.0 - (px[:, None, :] * siblings).sum(-1)  # (B, T-1) mass not taken by earlier siblings
@@ -109,8 +109,8 @@ def verify_tree(
     # the bonus: from the last node's p, less what its children (all tried and rejected) took
     p_last = probs[rows, last]  # (B, V)
     kids = tree.children[last]  # (B, K) -1 where there is no such child
-    kid_ok = kids >= 0
-    kid_valid = kid_ok & torch.cat([valid.new_zeros(b, 1), valid], 1).gather(1, kids.clamp_min(0))
+    node_valid = torch.cat([valid.new_zeros(b, 1), valid], 1)  # (B, T) the root is never a child
+    kid_valid = (kids >= 0) & node_valid.gather(1, kids.clamp_min(0))
     if q is None:
         kid_codes = torch.where(kid_valid, tokens.gather(1, kids.clamp_min(0)), 0)  # (B, K)
         removed = torch.zeros_like(p_last).scatter_add_(1, kid_codes, kid_valid.to(p_last.dtype)) > 0  # (B, V)

@@ -367,7 +367,7 @@ class TreeDecoderMixin:
         shortest = int(acc.num_accepted.min())  # the one host read per round
         n = min(shortest + 1, state.num_remaining)
         path = acc.path[:, :n]  # (B, n) root + the n - 1 accepted nodes whose KV stays
-        drafted = tokens.gather(1, path).clamp_min(0)  # (B, n): column j is the code of accepted node j (j >= 1)
+        drafted = tokens.gather(1, path)  # (B, n): column j is the code of accepted node j (all offered: >= 0)
         codes = torch.cat([drafted[:, 1:], acc.bonus[:, None]], 1)  # (B, n)
         if (state.batch_size > 1 or n <= shortest) and n <= state.tree.max_depth:
             # a row that accepted n or more drafts commits its n-th accepted node, not its bonus
