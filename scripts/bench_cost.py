@@ -166,7 +166,7 @@ def plot(report, path):
     a.set_xscale("log", base=2)
     a.set_xlabel("fed tokens T")
     a.set_ylabel("c(T) / c(1)")
-    a.set_title(f"target pass cost ({report['device'][:40]})", fontsize=8)
+    a.set_title(f"target pass cost\n{report['device']}", fontsize=7)
     a.grid(alpha=0.3)
     names = list(report["decoders"])
     bottom = [0.0] * len(names)
@@ -174,7 +174,7 @@ def plot(report, path):
         vals = [report["decoders"][n]["breakdown_ms"][k] for n in names]
         b.bar(range(len(names)), vals, bottom=bottom, label=k)
         bottom = [x + y for x, y in zip(bottom, vals)]
-    b.set_xticks(range(len(names)), [n.replace(":", "\n") for n in names], fontsize=7)
+    b.set_xticks(range(len(names)), [n.replace(":", "\n").replace(",", "\n") for n in names], fontsize=6, rotation=30, ha="right")
     b.set_ylabel("ms per round")
     b.set_title("round breakdown", fontsize=8)
     b.legend(fontsize=7)
