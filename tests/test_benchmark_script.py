@@ -45,3 +45,26 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     table = (out / "benchmark.md").read_text()
     assert "FD-EffNet" in table and "`ssd:vertical_rounds=0`" in table
     assert (out / "decoders_side_by_side.png").stat().st_size > 0
+
+
+def test_bench_cost_tables_breakdown_and_plot(tmp_path):
+    """scripts/bench_cost.py: c(T) per size, the round split per decoder (sections add up to at most the round),
+    and the cost model's prediction next to the measured speed-up."""
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    SpatialDraftHeads.for_backbone(pipe.backbone, HawkDecoder()).save_pretrained(tmp_path / "spatial")
+    out = tmp_path / "cost"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_cost.py"), "--model", str(tmp_path / "model"),
+           "--decoders", "ar", "medusa", "sjd:window_size=3", "--heads", str(tmp_path / "spatial"),
+           "--num-prompts", "2", "--limit", "20", "--sizes", "1", "4", "--repeats", "2", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    report = json.loads((out / "cost.json").read_text())
+    assert set(report["pass_cost_ms"]) == {"1", "4"} and all(v > 0 for v in report["pass_cost_ms"].values())
+    rows = report["decoders"]
+    assert list(rows) == ["ar", "medusa", "sjd:window_size=3"]
+    assert rows["sjd:window_size=3"]["fed_tokens_per_round"] == 4 and rows["ar"]["codes_per_pass"] == 1.0
+    for r in rows.values():
+        parts = r["breakdown_ms"]
+        assert parts["forward"] > 0 and parts["other"] >= -1e-6  # the named sections never exceed the round
+        assert 0 <= r["outside_forward_share"] < 1 and r["predicted_speedup"] > 0
+    assert (out / "cost.png").stat().st_size > 0 and "c(T) / c(1)" in (out / "cost.md").read_text()
