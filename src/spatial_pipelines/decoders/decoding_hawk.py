@@ -20,15 +20,11 @@ class HawkState(TreeState):
         vertical_cache (`torch.LongTensor` `(B, N, max(VSD, 1), k)`): candidates cached for each raster code, one
             slot per "rows above" distance (``-1``: none yet).
         depth_offsets (`torch.LongTensor` `(n_h,)`): ``1..n_h``, the raster offsets of the pools.
-        node_depth (`torch.LongTensor` `(T - 1,)`), node_rank (`torch.LongTensor` `(T - 1,)`): pool and slot of
-            every draft node.
         earlier_slot (`torch.BoolTensor` `(S, S)`): ``[i, j]`` when pool slot ``j`` comes before slot ``i``.
     """
 
     vertical_cache: Optional[torch.Tensor] = None
     depth_offsets: Optional[torch.Tensor] = None
-    node_depth: Optional[torch.Tensor] = None
-    node_rank: Optional[torch.Tensor] = None
     earlier_slot: Optional[torch.Tensor] = None
 
 
@@ -105,7 +101,6 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         vsd, k = self.config.vertical_speculation_depth, self.config.top_k
         state.vertical_cache = torch.full((batch_size, layout.num_tokens, max(vsd, 1), k), -1, dtype=torch.long, device=device)
         state.depth_offsets = torch.arange(1, self.config.num_horizontal_heads + 1, device=device)
-        state.node_depth, state.node_rank = state.tree.depths[1:] - 1, state.tree.ranks[1:]
         state.earlier_slot = torch.ones(self.pool_size, self.pool_size, dtype=torch.bool, device=device).tril(-1)
         return state
 

@@ -1,7 +1,6 @@
 """Medusa (1-D multi-token prediction): heads draft the next codes along the raster; a static tree of their
 top-k candidates is verified in one target pass with a tree attention mask; exact acceptance."""
 
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -9,14 +8,6 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.tree import tree_from_paths
 from .decoding_utils import AUTO, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
-
-
-@dataclass
-class MedusaState(TreeState):
-    """`TreeState` plus the head (``node_depth``) and candidate rank (``node_rank``) of every draft node ``(T - 1,)``."""
-
-    node_depth: Optional[torch.Tensor] = None
-    node_rank: Optional[torch.Tensor] = None
 
 
 def caterpillar_paths(depth: int, top_k: int) -> List[Tuple[int, ...]]:
@@ -38,7 +29,6 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     """
 
     draft_heads_class = "SpatialDraftHeads"
-    state_class = MedusaState
     distinct_siblings = True  # top-k candidates are distinct
 
     @register_to_config
@@ -76,13 +66,7 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self._num_ranks > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> MedusaState:
-        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        tree = state.tree
-        state.node_depth, state.node_rank = tree.depths[1:] - 1, tree.ranks[1:]
-        return state
-
-    def propose(self, state: MedusaState, draft_heads=None) -> Draft:
+    def propose(self, state: TreeState, draft_heads=None) -> Draft:
         logits_h, _ = self._heads_logits(state, draft_heads)  # (B, K, V) offsets 1..K
         top = logits_h.topk(self._num_ranks, dim=-1).indices  # (B, K, k)
         nodes = top[:, state.node_depth, state.node_rank]  # (B, T - 1) candidate of each node

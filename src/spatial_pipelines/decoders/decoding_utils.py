@@ -257,14 +257,17 @@ class TreeState(DecodingState):
         tree (`DraftTree`): the decoder's static tree on the generation's device (copied once per generation).
         hidden (`torch.Tensor` `(B, D)`): pre-norm hidden state that predicted the newest committed code.
         node_tokens (`torch.LongTensor` `(B, T)`): the tree fed this round (``-1``: slot not offered).
-        rows (`torch.LongTensor` `(B,)`), slots (`torch.LongTensor` `(D + 1,)`): index tables built once.
+        rows (`torch.LongTensor` `(B,)`): row indices, built once.
+        node_depth (`torch.LongTensor` `(T - 1,)`), node_rank (`torch.LongTensor` `(T - 1,)`): the head (or pool) and
+            candidate rank (or slot) of every draft node, built once.
     """
 
     tree: Optional[DraftTree] = None
     hidden: Optional[torch.Tensor] = None
     node_tokens: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
-    slots: Optional[torch.Tensor] = None
+    node_depth: Optional[torch.Tensor] = None
+    node_rank: Optional[torch.Tensor] = None
 
 
 class TreeDecoderMixin:
@@ -305,12 +308,10 @@ class TreeDecoderMixin:
             pass_cost.measure([1 + n for n in sizes])
         rates = []
         for n in sizes:
-            tree, accepted = (self._full_tree, best_subtree(self._full_tree, full, *self.acceptance_prior)[1]) if n == full \
-                else best_subtree(self._full_tree, n, *self.acceptance_prior)
-            rates.append((tree, (1.0 + accepted) / pass_cost(n + 1)))  # expected codes per second
-        best = max(rates, key=lambda tr: tr[1])[0]  # ties: the smaller draft (max keeps the first)
-        self.tree, self._resolved_for = best, pass_cost
-        self.resolved_num_draft_tokens = best.num_nodes - 1
+            tree, accepted = best_subtree(self._full_tree, n, *self.acceptance_prior)
+            rates.append((self._full_tree if n == full else tree, (1.0 + accepted) / pass_cost(n + 1)))  # codes per second
+        self.tree = max(rates, key=lambda tr: tr[1])[0]  # ties: the smaller draft (max keeps the first)
+        self._resolved_for = pass_cost
 
     @property
     def max_draft_tokens(self) -> int:
@@ -322,7 +323,7 @@ class TreeDecoderMixin:
             raise TypeError(f"{type(self).__name__}.state_class must subclass TreeState, got {type(state).__name__}.")
         state.tree = self.tree.to(device)  # once per generation, not once per round
         state.rows = torch.arange(batch_size, device=device)
-        state.slots = torch.arange(state.tree.max_depth + 1, device=device)
+        state.node_depth, state.node_rank = state.tree.depths[1:] - 1, state.tree.ranks[1:]
         return state
 
     def _heads_logits(self, state: TreeState, draft_heads):
