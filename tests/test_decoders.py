@@ -20,10 +20,14 @@ DECODER_CASES = [
     pytest.param(JacobiDecoder, {}, None, id="sjd-random"),
     pytest.param(JacobiDecoder, {"window_size": 4, "init": "left"}, None, id="sjd-left"),
     pytest.param(JacobiDecoder, {"window_size": 3, "init": "above"}, None, id="sjd-above"),
+    pytest.param(JacobiDecoder, {"window_size": 4, "coupling": "gumbel"}, None, id="sjd-gumbel"),
+    pytest.param(JacobiDecoder, {"window_size": 4, "coupling": "maximal"}, None, id="sjd-maximal"),
+    pytest.param(JacobiDecoder, {"window_size": 4, "init": "heads"}, "random", id="sjd-heads"),
+    pytest.param(JacobiDecoder, {"window_size": 5, "init": "heads", "coupling": "gumbel"}, "random", id="sjd-heads-gumbel"),
     pytest.param(SSDDecoder, {}, "random", id="ssd"),
     pytest.param(SSDDecoder, {"num_vertical_rows": 2, "staged_base_rounds": 2, "staged_incremental_rounds": 1, "draft": "sample"}, "random", id="ssd-staged"),
 ]
-EXACT_CASES = [c for c in DECODER_CASES if c.values[0].is_exact]
+EXACT_CASES = [c for c in DECODER_CASES if c.values[0](**c.values[1]).is_exact]  # of the configured instance
 FAMILY_CASES = [
     pytest.param("llamagen", {"condition_type": "text"}, ["a red fox", "blue sky", "x"], id="llamagen-t2i"),
     pytest.param("llamagen", {"condition_type": "class"}, [3, 7, 1], id="llamagen-c2i"),
@@ -148,6 +152,7 @@ BAD_CONFIGS = [
     (JacobiDecoder, {"window_size": 0}, "window_size"),
     (JacobiDecoder, {"init": "middle"}, "init"),
     (JacobiDecoder, {"acceptance": "greedy"}, "acceptance"),
+    (JacobiDecoder, {"coupling": "gauss"}, "coupling"),
     (SSDDecoder, {"num_horizontal": 0}, "num_horizontal"),
     (SSDDecoder, {"vertical_rounds": -1}, "vertical_rounds"),
     (SSDDecoder, {"horizontal_rounds": 1.5}, "horizontal_rounds"),

@@ -1,14 +1,20 @@
-"""Exact acceptance of draft trees (DESIGN.md section 5), batched and free of host syncs.
+"""Acceptance of draft trees (DESIGN.md section 5), batched and free of host syncs, and the acceptance rules.
 
 Every candidate carries a proposal distribution ``q``. A candidate produced deterministically (top-k, copied,
-cached) is a point mass, and the rule reduces to "accept with ``p(x)``, else zero ``p[x]`` and renormalise".
+cached) is a point mass, and the exact rule reduces to "accept with ``p(x)``, else zero ``p[x]`` and renormalise".
 Siblings are tried in order, each with its own ``q``; a rejection replaces ``p`` by the residual
 ``norm(max(p - q, 0))``. When every sibling fails, or a leaf is reached, one code is drawn from what is left.
 Either way the committed codes follow the target distribution exactly.
+
+A rule (`AcceptanceRule`) says how much of ``p`` a candidate ``x`` may claim: the exact rule claims ``p(x)``;
+LANTERN and LANTERN++ (`LanternAcceptance`) also claim the mass of ``x``'s nearest codebook neighbours, within a
+bound, which moves that mass onto ``x``: the *relaxed* target ``p~_x``. Rules are resolved from a decoder's config
+by `resolve_acceptance`, the way peft resolves a LoRA variant from its config.
 """
 
+import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -41,6 +47,173 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp_min(1e-30), p)
 
 
+# -- acceptance rules ------------------------------------------------------------------------------------------
+ACCEPTANCE = ("exact", "lantern", "lantern++")
+#: Paper settings (DESIGN.md section 5), to pass as decoder kwargs: ``MedusaDecoder(**LANTERN_PRESETS["llamagen"])``.
+LANTERN_PRESETS: Dict[str, Dict] = {
+    "llamagen": {"acceptance": "lantern", "lantern_k": 1000, "lantern_delta": 0.1},
+    "llamagen-strong": {"acceptance": "lantern", "lantern_k": 1000, "lantern_delta": 0.2},
+    "anole": {"acceptance": "lantern", "lantern_k": 100, "lantern_delta": 0.5},
+    "lantern++": {"acceptance": "lantern++", "lantern_k": 10, "lantern_lambda": 5.0},
+    "lantern++-strong": {"acceptance": "lantern++", "lantern_k": 10, "lantern_lambda": 20.0},
+}
+
+
+@dataclass
+class Relaxation:
+    """How much of ``p`` each candidate claims under a rule.
+
+    Args:
+        mass (`torch.Tensor` `(...)`): ``p~_x(x)``, the candidate's claim (``p(x)`` for the exact rule).
+        moved (`torch.Tensor` `(...)`): mass moved onto ``x`` from its kept neighbours (the step's TVD to ``p``).
+        neighbours (`torch.LongTensor` `(..., k)`, *optional*): ``x``'s nearest codes, nearest first.
+        kept (`torch.BoolTensor` `(..., k)`, *optional*): which of them moved their mass onto ``x``.
+    """
+
+    mass: torch.Tensor
+    moved: torch.Tensor
+    neighbours: Optional[torch.Tensor] = None
+    kept: Optional[torch.Tensor] = None
+
+    def select(self, index) -> "Relaxation":
+        """The relaxation of the candidates ``index`` picks out of the leading dimensions."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return Relaxation(pick(self.mass), pick(self.moved), pick(self.neighbours), pick(self.kept))
+
+    def target(self, probs: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """``p~_x``: ``probs`` ``(N, V)`` with the kept neighbours' mass moved onto ``codes`` ``(N,)``."""
+        if self.kept is None:
+            return probs
+        pn = probs.gather(-1, self.neighbours)  # (N, k)
+        out = probs.scatter(-1, self.neighbours, torch.where(self.kept, 0.0, pn))
+        return out.scatter_add(-1, codes[:, None], self.moved[:, None].to(out.dtype))
+
+    def removed(self, probs: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """``probs`` ``(N, V)`` less ``codes`` and their kept neighbours (unnormalised): what is left after a point-mass
+        candidate is rejected (``max(p~ - onehot(x), 0)``)."""
+        out = probs.scatter(-1, codes[:, None], 0.0)
+        if self.kept is None:
+            return out
+        return out.scatter(-1, self.neighbours, torch.where(self.kept, 0.0, out.gather(-1, self.neighbours)))
+
+
+class AcceptanceRule:
+    """The exact rule: a candidate ``x`` claims ``p(x)``; accept with ``min(1, p(x) / q(x))``, on rejection draw
+    from ``norm(max(p - q, 0))``. Subclasses claim more (`LanternAcceptance`) and report ``is_exact = False``.
+
+    Attributes:
+        name (`str`): the config value that resolves to the rule.
+        is_exact (`bool`): committed codes follow ``p`` exactly.
+        num_neighbours (`int`): codebook neighbours per code the rule reads (0: none; then no table is built).
+    """
+
+    name = "exact"
+    is_exact = True
+    num_neighbours = 0
+    tvd_budget: Optional[float] = None  # a TVD bound the siblings of one step share (LANTERN's delta)
+
+    def relax(self, probs: torch.Tensor, codes: torch.Tensor, neighbours: Optional[torch.Tensor] = None,
+              budget: Optional[torch.Tensor] = None) -> Relaxation:
+        """The claim of ``codes`` ``(...)`` on ``probs`` ``(..., V)``.
+
+        Args:
+            neighbours (`torch.Tensor` `(V, >= k)`, *optional*): `codebook_neighbours` (rules that read them).
+            budget (`torch.Tensor` `(...)`, *optional*): the TVD still allowed in this step, in ``probs``' units
+                (siblings of one step share ``delta``); ``None``: the rule's own bound.
+        """
+        px = probs.gather(-1, codes[..., None]).squeeze(-1)
+        return Relaxation(px, torch.zeros_like(px))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class LanternAcceptance(AcceptanceRule):
+    """LANTERN (``lambda_ is None``) or LANTERN++ relaxed acceptance (lossy by design; DESIGN.md section 5).
+
+    The neighbour set ``A_k(x)`` holds the ``k`` codes nearest to ``x`` in the VQ codebook (at most ``V - 1``),
+    nearest first. It is trimmed in distance order while the moved mass stays within the bound: LANTERN
+    ``sum p(kept) <= delta`` (that sum is the TVD between ``p`` and ``p~_x``; siblings verified in one step share
+    the budget, so the step's TVD stays within ``delta``), LANTERN++ ``sum p(kept) <= (lambda - 1) p(x)``. The kept
+    mass moves onto ``x``: accept with ``min(1, (p(x) + sum p(kept)) / q(x))``; on rejection draw from
+    ``norm(max(p~_x - q, 0))``, which for a point-mass candidate is ``p`` less ``x`` and the kept neighbours only.
+
+    Args:
+        k (`int`): neighbours considered per code (``0``: the exact rule's behaviour).
+        delta (`float`): LANTERN's TVD bound (``0``: the exact rule's behaviour).
+        lambda_ (`float`, *optional*): LANTERN++'s ratio bound ``p~_x(x) <= lambda * p(x)``.
+    """
+
+    is_exact = False
+
+    def __init__(self, k: int, delta: float = 0.1, lambda_: Optional[float] = None):
+        self.k, self.delta, self.lambda_ = k, delta, lambda_
+        self.name = "lantern" if lambda_ is None else "lantern++"
+        self.num_neighbours = k
+        self.tvd_budget = delta if lambda_ is None else None
+
+    def relax(self, probs, codes, neighbours=None, budget=None) -> Relaxation:
+        px = probs.gather(-1, codes[..., None]).squeeze(-1)  # (...)
+        if self.k == 0:
+            return Relaxation(px, torch.zeros_like(px))
+        if neighbours is None:
+            raise ValueError(f"{self!r} needs the codebook neighbour table (`codebook_neighbours`).")
+        nb = neighbours[codes, : self.k].long()  # (..., k) nearest first
+        pn = probs.gather(-1, nb)  # (..., k) their probabilities
+        if self.lambda_ is not None:
+            bound = (self.lambda_ - 1.0) * px
+        else:
+            bound = torch.full_like(px, self.delta) if budget is None else budget
+        kept = pn.cumsum(-1) <= bound[..., None]  # a prefix in distance order (the cumulative sum only grows)
+        moved = (pn * kept).sum(-1)
+        return Relaxation(px + moved, moved, nb, kept)
+
+    def __repr__(self) -> str:
+        bound = f"delta={self.delta}" if self.lambda_ is None else f"lambda={self.lambda_}"
+        return f"LanternAcceptance(k={self.k}, {bound})"
+
+
+EXACT = AcceptanceRule()
+
+
+def check_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda) -> None:
+    """Raise `ValueError` naming the argument unless the acceptance config is valid."""
+    if acceptance not in ACCEPTANCE:
+        raise ValueError(f"`acceptance` must be one of {ACCEPTANCE}, got {acceptance!r}.")
+    if not isinstance(lantern_k, int) or isinstance(lantern_k, bool) or lantern_k < 0:
+        raise ValueError(f"`lantern_k` must be an int >= 0, got {lantern_k!r}.")
+    for name, value, low, high in (("lantern_delta", lantern_delta, 0.0, 1.0), ("lantern_lambda", lantern_lambda, 1.0, math.inf)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+            raise ValueError(f"`{name}` must be a finite number in [{low}, {high}], got {value!r}.")
+
+
+def resolve_acceptance(acceptance: str = "exact", lantern_k: int = 1000, lantern_delta: float = 0.1,
+                       lantern_lambda: float = 2.0) -> AcceptanceRule:
+    """The rule a decoder config names (arguments checked first)."""
+    check_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
+    if acceptance == "exact":
+        return EXACT
+    return LanternAcceptance(lantern_k, lantern_delta, lantern_lambda if acceptance == "lantern++" else None)
+
+
+def codebook_neighbours(codebook: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
+    """The ``k`` nearest codes of every code (Euclidean, itself excluded), nearest first: ``(V, min(k, V - 1))``
+    int32. Computed in row chunks, so memory stays ``O(chunk * V + V * k)``: never a ``V x V`` table."""
+    v = codebook.shape[0]
+    k = min(k, v - 1)
+    book = codebook.detach().float()
+    out = torch.empty(v, k, dtype=torch.int32, device=codebook.device)
+    if k == 0:
+        return out
+    norms = (book * book).sum(-1)  # (V,)
+    for start in range(0, v, chunk):
+        rows = book[start : start + chunk]  # (c, d)
+        dist = norms[start : start + chunk, None] - 2 * rows @ book.T + norms[None]  # (c, V) squared distances
+        dist[torch.arange(rows.shape[0]), torch.arange(start, start + rows.shape[0])] = math.inf  # not itself
+        out[start : start + chunk] = dist.topk(k, dim=-1, largest=False).indices.to(torch.int32)  # sorted, nearest first
+    return out
+
+
 def verify_tree(
     tree: DraftTree,
     tokens: torch.Tensor,
@@ -48,13 +221,15 @@ def verify_tree(
     random: RandomSource,
     q: Optional[torch.Tensor] = None,
     distinct_siblings: bool = False,
+    rule: AcceptanceRule = EXACT,
+    neighbours: Optional[torch.Tensor] = None,
 ) -> TreeAcceptance:
-    """Walk every row's tree from the root, accepting candidates exactly.
+    """Walk every row's tree from the root, accepting candidates by ``rule`` (exactly, by default).
 
     Vectorised over every node at once (no loop over depths or siblings) when the candidates are point masses
     (``q is None``: top-k, copied or cached drafts) or the tree is a chain (each node has at most one child);
-    other trees with a known ``q`` per node fall back to `verify_tree_sequential`, whose residuals chain from
-    sibling to sibling.
+    other trees with a known ``q`` per node, or with a relaxed rule, fall back to `verify_tree_sequential`, whose
+    residuals chain from sibling to sibling.
 
     Args:
         tree (`DraftTree`): the shared tree shape.
@@ -66,9 +241,11 @@ def verify_tree(
         q (`torch.Tensor` `(B, T, V)`, *optional*): each node's proposal distribution; ``None`` means point masses.
         distinct_siblings (`bool`): the caller guarantees that no two offered siblings carry the same code (top-k
             candidates, de-duplicated pools), which skips the duplicate check.
+        rule (`AcceptanceRule`): how much of ``p`` a candidate claims (`resolve_acceptance`).
+        neighbours (`torch.Tensor` `(V, k)`, *optional*): `codebook_neighbours`, for rules that read them.
     """
-    if q is not None and tree.max_children > 1:
-        return verify_tree_sequential(tree, tokens, probs, random, q)
+    if (q is not None or rule is not EXACT) and tree.max_children > 1:
+        return verify_tree_sequential(tree, tokens, probs, random, q, rule, neighbours)
     b, t, v = probs.shape
     if t == 1:  # nothing drafted: the bonus is a plain draw from the root's p
         noise = -torch.log(random.uniform(v))  # (B, V) Exp(1); u = 0 gives inf: that code scores 0, never NaN
@@ -79,7 +256,7 @@ def verify_tree(
     draws = random.uniform(t - 1 + v)  # (B, T - 1 + V): one random call per round
     u, noise = draws[:, : t - 1], -torch.log(draws[:, t - 1 :])  # (B, T-1) uniforms, (B, V) Exp(1)
     if tree.max_children == 1:
-        return _verify_chain(tokens, probs, u, noise, q, rows)
+        return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours)
     parents = tree.parents[1:]  # (T-1,)
     x = tokens[:, 1:]  # (B, T-1) candidate of every node
     siblings = tree.earlier_siblings[1:, 1:]  # (T-1, T-1)
@@ -123,14 +300,18 @@ def verify_tree(
     return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=last)
 
 
-def _verify_chain(tokens, probs, u, noise, q, rows) -> TreeAcceptance:
+def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None) -> TreeAcceptance:
     """`verify_tree` for a chain (node ``i`` at depth ``i``): the same rule with no siblings, in a third of the ops
     (an SJD window pays this every round)."""
     b, t, v = probs.shape
     x = tokens[:, 1:]  # (B, T-1)
     valid = x >= 0
     xs = x.clamp_min(0)
-    px = probs[:, :-1].gather(-1, xs[..., None]).squeeze(-1)  # (B, T-1) p of each draft after the node before it
+    if rule is EXACT:
+        px = probs[:, :-1].gather(-1, xs[..., None]).squeeze(-1)  # (B, T-1) p of each draft after the node before it
+    else:
+        relaxed = rule.relax(probs[:, :-1], xs, neighbours)  # claims of every draft at once
+        px = relaxed.mass  # (B, T-1)
     qx = 1.0 if q is None else q[:, 1:].gather(-1, xs[..., None]).squeeze(-1)
     accept = valid & (u * qx < px)  # u < min(1, p/q) without dividing
     num_accepted = accept.long().cumprod(-1).sum(-1)  # (B,) the accepted run from the root
@@ -140,12 +321,15 @@ def _verify_chain(tokens, probs, u, noise, q, rows) -> TreeAcceptance:
     p_last = probs[rows, last]  # (B, V)
     rejected = last < t - 1  # a draft after the last node was tried and rejected (or not offered)
     nxt = (last + 1).clamp_max(t - 1)
-    if q is None:
-        code = xs[rows, nxt - 1]
-        hit = rejected & valid[rows, nxt - 1]
-        p_left = torch.where(hit[:, None] & (torch.arange(v, device=probs.device) == code[:, None]), 0.0, p_last)
+    code = xs[rows, nxt - 1]  # (B,) the rejected draft (if any)
+    hit = (rejected & valid[rows, nxt - 1])[:, None]
+    if rule is not EXACT:  # p~ of the rejected draft: its kept neighbours' mass moved onto it
+        sel = relaxed.select((rows, nxt - 1))
+        p_left = sel.removed(p_last, code) if q is None else (sel.target(p_last, code) - q[rows, nxt]).clamp_min(0)
+        p_left = torch.where(hit, p_left, p_last)
+    elif q is None:
+        p_left = torch.where(hit & (torch.arange(v, device=probs.device) == code[:, None]), 0.0, p_last)
     else:
-        hit = (rejected & valid[rows, nxt - 1])[:, None]
         p_left = torch.where(hit, (p_last - q[rows, nxt]).clamp_min(0), p_last)
     p_left = torch.where(p_left.sum(-1, keepdim=True) > 0, p_left, p_last)  # nothing left: cannot happen exactly
     bonus = (p_left / noise).argmax(-1)  # exponential race: a draw from p_left
@@ -158,10 +342,16 @@ def verify_tree_sequential(
     probs: torch.Tensor,
     random: RandomSource,
     q: Optional[torch.Tensor] = None,
+    rule: AcceptanceRule = EXACT,
+    neighbours: Optional[torch.Tensor] = None,
 ) -> TreeAcceptance:
     """`verify_tree` by walking the tree depth by depth and sibling by sibling, applying each rejected sibling's
-    residual ``norm(max(p - q, 0))`` before the next is tried: the general rule for siblings drawn from
-    different proposals, and the reference the vectorised walk is tested against.
+    residual ``norm(max(p~ - q, 0))`` before the next is tried: the general rule for siblings drawn from
+    different proposals or claiming under a relaxed rule, and the reference the vectorised walk is tested against.
+
+    Under LANTERN the siblings of one step share its TVD budget ``delta`` (tracked in the units of the step's
+    original ``p``): the step's output is ``p`` with every tried sibling's kept mass moved onto it, at TVD
+    ``sum moved <= delta`` from ``p``.
 
     ``random`` draws ``(B, D, K)`` uniforms and ``(B, V)`` exponentials per call.
     """
@@ -174,23 +364,31 @@ def verify_tree_sequential(
     path = torch.full((b, depth + 1), -1, dtype=torch.long, device=probs.device)
     path[:, 0] = 0
     p_left = probs[:, 0]  # (B, V) what the bonus is drawn from
+    budget = rule.tvd_budget
     for d in range(depth):
         p = probs[rows, cur]  # (B, V)
         moved = torch.zeros(b, dtype=torch.bool, device=probs.device)
         nxt = cur.clone()
+        spent = torch.zeros(b, dtype=probs.dtype, device=probs.device)  # TVD used by this step's rejected siblings
+        scale = torch.ones(b, dtype=probs.dtype, device=probs.device)  # mass of the step's p that p now stands for
         for j in range(k):
             node = tree.children[cur, j]  # (B,) -1 where there is no such sibling
             safe = node.clamp_min(0)
             valid = alive & ~moved & (node >= 0) & (tokens[rows, safe] >= 0)
             x = torch.where(valid, tokens[rows, safe], 0)  # (B,) code 0 stands in where there is no candidate
-            px = p.gather(1, x[:, None]).squeeze(1)
+            left = None if budget is None else ((budget - spent) / scale).clamp_min(0)  # in p's own units
+            relaxed = rule.relax(p, x, neighbours, left)
+            px = relaxed.mass
             qx = torch.ones_like(px) if q is None else q[rows, safe].gather(1, x[:, None]).squeeze(1)
-            accept = valid & (uniforms[:, d, j] * qx < px)  # u < min(1, p/q) without dividing
+            accept = valid & (uniforms[:, d, j] * qx < px)  # u < min(1, p~/q) without dividing
             nxt = torch.where(accept, safe, nxt)
             moved |= accept
             reject = valid & ~accept
-            q_node = torch.nn.functional.one_hot(x, v).to(p.dtype) if q is None else q[rows, safe]
-            p = torch.where(reject[:, None], residual(p, q_node), p)
+            rest = relaxed.removed(p, x) if q is None else (relaxed.target(p, x) - q[rows, safe]).clamp_min(0)  # (B, V)
+            total = rest.sum(-1)  # (B,)
+            spent = torch.where(reject, spent + relaxed.moved * scale, spent)
+            scale = torch.where(reject, scale * total, scale)
+            p = torch.where(reject[:, None] & (total[:, None] > 0), rest / total.clamp_min(1e-30)[:, None], p)
         # rows that stop here draw the bonus from their residual; rows that moved go one level down
         stop = alive & ~moved
         p_left = torch.where(stop[:, None], p, p_left)

@@ -23,7 +23,6 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
     Takes no options; it is the baseline the speculative decoders are measured against.
     """
 
-    is_exact = True
     state_class = AutoregressiveState
 
     @register_to_config

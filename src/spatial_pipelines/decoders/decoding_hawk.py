@@ -55,6 +55,11 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_draft_tokens (`int` or `"auto"`): bound on the tree's draft nodes (root excluded). ``"auto"`` (default)
             picks the bound that maximises expected codes per second from the target pass cost measured on the
             device (see `TreeDecoderMixin`), up to `MAX_DRAFT_TOKENS`.
+        acceptance (`str`): ``"exact"`` (default), or the lossy ``"lantern"`` / ``"lantern++"`` (DESIGN.md section 5;
+            paper settings in `LANTERN_PRESETS`).
+        lantern_k (`int`): codebook neighbours a candidate may claim (relaxed rules only).
+        lantern_delta (`float`): LANTERN's total-variation bound per step, in ``[0, 1]``.
+        lantern_lambda (`float`): LANTERN++'s bound ``p~(x) <= lambda * p(x)``, ``>= 1``.
     """
 
     draft_heads_class = "SpatialDraftHeads"
@@ -68,8 +73,13 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         vertical_speculation_depth: int = 2,
         top_k: int = 2,
         num_draft_tokens: Union[int, str] = AUTO,
+        acceptance: str = "exact",
+        lantern_k: int = 1000,
+        lantern_delta: float = 0.1,
+        lantern_lambda: float = 2.0,
     ):
         super().__init__()
+        self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
         for name, value, low in (("num_horizontal_heads", num_horizontal_heads, 1), ("vertical_speculation_depth", vertical_speculation_depth, 0),
                                  ("top_k", top_k, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

@@ -1,9 +1,14 @@
 """Speculative Jacobi Decoding (SJD): training-free and exact. A window of drafts is verified in one pass;
 accepted drafts are committed, the first rejection is resampled from the residual, and the drafts that were
-not reached are re-drawn from this pass's distribution (which becomes their proposal ``q``)."""
+not reached are re-drawn from this pass's distribution (which becomes their proposal ``q``).
+
+Options that keep it exact: coupled redraws (MC-SJD, arXiv 2510.24211: a redraw stays the same code when its
+distribution barely moved) and a spatial first draft (``init="heads"``: the code a vertical draft head predicted
+for this position when the row above was committed). A relaxed acceptance rule (LANTERN) makes it lossy.
+"""
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +18,9 @@ from ..core.sampling import logits_to_probs
 from ..core.tree import chain_tree
 from .decoding_utils import AUTO, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
 
-INITS = ("random", "left", "above")
-ACCEPTANCE = ("exact",)
+INITS = ("random", "left", "above", "heads")
+COUPLINGS = ("none", "gumbel", "maximal")
+HEADS_CLASSES = ("SpatialDraftHeads", "LatentDraftHeads")  # heads `init="heads"` can read a vertical offset 1 from
 MAX_WINDOW = 32  # the largest window "auto" considers
 
 
@@ -27,11 +33,18 @@ class JacobiState(TreeState):
         q (`torch.Tensor` `(B, L + 1, V)`): column ``j + 1`` is the distribution draft ``j`` was drawn from
             (column 0, the root's, is never read): laid out like the fed window, so no copy per round.
         num_fresh (`int`): positions at the window's end still to initialise (host-side).
+        noise (`torch.Tensor` `(B, L, V)`, *optional*): ``coupling="gumbel"``: the Exp(1) noise of each window
+            position (``-log`` of it is a Gumbel), drawn when the position enters the window and kept until it is
+            committed, so every redraw of one position races the same noise.
+        above (`torch.LongTensor` `(B, N)`, *optional*): ``init="heads"``: the code the vertical head predicted for
+            each raster position when the row above was committed (``-1``: none yet).
     """
 
     drafts: Optional[torch.Tensor] = None
     q: Optional[torch.Tensor] = None
     num_fresh: int = 0
+    noise: Optional[torch.Tensor] = None
+    above: Optional[torch.Tensor] = None
 
 
 class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
@@ -42,21 +55,41 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             the window that maximises expected codes per second from the target pass cost measured on the device
             (see `TreeDecoderMixin`), up to `MAX_WINDOW`.
         init (`str`): how a position entering the window is first drafted: ``"random"`` (uniform over the
-            codes), ``"left"`` (a copy of its left neighbour's draft) or ``"above"`` (a copy of the committed
-            code one row above; random on the first row).
-        acceptance (`str`): ``"exact"`` (``min(1, p/q)`` with the residual ``norm(max(p - q, 0))``).
+            codes), ``"left"`` (a copy of its left neighbour's draft), ``"above"`` (a copy of the committed code one
+            row above) or ``"heads"`` (the code the vertical draft head at offset 1 of `SpatialDraftHeads` or
+            `LatentDraftHeads` predicted for it from the row above: the spatially best guess). The last two fall
+            back to a uniform draw on the first row. Copies and head predictions are point masses.
+        coupling (`str`): how drafts not reached are redrawn from this pass's ``p``: ``"none"`` (fresh randomness
+            every time), ``"gumbel"`` (MC-SJD's Gumbel coupling: every position keeps one noise draw from entering
+            the window until it is committed, so a redraw whose distribution barely moved stays the same code) or
+            ``"maximal"`` (keep the old draft ``x`` with probability ``min(1, p(x) / q(x))``, else draw from
+            ``norm(max(p - q, 0))``). All three are exact: a redraw follows ``p`` and becomes its own ``q``.
+        acceptance (`str`): ``"exact"`` (``min(1, p/q)`` with the residual ``norm(max(p - q, 0))``), or the lossy
+            ``"lantern"`` / ``"lantern++"`` (DESIGN.md section 5; settings in `LANTERN_PRESETS`).
+        lantern_k (`int`), lantern_delta (`float`), lantern_lambda (`float`): the relaxed rules' settings.
     """
 
+    state_class = JacobiState
     acceptance_prior = (0.7, 0.5)  # per-draft acceptance of SJD windows (a chain: no siblings)
 
     @register_to_config
-    def __init__(self, window_size: Union[int, str] = AUTO, init: str = "random", acceptance: str = "exact"):
+    def __init__(
+        self,
+        window_size: Union[int, str] = AUTO,
+        init: str = "random",
+        coupling: str = "none",
+        acceptance: str = "exact",
+        lantern_k: int = 1000,
+        lantern_delta: float = 0.1,
+        lantern_lambda: float = 2.0,
+    ):
         super().__init__()
         check_draft_size("window_size", window_size)
         if init not in INITS:
             raise ValueError(f"`init` must be one of {INITS}, got {init!r}.")
-        if acceptance not in ACCEPTANCE:
-            raise ValueError(f"`acceptance` must be one of {ACCEPTANCE}, got {acceptance!r}.")
+        if coupling not in COUPLINGS:
+            raise ValueError(f"`coupling` must be one of {COUPLINGS}, got {coupling!r}.")
+        self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
         self._set_tree(chain_tree(MAX_WINDOW if window_size == AUTO else window_size), window_size if window_size == AUTO else None)
 
     @property
@@ -64,12 +97,41 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         """The window in use (``window_size``, or what ``"auto"`` resolved to)."""
         return self.tree.num_nodes - 1
 
+    @property
+    def draft_heads_class(self) -> Optional[str]:
+        """``init="heads"`` reads `SpatialDraftHeads` (or `LatentDraftHeads`) with a vertical offset 1."""
+        return HEADS_CLASSES[0] if self.config.init == "heads" else None
+
+    def required_horizontal_offsets(self) -> List[int]:
+        return []
+
+    def required_vertical_offsets(self) -> List[int]:
+        return [1] if self.config.init == "heads" else []
+
+    def check_compatibility(self, layout, draft_heads=None) -> None:
+        if self.config.init != "heads":
+            return
+        names = set() if draft_heads is None else {c.__name__ for c in type(draft_heads).__mro__}
+        if not names & set(HEADS_CLASSES):
+            found = "none" if draft_heads is None else type(draft_heads).__name__
+            raise ValueError(
+                f"`init='heads'` needs `draft_heads` of class {' or '.join(HEADS_CLASSES)} with a vertical offset 1, found "
+                f"{found}. Load them with `pipe.load_draft_heads(path_or_repo)`."
+            )
+        if 1 not in list(draft_heads.config.vertical_offsets):
+            raise ValueError("`init='heads'` needs `draft_heads` with the vertical offset 1 (one row down); they have "
+                             f"{list(draft_heads.config.vertical_offsets)}.")
+
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> JacobiState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
         v, L = backbone.num_image_codes, self.window
         state.drafts = torch.zeros(batch_size, L, dtype=torch.long, device=device)
         state.q = torch.full((batch_size, L + 1, v), 1.0 / v, device=device)
         state.num_fresh = L
+        if self.config.coupling == "gumbel":
+            state.noise = torch.empty(batch_size, L, v, device=device)
+        if self.config.init == "heads":
+            state.above = torch.full((batch_size, layout.num_tokens), -1, dtype=torch.long, device=device)
         return state
 
     def _initialise(self, state: JacobiState) -> None:
@@ -80,42 +142,94 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         drafts, q = state.drafts, state.q[:, 1:]  # (B, L), (B, L, V) views
         b, L, v = q.shape
         start = L - fresh
-        if self.config.init == "random":  # uniform draws: q is uniform
-            drafts[:, start:] = (state.random.uniform(fresh) * v).long().clamp_max(v - 1)
+        init = self.config.init
+        if state.noise is not None:  # the noise these positions keep until they are committed
+            state.noise[:, start:] = -torch.log(state.random.uniform(fresh, v))  # (B, fresh, V) Exp(1)
+        if init == "random":  # uniform draws: q is uniform
+            if state.noise is not None:  # the race over a flat p: a uniform draw, coupled to the later redraws
+                drafts[:, start:] = state.noise[:, start:].argmin(-1)
+            else:
+                drafts[:, start:] = (state.random.uniform(fresh) * v).long().clamp_max(v - 1)
             q[:, start:] = 1.0 / v
             return
-        if self.config.init == "left":  # copies of the left neighbour: point masses
+        if init == "left":  # copies of the left neighbour: point masses
             left = drafts[:, start - 1] if start > 0 else state.last_token
             codes = left[:, None].expand(b, fresh)
-        else:  # the committed code one row above, or a uniform draw where there is none yet
-            above = state.num_committed + torch.arange(start, L, device=drafts.device) - state.layout.width  # (fresh,)
-            has = (above >= 0) & (above < state.num_committed)
-            copied = state.tokens[:, above.clamp_min(0)]  # (B, fresh)
-            drawn = (state.random.uniform(fresh) * v).long().clamp_max(v - 1)
-            codes = torch.where(has, copied, drawn)
-            q[:, start:] = torch.where(has[None, :, None], F.one_hot(codes, v).float(), 1.0 / v)
             drafts[:, start:] = codes
+            q[:, start:] = F.one_hot(codes, v).float()
             return
+        # the committed code one row above, or the head's prediction for this position; a uniform draw where none
+        index = (state.num_committed + torch.arange(start, L, device=drafts.device)).clamp_max(state.layout.num_tokens - 1)
+        if init == "above":
+            above = index - state.layout.width  # (fresh,)
+            has = ((above >= 0) & (above < state.num_committed))[None].expand(b, fresh)
+            guess = state.tokens[:, above.clamp_min(0)]  # (B, fresh)
+        else:
+            guess = state.above[:, index]  # (B, fresh)
+            has = guess >= 0
+        drawn = (state.random.uniform(fresh) * v).long().clamp_max(v - 1)
+        codes = torch.where(has, guess, drawn)
+        q[:, start:] = torch.where(has[..., None], F.one_hot(codes, v).float(), 1.0 / v)
         drafts[:, start:] = codes
-        q[:, start:] = F.one_hot(codes, v).float()
+
+    def _predict_above(self, state: JacobiState, hidden: torch.Tensor, first: int, draft_heads) -> None:
+        """``init="heads"``: the vertical head's guess for the codes one row below the ``n`` codes just committed
+        from raster index ``first``, from the hidden states that predicted them ``(B, n, D)``."""
+        n = hidden.shape[1]
+        end = min(first + n + state.layout.width, state.layout.num_tokens)
+        if first + state.layout.width >= end:  # nothing lands in the grid
+            return
+        backbone = state.backbone
+        if hasattr(draft_heads, "draft_logits"):  # latent heads: predict the hidden state one row down
+            codes = state.tokens[:, first : first + n]
+            logits = draft_heads.draft_logits(backbone, hidden, codes, "vertical", 1)[:, :, 0]  # (B, n, V)
+        else:
+            idx = draft_heads.vertical_index(1)
+            _, feats = draft_heads(backbone.final_norm(hidden.flatten(0, 1)), [], [idx])  # (B*n, 1, D)
+            logits = backbone.output_head(feats[:, 0]).unflatten(0, hidden.shape[:2])  # (B, n, V)
+        state.num_draft_passes += 1
+        count = end - first - state.layout.width
+        state.above[:, first + state.layout.width : end] = logits[:, :count].argmax(-1)
 
     def propose(self, state: JacobiState, draft_heads=None) -> Draft:
         self._initialise(state)
         return self._tree_draft(state, torch.cat([state.last_token[:, None], state.drafts], 1))
 
     def step(self, logits, hidden_states, draft, state: JacobiState, draft_heads=None) -> StepOutput:
+        first = state.num_committed
         if draft is None:
-            return self._prefill_step(logits, hidden_states, state)
+            out = self._prefill_step(logits, hidden_states, state)
+            if state.above is not None:
+                self._predict_above(state, hidden_states[:, -1:], first, draft_heads)
+            return out
         probs = logits_to_probs(logits, state.sampling)  # (B, L + 1, V)
+        old = state.drafts.clone() if self.config.coupling == "maximal" else None
         out = self._verify_step(logits, hidden_states, draft, state, state.q, probs=probs)
-        L = state.drafts.shape[1]
         n = out.num_accepted
+        if state.above is not None:  # the fed slots 0..n-1 predicted the n committed codes
+            self._predict_above(state, hidden_states[:, :n], first, draft_heads)
+        L = state.drafts.shape[1]
         left = max(L - n, 0)  # drafts not reached (none when the whole window and its bonus were committed)
         if left:
             # they are re-drawn from this pass's p at the node before each (their new q); the window slides by n
             redrawn = probs[:, n : n + left]  # (B, left, V)
-            noise = -torch.log(state.random.uniform(left, redrawn.shape[-1]))  # Exp(1)
-            state.drafts[:, :left] = (redrawn / noise).argmax(-1)
+            coupling = self.config.coupling
+            if coupling == "gumbel":  # the same noise as every earlier draw of these positions
+                noise = state.noise[:, n : n + left]
+                state.noise[:, :left] = noise.clone()
+                codes = (redrawn / state.noise[:, :left]).argmax(-1)
+            else:
+                noise = -torch.log(state.random.uniform(left, redrawn.shape[-1]))  # Exp(1), fresh
+                codes = (redrawn / noise).argmax(-1)
+                if coupling == "maximal":  # keep the old draft x with min(1, p(x)/q(x)), else the residual
+                    x, q_old = old[:, n : n + left], state.q[:, n + 1 : n + 1 + left]  # (B, left), (B, left, V)
+                    px = redrawn.gather(-1, x[..., None]).squeeze(-1)
+                    qx = q_old.gather(-1, x[..., None]).squeeze(-1)
+                    keep = state.random.uniform(left) * qx < px  # (B, left)
+                    rest = (redrawn - q_old).clamp_min(0)
+                    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, redrawn)  # p == q: nothing left, never used
+                    codes = torch.where(keep, x, (rest / noise).argmax(-1))
+            state.drafts[:, :left] = codes
             state.q[:, 1 : left + 1] = redrawn
         state.num_fresh = L - left
         return out

@@ -26,6 +26,11 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_draft_tokens (`int`, `"auto"` or `None`): draft nodes fed per pass: the likeliest nodes of that tree.
             ``"auto"`` (default) picks the count that maximises expected codes per second from the target pass cost
             measured on the device (see `TreeDecoderMixin`); ``None`` feeds the whole tree.
+        acceptance (`str`): ``"exact"`` (default), or the lossy ``"lantern"`` / ``"lantern++"`` (DESIGN.md section 5;
+            paper settings in `LANTERN_PRESETS`).
+        lantern_k (`int`): codebook neighbours a candidate may claim (relaxed rules only).
+        lantern_delta (`float`): LANTERN's total-variation bound per step, in ``[0, 1]``.
+        lantern_lambda (`float`): LANTERN++'s bound ``p~(x) <= lambda * p(x)``, ``>= 1``.
     """
 
     draft_heads_class = "SpatialDraftHeads"
@@ -38,8 +43,13 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         top_k: int = 4,
         tree_paths: Optional[Sequence[Sequence[int]]] = None,
         num_draft_tokens: Union[int, str, None] = AUTO,
+        acceptance: str = "exact",
+        lantern_k: int = 1000,
+        lantern_delta: float = 0.1,
+        lantern_lambda: float = 2.0,
     ):
         super().__init__()
+        self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
         if num_draft_tokens is not None:
             check_draft_size("num_draft_tokens", num_draft_tokens)
         if num_heads < 1:

@@ -92,7 +92,7 @@ class SSDDecoder(SpatialDecoderMixin):
             with ``min(1, p/q)``).
     """
 
-    is_exact = False
+    lossless = False  # verification as auto-correction: positions do not wait for their left neighbours
     draft_heads_class = "LatentDraftHeads"
     state_class = SSDState
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from diffusers import ConfigMixin, SchedulerMixin
 
-from ..core.acceptance import verify_tree
+from ..core.acceptance import EXACT, AcceptanceRule, resolve_acceptance, verify_tree
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig, logits_to_probs, sample_from_probs
 from ..core.tree import DraftTree, tree_from_parents
@@ -160,15 +160,25 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     """Base class of the decoders. Subclasses implement `propose` and `step`, and may extend `init_state`.
 
     Class attributes:
-        is_exact (`bool`): output follows the model's own distribution exactly (greedy: token for token).
+        lossless (`bool`): the method keeps the model's own distribution under exact acceptance (SSD: ``False``).
         draft_heads_class (`str`, *optional*): name of the draft-head class the decoder needs.
+        acceptance_rule (`AcceptanceRule`): the rule candidates are accepted by; decoders that take
+            ``acceptance=...`` set their own from the config (`resolve_acceptance`).
     """
 
     config_name = DECODER_CONFIG_NAME
     state_class: type = DecodingState  # the typed state this decoder carries between rounds
-    is_exact: bool = True
+    lossless: bool = True
+    acceptance_rule: AcceptanceRule = EXACT
     draft_heads_class: Optional[str] = None
     order = 1  # diffusers scheduler attribute; unused here
+
+    @property
+    def is_exact(self) -> bool:
+        """Output follows the model's own distribution exactly (greedy: token for token): a lossless method with an
+        exact acceptance rule. ``False`` for SSD and for any decoder configured with ``acceptance="lantern"`` or
+        ``"lantern++"``; the benchmark labels such rows lossy."""
+        return self.lossless and self.acceptance_rule.is_exact
 
     @classmethod
     def _get_compatibles(cls) -> list:
@@ -260,6 +270,8 @@ class TreeState(DecodingState):
         rows (`torch.LongTensor` `(B,)`): row indices, built once.
         node_depth (`torch.LongTensor` `(T - 1,)`), node_rank (`torch.LongTensor` `(T - 1,)`): the head (or pool) and
             candidate rank (or slot) of every draft node, built once.
+        neighbours (`torch.Tensor` `(V, k)`, *optional*): the codebook neighbour table of a relaxed acceptance rule
+            (built once per backbone and cached there).
     """
 
     tree: Optional[DraftTree] = None
@@ -268,6 +280,7 @@ class TreeState(DecodingState):
     rows: Optional[torch.Tensor] = None
     node_depth: Optional[torch.Tensor] = None
     node_rank: Optional[torch.Tensor] = None
+    neighbours: Optional[torch.Tensor] = None
 
 
 class TreeDecoderMixin:
@@ -283,6 +296,10 @@ class TreeDecoderMixin:
     state_class = TreeState
     acceptance_prior: Tuple[float, float] = (0.5, 0.5)
     distinct_siblings: bool = False  # True when the decoder never offers one code twice among siblings
+
+    def _set_acceptance(self, acceptance: str, lantern_k: int, lantern_delta: float, lantern_lambda: float) -> None:
+        """Resolve the config's acceptance rule (checked: a `ValueError` names a bad argument)."""
+        self.acceptance_rule = resolve_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
 
     def _set_tree(self, full_tree: DraftTree, size) -> None:
         self._full_tree, self._size = full_tree, size
@@ -324,6 +341,10 @@ class TreeDecoderMixin:
         state.tree = self.tree.to(device)  # once per generation, not once per round
         state.rows = torch.arange(batch_size, device=device)
         state.node_depth, state.node_rank = state.tree.depths[1:] - 1, state.tree.ranks[1:]
+        if self.acceptance_rule.num_neighbours:
+            if backbone is None:
+                raise ValueError(f"`acceptance={self.acceptance_rule.name!r}` needs the backbone's VQ codebook.")
+            state.neighbours = backbone.code_neighbours(self.acceptance_rule.num_neighbours)
         return state
 
     def _heads_logits(self, state: TreeState, draft_heads):
@@ -362,7 +383,8 @@ class TreeDecoderMixin:
     def _verify_step(self, logits, hidden_states, draft, state: TreeState, q=None, probs=None) -> StepOutput:
         tokens = state.node_tokens
         probs = logits_to_probs(logits, state.sampling) if probs is None else probs  # (B, T, V)
-        acc = verify_tree(state.tree, tokens, probs, state.random, q, distinct_siblings=self.distinct_siblings)
+        acc = verify_tree(state.tree, tokens, probs, state.random, q, distinct_siblings=self.distinct_siblings,
+                          rule=self.acceptance_rule, neighbours=state.neighbours)
         # rows advance together: commit the shortest row's accepted run plus its bonus (a prefix of every
         # row's exact sample is exact), and never past the end of the grid
         shortest = int(acc.num_accepted.min())  # the one host read per round

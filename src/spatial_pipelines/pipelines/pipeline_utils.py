@@ -14,6 +14,7 @@ from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import BaseOutput
 
+from ..core.acceptance import codebook_neighbours
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import EndOfRowInsertion, ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
@@ -112,6 +113,20 @@ class SpatialBackbone(abc.ABC):
     @abc.abstractmethod
     def codebook(self) -> torch.Tensor:
         """VQ code vectors ``(V, d)`` as the VQ decoder sees them."""
+
+    def code_neighbours(self, k: int) -> torch.Tensor:
+        """The ``k`` nearest codes of every code in `codebook` (`codebook_neighbours`: ``(V, min(k, V - 1))``, nearest
+        first), for relaxed acceptance (LANTERN). Computed once per codebook and ``k`` and cached on the pipeline; a
+        table for a larger ``k`` serves smaller ones."""
+        book = self.codebook  # (V, d), L2-normalised when the tokenizer normalises
+        cache = self.pipe.__dict__.setdefault("_code_neighbours", {})
+        key = (str(book.device), tuple(book.shape), float(book.detach().double().sum()), float((book.detach().double() ** 2).sum()))
+        table = cache.get(key)
+        if table is None or table.shape[1] < min(k, book.shape[0] - 1):
+            table = codebook_neighbours(book, k)
+            cache.clear()  # one codebook at a time: another one's table is stale
+            cache[key] = table
+        return table
 
     @property
     def default_guidance_scale(self) -> float:
