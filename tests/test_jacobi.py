@@ -1,0 +1,90 @@
+"""`JacobiDecoder` options beyond the invariant tables of `test_decoders.py`: the spatial first draft from either
+kind of heads, coupled redraws, and the errors a wrong setup raises."""
+
+import pytest
+import torch
+
+from pipeline_mixin import gen
+from reference import chi_square_pvalue, exact_joint_distribution, grid_index
+from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, LatentDraftHeads, SpatialDraftHeads
+from spatial_pipelines.core import RandomSource, SamplingConfig
+from spatial_pipelines.testing import dummy_pipeline
+
+
+def _latent_pipe(decoder, **dummy):
+    pipe = dummy_pipeline("llamagen", decoder, None, **dummy)
+    heads = LatentDraftHeads.for_backbone(pipe.backbone, decoder)
+    pipe.set_draft_heads(heads)
+    return pipe
+
+
+def test_heads_init_reads_latent_heads_greedy_exact():
+    decoder = JacobiDecoder(window_size=4, init="heads")
+    pipe = _latent_pipe(decoder, grid=(4, 5))
+    out = pipe(["a fox", "b"], temperature=0, output_type="latent")
+    assert out.stats.num_draft_passes > 0  # the heads ran
+    pipe.decoder = AutoregressiveDecoder()
+    assert torch.equal(out.tokens, pipe(["a fox", "b"], temperature=0, output_type="latent").tokens)
+
+
+def test_heads_init_with_latent_heads_keeps_the_distribution():
+    pipe = _latent_pipe(JacobiDecoder(window_size=3, init="heads", coupling="gumbel"), grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=20000, generator=gen(2), output_type="latent")
+    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) > 1e-4
+
+
+def test_heads_init_uses_the_prediction_for_the_position():
+    """With heads whose vertical guess is the code above (what a copy would give on a vertically uniform image),
+    `init="heads"` drafts exactly what `init="above"` drafts: same tokens, same passes, for the same seed."""
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="above"), None, grid=(4, 4))
+    ref = pipe("a fox", generator=gen(3), output_type="latent")
+
+    class CopyAbove(JacobiDecoder):  # the heads' prediction for a position = the committed code one row above
+        def _predict_above(self, state, hidden, first, draft_heads):
+            n, w = hidden.shape[1], state.layout.width
+            end = min(first + n + w, state.layout.num_tokens)
+            if first + w < end:
+                state.above[:, first + w : end] = state.tokens[:, first : end - w]
+
+    decoder = CopyAbove(window_size=4, init="heads")
+    pipe.set_draft_heads(SpatialDraftHeads.for_backbone(pipe.backbone, decoder))
+    pipe.decoder = decoder
+    out = pipe("a fox", generator=gen(3), output_type="latent")
+    assert torch.equal(out.tokens, ref.tokens)
+    assert out.stats.num_forward_passes == ref.stats.num_forward_passes
+
+
+def test_heads_init_refuses_missing_or_wrong_heads():
+    decoder = JacobiDecoder(window_size=4, init="heads")
+    pipe = dummy_pipeline("llamagen", decoder, None)
+    with pytest.raises(ValueError, match="draft_heads"):
+        pipe("a fox")
+    heads = SpatialDraftHeads(**pipe.backbone.facts(), horizontal_offsets=[1], vertical_offsets=[2])
+    pipe.set_draft_heads(heads)
+    with pytest.raises(ValueError, match="vertical offset 1"):
+        pipe("a fox")
+    assert JacobiDecoder(init="heads").draft_heads_class == "SpatialDraftHeads"
+    assert JacobiDecoder().draft_heads_class is None
+
+
+@pytest.mark.parametrize("coupling,low,high", [("gumbel", 0.95, 1.0), ("maximal", 0.95, 1.0), ("none", 0.0, 0.1)])
+def test_coupling_keeps_drafts_whose_distribution_did_not_move(coupling, low, high):
+    """A redraw from an unchanged distribution keeps its code under both couplings; with fresh randomness
+    (``"none"``) it changes most of the time on a flat distribution of 64 codes."""
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, coupling=coupling), None, grid=(2, 2), num_codes=64)
+    decoder = pipe.decoder
+    state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), 64, "cpu"), 64, 1,
+                               torch.device("cpu"), pipe.backbone)
+    state.tokens[:, 0] = 0
+    state.num_committed = 1
+    draft = decoder.propose(state)
+    v = pipe.backbone.num_image_codes
+    flat = torch.zeros(64, 5, v)  # logits: uniform p at every slot; q of the random drafts is uniform too
+    before = state.drafts.clone()
+    # reject the first draft for sure: p(x) = 0 at slot 0 for the first draft's code
+    flat[:, 0].scatter_(-1, before[:, :1], -float("inf"))
+    decoder.step(flat, torch.zeros(64, 5, pipe.backbone.hidden_size), draft, state)
+    kept = (state.drafts[:, :3] == before[:, 1:4]).float().mean().item()
+    assert low <= kept <= high, kept  # p did not move: a coupled redraw is the same code
