@@ -69,11 +69,16 @@ def test_heads_init_refuses_missing_or_wrong_heads():
     assert JacobiDecoder().draft_heads_class is None
 
 
-@pytest.mark.parametrize("coupling,low,high", [("gumbel", 0.95, 1.0), ("maximal", 0.95, 1.0), ("none", 0.0, 0.1)])
-def test_coupling_keeps_drafts_whose_distribution_did_not_move(coupling, low, high):
-    """A redraw from an unchanged distribution keeps its code under both couplings; with fresh randomness
-    (``"none"``) it changes most of the time on a flat distribution of 64 codes."""
-    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, coupling=coupling), None, grid=(2, 2), num_codes=64)
+@pytest.mark.parametrize(
+    "options,low,high",
+    [({"coupling": "gumbel"}, 0.95, 1.0), ({"continuation": True}, 0.95, 1.0), ({"coupling": "gumbel", "continuation": True}, 0.95, 1.0),
+     ({}, 0.0, 0.1)],
+    ids=["gumbel", "continuation", "both", "none"],
+)
+def test_coupling_keeps_drafts_whose_distribution_did_not_move(options, low, high):
+    """A redraw from an unchanged distribution keeps its code under either coupling; with fresh randomness it
+    changes most of the time on a flat distribution of 64 codes."""
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, **options), None, grid=(2, 2), num_codes=64)
     decoder = pipe.decoder
     state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), 64, "cpu"), 64, 1,
                                torch.device("cpu"), pipe.backbone)

@@ -3,8 +3,10 @@ accepted drafts are committed, the first rejection is resampled from the residua
 not reached are re-drawn from this pass's distribution (which becomes their proposal ``q``).
 
 Options that keep it exact: coupled redraws (MC-SJD, arXiv 2510.24211: a redraw stays the same code when its
-distribution barely moved) and a spatial first draft (``init="heads"``: the code a vertical draft head predicted
-for this position when the row above was committed). A relaxed acceptance rule (LANTERN) makes it lossy.
+distribution barely moved), continued verification (SJD-PAC's adaptive continuation, arXiv 2603.18599: drafts
+after the first rejection are still tested against this pass's ``p`` and kept when they pass) and a spatial first
+draft (``init="heads"``: the code a vertical draft head predicted for this position when the row above was
+committed). A relaxed acceptance rule (LANTERN) makes it lossy.
 """
 
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from ..core.tree import chain_tree
 from .decoding_utils import AUTO, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
 
 INITS = ("random", "left", "above", "heads")
-COUPLINGS = ("none", "gumbel", "maximal")
+COUPLINGS = ("none", "gumbel")
 HEADS_CLASSES = ("SpatialDraftHeads", "LatentDraftHeads")  # heads `init="heads"` can read a vertical offset 1 from
 MAX_WINDOW = 32  # the largest window "auto" considers
 
@@ -36,6 +38,8 @@ class JacobiState(TreeState):
         noise (`torch.Tensor` `(B, L, V)`, *optional*): ``coupling="gumbel"``: the Exp(1) noise of each window
             position (``-log`` of it is a Gumbel), drawn when the position enters the window and kept until it is
             committed, so every redraw of one position races the same noise.
+        raced (`torch.BoolTensor` `(B, L)`, *optional*): ``coupling="gumbel"``: the draft is the race of its own
+            noise (not a copy, a head's guess or a continuation outcome).
         above (`torch.LongTensor` `(B, N)`, *optional*): ``init="heads"``: the code the vertical head predicted for
             each raster position when the row above was committed (``-1``: none yet).
     """
@@ -44,6 +48,7 @@ class JacobiState(TreeState):
     q: Optional[torch.Tensor] = None
     num_fresh: int = 0
     noise: Optional[torch.Tensor] = None
+    raced: Optional[torch.Tensor] = None
     above: Optional[torch.Tensor] = None
 
 
@@ -60,10 +65,17 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             `LatentDraftHeads` predicted for it from the row above: the spatially best guess). The last two fall
             back to a uniform draw on the first row. Copies and head predictions are point masses.
         coupling (`str`): how drafts not reached are redrawn from this pass's ``p``: ``"none"`` (fresh randomness
-            every time), ``"gumbel"`` (MC-SJD's Gumbel coupling: every position keeps one noise draw from entering
-            the window until it is committed, so a redraw whose distribution barely moved stays the same code) or
-            ``"maximal"`` (keep the old draft ``x`` with probability ``min(1, p(x) / q(x))``, else draw from
-            ``norm(max(p - q, 0))``). All three are exact: a redraw follows ``p`` and becomes its own ``q``.
+            every time) or ``"gumbel"`` (MC-SJD's Gumbel coupling: every position keeps one noise draw from entering
+            the window until it is committed, so a redraw whose distribution barely moved stays the same code).
+        continuation (`bool`): SJD-PAC's adaptive continuation: verification goes on after the first rejection;
+            every later draft ``x`` is tested against this pass's ``p`` (computed after the rejected draft) and kept
+            with probability ``min(1, p(x) / q(x))``, else replaced by a draw from ``norm(max(p - q, 0))``. Nothing
+            more is committed this pass; the outcome is the next pass's draft, with ``q = p`` (a maximal coupling of
+            the old draft and the redraw: the draft survives with probability ``1 - TV(p, q)``). With
+            ``coupling="gumbel"`` a draft that is the race of its own noise is redrawn by the race, and a copied or
+            head-made first draft (``init`` left, above, heads) by continuation.
+        Every option above is exact: a redraw follows ``p`` given everything the next verification sees, and
+            becomes its own ``q``.
         acceptance (`str`): ``"exact"`` (``min(1, p/q)`` with the residual ``norm(max(p - q, 0))``), or the lossy
             ``"lantern"`` / ``"lantern++"`` (DESIGN.md section 5; settings in `LANTERN_PRESETS`).
         lantern_k (`int`), lantern_delta (`float`), lantern_lambda (`float`): the relaxed rules' settings.
@@ -78,6 +90,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         window_size: Union[int, str] = AUTO,
         init: str = "random",
         coupling: str = "none",
+        continuation: bool = False,
         acceptance: str = "exact",
         lantern_k: int = 1000,
         lantern_delta: float = 0.1,
@@ -89,6 +102,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             raise ValueError(f"`init` must be one of {INITS}, got {init!r}.")
         if coupling not in COUPLINGS:
             raise ValueError(f"`coupling` must be one of {COUPLINGS}, got {coupling!r}.")
+        if not isinstance(continuation, bool):
+            raise ValueError(f"`continuation` must be True or False, got {continuation!r}.")
         self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
         self._set_tree(chain_tree(MAX_WINDOW if window_size == AUTO else window_size), window_size if window_size == AUTO else None)
 
@@ -130,6 +145,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state.num_fresh = L
         if self.config.coupling == "gumbel":
             state.noise = torch.empty(batch_size, L, v, device=device)
+            state.raced = torch.zeros(batch_size, L, dtype=torch.bool, device=device)
         if self.config.init == "heads":
             state.above = torch.full((batch_size, layout.num_tokens), -1, dtype=torch.long, device=device)
         return state
@@ -145,6 +161,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         init = self.config.init
         if state.noise is not None:  # the noise these positions keep until they are committed
             state.noise[:, start:] = -torch.log(state.random.uniform(fresh, v))  # (B, fresh, V) Exp(1)
+            state.raced[:, start:] = init == "random"
         if init == "random":  # uniform draws: q is uniform
             if state.noise is not None:  # the race over a flat p: a uniform draw, coupled to the later redraws
                 drafts[:, start:] = state.noise[:, start:].argmin(-1)
@@ -203,7 +220,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
                 self._predict_above(state, hidden_states[:, -1:], first, draft_heads)
             return out
         probs = logits_to_probs(logits, state.sampling)  # (B, L + 1, V)
-        old = state.drafts.clone() if self.config.coupling == "maximal" else None
+        continuation = self.config.continuation
+        old = state.drafts.clone() if continuation else None
         out = self._verify_step(logits, hidden_states, draft, state, state.q, probs=probs)
         n = out.num_accepted
         if state.above is not None:  # the fed slots 0..n-1 predicted the n committed codes
@@ -213,22 +231,27 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if left:
             # they are re-drawn from this pass's p at the node before each (their new q); the window slides by n
             redrawn = probs[:, n : n + left]  # (B, left, V)
-            coupling = self.config.coupling
-            if coupling == "gumbel":  # the same noise as every earlier draw of these positions
-                noise = state.noise[:, n : n + left]
-                state.noise[:, :left] = noise.clone()
-                codes = (redrawn / state.noise[:, :left]).argmax(-1)
-            else:
-                noise = -torch.log(state.random.uniform(left, redrawn.shape[-1]))  # Exp(1), fresh
-                codes = (redrawn / noise).argmax(-1)
-                if coupling == "maximal":  # keep the old draft x with min(1, p(x)/q(x)), else the residual
-                    x, q_old = old[:, n : n + left], state.q[:, n + 1 : n + 1 + left]  # (B, left), (B, left, V)
-                    px = redrawn.gather(-1, x[..., None]).squeeze(-1)
-                    qx = q_old.gather(-1, x[..., None]).squeeze(-1)
-                    keep = state.random.uniform(left) * qx < px  # (B, left)
-                    rest = (redrawn - q_old).clamp_min(0)
-                    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, redrawn)  # p == q: nothing left, never used
-                    codes = torch.where(keep, x, (rest / noise).argmax(-1))
+            gumbel = state.noise is not None
+            if gumbel:  # the same noise as every earlier draw of these positions (the window slides by n)
+                state.noise[:, :left] = state.noise[:, n : n + left].clone()
+                state.raced[:, :left] = state.raced[:, n : n + left].clone()
+                codes = (redrawn / state.noise[:, :left]).argmax(-1)  # (B, left)
+            if continuation or not gumbel:
+                fresh = -torch.log(state.random.uniform(left, redrawn.shape[-1]))  # (B, left, V) Exp(1)
+            if not gumbel:
+                codes = (redrawn / fresh).argmax(-1)
+            if continuation:  # keep the old draft x with min(1, p(x)/q(x)), else draw from the residual
+                x, q_old = old[:, n : n + left], state.q[:, n + 1 : n + 1 + left]  # (B, left), (B, left, V)
+                px = redrawn.gather(-1, x[..., None]).squeeze(-1)
+                qx = q_old.gather(-1, x[..., None]).squeeze(-1)
+                keep = state.random.uniform(left) * qx < px  # (B, left) u < min(1, p/q) without dividing
+                rest = (redrawn - q_old).clamp_min(0)
+                rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, redrawn)  # p == q: never rejected anyway
+                continued = torch.where(keep, x, (rest / fresh).argmax(-1))
+                if gumbel:  # a raced draft stays with its race; copies and head guesses are continued
+                    codes = torch.where(state.raced[:, :left], codes, continued)
+                else:
+                    codes = continued
             state.drafts[:, :left] = codes
             state.q[:, 1 : left + 1] = redrawn
         state.num_fresh = L - left
