@@ -82,7 +82,10 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     """
 
     state_class = JacobiState
-    acceptance_prior = (0.7, 0.5)  # per-draft acceptance of SJD windows (a chain: no siblings)
+    # P(draft d accepted | drafts 1..d-1 accepted): (d = 1, d > 1), measured on the embedded model with a window of 32
+    # (docs/performance.md): the first draft is a guess, the later ones have had passes to settle
+    acceptance_prior = (0.3, 0.85)
+    settled_prior = (0.37, 0.9)  # with coupling, continuation or init="heads"
 
     @register_to_config
     def __init__(
@@ -106,6 +109,13 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             raise ValueError(f"`continuation` must be True or False, got {continuation!r}.")
         self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
         self._set_tree(chain_tree(MAX_WINDOW if window_size == AUTO else window_size), window_size if window_size == AUTO else None)
+
+    def _sized_tree(self, num_nodes: int):
+        """A window of ``num_nodes`` drafts; expected accepted ``r1 (1 - r^n) / (1 - r)`` under the two-rate prior."""
+        c = self.config
+        settled = c.coupling != "none" or c.continuation or c.init == "heads"
+        first, later = self.settled_prior if settled else self.acceptance_prior
+        return chain_tree(num_nodes), first * (1 - later**num_nodes) / (1 - later)
 
     @property
     def window(self) -> int:

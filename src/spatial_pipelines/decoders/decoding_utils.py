@@ -310,7 +310,11 @@ class TreeDecoderMixin:
     def _subtree(self, num_nodes: int) -> DraftTree:
         if num_nodes >= self._full_tree.num_nodes - 1:
             return self._full_tree
-        return best_subtree(self._full_tree, num_nodes, *self.acceptance_prior)[0]
+        return self._sized_tree(num_nodes)[0]
+
+    def _sized_tree(self, num_nodes: int) -> Tuple[DraftTree, float]:
+        """The tree of ``num_nodes`` draft nodes this decoder feeds, and its expected accepted drafts under the prior."""
+        return best_subtree(self._full_tree, num_nodes, *self.acceptance_prior)
 
     @property
     def sizes_from_pass_cost(self) -> bool:
@@ -325,7 +329,7 @@ class TreeDecoderMixin:
             pass_cost.measure([1 + n for n in sizes])
         rates = []
         for n in sizes:
-            tree, accepted = best_subtree(self._full_tree, n, *self.acceptance_prior)
+            tree, accepted = self._sized_tree(n)
             rates.append((self._full_tree if n == full else tree, (1.0 + accepted) / pass_cost(n + 1)))  # codes per second
         self.tree = max(rates, key=lambda tr: tr[1])[0]  # ties: the smaller draft (max keeps the first)
         self._resolved_for = pass_cost
