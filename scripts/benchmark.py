@@ -13,8 +13,9 @@ loaded heads of the class it needs. Decoders are timed interleaved (every decode
 ...), so a slow spell of a shared machine hits every row alike; ``minimal-ar`` adds the row of an independent
 gpt-fast-style AR loop over the same weights (`scripts/minimal_ar.py`), the floor the pipeline's AR loop must match.
 On a CPU the OpenMP threads spin between passes (``OMP_WAIT_POLICY=ACTIVE``, set before torch loads unless you
-set it): a speculative round's small host ops would otherwise put them to sleep before every target pass. Writes ``<out>/benchmark.json``, ``<out>/benchmark.md`` and, with
-``--picture N``, ``<out>/decoders_side_by_side.png`` (the first N prompts and seeds under every decoder).
+set it): a speculative round's small host ops would otherwise put them to sleep before every target pass. Writes ``<out>/benchmark.json``, ``<out>/benchmark.md``, with
+``--picture N`` ``<out>/decoders_side_by_side.png`` (the first N prompts and seeds under every decoder), and with
+``--quality`` ``<out>/speed_quality.png`` (speed-up against FD-EffNet and target NLL, exact and lossy rows marked).
 """
 
 import argparse
@@ -133,6 +134,34 @@ def side_by_side(images: dict, prompts, path):
 
 
 @torch.no_grad()
+def plot_speed_quality(report: dict, path: str) -> None:
+    """Speed-up versus quality, one point per decoder row: FD-EffNet (left) and the target's NLL per code (right);
+    exact rows as circles, lossy rows (LANTERN, SSD) as triangles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {k: r for k, r in report["decoders"].items() if "fd_effnet" in r}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+    for ax, key, label in ((axes[0], "fd_effnet", "FD-EffNet to the real Twemoji (lower is better)"),
+                           (axes[1], "target_nll_per_code", "target NLL per code (lower: likelier under the model)")):
+        for name, r in rows.items():
+            ax.scatter(r["speedup_vs_ar"], r[key], marker="o" if r["exact"] else "^", s=60,
+                       color="tab:blue" if r["exact"] else "tab:red")
+            ax.annotate(name, (r["speedup_vs_ar"], r[key]), fontsize=6, xytext=(4, 2), textcoords="offset points")
+        ax.set_xlabel("wall-clock speed-up vs AR (same run)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].scatter([], [], marker="o", color="tab:blue", label="exact")
+    axes[0].scatter([], [], marker="^", color="tab:red", label="lossy")
+    axes[0].legend(loc="best")
+    fig.suptitle(f"{report['model']}: {report['num_prompts']} prompts, {report['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -284,6 +313,8 @@ def main(argv=None):
     print("\n".join(lines))
     if args.picture:
         side_by_side(pictures, prompts[: args.picture], os.path.join(args.out, "decoders_side_by_side.png"))
+    if args.quality:
+        plot_speed_quality(report, os.path.join(args.out, "speed_quality.png"))
 
 
 if __name__ == "__main__":

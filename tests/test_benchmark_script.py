@@ -20,12 +20,13 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--model", str(tmp_path / "model"),
            "--decoders", "ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
-           "--heads", str(tmp_path / "spatial"), str(tmp_path / "latent"), "--num-prompts", "3", "--limit", "40", "--quality", "--top-k", "2",
+           "medusa:acceptance=lantern,lantern_k=3,lantern_delta=0.2", "--heads", str(tmp_path / "spatial"), str(tmp_path / "latent"), "--num-prompts", "3", "--limit", "40", "--quality", "--top-k", "2",
            "--diversity-prompts", "1", "--diversity-samples", "2", "--picture", "2", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     report = json.loads((out / "benchmark.json").read_text())
     rows = report["decoders"]
-    assert list(rows) == ["ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left"]
+    assert list(rows) == ["ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
+                          "medusa:acceptance=lantern,lantern_k=3,lantern_delta=0.2"]
     minimal = rows.pop("minimal-ar")  # the independent AR loop: a timing row, no quality columns
     assert minimal["exact"] and minimal["target_forward_passes_per_image"] == 16 and minimal["speedup_vs_ar"] > 0
     assert rows["ar"]["target_forward_passes_per_image"] == 16 and rows["ar"]["speedup_vs_ar"] == 1.0
@@ -35,6 +36,7 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     assert rows["ssd:vertical_rounds=2,draft=sample"]["decoder_config"]["draft"] == "sample"
     assert rows["hawk"]["heads"].endswith("spatial") and rows["ssd:vertical_rounds=0"]["heads"].endswith("latent")
     assert not rows["ssd:vertical_rounds=0"]["exact"] and rows["sjd:init=left"]["exact"]
+    assert not rows["medusa:acceptance=lantern,lantern_k=3,lantern_delta=0.2"]["exact"]  # a relaxed rule: labelled lossy
     for r in rows.values():
         assert r["fd_effnet"] >= 0 and 0 <= r["retrieval"]["top5"] <= 1 and r["lpips_diversity"] >= 0
         assert r["target_nll_per_code"] > 0 and 0 <= r["outside_target_support"] <= 1
@@ -45,6 +47,7 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     table = (out / "benchmark.md").read_text()
     assert "FD-EffNet" in table and "`ssd:vertical_rounds=0`" in table
     assert (out / "decoders_side_by_side.png").stat().st_size > 0
+    assert (out / "speed_quality.png").stat().st_size > 0
 
 
 def test_bench_cost_tables_breakdown_and_plot(tmp_path):

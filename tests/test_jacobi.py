@@ -93,3 +93,36 @@ def test_coupling_keeps_drafts_whose_distribution_did_not_move(options, low, hig
     decoder.step(flat, torch.zeros(64, 5, pipe.backbone.hidden_size), draft, state)
     kept = (state.drafts[:, :3] == before[:, 1:4]).float().mean().item()
     assert low <= kept <= high, kept  # p did not move: a coupled redraw is the same code
+
+
+def test_proactive_window_is_a_product_tree_then_a_chain():
+    from spatial_pipelines.decoders.decoding_jacobi import descent_table, proactive_tree
+
+    tree = proactive_tree(5, 2, 2)  # 2 + 4 candidate nodes on positions 1-2, then positions 3-5 after the first ones
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 2, 3, 7, 8]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 2, 3, 4, 5]
+    table = descent_table(tree)
+    assert table[2].tolist() == [0, 2, 5, 7, 8, 9]  # second candidate, its first child, then the main chain
+    assert table[4].tolist() == [0, 1, 4, 7, 8, 9]
+    assert torch.equal(proactive_tree(4, 1, 2).parents, torch.tensor([-1, 0, 1, 2, 3]))  # width 1: the chain
+    assert JacobiDecoder(window_size=5, proactive_width=2).window == 5
+
+
+def test_proactive_verification_needs_the_without_replacement_proposal(monkeypatch):
+    """The distribution test has power here: verifying the extra candidates against their position's ``q`` as it
+    is (as if drawn with replacement) instead of ``q`` less the earlier candidates is caught."""
+    from spatial_pipelines.decoders import decoding_jacobi
+
+    original = decoding_jacobi.JacobiDecoder.init_state
+
+    def wrong(self, *args, **kwargs):
+        state = original(self, *args, **kwargs)
+        state.earlier_rank = torch.zeros_like(state.earlier_rank)  # nothing excluded
+        return state
+
+    monkeypatch.setattr(decoding_jacobi.JacobiDecoder, "init_state", wrong)
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, proactive_width=3, proactive_depth=3), None, grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=20000, generator=gen(1), output_type="latent")
+    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4

@@ -17,13 +17,55 @@ import torch.nn.functional as F
 from diffusers.configuration_utils import register_to_config
 
 from ..core.sampling import logits_to_probs
-from ..core.tree import chain_tree
-from .decoding_utils import AUTO, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
+from ..core.tree import DraftTree, chain_tree, tree_from_paths
+from .decoding_utils import (
+    AUTO, DRAFT_SIZE_CANDIDATES, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState,
+)
 
 INITS = ("random", "left", "above", "heads")
 COUPLINGS = ("none", "gumbel")
 HEADS_CLASSES = ("SpatialDraftHeads", "LatentDraftHeads")  # heads `init="heads"` can read a vertical offset 1 from
 MAX_WINDOW = 32  # the largest window "auto" considers
+
+
+def proactive_tree(window: int, width: int, depth: int) -> DraftTree:
+    """SJD-PAC's window: ``width`` candidates at each of the first ``depth`` positions (their Cartesian product, a
+    ``width``-ary tree), then one draft per position up to ``window`` positions, continuing the path of first
+    candidates. ``width=1`` is the plain chain."""
+    if width == 1:
+        return chain_tree(window)
+    levels = min(depth, window)
+    paths = [()]
+    tree_paths = []
+    for _ in range(levels):
+        paths = [p + (r,) for p in paths for r in range(width)]
+        tree_paths += paths
+    tree_paths += [(0,) * d for d in range(levels + 1, window + 1)]
+    return tree_from_paths(tree_paths)
+
+
+def descent_table(tree: DraftTree) -> torch.Tensor:
+    """``(T, D + 1)``: for every node, the node at each depth along its first-child descent (its ancestors above it),
+    continued by the path of first candidates where the descent ends early: the fed slots whose outputs redraw the
+    positions after a node."""
+    parents, children, depths = tree.parents.tolist(), tree.children[:, 0].tolist(), tree.depths.tolist()
+    d_max = tree.max_depth
+    main = [0]
+    while len(main) <= d_max and children[main[-1]] >= 0:
+        main.append(children[main[-1]])
+    table = []
+    for node in range(len(parents)):
+        row, cur = [0] * (d_max + 1), node
+        while cur >= 0:  # ancestors
+            row[depths[cur]] = cur
+            cur = parents[cur]
+        cur, d = node, depths[node]
+        while d < d_max:
+            cur = children[cur] if cur >= 0 and children[cur] >= 0 else -1
+            d += 1
+            row[d] = cur if cur >= 0 else main[d]
+        table.append(row)
+    return torch.tensor(table, dtype=torch.long)
 
 
 @dataclass
@@ -40,6 +82,13 @@ class JacobiState(TreeState):
             committed, so every redraw of one position races the same noise.
         raced (`torch.BoolTensor` `(B, L)`, *optional*): ``coupling="gumbel"``: the draft is the race of its own
             noise (not a copy, a head's guess or a continuation outcome).
+        alternatives (`torch.LongTensor` `(B, P, K - 1)`, *optional*): proactive drafting: the other candidates of
+            the first ``P`` positions, drawn without replacement from the position's ``q`` after its draft (``-1``:
+            none, e.g. behind a point mass).
+        descent (`torch.LongTensor` `(T, L + 1)`, *optional*): `descent_table` of the window's tree.
+        candidates (`torch.LongTensor` `(B, L, K)`), node_q (`torch.Tensor` `(B, T, V)`), earlier_rank
+            (`torch.BoolTensor` `(T - 1, K)`), *optional*: proactive drafting's buffers, allocated once: every
+            position's candidates, every node's ``q``, and which ranks come before each node's.
         above (`torch.LongTensor` `(B, N)`, *optional*): ``init="heads"``: the code the vertical head predicted for
             each raster position when the row above was committed (``-1``: none yet).
     """
@@ -50,6 +99,11 @@ class JacobiState(TreeState):
     noise: Optional[torch.Tensor] = None
     raced: Optional[torch.Tensor] = None
     above: Optional[torch.Tensor] = None
+    alternatives: Optional[torch.Tensor] = None
+    descent: Optional[torch.Tensor] = None
+    candidates: Optional[torch.Tensor] = None
+    node_q: Optional[torch.Tensor] = None
+    earlier_rank: Optional[torch.Tensor] = None
 
 
 class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
@@ -74,6 +128,12 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             the old draft and the redraw: the draft survives with probability ``1 - TV(p, q)``). With
             ``coupling="gumbel"`` a draft that is the race of its own noise is redrawn by the race, and a copied or
             head-made first draft (``init`` left, above, heads) by continuation.
+        proactive_width (`int`): SJD-PAC's proactive drafting: ``K`` candidates at each of the first
+            ``proactive_depth`` positions of the window, verified as a ``K``-ary tree (the later positions keep one
+            draft, after the path of first candidates). The first candidate is the position's draft; the others are
+            drawn without replacement from its ``q`` and verified by recursive rejection sampling (each against ``q``
+            less the earlier candidates, the residual carried from sibling to sibling). ``1`` (default): off.
+        proactive_depth (`int`): positions with ``K`` candidates (SJD-PAC: 2, with ``K = 3``).
         Every option above is exact: a redraw follows ``p`` given everything the next verification sees, and
             becomes its own ``q``.
         acceptance (`str`): ``"exact"`` (``min(1, p/q)`` with the residual ``norm(max(p - q, 0))``), or the lossy
@@ -94,6 +154,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         init: str = "random",
         coupling: str = "none",
         continuation: bool = False,
+        proactive_width: int = 1,
+        proactive_depth: int = 2,
         acceptance: str = "exact",
         lantern_k: int = 1000,
         lantern_delta: float = 0.1,
@@ -107,20 +169,30 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             raise ValueError(f"`coupling` must be one of {COUPLINGS}, got {coupling!r}.")
         if not isinstance(continuation, bool):
             raise ValueError(f"`continuation` must be True or False, got {continuation!r}.")
+        for name, value in (("proactive_width", proactive_width), ("proactive_depth", proactive_depth)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
         self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
-        self._set_tree(chain_tree(MAX_WINDOW if window_size == AUTO else window_size), window_size if window_size == AUTO else None)
+        window = MAX_WINDOW if window_size == AUTO else window_size
+        self._set_tree(proactive_tree(window, proactive_width, proactive_depth), window_size if window_size == AUTO else None)
 
-    def _sized_tree(self, num_nodes: int):
-        """A window of ``num_nodes`` drafts; expected accepted ``r1 (1 - r^n) / (1 - r)`` under the two-rate prior."""
+    def _sized_tree(self, window: int):
+        """A window of ``window`` positions; expected accepted ``r1 (1 - r^n) / (1 - r)`` under the two-rate prior
+        (proactive candidates raise the first rate to ``1 - (1 - r1)^K``)."""
         c = self.config
         settled = c.coupling != "none" or c.continuation or c.init == "heads"
         first, later = self.settled_prior if settled else self.acceptance_prior
-        return chain_tree(num_nodes), first * (1 - later**num_nodes) / (1 - later)
+        if c.proactive_width > 1:
+            first = 1 - (1 - first) ** c.proactive_width
+        return proactive_tree(window, c.proactive_width, c.proactive_depth), first * (1 - later**window) / (1 - later)
+
+    def _draft_sizes(self) -> List[int]:
+        return [c for c in DRAFT_SIZE_CANDIDATES if c < MAX_WINDOW] + [MAX_WINDOW]
 
     @property
     def window(self) -> int:
-        """The window in use (``window_size``, or what ``"auto"`` resolved to)."""
-        return self.tree.num_nodes - 1
+        """The window in use (``window_size``, or what ``"auto"`` resolved to): drafted positions."""
+        return self.tree.max_depth
 
     @property
     def draft_heads_class(self) -> Optional[str]:
@@ -158,7 +230,24 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             state.raced = torch.zeros(batch_size, L, dtype=torch.bool, device=device)
         if self.config.init == "heads":
             state.above = torch.full((batch_size, layout.num_tokens), -1, dtype=torch.long, device=device)
+        k = self.config.proactive_width
+        if k > 1:
+            levels = min(self.config.proactive_depth, L)
+            state.alternatives = torch.full((batch_size, levels, k - 1), -1, dtype=torch.long, device=device)
+            state.descent = descent_table(state.tree).to(device)
+            state.node_q = torch.empty(batch_size, state.tree.num_nodes, v, device=device)
+            state.candidates = torch.full((batch_size, L, k), -1, dtype=torch.long, device=device)
+            state.earlier_rank = torch.arange(k, device=device)[None] < state.node_rank[:, None]  # (T-1, K)
         return state
+
+    def _draw_alternatives(self, state: JacobiState, q: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """``K - 1`` more candidates per position, without replacement from ``q`` ``(B, m, V)`` less ``first``
+        ``(B, m)`` (exponential race: the top ``K - 1`` of ``q / E`` are a draw without replacement, in order);
+        ``-1`` where ``q`` has nothing left."""
+        rest = q.scatter(-1, first[..., None], 0.0)
+        noise = -torch.log(state.random.uniform(*q.shape[1:]))  # (B, m, V) Exp(1)
+        top = (rest / noise).topk(self.config.proactive_width - 1, dim=-1)
+        return torch.where(top.values > 0, top.indices, -1)  # (B, m, K - 1)
 
     def _initialise(self, state: JacobiState) -> None:
         """Draft the ``num_fresh`` positions at the end of the window with the configured ``init``."""
@@ -199,6 +288,12 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         q[:, start:] = torch.where(has[..., None], F.one_hot(codes, v).float(), 1.0 / v)
         drafts[:, start:] = codes
 
+    def _initialise_alternatives(self, state: JacobiState, start: int) -> None:
+        """Proactive candidates of the fresh positions from ``start`` that fall among the first ``P``."""
+        levels = state.alternatives.shape[1]
+        if start < levels:
+            state.alternatives[:, start:] = self._draw_alternatives(state, state.q[:, 1 + start : 1 + levels], state.drafts[:, start:levels])
+
     def _predict_above(self, state: JacobiState, hidden: torch.Tensor, first: int, draft_heads) -> None:
         """``init="heads"``: the vertical head's guess for the codes one row below the ``n`` codes just committed
         from raster index ``first``, from the hidden states that predicted them ``(B, n, D)``."""
@@ -219,8 +314,26 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state.above[:, first + state.layout.width : end] = logits[:, :count].argmax(-1)
 
     def propose(self, state: JacobiState, draft_heads=None) -> Draft:
+        fresh_from = state.drafts.shape[1] - state.num_fresh
         self._initialise(state)
-        return self._tree_draft(state, torch.cat([state.last_token[:, None], state.drafts], 1))
+        if state.alternatives is None:
+            return self._tree_draft(state, torch.cat([state.last_token[:, None], state.drafts], 1))
+        self._initialise_alternatives(state, fresh_from)
+        # every node's code: candidate ``rank`` of its position (the tree is the product of the candidate lists)
+        cands, levels = state.candidates, state.alternatives.shape[1]  # (B, L, K)
+        cands[:, :, 0] = state.drafts
+        cands[:, :levels, 1:] = state.alternatives
+        pos, rank = state.node_depth, state.node_rank  # (T-1,)
+        nodes = cands[:, pos, rank]  # (B, T-1)
+        # each node's q: its position's q less the candidates tried before it (sampling without replacement)
+        node_q = state.node_q
+        node_q[:, 1:] = state.q[:, pos + 1]  # (B, T-1, V)
+        earlier = torch.where(state.earlier_rank, cands[:, pos], -1)  # (B, T-1, K)
+        hit = torch.zeros_like(node_q[:, 1:]).scatter_add_(-1, earlier.clamp_min(0), (earlier >= 0).float()) > 0  # add: -1s map to 0 too
+        rest = node_q[:, 1:].masked_fill(hit, 0.0)
+        total = rest.sum(-1, keepdim=True)
+        node_q[:, 1:] = torch.where(total > 0, rest / total.clamp_min(1e-30), rest)
+        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 
     def step(self, logits, hidden_states, draft, state: JacobiState, draft_heads=None) -> StepOutput:
         first = state.num_committed
@@ -232,15 +345,21 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         probs = logits_to_probs(logits, state.sampling)  # (B, L + 1, V)
         continuation = self.config.continuation
         old = state.drafts.clone() if continuation else None
-        out = self._verify_step(logits, hidden_states, draft, state, state.q, probs=probs)
+        proactive = state.alternatives is not None
+        out = self._verify_step(logits, hidden_states, draft, state, state.node_q if proactive else state.q, probs=probs)
         n = out.num_accepted
-        if state.above is not None:  # the fed slots 0..n-1 predicted the n committed codes
-            self._predict_above(state, hidden_states[:, :n], first, draft_heads)
+        if state.above is not None:  # the fed slots on the accepted path predicted the n committed codes
+            path = state.accepted_path  # (B, n)
+            self._predict_above(state, hidden_states[state.rows[:, None], path] if proactive else hidden_states[:, :n], first, draft_heads)
         L = state.drafts.shape[1]
         left = max(L - n, 0)  # drafts not reached (none when the whole window and its bonus were committed)
         if left:
             # they are re-drawn from this pass's p at the node before each (their new q); the window slides by n
-            redrawn = probs[:, n : n + left]  # (B, left, V)
+            if proactive:  # from the fed slots along the first-candidate descent below the last accepted node
+                slots = state.descent[state.accepted_path[:, n - 1], n : n + left]  # (B, left)
+                redrawn = probs[state.rows[:, None], slots]  # (B, left, V)
+            else:
+                redrawn = probs[:, n : n + left]  # (B, left, V)
             gumbel = state.noise is not None
             if gumbel:  # the same noise as every earlier draw of these positions (the window slides by n)
                 state.noise[:, :left] = state.noise[:, n : n + left].clone()
@@ -264,5 +383,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
                     codes = continued
             state.drafts[:, :left] = codes
             state.q[:, 1 : left + 1] = redrawn
+            if proactive:
+                m = min(left, state.alternatives.shape[1])
+                state.alternatives[:, :m] = self._draw_alternatives(state, redrawn[:, :m], codes[:, :m])
         state.num_fresh = L - left
         return out

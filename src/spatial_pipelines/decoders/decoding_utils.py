@@ -267,6 +267,8 @@ class TreeState(DecodingState):
         tree (`DraftTree`): the decoder's static tree on the generation's device (copied once per generation).
         hidden (`torch.Tensor` `(B, D)`): pre-norm hidden state that predicted the newest committed code.
         node_tokens (`torch.LongTensor` `(B, T)`): the tree fed this round (``-1``: slot not offered).
+        accepted_path (`torch.LongTensor` `(B, n)`): the fed nodes whose outputs predicted the ``n`` codes the last
+            round committed (the root first).
         rows (`torch.LongTensor` `(B,)`): row indices, built once.
         node_depth (`torch.LongTensor` `(T - 1,)`), node_rank (`torch.LongTensor` `(T - 1,)`): the head (or pool) and
             candidate rank (or slot) of every draft node, built once.
@@ -277,6 +279,7 @@ class TreeState(DecodingState):
     tree: Optional[DraftTree] = None
     hidden: Optional[torch.Tensor] = None
     node_tokens: Optional[torch.Tensor] = None
+    accepted_path: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
     node_depth: Optional[torch.Tensor] = None
     node_rank: Optional[torch.Tensor] = None
@@ -314,6 +317,8 @@ class TreeDecoderMixin:
 
     def _sized_tree(self, num_nodes: int) -> Tuple[DraftTree, float]:
         """The tree of ``num_nodes`` draft nodes this decoder feeds, and its expected accepted drafts under the prior."""
+        if num_nodes >= self._full_tree.num_nodes - 1:
+            return self._full_tree, sum(node_priors(self._full_tree, *self.acceptance_prior)[1:])
         return best_subtree(self._full_tree, num_nodes, *self.acceptance_prior)
 
     @property
@@ -323,16 +328,17 @@ class TreeDecoderMixin:
     def resolve_draft_size(self, pass_cost: Callable[[int], float]) -> None:
         if self._size != AUTO or self._resolved_for is pass_cost:  # once per pipeline cost model
             return
-        full = self._full_tree.num_nodes - 1
-        sizes = [c for c in DRAFT_SIZE_CANDIDATES if c < full] + [full]
+        candidates = [self._sized_tree(n) for n in self._draft_sizes()]  # (tree, expected accepted drafts)
         if hasattr(pass_cost, "measure"):  # a PassCost: measure every size interleaved, in one go
-            pass_cost.measure([1 + n for n in sizes])
-        rates = []
-        for n in sizes:
-            tree, accepted = self._sized_tree(n)
-            rates.append((self._full_tree if n == full else tree, (1.0 + accepted) / pass_cost(n + 1)))  # codes per second
+            pass_cost.measure(sorted({tree.num_nodes for tree, _ in candidates}))
+        rates = [(tree, (1.0 + accepted) / pass_cost(tree.num_nodes)) for tree, accepted in candidates]  # codes per second
         self.tree = max(rates, key=lambda tr: tr[1])[0]  # ties: the smaller draft (max keeps the first)
         self._resolved_for = pass_cost
+
+    def _draft_sizes(self) -> List[int]:
+        """The sizes ``"auto"`` weighs (arguments of `_sized_tree`)."""
+        full = self._full_tree.num_nodes - 1
+        return [c for c in DRAFT_SIZE_CANDIDATES if c < full] + [full]
 
     @property
     def max_draft_tokens(self) -> int:
@@ -401,6 +407,7 @@ class TreeDecoderMixin:
             longer = acc.num_accepted[:, None] >= n
             codes[:, -1:] = torch.where(longer, tokens.gather(1, acc.path[:, n : n + 1].clamp_min(0)), codes[:, -1:])
         state.hidden = hidden_states[state.rows, path[:, -1]]  # the node that predicted the newest code
+        state.accepted_path = path
         state.commit(codes, acc.bonus.new_full(acc.bonus.shape, n))
         if state.tree.max_children == 1:  # a chain: the accepted path is its first n slots, a crop (no copy)
             return StepOutput(num_accepted=n, keep_length=n)
