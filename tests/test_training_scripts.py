@@ -81,6 +81,14 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     out = pipe("red heart", guidance_scale=2.0, generator=torch.Generator().manual_seed(0), output_type="latent")
     assert out.stats.num_forward_passes == 1 + 8 * 2 + 23 * 2  # prefill, 8 first-row chunks of 3 codes, 23 rows
 
+    eagle_dir = tmp_path / "heads_eagle"
+    run("train_heads.py", "--model", ar / "pipeline", "--kind", "eagle", "--generated", 4, "--limit", 8, "--batch-size", 2,
+        "--steps", 2, "--log-every", 1, "--checkpoint-every", 1, "--mixed-precision", "no", "--out", eagle_dir)
+    log = [json.loads(line) for line in (eagle_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and {"smooth_l1", "ce", "acc_top1"} <= set(log[-1])
+    drafter = pipe.load_draft_heads(eagle_dir / "heads")
+    assert type(drafter).__name__ == "EagleDraftHead" and drafter.config.hidden_size == pipe.backbone.hidden_size
+
 
 def test_auto_mixed_precision_is_bf16_only_where_native(monkeypatch):
     from spatial_pipelines import training

@@ -79,3 +79,84 @@ def test_residual():
     p, q = torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[0.2, 0.6, 0.2]])
     torch.testing.assert_close(residual(p, q), torch.tensor([[1.0, 0.0, 0.0]]))
     assert torch.equal(residual(p, p), p)  # nothing left: unchanged (never used by exact acceptance)
+
+
+# -- one tree per row (EAGLE-2's dynamic trees) ----------------------------------------------------------------
+def _random_row_trees(b=5, t=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(2, t + 1, (b,), generator=g).tolist()
+    parents = torch.full((b, t), -1, dtype=torch.long)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    shared = []
+    for r, n in enumerate(sizes):
+        par = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        parents[r, :n] = torch.tensor(par)
+        valid[r, :n] = True
+        shared.append(tree_from_parents(par))
+    return parents, valid, shared, sizes
+
+
+def test_row_trees_match_the_static_builder_row_by_row():
+    from spatial_pipelines.core.tree import row_trees_from_parents
+
+    parents, valid, shared, sizes = _random_row_trees()
+    depth = max(tr.max_depth for tr in shared)
+    kids = max(tr.max_children for tr in shared)
+    trees = row_trees_from_parents(parents, valid, depth, kids)
+    for r, (tr, n) in enumerate(zip(shared, sizes)):
+        assert torch.equal(trees.depths[r, :n], tr.depths)
+        assert torch.equal(trees.attention_mask[r, :n, :n], tr.attention_mask)
+        assert torch.equal(trees.earlier_siblings[r, :n, :n], tr.earlier_siblings)
+        assert torch.equal(trees.node_paths[r, :n, : tr.max_depth + 1], tr.node_paths)
+        assert (trees.node_paths[r, :n, tr.max_depth + 1 :] == -1).all()
+        assert torch.equal(trees.children[r, :n, : tr.max_children], tr.children)
+        # padding: invalid, seen by nobody, sees itself only
+        seen = trees.attention_mask[r].clone().fill_diagonal_(False)
+        assert not trees.valid[r, n:].any() and not seen[:, n:].any() and not seen[n:].any()
+
+
+class _FixedRandom:
+    """Serves the same numbers to a batch and to each of its rows alone, whatever the tree size asks for: node
+    uniforms by node, the bonus draw's uniforms, the sequential walk's (depth, sibling) grid, and exponentials."""
+
+    def __init__(self, b, t, v, d, k, seed=0, rows=None):
+        g = torch.Generator().manual_seed(seed)
+        self.node, self.bonus = torch.rand(b, t - 1, generator=g), torch.rand(b, v, generator=g)
+        self.grid, self.exp = torch.rand(b, d, k, generator=g), torch.empty(b, v).exponential_(generator=g)
+        self.rows, self.v = (slice(None) if rows is None else rows), v
+
+    def uniform(self, *shape):
+        if len(shape) == 1:
+            return torch.cat([self.node[self.rows, : shape[0] - self.v], self.bonus[self.rows]], 1)
+        return self.grid[self.rows, : shape[0], : shape[1]]
+
+    def exponential(self, *shape):
+        return self.exp[self.rows]
+
+
+@pytest.mark.parametrize("kind", ["point-mass", "relaxed"])
+def test_verify_row_trees_equals_verifying_each_row_alone(kind):
+    """Per-row trees (padded) verified as one batch commit what each row's own tree commits from the same random
+    numbers, on the vectorised walk (point masses) and the sequential one (a relaxed rule)."""
+    from spatial_pipelines.core.acceptance import LanternAcceptance, codebook_neighbours, verify_tree
+    from spatial_pipelines.core.tree import row_trees_from_parents
+
+    parents, valid, shared, sizes = _random_row_trees(b=8, t=10, seed=3)
+    b, t = parents.shape
+    v = 6
+    depth, kids = max(tr.max_depth for tr in shared), max(tr.max_children for tr in shared)
+    trees = row_trees_from_parents(parents, valid, depth, kids)
+    probs = torch.distributions.Dirichlet(torch.full((v,), 0.7)).sample((b, t))
+    tokens = torch.where(valid, torch.randint(0, v, (b, t), generator=torch.Generator().manual_seed(4)), -1)
+    extra = {"rule": LanternAcceptance(2, 0.2), "neighbours": codebook_neighbours(torch.randn(v, 3), 2)} if kind == "relaxed" else {}
+    out = verify_tree(trees, tokens, probs, _FixedRandom(b, t, v, depth, kids), **extra)
+    checked = 0
+    for r, (tr, n) in enumerate(zip(shared, sizes)):
+        if tr.max_children == 1:
+            continue  # a chain alone takes the chain walk, which uses its draws in another order
+        one = verify_tree(tr, tokens[r : r + 1, :n], probs[r : r + 1, :n], _FixedRandom(b, t, v, depth, kids, rows=[r]), **extra)
+        assert out.num_accepted[r] == one.num_accepted[0] and out.bonus[r] == one.bonus[0]
+        assert torch.equal(out.path[r, : tr.max_depth + 1], one.path[0])
+        assert (out.path[r, tr.max_depth + 1 :] == -1).all()
+        checked += 1
+    assert checked >= 4 and out.num_accepted.max() > 0  # the comparison is not vacuous

@@ -6,8 +6,8 @@ from diffusers import DiffusionPipeline, ModelMixin, SchedulerMixin
 
 from ._registration import register_with_diffusers
 from .core import ImageTokenLayout, SamplingConfig
-from .decoders import DECODERS, AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SpatialDecoderMixin, SSDDecoder
-from .heads import DraftHeadsMixin, LatentDraftHeads, SpatialDraftHeads
+from .decoders import DECODERS, ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SpatialDecoderMixin, SSDDecoder
+from .heads import DraftHeadsMixin, EagleDraftHead, LatentDraftHeads, SpatialDraftHeads
 from .models import LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import (
     DecodingStats,
@@ -23,10 +23,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DECODERS",
+    "ADTTreeDecoder",
     "AutoregressiveDecoder",
+    "EagleDecoder",
     "DecodingStats",
     "DiffusionPipeline",
     "DraftHeadsMixin",
+    "EagleDraftHead",
     "HawkDecoder",
     "JacobiDecoder",
     "LatentDraftHeads",

@@ -232,7 +232,7 @@ def verify_tree(
     residuals chain from sibling to sibling.
 
     Args:
-        tree (`DraftTree`): the shared tree shape.
+        tree (`DraftTree` or `RowTrees`): the shared tree shape, or one tree per row.
         tokens (`torch.LongTensor` `(B, T)`): the code at every node (node 0: the root, not verified); ``-1``
             marks a node that this row does not offer (an empty or duplicate pool slot): it is skipped.
         probs (`torch.Tensor` `(B, T, V)`): target distribution after each node (fp32).
@@ -255,12 +255,15 @@ def verify_tree(
     rows = torch.arange(b, device=probs.device)
     draws = random.uniform(t - 1 + v)  # (B, T - 1 + V): one random call per round
     u, noise = draws[:, : t - 1], -torch.log(draws[:, t - 1 :])  # (B, T-1) uniforms, (B, V) Exp(1)
-    if tree.max_children == 1:
+    batched = tree.parents.dim() == 2  # `RowTrees`: one tree per row; the tables gain a leading batch dimension
+    if tree.max_children == 1 and not batched:
         return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours)
-    parents = tree.parents[1:]  # (T-1,)
+    parents = tree.parents[..., 1:].clamp_min(0)  # (T-1,) or (B, T-1); padding (-1) reads the root, never used
     x = tokens[:, 1:]  # (B, T-1) candidate of every node
-    siblings = tree.earlier_siblings[1:, 1:]  # (T-1, T-1)
+    siblings = tree.earlier_siblings[..., 1:, 1:]  # (T-1, T-1) or (B, T-1, T-1)
     valid = x >= 0
+    if batched:
+        valid = valid & tree.valid[:, 1:]  # padding offers nothing
     if not distinct_siblings:
         # a candidate that repeats an earlier sibling's code is offered nothing: after that sibling's rejection p(x) = 0
         valid = valid & ~((x[:, :, None] == x[:, None, :]) & siblings & (x[:, None, :] >= 0)).any(-1)  # (B, T-1)
@@ -277,15 +280,15 @@ def verify_tree(
         accept = valid & (u * qx < px)
     # a node is taken when it is the first accepted sibling and every ancestor was taken too
     first = accept & ~((accept[:, None, :] & siblings).any(-1))  # (B, T-1)
-    above = tree.attention_mask[1:, 1:]  # (T-1, T-1) ancestors-or-self below the root
+    above = tree.attention_mask[..., 1:, 1:]  # (T-1, T-1) or (B, T-1, T-1): ancestors-or-self below the root
     taken = ~((above & ~first[:, None, :]).any(-1))  # (B, T-1)
-    depth = torch.where(taken, tree.depths[1:], 0)  # (B, T-1)
+    depth = torch.where(taken, tree.depths[..., 1:], 0)  # (B, T-1)
     num_accepted, deepest = depth.max(-1)  # taken nodes form one path: its deepest node ends it
     last = torch.where(num_accepted > 0, deepest + 1, 0)  # (B,)
-    path = tree.node_paths[last]  # (B, D + 1)
+    path = tree.node_paths[rows, last] if batched else tree.node_paths[last]  # (B, D + 1)
     # the bonus: from the last node's p, less what its children (all tried and rejected) took
     p_last = probs[rows, last]  # (B, V)
-    kids = tree.children[last]  # (B, K) -1 where there is no such child
+    kids = tree.children[rows, last] if batched else tree.children[last]  # (B, K) -1 where there is no such child
     node_valid = torch.cat([valid.new_zeros(b, 1), valid], 1)  # (B, T) the root is never a child
     kid_valid = (kids >= 0) & node_valid.gather(1, kids.clamp_min(0))
     if q is None:
@@ -356,7 +359,8 @@ def verify_tree_sequential(
     ``random`` draws ``(B, D, K)`` uniforms and ``(B, V)`` exponentials per call.
     """
     b, t, v = probs.shape
-    depth, k = tree.max_depth, tree.children.shape[1]
+    depth, k = tree.max_depth, tree.children.shape[-1]
+    batched = tree.parents.dim() == 2  # `RowTrees`
     rows = torch.arange(b, device=probs.device)
     uniforms = random.uniform(max(depth, 1), k)  # (B, D, K)
     cur = torch.zeros(b, dtype=torch.long, device=probs.device)  # (B,) current node
@@ -372,7 +376,7 @@ def verify_tree_sequential(
         spent = torch.zeros(b, dtype=probs.dtype, device=probs.device)  # TVD used by this step's rejected siblings
         scale = torch.ones(b, dtype=probs.dtype, device=probs.device)  # mass of the step's p that p now stands for
         for j in range(k):
-            node = tree.children[cur, j]  # (B,) -1 where there is no such sibling
+            node = tree.children[rows, cur, j] if batched else tree.children[cur, j]  # (B,) -1 where there is no such sibling
             safe = node.clamp_min(0)
             valid = alive & ~moved & (node >= 0) & (tokens[rows, safe] >= 0)
             x = torch.where(valid, tokens[rows, safe], 0)  # (B,) code 0 stands in where there is no candidate

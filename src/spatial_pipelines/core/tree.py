@@ -107,3 +107,87 @@ def tree_from_paths(paths: Sequence[Tuple[int, ...]]) -> DraftTree:
 def chain_tree(length: int) -> DraftTree:
     """A chain of ``length`` drafts after the root (Jacobi windows, one-candidate trees)."""
     return tree_from_parents([-1] + list(range(length)), [-1] + [0] * length)
+
+
+@dataclass(frozen=True)
+class RowTrees:
+    """One draft tree per batch row (EAGLE-2's dynamic trees), padded to ``T`` nodes, built on the device.
+
+    Node 0 of every row is the root. A padding node is not ``valid``: its parent is ``-1``, it sees only itself and
+    it is never accepted. Parents need not precede their children.
+
+    Args:
+        parents (`torch.LongTensor` `(B, T)`): parent of each node (``-1``: the root and padding).
+        valid (`torch.BoolTensor` `(B, T)`): real nodes.
+        depths (`torch.LongTensor` `(B, T)`): depth of each node (root and padding 0).
+        attention_mask (`torch.BoolTensor` `(B, T, T)`): ``[b, i, j]`` when ``j`` is ``i`` or an ancestor of ``i``.
+        node_paths (`torch.LongTensor` `(B, T, D + 1)`): root-to-node indices, ``-1`` after the node.
+        earlier_siblings (`torch.BoolTensor` `(B, T, T)`): ``[b, i, j]`` when ``j`` is a sibling tried before ``i``
+            (siblings are tried in index order).
+        children (`torch.LongTensor` `(B, T, K)`): children of each node in sibling order, padded with ``-1``.
+    """
+
+    parents: torch.Tensor
+    valid: torch.Tensor
+    depths: torch.Tensor
+    attention_mask: torch.Tensor
+    node_paths: torch.Tensor
+    earlier_siblings: torch.Tensor
+    children: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.node_paths.shape[2] - 1  # a shape, not a device read
+
+    @property
+    def max_children(self) -> int:
+        """A bound on any node's children (a shape, not a device read)."""
+        return self.children.shape[2]
+
+    def to(self, device) -> "RowTrees":
+        return RowTrees(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def row_trees_from_parents(parents: torch.Tensor, valid: torch.Tensor, max_depth: int, max_children: int) -> RowTrees:
+    """Build `RowTrees` from parent indices ``(B, T)`` and the valid-node mask ``(B, T)`` with tensor ops only (no host
+    reads): ``max_depth + 1`` rounds of following parent pointers give every node's ancestors, depth and path.
+
+    Args:
+        parents (`torch.LongTensor` `(B, T)`): ``parents[:, 0]`` is ``-1`` (the root); padding nodes may hold anything.
+        valid (`torch.BoolTensor` `(B, T)`): real nodes; the root is always real.
+        max_depth (`int`): a bound on the trees' depth (host int; sizes the tables).
+        max_children (`int`): a bound on any node's children (host int; sizes the child table).
+    """
+    b, t = parents.shape
+    device = parents.device
+    index = torch.arange(t, device=device)
+    valid = valid.clone()
+    valid[:, 0] = True
+    parents = torch.where(valid & (index > 0), parents, -1)  # (B, T)
+    cur = torch.where(valid, index.expand(b, t), -1)  # (B, T) the ancestor ``s`` steps up (self at s = 0)
+    ups = []
+    for _ in range(max_depth + 1):
+        ups.append(cur)
+        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp_min(0)), -1)
+    ups = torch.stack(ups, -1)  # (B, T, D + 1)
+    depths = ((ups >= 0).sum(-1) - 1).clamp_min(0)  # (B, T)
+    ancestors = torch.zeros(b, t, t + 1, dtype=torch.bool, device=device)  # a spare column takes the -1s
+    ancestors.scatter_(2, torch.where(ups >= 0, ups, t), True)
+    ancestors = ancestors[:, :, :t] | torch.eye(t, dtype=torch.bool, device=device)  # padding sees itself
+    # the ancestor at depth d is ``depth - d`` steps up
+    steps = depths[..., None] - torch.arange(max_depth + 1, device=device)  # (B, T, D + 1)
+    node_paths = torch.where(steps >= 0, ups.gather(2, steps.clamp_min(0)), -1)
+    node_paths = torch.where(valid[..., None], node_paths, -1)
+    real = valid & (index > 0)
+    same = (parents[:, :, None] == parents[:, None, :]) & real[:, :, None] & real[:, None, :]
+    earlier = same & (index[None, :] < index[:, None])  # (B, T, T)
+    rank = earlier.sum(-1)  # (B, T) siblings before each node
+    children = torch.full((b, t * max_children + 1), -1, dtype=torch.long, device=device)  # a spare slot takes the rest
+    slot = torch.where(real & (rank < max_children), parents.clamp_min(0) * max_children + rank, t * max_children)
+    children.scatter_(1, slot, torch.where(real, index.expand(b, t), -1))
+    children[:, -1] = -1
+    return RowTrees(parents, valid, depths, ancestors, node_paths, earlier, children[:, :-1].view(b, t, max_children))

@@ -1,6 +1,7 @@
 """Decoders: one algorithm per file, weight-free, swappable with ``Decoder.from_config(pipe.decoder.config)``."""
 
 from .decoding_autoregressive import AutoregressiveDecoder
+from .decoding_eagle import ADT_PRESETS, ADTTreeDecoder, EagleDecoder
 from .decoding_hawk import HawkDecoder
 from .decoding_jacobi import JacobiDecoder
 from .decoding_medusa import MedusaDecoder
@@ -14,6 +15,8 @@ DECODERS = {
     "hawk": HawkDecoder,
     "sjd": JacobiDecoder,
     "ssd": SSDDecoder,
+    "eagle": EagleDecoder,
+    "adt": ADTTreeDecoder,
 }
 
-__all__ = ["DECODERS", "SSD_PRESETS", "SSDDecoder", "AutoregressiveDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]
+__all__ = ["ADT_PRESETS", "ADTTreeDecoder", "DECODERS", "SSD_PRESETS", "SSDDecoder", "AutoregressiveDecoder", "EagleDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]

@@ -381,6 +381,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
                     codes = torch.where(state.raced[:, :left], codes, continued)
                 else:
                     codes = continued
+            elif gumbel:  # every redraw is now the race of its position's noise
+                state.raced[:, :left] = True
             state.drafts[:, :left] = codes
             state.q[:, 1 : left + 1] = redrawn
             if proactive:

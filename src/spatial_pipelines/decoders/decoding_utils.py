@@ -170,6 +170,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     state_class: type = DecodingState  # the typed state this decoder carries between rounds
     lossless: bool = True
     acceptance_rule: AcceptanceRule = EXACT
+    uses_all_rows: bool = False  # `step` gets the hidden states of every row, CFG's unconditional ones included
     draft_heads_class: Optional[str] = None
     order = 1  # diffusers scheduler attribute; unused here
 

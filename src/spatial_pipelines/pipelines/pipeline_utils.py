@@ -497,7 +497,8 @@ class SpatialARPipeline(DiffusionPipeline):
         positions = torch.arange(prefix.embeds.shape[1], device=prefix.embeds.device)
         hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, cache)  # (R, P, D)
         logits = self._guided_logits(backbone, hidden[:, -1:], state.sampling)  # (B, 1, V)
-        self.decoder.step(logits, hidden[: state.batch_size, -1:], None, state, self.draft_heads)
+        rows = hidden.shape[0] if self.decoder.uses_all_rows else state.batch_size
+        self.decoder.step(logits, hidden[:rows, -1:], None, state, self.draft_heads)
 
     def _round(self, backbone: SpatialBackbone, state: DecodingState, cache: StaticKVCache, timer) -> None:
         """Step 5, one round: a-f below. Each part runs inside ``timer.section`` (see `profile_rounds`)."""
@@ -513,7 +514,10 @@ class SpatialARPipeline(DiffusionPipeline):
                 input_ids, position_ids, mask = eol.input_ids(input_ids), eol.position_ids(position_ids), eol.attention_mask(mask)
         # 5c. one target forward over the draft (CFG rows as one batch), logits over image codes
         with timer.section("forward"):
-            input_ids = input_ids.repeat(2, 1) if sampling.do_cfg else input_ids  # (R, T')
+            if sampling.do_cfg:  # the unconditional rows verify the same drafts
+                input_ids = input_ids.repeat(2, 1)  # (R, T')
+                if position_ids.dim() == 2:  # one tree per row
+                    position_ids, mask = position_ids.repeat(2, 1), mask.repeat(2, 1, 1)
             embeds = backbone.embed_image_tokens(input_ids)  # (R, T', D)
             if eol is not None:
                 embeds = eol.embeds(embeds, backbone.eol_embedding)
@@ -525,7 +529,8 @@ class SpatialARPipeline(DiffusionPipeline):
         # 5d-e. CFG mix; the decoder accepts codes and commits them to the state
         with timer.section("accept"):
             logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, T, V)
-            result = self.decoder.step(logits, hidden[: state.batch_size], draft, state, self.draft_heads)
+            rows = hidden.shape[0] if self.decoder.uses_all_rows else state.batch_size
+            result = self.decoder.step(logits, hidden[:rows], draft, state, self.draft_heads)
         # 5f. keep only the accepted path in the KV cache (with the EOLs that follow its row ends)
         with timer.section("kv"):
             if result.keep_indices is not None:

@@ -1,0 +1,367 @@
+"""EAGLE-2: a one-layer drafter reads the target's features and grows a dynamic draft tree where it is confident;
+the tree (one per batch row) is verified in one target pass with exact acceptance (DESIGN.md section 5).
+
+A round, for ``B`` images (``R = 2B`` drafter rows with CFG: the drafter drafts the unconditional rows too, and
+their logits are mixed like the target's):
+
+1. the codes the last pass committed are fed to the drafter with the target features that predicted them (its
+   KV cache keeps the accepted prefix; the previous round's tree is cropped away first); its output at the newest
+   code predicts the next feature, hence the depth-1 candidates;
+2. ``depth - 1`` expansions: the ``top_k`` likeliest nodes of the last depth (by cumulative log-probability) are fed
+   to the drafter with a tree mask, and each proposes ``top_k`` children;
+3. every generated node is ranked by cumulative log-probability and the best ``num_draft_tokens`` form the tree
+   (parents first, siblings best first; prefix-closed), built on the device as `RowTrees`;
+4. the target verifies it (point masses: the drafter's candidates are deterministic given the context).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Union
+
+import torch
+from diffusers.configuration_utils import register_to_config
+
+from ..core.sampling import cfg_mix
+from ..core.tree import row_trees_from_parents, tree_from_paths
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState, check_draft_size
+
+MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
+
+
+@dataclass
+class EagleState(TreeState):
+    """`TreeState` plus the drafter's cache and what it carries between rounds.
+
+    Args:
+        drafter_cache: the drafter's `StaticKVCache` over ``R`` rows (accepted prefix, then this round's tree).
+        committed_steps (`int`): drafter steps in the cache that belong to the accepted prefix (host int).
+        features (`torch.Tensor` `(R, n, D)`): target features that predicted the codes committed last round, every
+            row (CFG rows included), waiting to be fed to the drafter.
+        cfg (`bool`): the drafter rows include the unconditional ones.
+        tree_depths (`list[torch.LongTensor]`): per round, the depth of each row's kept tree ``(B,)`` (reduced once,
+            after the loop: no host read per round).
+        tree_widths (`list[int]`): per round, the ``top_k`` the tree was grown with.
+    """
+
+    drafter_cache: Any = None
+    committed_steps: int = 0
+    features: Optional[torch.Tensor] = None
+    cfg: bool = False
+    tree_depths: List[torch.Tensor] = field(default_factory=list)
+    tree_widths: List[int] = field(default_factory=list)
+
+
+class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
+    r"""EAGLE-2 dynamic draft trees with exact acceptance.
+
+    Args:
+        depth (`int`): tree depth (expansions + 1).
+        top_k (`int`): children per expanded node, and nodes expanded per depth.
+        num_draft_tokens (`int` or `"auto"`): nodes kept in the tree (root excluded). ``"auto"`` (default) keeps the
+            count that maximises expected codes per second from the target pass cost measured on the device (the
+            prior of `TreeDecoderMixin` on a ``top_k``-ary tree of ``depth``), up to `MAX_DRAFT_TOKENS`.
+        acceptance (`str`): ``"exact"`` (default), or the lossy ``"lantern"`` / ``"lantern++"``.
+        lantern_k (`int`), lantern_delta (`float`), lantern_lambda (`float`): the relaxed rules' settings.
+    """
+
+    draft_heads_class = "EagleDraftHead"
+    state_class = EagleState
+    distinct_siblings = True  # top-k children are distinct
+    uses_all_rows = True  # the drafter reads the unconditional rows' features too
+
+    @register_to_config
+    def __init__(
+        self,
+        depth: int = 5,
+        top_k: int = 8,
+        num_draft_tokens: Union[int, str] = AUTO,
+        acceptance: str = "exact",
+        lantern_k: int = 1000,
+        lantern_delta: float = 0.1,
+        lantern_lambda: float = 2.0,
+    ):
+        super().__init__()
+        for name, value in (("depth", depth), ("top_k", top_k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
+        check_draft_size("num_draft_tokens", num_draft_tokens)
+        self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
+        # the prior's stand-in for a dynamic tree: the top_k-ary tree of this depth, best nodes first
+        paths, frontier = [], [()]
+        for _ in range(depth):
+            frontier = [p + (r,) for p in frontier for r in range(top_k)][: MAX_DRAFT_TOKENS]
+            paths += frontier
+        full = tree_from_paths(paths[:MAX_DRAFT_TOKENS] if num_draft_tokens == AUTO else paths)
+        self._set_tree(full, num_draft_tokens if num_draft_tokens == AUTO else min(num_draft_tokens, full.num_nodes - 1))
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft nodes per tree (root excluded): ``num_draft_tokens`` or what ``"auto"`` chose."""
+        return self.tree.num_nodes - 1
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_nodes + 1
+
+    def check_compatibility(self, layout, draft_heads=None) -> None:
+        super().check_compatibility(layout, draft_heads)
+        if layout.has_eol:
+            raise ValueError("`EagleDecoder` does not serve layouts with end-of-row tokens yet (per-row trees would need "
+                             "per-row EOL insertion); use `MedusaDecoder`, `HawkDecoder` or `JacobiDecoder` there.")
+
+    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> EagleState:
+        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
+        state.cfg = sampling.do_cfg
+        return state
+
+    # -- drafting ---------------------------------------------------------------------------------------------
+    def _drafter_logits(self, state: EagleState, draft_heads, predicted: torch.Tensor) -> torch.Tensor:
+        """Drafter features ``(R, n, D)`` -> CFG-mixed log-probabilities ``(B, n, V)``."""
+        logits = state.backbone.image_logits(predicted)  # (R, n, V) through the backbone's final norm and head
+        if state.cfg:
+            logits = cfg_mix(logits, state.sampling.guidance_scale)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _tree_shape(self, state: EagleState):
+        """``(depth, top_k)`` of this round's tree (EAGLE-2: the configured ones)."""
+        return self.config.depth, self.config.top_k
+
+    def propose(self, state: EagleState, draft_heads=None) -> Draft:
+        depth, k = self._tree_shape(state)
+        n_keep = self.num_nodes
+        cache = state.drafter_cache
+        rows_r = state.features.shape[0]
+        b = state.batch_size
+        first = state.num_committed - state.features.shape[1]  # raster index of the first code to feed
+        # 1. the committed codes and the features that predicted them (the previous tree is cropped away)
+        cache.crop(state.committed_steps)
+        codes = state.tokens[:, first : state.num_committed]  # (B, n)
+        codes_r = codes.repeat(2, 1) if state.cfg else codes  # (R, n)
+        embeds = state.backbone.embed_image_tokens(codes_r)
+        positions = torch.arange(first, state.num_committed, device=codes.device)
+        predicted = draft_heads(state.features, embeds, positions, cache=cache)  # (R, n, D)
+        state.committed_steps = cache.length
+        state.num_draft_passes += 1
+        logp = self._drafter_logits(state, draft_heads, predicted[:, -1:])[:, 0]  # (B, V) of the next code
+        # 2. expand: depth-1 candidates, then the top_k likeliest nodes of each depth propose top_k children each
+        score, code = logp.topk(k, dim=-1)  # (B, k)
+        all_scores, all_codes, all_parents = [score], [code], [torch.full_like(code, -1)]  # parent -1: the root
+        feature = predicted[:, -1:].expand(rows_r, k, -1)  # (R, k, D) the feature each frontier node reads
+        frontier_ids = torch.arange(k, device=code.device).expand(b, k)  # global ids of the frontier nodes
+        ancestors = torch.zeros(rows_r, k, 0, dtype=torch.bool, device=code.device)  # over tree slots fed so far
+        for d in range(1, depth):
+            raster = state.num_committed - 1 + d  # the frontier's codes sit d positions after the newest code
+            code_r = code.repeat(2, 1) if state.cfg else code  # (R, k)
+            slots = cache.length - state.committed_steps  # tree slots already in the cache
+            mask_new = torch.eye(k, dtype=torch.bool, device=code.device)
+            past = torch.cat([torch.ones(rows_r, k, state.committed_steps, dtype=torch.bool, device=code.device), ancestors], -1)
+            predicted = draft_heads(feature, state.backbone.embed_image_tokens(code_r),
+                                    torch.full((k,), min(raster, state.layout.num_tokens - 1), device=code.device),
+                                    attention_mask=mask_new, cache=cache, past_visible=past)  # (R, k, D)
+            state.num_draft_passes += 1
+            child_logp = self._drafter_logits(state, draft_heads, predicted)  # (B, k, V)
+            child_score, child_code = (score[..., None] + child_logp).topk(k, dim=-1)  # (B, k, k) cumulative
+            base = sum(s.shape[1] for s in all_scores)
+            all_scores.append(child_score.flatten(1))
+            all_codes.append(child_code.flatten(1))
+            all_parents.append(frontier_ids[..., None].expand(b, k, k).flatten(1))
+            # the next frontier: the top_k children by cumulative score
+            score, pick = child_score.flatten(1).topk(k, dim=-1)  # (B, k)
+            code = child_code.flatten(1).gather(1, pick)
+            parent_slot = pick // k  # which frontier node each came from
+            pick_r = parent_slot.repeat(2, 1) if state.cfg else parent_slot
+            new_slot = torch.zeros(rows_r, k, slots + k, dtype=torch.bool, device=code.device)
+            new_slot[..., :slots] = ancestors.gather(1, pick_r[..., None].expand(rows_r, k, slots))
+            new_slot[torch.arange(rows_r)[:, None], torch.arange(k)[None], slots + pick_r] = True  # the parent itself
+            ancestors = new_slot
+            feature = predicted.gather(1, pick_r[..., None].expand(rows_r, k, predicted.shape[-1]))
+            frontier_ids = base + pick
+        # 3. keep the num_draft_tokens best nodes, parents before children and siblings best first
+        scores = torch.cat(all_scores, 1)  # (B, M)
+        codes_all = torch.cat(all_codes, 1)
+        parents = torch.cat(all_parents, 1)  # (B, M) global ids, -1: the root
+        depths = torch.cat([torch.full_like(s, i + 1) for i, s in enumerate(all_scores)], 1)
+        keep_score, keep = scores.clamp_min(-1e4).topk(min(n_keep, scores.shape[1]), dim=-1)  # (B, N)
+        order = (depths.gather(1, keep) * 1e6 - keep_score).argsort(-1)  # depth first, then likeliest first
+        keep = keep.gather(1, order)  # (B, N) global ids in tree order
+        m = scores.shape[1]
+        position = torch.full((b, m), -1, dtype=torch.long, device=keep.device)
+        position.scatter_(1, keep, torch.arange(1, keep.shape[1] + 1, device=keep.device).expand_as(keep))
+        parent_ids = parents.gather(1, keep)  # (B, N)
+        parent_pos = torch.where(parent_ids >= 0, position.gather(1, parent_ids.clamp_min(0)), 0)  # 0: the root
+        valid = parent_pos >= 0  # a node whose parent was not kept (a tie at the cut) is dropped
+        tree_parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=keep.device), parent_pos.clamp_min(0)], 1)
+        tree_valid = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=keep.device), valid], 1)
+        tree = row_trees_from_parents(tree_parents, tree_valid, depth, k)
+        # a dropped node's descendants are unreachable: no path from the root offers them
+        reachable = tree.node_paths[..., 0] == 0
+        offered = tree_valid & reachable
+        nodes = torch.where(offered[:, 1:], codes_all.gather(1, keep), -1)
+        state.tree = tree
+        state.tree_depths.append(torch.where(offered, tree.depths, 0).max(-1).values)
+        state.tree_widths.append(k)
+        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
+
+    def _tree_draft(self, state, node_tokens):
+        tree = state.tree
+        first = state.prefix_length + state.layout.sequence_offset(state.num_committed - 1)
+        last = state.layout.num_tokens - 1
+        index = (state.num_committed - 1 + tree.depths).clamp_max(last)  # (B, T) nodes past the grid are never committed
+        position_ids = state.positions[index] if state.num_committed - 1 + tree.max_depth >= state.layout.num_tokens else tree.depths + first
+        state.node_tokens = node_tokens
+        return Draft(input_ids=node_tokens.clamp_min(0), position_ids=position_ids, attention_mask=tree.attention_mask)
+
+    def _max_tree_slots(self) -> int:
+        """Drafter cache slots one round's expansions take at most."""
+        return (self.config.depth - 1) * self.config.top_k
+
+    # -- verification -----------------------------------------------------------------------------------------
+    def _keep_features(self, state: EagleState, hidden_states: torch.Tensor, path: torch.Tensor) -> None:
+        """The features that predicted the codes just committed, every drafter row: ``(R, n, D)``."""
+        rows_r = hidden_states.shape[0]
+        path_r = path.repeat(2, 1) if state.cfg else path  # (R, n)
+        state.features = hidden_states[torch.arange(rows_r, device=path.device)[:, None], path_r]
+
+    def step(self, logits, hidden_states, draft, state: EagleState, draft_heads=None) -> StepOutput:
+        if draft is None:  # prefill: the last prompt position's features predicted the first code
+            out = self._prefill_step(logits, hidden_states[: state.batch_size], state)
+            state.features = hidden_states[:, -1:]  # (R, 1, D)
+            rows_r = hidden_states.shape[0]
+            state.drafter_cache = draft_heads.make_cache(rows_r, state.layout.num_tokens + self._max_tree_slots() + 1)
+            return out
+        out = self._verify_step(logits, hidden_states[: state.batch_size], draft, state)
+        self._keep_features(state, hidden_states, state.accepted_path)
+        return out
+
+
+ADT_INITS = ("horizontal", "vertical", "random")
+#: The paper's settings per family (``beta``, steps and ranges), to pass as kwargs: ``ADTTreeDecoder(**ADT_PRESETS["llamagen"])``.
+ADT_PRESETS = {
+    "llamagen": {"beta": 1.0, "depth_step": 1, "width_step": 10, "depth_range": (1, 10), "width_range": (3, 40)},
+    "anole": {"beta": 1.0, "depth_step": 1, "width_step": 3, "depth_range": (1, 10), "width_range": (3, 14)},
+}
+
+
+@dataclass
+class ADTState(EagleState):
+    """`EagleState` plus ADT-Tree's host-side shape memory.
+
+    Args:
+        shapes (`list`): ``(depth, top_k)`` of the tree that committed each raster position (``None``: not yet).
+        last_shape (`tuple[int, int]`): this round's tree shape.
+        last_alpha (`float`, *optional*): the previous tree's acceptance rate (accepted drafts / depth).
+        shape_generator (`torch.Generator`, *optional*): host generator of ``tree_init="random"`` shapes.
+    """
+
+    shapes: List[Any] = field(default_factory=list)
+    last_shape: Any = None
+    last_alpha: Optional[float] = None
+    shape_generator: Any = None
+
+
+class ADTTreeDecoder(EagleDecoder):
+    r"""ADT-Tree: EAGLE-2's dynamic tree whose depth and width adapt to the image region (implemented from the
+    paper; its public code has no adaptive rule).
+
+    Every raster position remembers the ``(depth, top_k)`` of the tree that committed it. A new tree starts from a
+    neighbour's: the left one (``tree_init="horizontal"``, the paper's choice), the one above (``"vertical"``; the left
+    one on the first row) or a uniform draw in the ranges (``"random"``): ``tree_init``. Bisectional adaptation then moves it by the
+    previous tree's acceptance rate ``alpha = accepted drafts / depth``: ``alpha >= beta`` gives a deeper, narrower
+    tree (``depth + depth_step``, ``top_k - width_step``), otherwise a shallower, wider one; both clamped to their
+    ranges. Rows of a batch advance together, so they share one ``(depth, top_k)`` per round.
+
+    Args:
+        depth (`int`), top_k (`int`): the first tree's shape (before any neighbour exists), held to the ranges like
+            every later one.
+        num_draft_tokens (`int` or `"auto"`): nodes kept per tree, as `EagleDecoder`.
+        tree_init (`str`): ``"horizontal"``, ``"vertical"`` or ``"random"`` (named apart from `JacobiDecoder`'s
+            ``init``, so either decoder still builds from the other's config).
+        beta (`float`): the acceptance-rate threshold.
+        depth_step (`int`), width_step (`int`): adaptation steps ``l_d``, ``l_k``.
+        depth_range (`tuple[int, int]`), width_range (`tuple[int, int]`): inclusive bounds (``ADT_PRESETS`` has the
+            paper's per family; its depth range ``(0, 10)`` starts at 1 here: a tree of depth 0 drafts nothing).
+        acceptance (`str`), lantern_k (`int`), lantern_delta (`float`), lantern_lambda (`float`): as `EagleDecoder`.
+    """
+
+    @register_to_config
+    def __init__(
+        self,
+        depth: int = 5,
+        top_k: int = 8,
+        num_draft_tokens: Union[int, str] = AUTO,
+        tree_init: str = "horizontal",
+        beta: float = 1.0,
+        depth_step: int = 1,
+        width_step: int = 10,
+        depth_range: tuple = (1, 10),
+        width_range: tuple = (3, 40),
+        acceptance: str = "exact",
+        lantern_k: int = 1000,
+        lantern_delta: float = 0.1,
+        lantern_lambda: float = 2.0,
+    ):
+        if tree_init not in ADT_INITS:
+            raise ValueError(f"`tree_init` must be one of {ADT_INITS}, got {tree_init!r}.")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < float("inf"):
+            raise ValueError(f"`beta` must be a finite number >= 0, got {beta!r}.")
+        for name, value in (("depth_step", depth_step), ("width_step", width_step)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"`{name}` must be an int >= 0, got {value!r}.")
+        for name, pair in (("depth_range", depth_range), ("width_range", width_range)):
+            if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in pair)
+                    or not 1 <= pair[0] <= pair[1]):
+                raise ValueError(f"`{name}` must be two ints (low, high) with 1 <= low <= high, got {pair!r}.")
+        super().__init__(depth=depth, top_k=top_k, num_draft_tokens=num_draft_tokens, acceptance=acceptance,
+                         lantern_k=lantern_k, lantern_delta=lantern_delta, lantern_lambda=lantern_lambda)
+        self.register_to_config(depth_range=list(depth_range), width_range=list(width_range))  # as JSON saves them
+
+    def _max_tree_slots(self) -> int:
+        return (self.config.depth_range[1] - 1) * self.config.width_range[1]
+
+    state_class = ADTState
+
+    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> ADTState:
+        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
+        state.shapes = [None] * layout.num_tokens  # host-side (depth, top_k) per raster position
+        return state
+
+    def _tree_shape(self, state: EagleState):
+        c = self.config
+        s = state.num_committed
+        neighbour = None
+        if c.tree_init == "vertical" and s - state.layout.width >= 0:
+            neighbour = state.shapes[s - state.layout.width]
+        elif c.tree_init in ("horizontal", "vertical") and s >= 1:
+            neighbour = state.shapes[s - 1]
+        if c.tree_init == "random":
+            d = int(torch.randint(c.depth_range[0], c.depth_range[1] + 1, (1,), generator=_host_generator(state)))
+            k = int(torch.randint(c.width_range[0], c.width_range[1] + 1, (1,), generator=_host_generator(state)))
+            neighbour = (d, k)
+        depth, k = neighbour if neighbour is not None else (c.depth, c.top_k)
+        if state.last_alpha is not None:  # bisectional adaptation from the previous tree's acceptance rate
+            if state.last_alpha >= c.beta:
+                depth, k = depth + c.depth_step, k - c.width_step
+            else:
+                depth, k = depth - c.depth_step, k + c.width_step
+        depth = min(max(depth, c.depth_range[0]), c.depth_range[1])
+        k = min(max(k, c.width_range[0]), c.width_range[1], state.backbone.num_image_codes)
+        state.last_shape = (depth, k)
+        return depth, k
+
+    def step(self, logits, hidden_states, draft, state: EagleState, draft_heads=None) -> StepOutput:
+        first = state.num_committed
+        out = super().step(logits, hidden_states, draft, state, draft_heads)
+        if draft is not None:
+            depth, k = state.last_shape
+            state.last_alpha = (out.num_accepted - 1) / depth  # accepted drafts (the bonus excluded) over the depth
+            for i in range(first, state.num_committed):  # the positions this tree committed remember its shape
+                state.shapes[i] = (depth, k)
+        return out
+
+
+def _host_generator(state) -> torch.Generator:
+    """A host generator for ``tree_init="random"`` shapes, seeded once from the generation's random source (so a seed
+    fixes the shapes too)."""
+    if state.shape_generator is None:
+        seed = int(state.random.uniform(1)[0, 0].item() * 2**31)  # one read at the first round, not per round
+        state.shape_generator = torch.Generator().manual_seed(seed)
+    return state.shape_generator
