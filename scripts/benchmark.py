@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import random
+import re
 import sys
 import time
 
@@ -54,7 +55,7 @@ def parse_decoder(spec: str):
     if name not in DECODERS:
         raise argparse.ArgumentTypeError(f"unknown decoder {name!r}; choose from {sorted(DECODERS)}")
     kwargs = {}
-    for item in filter(None, options.split(",")):
+    for item in filter(None, re.split(r",(?![^\[]*\])", options)):  # commas inside [...] belong to a list value
         key, eq, value = item.partition("=")
         if not eq:
             raise argparse.ArgumentTypeError(f"decoder option {item!r} of {spec!r} is not key=value")
@@ -92,7 +93,7 @@ def parse_args(argv=None):
 
 def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent"):
     """Generate ``prompts`` (one seeded generator per image); returns outputs, code grids and the summed cost."""
-    outs, grids, cost = [], [], {"passes": 0, "draft_passes": 0, "tokens": 0, "accepted": [], "seconds": 0.0}
+    outs, grids, cost = [], [], {"passes": 0, "draft_passes": 0, "tokens": 0, "accepted": [], "seconds": 0.0, "tree_depth": [], "tree_width": []}
     for i in range(0, len(prompts), args.batch_size):
         chunk = prompts[i : i + args.batch_size]
         gens = [torch.Generator().manual_seed(args.seed + seed_offset + i + j) for j in range(len(chunk))]
@@ -104,6 +105,9 @@ def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent"):
         cost["draft_passes"] += out.stats.num_draft_passes * len(chunk)
         cost["accepted"].append(out.stats.accepted_lengths.float().flatten())
         cost["tokens"] += out.stats.num_tokens
+        if out.stats.mean_tree_depth is not None:  # dynamic trees (EAGLE-2, ADT-Tree)
+            cost["tree_depth"].append(out.stats.mean_tree_depth)
+            cost["tree_width"].append(out.stats.mean_tree_width)
         outs.append(out.images.cpu() * 2 - 1 if output_type == "pt" else out.tokens)
         grids.append(out.tokens.cpu())
     return torch.cat(outs), torch.cat(grids), cost
@@ -254,6 +258,10 @@ def main(argv=None):
             "seconds_per_image": cost["seconds"] / len(prompts),
             "tokens_per_s": cost["tokens"] / cost["seconds"],
         }
+        depths = [d for *_, c in parts for d in c.get("tree_depth", [])]
+        if depths:
+            row["mean_tree_depth"] = float(np.mean(depths))
+            row["mean_tree_width"] = float(np.mean([w for *_, c in parts for w in c["tree_width"]]))
         if args.quality:
             feats = extract_features(effnet, images)
             row["fd_effnet"] = frechet_distance(feats, matched)

@@ -100,3 +100,24 @@ def test_shipped_latent_heads_drive_ssd_on_the_schedule():
     # 24x24: prefill + 4 first-row chunks x 2 passes + 23 rows x (2 rounds + 1 commit)
     assert out.stats.num_forward_passes == 1 + 8 + 23 * 3
     assert out.tokens.shape == (1, 24, 24) and (out.tokens >= 0).all()
+
+
+@pytest.mark.parametrize("decoder", ["eagle", "adt"])
+def test_shipped_eagle_drafter_keeps_greedy_exact_and_saves_passes(embedded_with_heads, decoder):
+    """The shipped EAGLE drafter fits the embedded model; EAGLE-2 and ADT-Tree with it are token for token the AR
+    grid (batch 3, CFG 1.5) in fewer target passes."""
+    from spatial_pipelines.decoders import DECODERS
+    from spatial_pipelines.embedded import default_eagle_head_path
+
+    pipe, refs = embedded_with_heads
+    heads = pipe.draft_heads
+    try:
+        drafter = pipe.load_draft_heads(default_eagle_head_path())
+        assert type(drafter).__name__ == "EagleDraftHead"
+        pipe.decoder = DECODERS[decoder](num_draft_tokens=16)
+        out = pipe(SHIPPED_PROMPTS, guidance_scale=1.5, temperature=0, output_type="latent")
+        assert torch.equal(out.tokens, refs[1.5, 3].tokens)
+        assert out.stats.num_forward_passes < refs[1.5, 3].stats.num_forward_passes
+        assert out.stats.mean_tree_depth is not None and out.stats.mean_tree_depth > 0
+    finally:
+        pipe.set_draft_heads(heads)

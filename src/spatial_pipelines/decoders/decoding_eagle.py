@@ -14,6 +14,7 @@ their logits are mixed like the target's):
 4. the target verifies it (point masses: the drafter's candidates are deterministic given the context).
 """
 
+import random as pyrandom
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
 
@@ -249,7 +250,8 @@ class ADTState(EagleState):
         shapes (`list`): ``(depth, top_k)`` of the tree that committed each raster position (``None``: not yet).
         last_shape (`tuple[int, int]`): this round's tree shape.
         last_alpha (`float`, *optional*): the previous tree's acceptance rate (accepted drafts / depth).
-        shape_generator (`torch.Generator`, *optional*): host generator of ``tree_init="random"`` shapes.
+        shape_generator (`random.Random`, *optional*): host generator of ``tree_init="random"`` shapes (seeded from
+            the generation's random numbers, so a seed fixes the shapes too).
     """
 
     shapes: List[Any] = field(default_factory=list)
@@ -322,6 +324,8 @@ class ADTTreeDecoder(EagleDecoder):
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> ADTState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
         state.shapes = [None] * layout.num_tokens  # host-side (depth, top_k) per raster position
+        if self.config.tree_init == "random":  # host draws, seeded once from the generation's random numbers
+            state.shape_generator = pyrandom.Random(int(random.uniform(1)[0, 0].item() * 2**31))
         return state
 
     def _tree_shape(self, state: EagleState):
@@ -333,9 +337,7 @@ class ADTTreeDecoder(EagleDecoder):
         elif c.tree_init in ("horizontal", "vertical") and s >= 1:
             neighbour = state.shapes[s - 1]
         if c.tree_init == "random":
-            d = int(torch.randint(c.depth_range[0], c.depth_range[1] + 1, (1,), generator=_host_generator(state)))
-            k = int(torch.randint(c.width_range[0], c.width_range[1] + 1, (1,), generator=_host_generator(state)))
-            neighbour = (d, k)
+            neighbour = (state.shape_generator.randint(*c.depth_range), state.shape_generator.randint(*c.width_range))
         depth, k = neighbour if neighbour is not None else (c.depth, c.top_k)
         if state.last_alpha is not None:  # bisectional adaptation from the previous tree's acceptance rate
             if state.last_alpha >= c.beta:
@@ -357,11 +359,3 @@ class ADTTreeDecoder(EagleDecoder):
                 state.shapes[i] = (depth, k)
         return out
 
-
-def _host_generator(state) -> torch.Generator:
-    """A host generator for ``tree_init="random"`` shapes, seeded once from the generation's random source (so a seed
-    fixes the shapes too)."""
-    if state.shape_generator is None:
-        seed = int(state.random.uniform(1)[0, 0].item() * 2**31)  # one read at the first round, not per round
-        state.shape_generator = torch.Generator().manual_seed(seed)
-    return state.shape_generator

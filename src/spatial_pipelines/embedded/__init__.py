@@ -9,6 +9,7 @@ import os
 DEFAULT_MODEL_NAME = "twemoji_llamagen"
 DEFAULT_HEADS_NAME = "twemoji_llamagen_spatial_heads"
 DEFAULT_SSD_HEADS_NAME = "twemoji_llamagen_latent_heads"
+DEFAULT_EAGLE_HEAD_NAME = "twemoji_llamagen_eagle_head"
 
 
 def default_model_path() -> str:
@@ -24,6 +25,11 @@ def default_heads_path() -> str:
 def default_ssd_heads_path() -> str:
     """Folder of the SSD latent draft heads trained for the embedded model (horizontal 1..5, vertical 1..2)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_SSD_HEADS_NAME)
+
+
+def default_eagle_head_path() -> str:
+    """Folder of the EAGLE drafter trained for the embedded model (`EagleDraftHead`: EAGLE-2 and ADT-Tree)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_EAGLE_HEAD_NAME)
 
 
 def load_default_pipeline(**kwargs):

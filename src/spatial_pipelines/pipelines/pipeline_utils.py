@@ -40,6 +40,9 @@ class DecodingStats:
         accepted_lengths (`torch.LongTensor` `(num_forward_passes, B)`): codes committed by each pass.
         acceptance_map (`torch.LongTensor` `(B, H, W)`): accepted length of the pass that committed each code.
         wall_time_s (`float`): wall-clock seconds of the whole call.
+        mean_tree_depth (`float`, *optional*): dynamic-tree decoders (EAGLE-2, ADT-Tree): mean depth of the trees
+            verified, over passes and rows.
+        mean_tree_width (`float`, *optional*): the same for the ``top_k`` the trees were grown with.
     """
 
     num_forward_passes: int
@@ -49,6 +52,8 @@ class DecodingStats:
     accepted_lengths: torch.Tensor
     acceptance_map: torch.Tensor
     wall_time_s: float
+    mean_tree_depth: Optional[float] = None
+    mean_tree_width: Optional[float] = None
 
 
 @dataclass
@@ -486,6 +491,8 @@ class SpatialARPipeline(DiffusionPipeline):
             accepted_lengths=accepted.cpu(),
             acceptance_map=layout.grid(state.acceptance_map).cpu(),
             wall_time_s=time.perf_counter() - start_time,
+            mean_tree_depth=torch.stack(state.tree_depths).float().mean().item() if getattr(state, "tree_depths", None) else None,
+            mean_tree_width=sum(state.tree_widths) / len(state.tree_widths) if getattr(state, "tree_widths", None) else None,
         )
         if not return_dict:
             return images, tokens, stats
