@@ -23,7 +23,7 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState, check_draft_size
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState, check_draft_size, check_int
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
 
@@ -81,9 +81,8 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         lantern_lambda: float = 2.0,
     ):
         super().__init__()
-        for name, value in (("depth", depth), ("top_k", top_k)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
+        check_int("depth", depth)
+        check_int("top_k", top_k)
         check_draft_size("num_draft_tokens", num_draft_tokens)
         self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
         # the prior's stand-in for a dynamic tree: the top_k-ary tree of this depth, best nodes first
@@ -115,7 +114,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         return state
 
     # -- drafting ---------------------------------------------------------------------------------------------
-    def _drafter_logits(self, state: EagleState, draft_heads, predicted: torch.Tensor) -> torch.Tensor:
+    def _drafter_logits(self, state: EagleState, predicted: torch.Tensor) -> torch.Tensor:
         """Drafter features ``(R, n, D)`` -> CFG-mixed log-probabilities ``(B, n, V)``."""
         logits = state.backbone.image_logits(predicted)  # (R, n, V) through the backbone's final norm and head
         if state.cfg:
@@ -142,7 +141,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         predicted = draft_heads(state.features, embeds, positions, cache=cache)  # (R, n, D)
         state.committed_steps = cache.length
         state.num_draft_passes += 1
-        logp = self._drafter_logits(state, draft_heads, predicted[:, -1:])[:, 0]  # (B, V) of the next code
+        logp = self._drafter_logits(state, predicted[:, -1:])[:, 0]  # (B, V) of the next code
         # 2. expand: depth-1 candidates, then the top_k likeliest nodes of each depth propose top_k children each
         score, code = logp.topk(k, dim=-1)  # (B, k)
         all_scores, all_codes, all_parents = [score], [code], [torch.full_like(code, -1)]  # parent -1: the root
@@ -159,7 +158,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
                                     torch.full((k,), min(raster, state.layout.num_tokens - 1), device=code.device),
                                     attention_mask=mask_new, cache=cache, past_visible=past)  # (R, k, D)
             state.num_draft_passes += 1
-            child_logp = self._drafter_logits(state, draft_heads, predicted)  # (B, k, V)
+            child_logp = self._drafter_logits(state, predicted)  # (B, k, V)
             child_score, child_code = (score[..., None] + child_logp).topk(k, dim=-1)  # (B, k, k) cumulative
             base = sum(s.shape[1] for s in all_scores)
             all_scores.append(child_score.flatten(1))
@@ -201,15 +200,6 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state.tree_depths.append(torch.where(offered, tree.depths, 0).max(-1).values)
         state.tree_widths.append(k)
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
-
-    def _tree_draft(self, state, node_tokens):
-        tree = state.tree
-        first = state.prefix_length + state.layout.sequence_offset(state.num_committed - 1)
-        last = state.layout.num_tokens - 1
-        index = (state.num_committed - 1 + tree.depths).clamp_max(last)  # (B, T) nodes past the grid are never committed
-        position_ids = state.positions[index] if state.num_committed - 1 + tree.max_depth >= state.layout.num_tokens else tree.depths + first
-        state.node_tokens = node_tokens
-        return Draft(input_ids=node_tokens.clamp_min(0), position_ids=position_ids, attention_mask=tree.attention_mask)
 
     def _max_tree_slots(self) -> int:
         """Drafter cache slots one round's expansions take at most."""
@@ -305,9 +295,8 @@ class ADTTreeDecoder(EagleDecoder):
             raise ValueError(f"`tree_init` must be one of {ADT_INITS}, got {tree_init!r}.")
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < float("inf"):
             raise ValueError(f"`beta` must be a finite number >= 0, got {beta!r}.")
-        for name, value in (("depth_step", depth_step), ("width_step", width_step)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"`{name}` must be an int >= 0, got {value!r}.")
+        check_int("depth_step", depth_step, 0)
+        check_int("width_step", width_step, 0)
         for name, pair in (("depth_range", depth_range), ("width_range", width_range)):
             if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in pair)
                     or not 1 <= pair[0] <= pair[1]):

@@ -9,7 +9,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.tree import DraftTree, tree_from_paths
-from .decoding_utils import AUTO, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
+from .decoding_utils import AUTO, Draft, check_draft_size, check_int, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
 
 
 @dataclass
@@ -82,8 +82,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
         for name, value, low in (("num_horizontal_heads", num_horizontal_heads, 1), ("vertical_speculation_depth", vertical_speculation_depth, 0),
                                  ("top_k", top_k, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+            check_int(name, value, low)
         check_draft_size("num_draft_tokens", num_draft_tokens)
         self.pool_size = top_k * (1 + vertical_speculation_depth)  # slots: rank r of [horizontal, vertical 1..VSD]
         bound = MAX_DRAFT_TOKENS if num_draft_tokens == AUTO else num_draft_tokens

@@ -19,7 +19,7 @@ from diffusers.configuration_utils import register_to_config
 from ..core.sampling import logits_to_probs
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
 from .decoding_utils import (
-    AUTO, DRAFT_SIZE_CANDIDATES, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState,
+    AUTO, DRAFT_SIZE_CANDIDATES, Draft, check_draft_size, check_int, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState,
 )
 
 INITS = ("random", "left", "above", "heads")
@@ -169,9 +169,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             raise ValueError(f"`coupling` must be one of {COUPLINGS}, got {coupling!r}.")
         if not isinstance(continuation, bool):
             raise ValueError(f"`continuation` must be True or False, got {continuation!r}.")
-        for name, value in (("proactive_width", proactive_width), ("proactive_depth", proactive_depth)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
+        check_int("proactive_width", proactive_width)
+        check_int("proactive_depth", proactive_depth)
         self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
         window = MAX_WINDOW if window_size == AUTO else window_size
         self._set_tree(proactive_tree(window, proactive_width, proactive_depth), window_size if window_size == AUTO else None)

@@ -23,6 +23,12 @@ AUTO = "auto"
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 
+def check_int(name: str, value, low: int = 1) -> None:
+    """Raise `ValueError` naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+
+
 def check_draft_size(name: str, value, low: int = 1) -> None:
     """Raise `ValueError` naming ``name`` unless ``value`` is ``"auto"`` or an int >= ``low``."""
     if value == AUTO:
