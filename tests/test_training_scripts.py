@@ -3,6 +3,7 @@ promise (the real runs and their commands are in hub_cards/ and docs/quality.md)
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,57 @@ def test_native_bf16_matches_the_cpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert training.native_bf16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_dataset_chunks_resume_after_a_kill(tmp_path):
+    """`build_dataset`: chunks already on disk are not made again, and the merged file is in item order."""
+    from accelerate import Accelerator
+
+    from spatial_pipelines.training import build_dataset
+
+    made = []
+
+    def make_chunk(start, end):
+        made.append(start)
+        if start == 4 and len(made) == 3:  # the first run dies while making its third chunk
+            raise KeyboardInterrupt
+        return {"x": torch.arange(start, end)[:, None].float()}
+
+    path = str(tmp_path / "data.safetensors")
+    try:
+        build_dataset(Accelerator(cpu=True), path, 7, make_chunk, chunk_size=2)
+    except KeyboardInterrupt:
+        pass
+    assert made == [0, 2, 4] and len(list((tmp_path / "data.safetensors.chunks").iterdir())) == 2
+    data = build_dataset(Accelerator(cpu=True), path, 7, make_chunk, chunk_size=2)
+    assert made == [0, 2, 4, 4, 6]  # only the missing chunks
+    assert data["x"][:, 0].tolist() == list(range(7)) and not (tmp_path / "data.safetensors.chunks").exists()
+
+
+def test_generation_and_training_on_two_processes(tmp_path):
+    """``accelerate launch`` with 2 CPU processes: each generates its share of the grids, the merged dataset equals
+    a 1-process run's (seeds per caption), training averages gradients (the script checks the replicas agree)."""
+    from safetensors.torch import load_file
+
+    from spatial_pipelines.testing import dummy_pipeline
+
+    model = tmp_path / "model"
+    dummy_pipeline("llamagen", grid=(4, 4)).save_pretrained(model)
+    common = ["--model", model, "--kind", "eagle", "--generated", 6, "--chunk-size", 2, "--limit", 8, "--batch-size", 2,
+              "--log-every", 1, "--checkpoint-every", 1, "--mixed-precision", "no"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "scripts" / "train_heads.py")]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    two = tmp_path / "two"
+    done = subprocess.run([*launch, *map(str, common), "--steps", "2", "--out", str(two)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert steps_logged(two) == [1, 2] and (two / "heads" / "config.json").is_file()
+    one = tmp_path / "one"
+    run("train_heads.py", *common, "--steps", 1, "--out", one)
+    a, b = load_file(two / "grids.safetensors"), load_file(one / "grids.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["codes"].shape[0] == 6
+    # resumed on two processes from the step-2 checkpoint
+    done = subprocess.run([*launch, *map(str, common), "--steps", "3", "--out", str(two)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert steps_logged(two) == [1, 2, 3]

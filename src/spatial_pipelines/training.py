@@ -1,12 +1,12 @@
-"""Helpers the training scripts share: a loss log that writes JSON + a loss-curve PNG, and resumable checkpoints
-with accelerate."""
+"""Helpers the training scripts share: a loss log that writes JSON + a loss-curve PNG, resumable checkpoints with
+accelerate, and datasets built in resumable chunks by every process of an ``accelerate launch`` run."""
 
 import argparse
 import itertools
 import json
 import os
 import shutil
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
@@ -100,9 +100,16 @@ def resolve_mixed_precision(value: str) -> str:
 
 def setup(args: argparse.Namespace) -> Tuple[Accelerator, TrainingLog]:
     """Accelerator with the run's precision (``auto`` resolved and written back to ``args``), seeded, and the run
-    folder's log."""
+    folder's log. A multi-process run that silently trained as independent single processes is refused: each
+    process checks that the launcher's ``WORLD_SIZE`` is the accelerator's process count."""
     args.mixed_precision = resolve_mixed_precision(args.mixed_precision)
-    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    # without an accelerator, processes started by `accelerate launch --multi_gpu` (torchrun) join as CPU workers
+    # over gloo only when told `cpu=True`; otherwise each would train alone
+    no_accelerator = not (torch.cuda.is_available() or torch.backends.mps.is_available())
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=no_accelerator)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != accelerator.num_processes:
+        raise RuntimeError(f"Launched as {world} processes but the accelerator joined {accelerator.num_processes}.")
     set_seed(args.seed)
     return accelerator, TrainingLog(args.out)
 
@@ -112,9 +119,67 @@ def prepare_and_resume(accelerator: Accelerator, args: argparse.Namespace, log: 
     return ``(model, optimizer, scheduler, endless batches, start step)``."""
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     step = resume(accelerator, args.out)
-    log.truncate(step)
+    if accelerator.is_main_process:  # one writer of the log
+        log.truncate(step)
+    accelerator.wait_for_everyone()
     batches: Iterator = itertools.chain.from_iterable(itertools.repeat(loader))
     return model, optimizer, scheduler, batches, step
+
+
+def build_dataset(
+    accelerator: Accelerator,
+    path: str,
+    num_items: int,
+    make_chunk: Callable[[int, int], Dict[str, torch.Tensor]],
+    chunk_size: int = 32,
+    desc: str = "generate",
+) -> Dict[str, torch.Tensor]:
+    """A dataset of ``num_items`` rows, made in chunks by every process and merged into one safetensors file.
+
+    ``make_chunk(start, end)`` returns the tensors of items ``[start, end)`` (rows first); it must depend on the item
+    indices only (seed per item), so the dataset is the same for any number of processes. Chunk ``c`` is made by
+    process ``c % num_processes`` and written to ``<path>.chunks/<start>-<end>.safetensors`` under a temporary
+    name, then renamed: a killed run keeps its finished chunks and a rerun makes only the missing ones. When every
+    chunk exists the main process concatenates them in order into ``path`` (and drops the chunks); every process
+    then reads ``path``. An existing ``path`` is read as it is.
+    """
+    from safetensors.torch import load_file, save_file
+    from tqdm.auto import tqdm
+
+    if not os.path.exists(path):
+        chunk_dir = path + ".chunks"
+        os.makedirs(chunk_dir, exist_ok=True)
+        bounds = [(s, min(s + chunk_size, num_items)) for s in range(0, num_items, chunk_size)]
+        files = [os.path.join(chunk_dir, f"{s:08d}-{e:08d}.safetensors") for s, e in bounds]
+        mine = [c for c in range(len(bounds)) if c % accelerator.num_processes == accelerator.process_index]
+        for c in tqdm(mine, desc=desc, disable=not accelerator.is_main_process):
+            if os.path.exists(files[c]):  # made by an earlier, interrupted run
+                continue
+            tensors = {k: v.contiguous() for k, v in make_chunk(*bounds[c]).items()}
+            tmp = files[c] + f".tmp{accelerator.process_index}"
+            save_file(tensors, tmp)
+            os.replace(tmp, files[c])  # atomic: a chunk on disk is always whole
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            parts = [load_file(f) for f in files]
+            merged = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            save_file(merged, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            shutil.rmtree(chunk_dir, ignore_errors=True)
+        accelerator.wait_for_everyone()
+    return load_file(path)
+
+
+def check_replicas_in_sync(accelerator: Accelerator, model) -> None:
+    """Raise if the processes of a multi-process run hold different weights (gradients were not averaged: e.g. a
+    loss that called the unwrapped model, which bypasses DDP's gradient hooks)."""
+    if accelerator.num_processes == 1:
+        return
+    params = [p.detach().float() for p in accelerator.unwrap_model(model).parameters()]
+    fingerprint = torch.stack([torch.stack([p.sum(), p.abs().sum(), (p * p).sum()]) for p in params]).flatten()
+    gathered = accelerator.gather(fingerprint.to(accelerator.device)[None])  # (processes, 3 * tensors)
+    if not torch.equal(gathered, gathered[:1].expand_as(gathered)):
+        raise RuntimeError("The processes' weights differ after training: gradients were not synchronised.")
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:
@@ -195,4 +260,5 @@ def fit(
             if accelerator.is_main_process:
                 log.plot(title, keys=plot_keys)
     bar.close()
+    check_replicas_in_sync(accelerator, model)
     return step

@@ -111,11 +111,14 @@ class EndOfRowInsertion:
         cls, layout: ImageTokenLayout, position_ids: torch.Tensor, prefix_length: int
     ) -> Optional["EndOfRowInsertion"]:
         """The insertion for a draft fed at ``position_ids`` ``(T,)``; ``None`` when no fed node ends a row.
+        Per-row positions ``(B, T)`` (one tree per row) give a `RowEndOfRowInsertion`.
 
         Reads the positions on the host: one small device-to-host copy per round, paid by EOL layouts only.
         """
+        if position_ids.dim() == 2:
+            return RowEndOfRowInsertion.for_positions(layout, position_ids, prefix_length)
         if position_ids.dim() != 1:
-            raise ValueError("End-of-row insertion needs one position per fed node for all rows, `(T,)`.")
+            raise ValueError(f"End-of-row insertion needs positions `(T,)` or `(B, T)`, got shape {tuple(position_ids.shape)}.")
         offsets = [p - prefix_length for p in position_ids.tolist()]
         last_row = layout.height - 1
         row_end = tuple(
@@ -168,6 +171,105 @@ class EndOfRowInsertion:
             raise ValueError("Rows keep paths that end different numbers of rows; rows must advance together.")
         out = torch.tensor(rows, device=keep.device)
         return out[0] if keep.dim() == 1 else out
+
+
+def _per_row(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """A ``(B, ...)`` table for ``rows`` fed rows (``2B`` with CFG: the unconditional rows verify the same drafts)."""
+    return x if rows == x.shape[0] else x.repeat(rows // x.shape[0], *([1] * (x.dim() - 1)))
+
+
+@dataclass(frozen=True)
+class RowEndOfRowInsertion:
+    """`EndOfRowInsertion` for drafts whose rows feed different trees (EAGLE-2, ADT-Tree): each row has its own
+    row-ending nodes, so each row gets its own slot tables, padded to the row with the most EOLs.
+
+    A pad slot re-feeds the root at the root's position, sees the root and the cache only, is seen by no slot and is
+    never kept. Rows still commit the same raster positions, so every row keeps the same number of EOLs.
+
+    Args:
+        source (`torch.LongTensor` `(B, T')`): the draft node each fed slot comes from (an EOL: its parent; a pad: 0).
+        is_eol (`torch.BoolTensor` `(B, T')`): end-of-row slots.
+        is_pad (`torch.BoolTensor` `(B, T')`): padding slots.
+        slot (`torch.LongTensor` `(B, T)`): the fed slot of each draft node.
+        view (`torch.LongTensor` `(B, T)`): per draft node, the fed slot whose output predicts the code after it.
+        row_end (`torch.BoolTensor` `(B, T)`): draft nodes an EOL follows.
+    """
+
+    source: torch.Tensor
+    is_eol: torch.Tensor
+    is_pad: torch.Tensor
+    slot: torch.Tensor
+    view: torch.Tensor
+    row_end: torch.Tensor
+
+    @classmethod
+    def for_positions(
+        cls, layout: ImageTokenLayout, position_ids: torch.Tensor, prefix_length: int
+    ) -> Optional["RowEndOfRowInsertion"]:
+        """The insertion for per-row positions ``(B, T)``; ``None`` when no row's fed node ends a row. Built with
+        tensor ops; one host read (the most EOLs of a row, which sizes the fed length)."""
+        offsets = position_ids - prefix_length  # (B, T)
+        row_end = (offsets % layout.row_stride == layout.width - 1) & (offsets // layout.row_stride < layout.height - 1)
+        b, t = row_end.shape
+        extra = int(row_end.sum(1).max())  # the host read
+        if extra == 0:
+            return None
+        ends = row_end.long()
+        slot = torch.arange(t, device=row_end.device) + ends.cumsum(1) - ends  # (B, T) EOLs before a node shift it
+        width = t + extra
+        nodes = torch.arange(t, device=row_end.device).expand(b, t)
+        # one spare column takes the writes of nodes without an EOL, then is dropped
+        eol_slot = torch.where(row_end, slot + 1, width)  # (B, T)
+        source = torch.zeros(b, width + 1, dtype=torch.long, device=row_end.device)
+        source.scatter_(1, slot, nodes).scatter_(1, eol_slot, nodes)
+        is_eol = torch.zeros(b, width + 1, dtype=torch.bool, device=row_end.device).scatter_(1, eol_slot, True)
+        used = torch.zeros(b, width + 1, dtype=torch.bool, device=row_end.device)
+        used.scatter_(1, slot, True).scatter_(1, eol_slot, True)
+        return cls(source=source[:, :width], is_eol=is_eol[:, :width], is_pad=~used[:, :width], slot=slot,
+                   view=slot + ends, row_end=row_end)
+
+    def input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` -> ``(B, T')``; EOL slots carry their parent's code, pads the root's."""
+        return input_ids.gather(1, self.source)
+
+    def position_ids(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` -> ``(B, T')``: an EOL sits one position after the row's last code; a pad at the root's."""
+        return position_ids.gather(1, self.source) + self.is_eol.long()
+
+    def attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``(T, T)`` or ``(B, T, T)`` -> ``(B, T', T')``: as `EndOfRowInsertion.attention_mask`, and no slot sees a pad."""
+        b, width = self.source.shape
+        mask = attention_mask.expand(b, *attention_mask.shape[-2:])
+        t = mask.shape[-1]
+        mask = mask.gather(1, self.source[:, :, None].expand(b, width, t)).gather(2, self.source[:, None, :].expand(b, width, width))
+        own = self.source[:, :, None] == self.source[:, None, :]  # (B, T', T') slots of the same draft node
+        own_eol = own & self.is_eol[:, None, :] & ~self.is_eol[:, :, None]  # a node's own EOL comes after it
+        return mask & ~own_eol & ~self.is_pad[:, None, :]
+
+    def embeds(self, embeds: torch.Tensor, eol_embedding: torch.Tensor) -> torch.Tensor:
+        """Put the EOL embedding ``(D,)`` into the EOL slots of ``(R, T', D)``."""
+        return torch.where(_per_row(self.is_eol, embeds.shape[0])[..., None], eol_embedding.to(embeds.dtype), embeds)
+
+    def outputs(self, fed: torch.Tensor) -> torch.Tensor:
+        """``(R, T', ...)`` -> ``(R, T, ...)``: per draft node, the output predicting the code after it."""
+        view = _per_row(self.view, fed.shape[0])
+        return fed[torch.arange(fed.shape[0], device=fed.device)[:, None], view]
+
+    def keep_length(self, length: int) -> int:
+        """A kept prefix of ``length`` draft nodes (a chain: every row ends rows at the same nodes) -> fed slots."""
+        return length + int(self.row_end[0, :length].sum())
+
+    def keep_indices(self, keep: torch.Tensor) -> torch.Tensor:
+        """Kept draft nodes ``(n,)`` or ``(B, n)`` -> kept fed slots ``(B, n')``, each row-ending node followed by
+        its EOL (one host read: rows must keep as many EOLs)."""
+        keep = keep.expand(self.slot.shape[0], -1) if keep.dim() == 1 else keep
+        slots = self.slot.gather(1, keep)  # (B, n)
+        pairs = torch.stack([slots, slots + 1], -1).flatten(1)  # (B, 2n): a node, then the slot after it
+        wanted = torch.stack([torch.ones_like(slots, dtype=torch.bool), self.row_end.gather(1, keep)], -1).flatten(1)
+        counts = wanted.sum(1).tolist()
+        if len(set(counts)) != 1:
+            raise ValueError("Rows keep paths that end different numbers of rows; rows must advance together.")
+        return pairs[wanted].reshape(keep.shape[0], counts[0])
 
 
 @functools.lru_cache(maxsize=256)

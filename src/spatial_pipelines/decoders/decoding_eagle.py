@@ -102,12 +102,6 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     def max_draft_tokens(self) -> int:
         return self.num_nodes + 1
 
-    def check_compatibility(self, layout, draft_heads=None) -> None:
-        super().check_compatibility(layout, draft_heads)
-        if layout.has_eol:
-            raise ValueError("`EagleDecoder` does not serve layouts with end-of-row tokens yet (per-row trees would need "
-                             "per-row EOL insertion); use `MedusaDecoder`, `HawkDecoder` or `JacobiDecoder` there.")
-
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> EagleState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
         state.cfg = sampling.do_cfg
