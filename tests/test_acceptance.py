@@ -16,7 +16,6 @@ from spatial_pipelines.core import RandomSource, SamplingConfig
 from spatial_pipelines.core.acceptance import (
     EXACT,
     LANTERN_PRESETS,
-    AcceptanceRule,
     LanternAcceptance,
     codebook_neighbours,
     resolve_acceptance,
