@@ -50,7 +50,7 @@ def main(argv=None):
     if use_fp16:
         pipe.transformer.to(torch.float16)
         pipe.vqvae.to(torch.float16)
-    pipe.register_to_config(default_guidance_scale=args.guidance_scale, default_top_k=args.top_k)
+    pipe.transformer.register_to_config(default_guidance_scale=args.guidance_scale, default_top_k=args.top_k)  # travel with it
     out = default_model_path()
     pipe.save_pretrained(out)
     size = folder_mb(out)

@@ -31,8 +31,11 @@ def test_generate_grid_and_same_seed(model_dir, tmp_path):
 
 def test_generate_reports_bad_input(model_dir, tmp_path, capsys):
     assert main(["generate", "fox", "--model", str(model_dir), "--out", str(tmp_path / "x.png"), "--top-p", "2"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p" in capsys.readouterr().err
     assert main(["generate", "fox", "--model", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "nothing' is not an existing folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["generate", "fox", "--model", str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")]) == 2
     assert "model_index.json" in capsys.readouterr().err
 
 

@@ -14,7 +14,7 @@ from spatial_pipelines.testing import dummy_pipeline
 DECODER_CASES = [
     pytest.param(AutoregressiveDecoder, {}, None, id="ar"),
     pytest.param(MedusaDecoder, {}, "random", id="medusa"),
-    pytest.param(MedusaDecoder, {"num_heads": 3, "tree_paths": [[0, 0, 0], [1, 0], [1, 1], [2]]}, "random", id="medusa-paths"),
+    pytest.param(MedusaDecoder, {"num_heads": 3, "tree_paths": [[0], [0, 0], [0, 0, 0], [1], [1, 0], [1, 1], [2]]}, "random", id="medusa-paths"),
     pytest.param(HawkDecoder, {}, "random", id="hawk"),
     pytest.param(HawkDecoder, {"num_horizontal_heads": 2, "vertical_speculation_depth": 1, "top_k": 1, "num_draft_tokens": 4}, "random", id="hawk-small"),
     pytest.param(JacobiDecoder, {}, None, id="sjd-random"),

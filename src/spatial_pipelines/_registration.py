@@ -5,6 +5,10 @@ downloading from the Hub. Adding the top-level package to ``LOADABLE_CLASSES`` /
 makes ``model_index.json`` read ``["spatial_pipelines", "AutoregressiveDecoder"]`` and lets both local and Hub
 loading resolve our classes. These are private tables of diffusers; ``tests/test_registration.py`` fails loudly
 if they move.
+
+``DiffusionPipeline.from_pretrained(folder_or_repo)`` looks the folder's ``_class_name`` up on the ``diffusers``
+module; our pipeline classes are bound there (only names diffusers does not define), so after
+``import spatial_pipelines`` it returns a `LlamaGenPipeline` as ``LlamaGenPipeline.from_pretrained`` would.
 """
 
 LIBRARY = "spatial_pipelines"
@@ -23,3 +27,21 @@ def register_with_diffusers() -> None:
     pipeline_loading_utils.ALL_IMPORTABLE_CLASSES.update(ENTRY)
     if LIBRARY not in pipeline_utils.LIBRARIES:
         pipeline_utils.LIBRARIES.append(LIBRARY)
+    bind_pipelines_on_diffusers()
+
+
+def bind_pipelines_on_diffusers() -> None:
+    """Make every `SpatialARPipeline` subclass resolvable as ``diffusers.<ClassName>`` (never replacing a diffusers name)."""
+    import diffusers
+
+    from .pipelines.pipeline_utils import SpatialARPipeline
+
+    todo = [SpatialARPipeline]
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            todo.append(cls)
+            if cls.__name__ not in diffusers.__dict__ and not hasattr(type(diffusers), cls.__name__):
+                try:
+                    getattr(diffusers, cls.__name__)
+                except AttributeError:
+                    setattr(diffusers, cls.__name__, cls)

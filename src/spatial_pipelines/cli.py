@@ -2,10 +2,14 @@
 
     spatial-pipelines generate "grinning face" --out face.png       # the embedded Twemoji model
     spatial-pipelines generate "a red fox" --model path/to/pipeline --decoder ar --out fox.png
+    spatial-pipelines generate "a red fox" --model org/repo --revision main --decoder medusa --heads org/heads
+
+``--model`` and ``--heads`` take a folder or a Hub repo id; repo ids resolve through the Hub cache and honour
+``HF_HUB_OFFLINE=1`` (then nothing is downloaded). Options are checked before the model loads; a bad one exits
+with code 2 and a message naming it.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -18,19 +22,28 @@ from .decoders import DECODERS
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def load_pipeline(model: str, torch_dtype: torch.dtype = torch.float32):
-    """Load a saved pipeline folder with the pipeline class its ``model_index.json`` names."""
-    import spatial_pipelines
+def load_pipeline(model: str, torch_dtype: torch.dtype = torch.float32, revision: Optional[str] = None):
+    """Load a saved pipeline (a folder, or a Hub repo id through the Hub cache) with the pipeline class its
+    ``model_index.json`` names. Raises `ValueError` naming ``model`` when it cannot."""
+    from diffusers import DiffusionPipeline
 
-    index_path = os.path.join(model, "model_index.json")
-    if not os.path.isfile(index_path):
-        raise ValueError(f"`--model` {model!r} is not a pipeline folder (no model_index.json).")
-    with open(index_path) as f:
-        class_name = json.load(f)["_class_name"]
-    pipeline_cls = getattr(spatial_pipelines, class_name, None)
-    if pipeline_cls is None:
-        raise ValueError(f"`--model` {model!r} holds a {class_name}, which spatial_pipelines does not provide.")
-    return pipeline_cls.from_pretrained(model, dtype=torch_dtype)
+    import spatial_pipelines
+    from .utils import check_path_or_repo_id
+
+    check_path_or_repo_id(model, "--model")
+    if os.path.exists(model):
+        if not os.path.isfile(os.path.join(model, "model_index.json")):
+            raise ValueError(f"`--model` {model!r} is not a pipeline folder (no model_index.json).")
+        if revision is not None:
+            raise ValueError(f"`--revision` applies to Hub repo ids; `--model` {model!r} is a local folder.")
+    try:
+        pipe = DiffusionPipeline.from_pretrained(model, revision=revision, dtype=torch_dtype)
+    except (OSError, AttributeError) as err:  # not in the cache when offline, unknown repo, unknown class
+        offline = " (HF_HUB_OFFLINE is set: only the Hub cache is read)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise ValueError(f"`--model` {model!r} could not be loaded{offline}: {err}") from err
+    if not isinstance(pipe, spatial_pipelines.SpatialARPipeline):
+        raise ValueError(f"`--model` {model!r} holds a {type(pipe).__name__}, which is not a spatial_pipelines pipeline.")
+    return pipe
 
 
 def grid_image(images):
@@ -47,18 +60,24 @@ def grid_image(images):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="spatial-pipelines", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"spatial_pipelines {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate an image from a prompt")
     g.add_argument("prompt", help="text prompt (or a class label for class-conditional models)")
-    g.add_argument("--model", default=None, help="a saved pipeline folder (default: the embedded Twemoji model)")
+    g.add_argument("--negative-prompt", default=None, help="replaces the unconditional prompt of CFG")
+    g.add_argument("--model", default=None, help="a pipeline folder or Hub repo id (default: the embedded Twemoji model)")
+    g.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model")
     g.add_argument("--decoder", default="ar", choices=sorted(DECODERS), help="decoding algorithm (default: ar)")
     g.add_argument("--heads", default=None,
-                   help="draft heads folder for decoders that need them (default with the embedded model: its shipped heads)")
-    g.add_argument("--out", default="image.png", help="output PNG (a grid when --num-images > 1)")
-    g.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the family's)")
+                   help="draft heads (folder or Hub repo id) for decoders that need them (default with the embedded model: its shipped heads)")
+    g.add_argument("--heads-revision", default=None, help="Hub revision of --heads")
+    g.add_argument("--out", default="image.png", help="output image, e.g. .png or .jpg (a grid when --num-images > 1)")
+    g.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the checkpoint's)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=None, help="default: the checkpoint's; 0 keeps every code")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-images", type=int, default=1)
@@ -69,31 +88,74 @@ def build_parser() -> argparse.ArgumentParser:
 
 def embedded_heads_path(heads_class: str) -> str:
     """The heads shipped with the embedded model for a decoder's heads class."""
-    from .embedded import default_heads_path, default_ssd_heads_path
+    from .embedded import default_eagle_head_path, default_heads_path, default_ssd_heads_path
 
-    paths = {"SpatialDraftHeads": default_heads_path(), "LatentDraftHeads": default_ssd_heads_path()}
+    paths = {"SpatialDraftHeads": default_heads_path(), "LatentDraftHeads": default_ssd_heads_path(),
+             "EagleDraftHead": default_eagle_head_path()}
     if heads_class not in paths:
         raise ValueError(f"`--decoder` needs {heads_class} heads; the embedded model ships none: pass `--heads`.")
     return paths[heads_class]
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every option that can be checked before the model loads; `ValueError` naming the option."""
+    from PIL import Image
+
+    from .utils import check_number, check_path_or_repo_id
+
+    check_number("--num-images", args.num_images, 1, integer=True)
+    check_number("--temperature", args.temperature, 0, meaning="0 is greedy")
+    if args.guidance_scale is not None:  # omitted: the checkpoint's
+        check_number("--guidance-scale", args.guidance_scale, 0, meaning="1 disables guidance")
+    if args.top_k is not None:
+        check_number("--top-k", args.top_k, 0, integer=True, meaning="0 keeps every code")
+    if args.top_p is not None:
+        check_number("--top-p", args.top_p, 0, 1, low_open=True)
+    ext = os.path.splitext(args.out)[1].lower()
+    if ext not in Image.registered_extensions() or Image.registered_extensions()[ext] not in Image.SAVE:
+        raise ValueError(f"`--out` {args.out!r} must end with an image extension PIL writes (.png, .jpg, .webp, ...).")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        raise ValueError(f"`--device` {args.device!r} is not a device: {err}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"`--device` {args.device!r} asks for CUDA, but torch sees no CUDA device here; use `--device cpu`.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"`--device` {args.device!r}: this machine has {torch.cuda.device_count()} CUDA devices.")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"`--device` {args.device!r} asks for MPS, which is not available here; use `--device cpu`.")
+    if args.model is not None:
+        check_path_or_repo_id(args.model, "--model")
+    elif args.revision is not None:
+        raise ValueError("`--revision` needs `--model` (a Hub repo id); the embedded model has no revisions.")
+    if args.heads is not None:
+        check_path_or_repo_id(args.heads, "--heads")
+    elif args.heads_revision is not None:
+        raise ValueError("`--heads-revision` needs `--heads` (a Hub repo id).")
+
+
 def generate(args: argparse.Namespace) -> int:
     from .embedded import default_model_path
 
-    pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype]).to(args.device)
+    check_args(args)
+    pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype], args.revision).to(args.device)
     pipe.decoder = DECODERS[args.decoder].from_config(pipe.decoder.config)
     heads = args.heads
     if heads is None and args.model is None and pipe.decoder.draft_heads_class is not None:
         heads = embedded_heads_path(pipe.decoder.draft_heads_class)
     if heads is not None:
-        pipe.load_draft_heads(heads)
+        if os.path.exists(heads) and args.heads_revision is not None:
+            raise ValueError(f"`--heads-revision` applies to Hub repo ids; `--heads` {heads!r} is a local folder.")
+        try:
+            pipe.load_draft_heads(heads, **({"revision": args.heads_revision} if args.heads_revision else {}))
+        except OSError as err:
+            raise ValueError(f"`--heads` {heads!r} could not be loaded: {err}") from err
     prompt = pipe.backbone.prompt_from_text(args.prompt)
-    if args.num_images < 1:
-        raise ValueError(f"`--num-images` must be >= 1, got {args.num_images}.")
+    negative = pipe.backbone.prompt_from_text(args.negative_prompt) if args.negative_prompt is not None else None
     generators = [torch.Generator().manual_seed(args.seed + i) for i in range(args.num_images)]
     out = pipe(
-        prompt, guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, num_images_per_prompt=args.num_images, generator=generators,
+        prompt, negative_prompt=negative, guidance_scale=args.guidance_scale, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, num_images_per_prompt=args.num_images, generator=generators,
     )
     image = grid_image(out.images)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -27,7 +27,14 @@ def packaged_model_dir(package: str) -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], folder)
 
 
+#: attribute a packaged encoder carries: the package it came from (pipelines built from components read it)
+PACKAGE_ATTRIBUTE = "_spatial_pipelines_text_encoder_package"
+
+
 def load_packaged_text_encoder(package: str) -> Tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The encoder (eval mode) and tokenizer stored in ``package``, read offline."""
+    """The encoder (eval mode) and tokenizer stored in ``package``, read offline. The encoder remembers
+    ``package`` (`PACKAGE_ATTRIBUTE`)."""
     path = packaged_model_dir(package)
-    return AutoModel.from_pretrained(path, local_files_only=True).eval(), AutoTokenizer.from_pretrained(path, local_files_only=True)
+    encoder = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    setattr(encoder, PACKAGE_ATTRIBUTE, package)
+    return encoder, AutoTokenizer.from_pretrained(path, local_files_only=True)

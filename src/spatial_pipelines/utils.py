@@ -1,12 +1,41 @@
 """Small helpers shared by pipelines and heads (no model code)."""
 
 import contextlib
+import math
+import numbers
 import os
 import shutil
 import tempfile
 from typing import Iterable, Iterator
 
 SAVED_MARKERS = ("model_index.json", "config.json")
+
+
+def check_number(name: str, value, low: float = None, high: float = None, *, low_open: bool = False,
+                 integer: bool = False, optional: bool = False, meaning: str = "") -> None:
+    """Raise `ValueError` naming ``name`` unless ``value`` is a real number (``bool`` is not one here), finite, an int
+    when ``integer``, and within ``[low, high]`` (``(low, high]`` with ``low_open``); ``None`` passes when ``optional``.
+    ``meaning`` ends the message (e.g. ``"0 is greedy"``)."""
+    if value is None and optional:
+        return
+    kind = "an int" if integer else "a finite number"
+    bounds = ""
+    if low is not None and high is not None:
+        bounds = f" in {'(' if low_open else '['}{low}, {high}]"
+    elif low is not None:
+        bounds = f" {'>' if low_open else '>='} {low}"
+    elif high is not None:
+        bounds = f" <= {high}"
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = isinstance(value, numbers.Integral)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        tail = f" ({meaning})" if meaning else ""
+        raise ValueError(f"`{name}` must be {'None or ' if optional else ''}{kind}{bounds}{tail}, got {value!r}.")
 
 
 @contextlib.contextmanager
@@ -86,3 +115,39 @@ class _NullTimer:
 
 
 NULL_TIMER = _NullTimer()
+
+
+def check_safetensors_file(path: str, what: str = "weights") -> None:
+    """Raise `ValueError` naming ``path`` if it is not a whole safetensors file (truncated, corrupt, not safetensors);
+    reads the header only."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"The {what} file {path!r} is truncated or corrupt ({err}); download or save it again.") from err
+
+
+def check_weights_folder(folder: str, what: str) -> None:
+    """For a local folder: every ``*.safetensors`` file in it (and its subfolders) must be whole (`check_safetensors_file`)."""
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            if name.endswith(".safetensors"):
+                check_safetensors_file(os.path.join(root, name), what)
+
+
+def check_path_or_repo_id(value, name: str) -> None:
+    """Raise `ValueError` naming ``name`` unless ``value`` is an existing local path or could be a Hub repo id
+    (``"name"`` or ``"org/name"``): a mistyped local path is reported as such, not as a network error."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"`{name}` must be a folder path or a Hub repo id, got {value!r}.")
+    value = os.fspath(value)
+    if os.path.exists(value):
+        return
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        raise ValueError(f"`{name}` {value!r} is not an existing folder (and not a Hub repo id like 'org/name').") from None

@@ -7,7 +7,31 @@ import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.tree import tree_from_paths
-from .decoding_utils import AUTO, Draft, check_draft_size, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState, check_draft_size, check_int
+
+
+def check_tree_paths(tree_paths, num_heads: int) -> List[Tuple[int, ...]]:
+    """``tree_paths`` as tuples, or a `ValueError`: a non-empty list of distinct, non-empty paths of candidate ranks
+    (ints >= 0), no deeper than ``num_heads``, prefix-closed (every path's parent path is listed too)."""
+    if isinstance(tree_paths, (str, bytes)) or not hasattr(tree_paths, "__iter__"):
+        raise ValueError(f"`tree_paths` must be a list of paths (lists of candidate ranks), got {tree_paths!r}.")
+    paths = []
+    for p in tree_paths:
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+            raise ValueError(f"`tree_paths` entries must be lists of candidate ranks, got {p!r}.")
+        p = tuple(p)
+        if not p or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in p):
+            raise ValueError(f"`tree_paths` entries must be non-empty lists of ints >= 0, got {list(p)!r}.")
+        paths.append(p)
+    if not paths or max(len(p) for p in paths) > num_heads:
+        raise ValueError(f"`tree_paths` must be non-empty and no deeper than `num_heads` ({num_heads}).")
+    if len(set(paths)) != len(paths):
+        raise ValueError("`tree_paths` lists a path twice.")
+    listed = set(paths)
+    orphans = [list(p) for p in paths if len(p) > 1 and p[:-1] not in listed]
+    if orphans:
+        raise ValueError(f"`tree_paths` must be prefix-closed: the parents of {orphans} are not listed (add {[list(p[:-1]) for p in map(tuple, orphans)]}).")
+    return paths
 
 
 def caterpillar_paths(depth: int, top_k: int) -> List[Tuple[int, ...]]:
@@ -21,8 +45,9 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     Args:
         num_heads (`int`): horizontal heads used (offsets ``1..num_heads``); also the tree depth.
         top_k (`int`): candidates per head in the default tree.
-        tree_paths (`list[list[int]]`, *optional*): the tree as candidate-rank paths (overrides the default
-            caterpillar tree of ``num_heads`` x ``top_k``).
+        tree_paths (`list[list[int]]`, *optional*): the tree as candidate-rank paths, one per node and
+            prefix-closed as Medusa's ``medusa_choices`` (``[[0], [0, 0], [1]]``); overrides the default caterpillar
+            tree of ``num_heads`` x ``top_k``.
         num_draft_tokens (`int`, `"auto"` or `None`): draft nodes fed per pass: the likeliest nodes of that tree.
             ``"auto"`` (default) picks the count that maximises expected codes per second from the target pass cost
             measured on the device (see `TreeDecoderMixin`); ``None`` feeds the whole tree.
@@ -52,13 +77,9 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
         if num_draft_tokens is not None:
             check_draft_size("num_draft_tokens", num_draft_tokens)
-        if num_heads < 1:
-            raise ValueError(f"`num_heads` must be >= 1, got {num_heads}.")
-        if top_k < 1:
-            raise ValueError(f"`top_k` must be >= 1, got {top_k}.")
-        paths = [tuple(p) for p in tree_paths] if tree_paths is not None else caterpillar_paths(num_heads, top_k)
-        if not paths or max(len(p) for p in paths) > num_heads:
-            raise ValueError(f"`tree_paths` must be non-empty and no deeper than `num_heads` ({num_heads}).")
+        check_int("num_heads", num_heads)
+        check_int("top_k", top_k)
+        paths = check_tree_paths(tree_paths, num_heads) if tree_paths is not None else caterpillar_paths(num_heads, top_k)
         self._set_tree(tree_from_paths(paths), num_draft_tokens)
         self._num_ranks = 1 + max(r for p in paths for r in p)  # candidates needed per head (host int)
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..core.kv_cache import StaticKVCache
 from ..models.transformer_llamagen import TransformerBlock, llamagen_intermediate_size, rope_2d_table
-from .heads_utils import DraftHeadsMixin
+from .heads_utils import DraftHeadsMixin, check_heads_args
 
 
 class EagleDraftHead(DraftHeadsMixin):
@@ -51,10 +51,11 @@ class EagleDraftHead(DraftHeadsMixin):
         rope_theta: float = 10000.0,
     ):
         super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("num_attention_heads", num_attention_heads),
-                            ("grid_height", grid_height), ("grid_width", grid_width), ("num_image_codes", num_image_codes)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
+        check_heads_args(base_model_name_or_path, base_model_revision,
+                         ints=[("hidden_size", hidden_size), ("num_attention_heads", num_attention_heads), ("grid_height", grid_height),
+                               ("grid_width", grid_width), ("num_image_codes", num_image_codes)],
+                         optional_ints=[("num_key_value_heads", num_key_value_heads), ("intermediate_size", intermediate_size)],
+                         positives=[("norm_eps", norm_eps), ("rope_theta", rope_theta)])
         if hidden_size % num_attention_heads or (hidden_size // num_attention_heads) % 4:
             raise ValueError(f"`hidden_size` ({hidden_size}) must split into `num_attention_heads` ({num_attention_heads}) heads "
                              "whose size is a multiple of 4 (2-D RoPE).")

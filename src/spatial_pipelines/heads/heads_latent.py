@@ -17,7 +17,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from .heads_utils import DraftHeadsMixin, check_offsets
+from .heads_utils import DraftHeadsMixin, check_heads_args, check_offsets
 
 DIRECTIONS = ("horizontal", "vertical")
 
@@ -74,9 +74,11 @@ class LatentDraftHeads(DraftHeadsMixin):
         rms_norm_eps: float = 1e-5,
     ):
         super().__init__()
+        check_heads_args(base_model_name_or_path, base_model_revision,
+                         ints=[("hidden_size", hidden_size), ("num_image_codes", num_image_codes), ("grid_height", grid_height),
+                               ("grid_width", grid_width)],
+                         optional_ints=[("intermediate_size", intermediate_size)], positives=[("rms_norm_eps", rms_norm_eps)])
         check_offsets(horizontal_offsets, vertical_offsets)
-        if intermediate_size is not None and intermediate_size < 1:
-            raise ValueError(f"`intermediate_size` must be None or >= 1, got {intermediate_size}.")
         m = intermediate_size or 2 * hidden_size
         self.horizontal = nn.ModuleList(LatentPredictor(hidden_size, m, rms_norm_eps) for _ in horizontal_offsets)
         self.vertical = nn.ModuleList(LatentPredictor(hidden_size, m, rms_norm_eps) for _ in vertical_offsets)

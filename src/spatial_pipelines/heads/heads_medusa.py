@@ -12,7 +12,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from .heads_utils import DraftHeadsMixin, check_offsets
+from .heads_utils import DraftHeadsMixin, check_heads_args, check_offsets
 
 
 class ResBlock(nn.Module):
@@ -51,6 +51,9 @@ class SpatialDraftHeads(DraftHeadsMixin):
         num_layers: int = 1,
     ):
         super().__init__()
+        check_heads_args(base_model_name_or_path, base_model_revision,
+                         ints=[("hidden_size", hidden_size), ("num_image_codes", num_image_codes), ("grid_height", grid_height),
+                               ("grid_width", grid_width), ("num_layers", num_layers)])
         check_offsets(horizontal_offsets, vertical_offsets)
 
         def head():

@@ -12,7 +12,10 @@ from diffusers import ConfigMixin, ModelMixin
 from huggingface_hub import ModelCard, ModelCardData, create_repo
 from torch import nn
 
-from ..utils import atomic_directory
+from ..utils import atomic_directory, check_path_or_repo_id, check_safetensors_file
+
+#: The weights file of a heads folder (diffusers' name; safetensors only).
+SAFETENSORS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
 #: Backbone facts a heads config records; each must equal the backbone's.
 BACKBONE_FACTS = ("hidden_size", "num_image_codes", "grid_height", "grid_width")
@@ -35,10 +38,30 @@ def check_backbone_facts(heads_config: Dict[str, Any], backbone_facts: Dict[str,
 
 
 def check_offsets(horizontal_offsets, vertical_offsets) -> None:
-    """Raise `ValueError` unless each offset list holds distinct offsets >= 1."""
+    """Raise `ValueError` unless each offset list is a list of distinct ints >= 1."""
     for name, offsets in (("horizontal_offsets", horizontal_offsets), ("vertical_offsets", vertical_offsets)):
-        if any(int(o) < 1 for o in offsets) or len(set(offsets)) != len(offsets):
-            raise ValueError(f"`{name}` must hold distinct offsets >= 1, got {list(offsets)}.")
+        if isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__iter__"):
+            raise ValueError(f"`{name}` must be a list of distinct ints >= 1, got {offsets!r}.")
+        offsets = list(offsets)
+        if any(not isinstance(o, int) or isinstance(o, bool) or o < 1 for o in offsets) or len(set(offsets)) != len(offsets):
+            raise ValueError(f"`{name}` must hold distinct ints >= 1, got {offsets!r}.")
+
+
+def check_heads_args(base_model_name_or_path=None, base_model_revision=None, ints=(), optional_ints=(), positives=()) -> None:
+    """The argument checks every heads constructor shares: the base model id and revision are ``None`` or strings,
+    ``ints`` are ints >= 1, ``optional_ints`` ``None`` or ints >= 1, ``positives`` finite numbers > 0 (each a
+    ``(name, value)`` pair). Raises `ValueError` naming the argument."""
+    from ..utils import check_number
+
+    for name, value in (("base_model_name_or_path", base_model_name_or_path), ("base_model_revision", base_model_revision)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise ValueError(f"`{name}` must be None or a string, got {value!r}.")
+    for name, value in ints:
+        check_number(name, value, 1, integer=True)
+    for name, value in optional_ints:
+        check_number(name, value, 1, integer=True, optional=True)
+    for name, value in positives:
+        check_number(name, value, 0, low_open=True)
 
 
 class DraftHeadsMixin(ModelMixin, ConfigMixin):
@@ -70,23 +93,49 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, backbone_facts: Optional[Dict[str, Any]] = None, **kwargs):
-        """Load heads; with ``backbone_facts`` the config is checked before any weight is read.
+        """Load heads (a folder or a Hub repo id); with ``backbone_facts`` the config is checked before any weight is
+        read. Called on `DraftHeadsMixin` itself, loads the heads class the config names.
 
-        Weights whose names or shapes do not fit the config raise `ValueError` (never random weights with a
-        warning).
+        Every failure is a `ValueError` naming the file: no config, a config of another class, no safetensors
+        weights (pickles are never read), a truncated or corrupt weights file, weights whose names or shapes do
+        not fit the config (never random weights with a warning).
         """
-        config = cls.load_config(pretrained_model_name_or_path, **{k: v for k, v in kwargs.items() if k in ("subfolder", "revision", "cache_dir", "local_files_only", "token")})
+        path = pretrained_model_name_or_path
+        check_path_or_repo_id(path, "pretrained_model_name_or_path")
+        hub_kwargs = {k: v for k, v in kwargs.items() if k in ("subfolder", "revision", "cache_dir", "local_files_only", "token")}
+        try:
+            config = cls.load_config(path, **hub_kwargs)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"`pretrained_model_name_or_path` {str(path)!r} holds no draft-heads config (config.json): {err}") from err
+        name = config.get("_class_name")
+        target = cls if name == cls.__name__ else _heads_class(name)
+        if target is None or not issubclass(target, cls):
+            raise ValueError(
+                f"The config.json at {str(path)!r} is of class {name!r}, not a {cls.__name__} of spatial_pipelines "
+                f"({', '.join(sorted(c.__name__ for c in _heads_classes(cls)))})."
+            )
+        if target is not cls:
+            return target.from_pretrained(path, backbone_facts=backbone_facts, **kwargs)
         if backbone_facts is not None:
             check_backbone_facts(config, backbone_facts)
+        folder = os.path.join(str(path), kwargs.get("subfolder") or "")
+        if os.path.isdir(folder):  # local: say what is wrong with the weights file before diffusers tries it
+            weights = os.path.join(folder, SAFETENSORS_WEIGHTS_NAME)
+            if not os.path.isfile(weights):
+                found = sorted(f for f in os.listdir(folder) if f != "config.json")
+                raise ValueError(f"The draft-heads folder {folder!r} has no weights file {SAFETENSORS_WEIGHTS_NAME!r} "
+                                 f"(found: {found or 'nothing else'}); spatial_pipelines reads safetensors only.")
+            check_safetensors_file(weights, "draft-heads weights")
         kwargs.setdefault("low_cpu_mem_usage", False)
         kwargs["ignore_mismatched_sizes"] = False
+        kwargs["use_safetensors"] = True  # never fall back to a pickled .bin
         try:
-            model, info = super().from_pretrained(pretrained_model_name_or_path, output_loading_info=True, **kwargs)
-        except (RuntimeError, ValueError) as err:
-            raise ValueError(f"`draft_heads` at {pretrained_model_name_or_path!r} do not fit their config: {err}") from err
+            model, info = super().from_pretrained(path, output_loading_info=True, **kwargs)
+        except (OSError, RuntimeError, ValueError) as err:
+            raise ValueError(f"`draft_heads` at {str(path)!r} could not be loaded: {err}") from err
         bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
         if bad:
-            raise ValueError(f"`draft_heads` at {pretrained_model_name_or_path!r} do not fit their config: {bad}")
+            raise ValueError(f"`draft_heads` at {str(path)!r} do not fit their config: {bad}")
         return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -122,3 +171,18 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
             "pipe = LlamaGenPipeline.from_pretrained(BASE)\npipe.load_draft_heads(THIS_REPO)\n```\n"
         )
         return ModelCard(text)
+
+
+def _heads_classes(base: type) -> list:
+    """``base`` and every subclass of it that is loaded."""
+    found, todo = [base], [base]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+def _heads_class(name: Optional[str]) -> Optional[type]:
+    """The heads class called ``name`` (any `DraftHeadsMixin` subclass), or ``None``."""
+    return next((c for c in _heads_classes(DraftHeadsMixin) if c.__name__ == name), None)

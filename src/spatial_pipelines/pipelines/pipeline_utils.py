@@ -22,7 +22,7 @@ from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .pass_cost import PassCost
-from ..utils import NULL_TIMER, RoundTimer, atomic_directory
+from ..utils import NULL_TIMER, RoundTimer, atomic_directory, check_number
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 PromptInput = Union[str, int, Sequence[Union[str, int]]]
@@ -234,6 +234,16 @@ class SpatialARPipeline(DiffusionPipeline):
     def image_processor(self) -> VaeImageProcessor:
         return VaeImageProcessor(vae_scale_factor=self.backbone.vae_scale_factor, do_normalize=True)
 
+    def __setattr__(self, name: str, value: Any):
+        """``pipe.decoder = ...`` and ``pipe.draft_heads = ...`` (the ``pipe.scheduler = ...`` habit) get the checks of
+        `set_draft_heads`: a non-decoder, or heads made for another backbone, is a `ValueError`."""
+        if name in self.__dict__ and name == "decoder" and not isinstance(value, SpatialDecoderMixin):
+            hint = f"; by name: `DECODERS[{value!r}]()` from `spatial_pipelines.decoders`" if isinstance(value, str) else ""
+            raise ValueError(f"`decoder` must be a decoder instance (a SpatialDecoderMixin such as `MedusaDecoder()`), got {value!r}{hint}.")
+        if name in self.__dict__ and name == "draft_heads":
+            self._check_draft_heads(value)
+        super().__setattr__(name, value)
+
     def _check_draft_heads(self, draft_heads) -> None:
         if draft_heads is None:
             return
@@ -254,14 +264,7 @@ class SpatialARPipeline(DiffusionPipeline):
         The heads' config is checked against this backbone before any weight is read; a mismatch raises
         `ValueError`. Keyword arguments go to the heads class's ``from_pretrained``.
         """
-        config = DraftHeadsMixin.load_config(pretrained_model_name_or_path, **{k: v for k, v in kwargs.items() if k in ("subfolder", "revision", "token")})
-        heads_cls = _find_subclass(DraftHeadsMixin, config.get("_class_name"))
-        if heads_cls is None:
-            raise ValueError(
-                f"`pretrained_model_name_or_path` {pretrained_model_name_or_path!r} holds a config of class "
-                f"{config.get('_class_name')!r}, which is not a draft-heads class of spatial_pipelines."
-            )
-        heads = heads_cls.from_pretrained(pretrained_model_name_or_path, backbone_facts=self.backbone.facts(), **kwargs)
+        heads = DraftHeadsMixin.from_pretrained(pretrained_model_name_or_path, backbone_facts=self.backbone.facts(), **kwargs)
         self.set_draft_heads(heads)
         return heads
 
@@ -328,30 +331,26 @@ class SpatialARPipeline(DiffusionPipeline):
         generator,
         output_type,
         callback_on_step_end_tensor_inputs,
+        callback_on_step_end=None,
     ) -> List[Any]:
         """Validate the call's arguments; returns the prompt as a list. Raises `ValueError` naming the argument."""
-        prompts = _as_list(prompt)
+        prompts = _as_list(prompt, "prompt")
         if len(prompts) == 0:
             raise ValueError("`prompt` must hold at least one prompt, got an empty list.")
         backbone = self.backbone
         backbone.check_prompt(prompts, "prompt")
         if negative_prompt is not None:
-            negatives = _as_list(negative_prompt)
+            negatives = _as_list(negative_prompt, "negative_prompt")
             if len(negatives) not in (1, len(prompts)):
                 raise ValueError(
                     f"`negative_prompt` must hold 1 or len(prompt)={len(prompts)} prompts, got {len(negatives)}."
                 )
             backbone.check_prompt(negatives, "negative_prompt")
-        if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
-            raise ValueError(f"`guidance_scale` must be a number >= 0 (1 disables guidance), got {guidance_scale!r}.")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"`temperature` must be a number >= 0 (0 is greedy), got {temperature!r}.")
-        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
-            raise ValueError(f"`top_k` must be None or an int >= 0 (0 keeps every code), got {top_k!r}.")
-        if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-            raise ValueError(f"`top_p` must be None or in (0, 1], got {top_p!r}.")
-        if not isinstance(num_images_per_prompt, int) or isinstance(num_images_per_prompt, bool) or num_images_per_prompt < 1:
-            raise ValueError(f"`num_images_per_prompt` must be an int >= 1, got {num_images_per_prompt!r}.")
+        check_number("guidance_scale", guidance_scale, 0, meaning="1 disables guidance")
+        check_number("temperature", temperature, 0, meaning="0 is greedy")
+        check_number("top_k", top_k, 0, integer=True, optional=True, meaning="0 keeps every code")
+        check_number("top_p", top_p, 0, 1, low_open=True, optional=True)
+        check_number("num_images_per_prompt", num_images_per_prompt, 1, integer=True)
         batch_size = len(prompts) * num_images_per_prompt
         if isinstance(generator, (list, tuple)):
             if len(generator) != batch_size:
@@ -363,8 +362,12 @@ class SpatialARPipeline(DiffusionPipeline):
                 raise ValueError("`generator` list must hold only `torch.Generator` objects.")
         elif generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"`generator` must be a torch.Generator, a list of them, or None; got {type(generator).__name__}.")
-        if output_type not in OUTPUT_TYPES:
+        if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
+        if callback_on_step_end is not None and not callable(callback_on_step_end):
+            raise ValueError(f"`callback_on_step_end` must be callable or None, got {type(callback_on_step_end).__name__}.")
+        if isinstance(callback_on_step_end_tensor_inputs, str):
+            raise ValueError(f"`callback_on_step_end_tensor_inputs` must be a list of names, got the string {callback_on_step_end_tensor_inputs!r}.")
         unknown = [k for k in callback_on_step_end_tensor_inputs or () if k not in self._callback_tensor_inputs]
         if unknown:
             raise ValueError(
@@ -408,7 +411,11 @@ class SpatialARPipeline(DiffusionPipeline):
             output_type (`str`): ``"pil"``, ``"np"``, ``"pt"`` or ``"latent"`` (the token grids).
             return_dict (`bool`): return a `SpatialPipelineOutput` rather than a tuple.
             callback_on_step_end (`Callable`, *optional*): called after every target pass as
-                ``callback(pipe, step_index, num_committed, callback_kwargs)``.
+                ``callback(pipe, step_index, num_committed, callback_kwargs)``; ``callback_kwargs`` holds copies of
+                the state tensors named below (``tokens``: the ``(B, H, W)`` grid, ``-1`` where not yet decoded;
+                ``acceptance_map``), so changing them in place changes nothing. Return the dict (diffusers' habit)
+                or ``None``: a returned ``acceptance_map`` replaces the record; a returned ``tokens`` must leave the
+                grid as it was (a `ValueError` otherwise: committed codes cannot be changed mid-generation).
             callback_on_step_end_tensor_inputs (`list[str]`): state tensors put in ``callback_kwargs``.
 
         Returns:
@@ -424,7 +431,7 @@ class SpatialARPipeline(DiffusionPipeline):
         # 1. Check inputs
         prompts = self.check_inputs(
             prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt, generator,
-            output_type, callback_on_step_end_tensor_inputs,
+            output_type, callback_on_step_end_tensor_inputs, callback_on_step_end,
         )
         layout = backbone.layout
         self.decoder.check_compatibility(layout, self.draft_heads)
@@ -466,9 +473,7 @@ class SpatialARPipeline(DiffusionPipeline):
                 num_forward_passes += 1
                 progress_bar.update(state.num_committed - committed_before)
                 if callback_on_step_end is not None:
-                    tensors = {"tokens": layout.grid(state.tokens), "acceptance_map": layout.grid(state.acceptance_map)}
-                    callback_kwargs = {k: tensors[k] for k in callback_on_step_end_tensor_inputs}
-                    callback_on_step_end(self, num_forward_passes - 1, state.num_committed, callback_kwargs)
+                    self._run_callback(callback_on_step_end, callback_on_step_end_tensor_inputs, num_forward_passes - 1, state)
 
         # 6. VQ decode
         tokens = layout.grid(state.tokens)  # (B, H, W)
@@ -499,6 +504,34 @@ class SpatialARPipeline(DiffusionPipeline):
         return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats)
 
     # -- the loop's parts ---------------------------------------------------------------------------------
+    def _run_callback(self, callback, tensor_inputs: Sequence[str], step_index: int, state: DecodingState) -> None:
+        """diffusers' ``callback_on_step_end`` contract, for an AR loop: the callback gets copies of the state tensors
+        it names (mutating them changes nothing) and may return a dict of some of them. A returned
+        ``acceptance_map`` replaces the record; a returned ``tokens`` may not change committed codes (the KV cache
+        and the decoder hold them): any change there is a `ValueError`, never silently dropped."""
+        layout = state.layout
+        tensors = {"tokens": layout.grid(state.tokens), "acceptance_map": layout.grid(state.acceptance_map)}
+        outputs = callback(self, step_index, state.num_committed, {k: tensors[k].clone() for k in tensor_inputs})
+        if outputs is None:
+            return
+        if not isinstance(outputs, dict):
+            raise ValueError(f"`callback_on_step_end` must return a dict (or None), got {type(outputs).__name__}.")
+        unknown = [k for k in outputs if k not in tensor_inputs]
+        if unknown:
+            raise ValueError(f"`callback_on_step_end` returned {unknown}, which it was not given; it was given {list(tensor_inputs)}.")
+        for name, value in outputs.items():
+            current = tensors[name]
+            if not isinstance(value, torch.Tensor) or value.shape != current.shape:
+                raise ValueError(f"`callback_on_step_end` returned `{name}` of shape "
+                                 f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}; expected {tuple(current.shape)}.")
+            value = value.to(current.device, current.dtype)
+            if name == "tokens" and not torch.equal(value, current):
+                raise ValueError("`callback_on_step_end` returned `tokens` with changed codes; committed codes cannot be "
+                                 "changed during generation (the KV cache holds them) and undecoded ones are -1. Edit the "
+                                 "returned grid after the call instead.")
+            if name == "acceptance_map":
+                state.acceptance_map.copy_(value.flatten(1))
+
     def _prefill(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, state: DecodingState, cache: StaticKVCache) -> None:
         """Step 4: one pass over the prompt fills the cache; its last output gives the first code."""
         positions = torch.arange(prefix.embeds.shape[1], device=prefix.embeds.device)
@@ -610,9 +643,12 @@ class SpatialARPipeline(DiffusionPipeline):
             self._round_timer = None
 
 
-def _as_list(prompt) -> List[Any]:
+def _as_list(prompt, name: str = "prompt") -> List[Any]:
     if isinstance(prompt, (str, int)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 0):
         return [prompt]
+    if prompt is None or isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"`{name}` must be a prompt (a string, or a class label for class-conditional models) or a "
+                         f"list of them, got {prompt!r}.")
     return list(prompt)
 
 
