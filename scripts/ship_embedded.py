@@ -52,7 +52,7 @@ def main(argv=None):
         pipe.vqvae.to(torch.float16)
     pipe.transformer.register_to_config(default_guidance_scale=args.guidance_scale, default_top_k=args.top_k)  # travel with it
     out = default_model_path()
-    pipe.save_pretrained(out)
+    pipe.save_pretrained(out, model_card=False)  # the card is hub_cards/twemoji_llamagen.md (scripts/make_cards.py)
     size = folder_mb(out)
     print(json.dumps({"shipped_to": out, "size_mb": round(size, 2), "fp16": use_fp16, "greedy_agreement": agreement}))
     if size > MAX_MB:

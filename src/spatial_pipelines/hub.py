@@ -14,7 +14,7 @@ for pipelines. ``DraftHeadsMixin.save_pretrained``/``push_to_hub`` and ``Spatial
 
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from huggingface_hub import ModelCard, ModelCardData, create_repo
 from huggingface_hub.utils import HFValidationError, validate_repo_id

@@ -6,12 +6,14 @@ facts that must match (hidden size, number of image codes, grid); loading agains
 """
 
 import os
+import tempfile
 from typing import Any, Dict, Optional
 
 from diffusers import ConfigMixin, ModelMixin
-from huggingface_hub import ModelCard, ModelCardData, create_repo
+from huggingface_hub import ModelCard
 from torch import nn
 
+from ..hub import HUB_KWARGS, create_hub_repo, heads_card, upload_to_hub
 from ..utils import atomic_directory, check_path_or_repo_id, check_safetensors_file
 
 #: The weights file of a heads folder (diffusers' name; safetensors only).
@@ -139,38 +141,72 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save config + safetensors (and a model card) all at once; a failed save leaves no partial folder."""
+        """Save config + safetensors + the adapter card (``README.md``, `model_card`) all at once; a failed save
+        leaves no partial folder.
+
+        With ``push_to_hub=True`` the folder is then uploaded to ``repo_id`` (default: the folder's name; ``private``,
+        ``token``, ``commit_message`` and ``create_pr`` as in diffusers): the same files `push_to_hub` sends. Without
+        it, ``repo_id`` only names the repo in the card's load snippet. ``benchmark`` and ``training_command`` go to
+        `model_card`.
+        """
         kwargs["safe_serialization"] = True
         push = kwargs.pop("push_to_hub", False)
-        hub = {k: kwargs.pop(k) for k in ("repo_id", "private", "token", "commit_message", "create_pr") if k in kwargs}
+        hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+        card = {k: kwargs.pop(k) for k in ("benchmark", "training_command") if k in kwargs}
+        repo_id = hub.get("repo_id")
+        if push:
+            repo_id = create_hub_repo(repo_id or os.path.basename(os.path.abspath(save_directory)),
+                                      private=hub.get("private"), token=hub.get("token"))
         with atomic_directory(save_directory) as tmp:
             super().save_pretrained(tmp, *args, **kwargs)
-            self.model_card().save(os.path.join(tmp, "README.md"))
+            self.model_card(repo_id=repo_id, **card).save(os.path.join(tmp, "README.md"))
         if push:
-            repo_name = hub.get("repo_id", os.path.basename(os.path.abspath(save_directory)))
-            repo_id = create_repo(repo_name, exist_ok=True, private=hub.get("private"), token=hub.get("token")).repo_id
-            self._upload_folder(
-                save_directory, repo_id, token=hub.get("token"), commit_message=hub.get("commit_message"),
-                create_pr=hub.get("create_pr", False),
-            )
+            return upload_to_hub(self, save_directory, repo_id, token=hub.get("token"), commit_message=hub.get("commit_message"),
+                                 create_pr=hub.get("create_pr", False))
 
-    def model_card(self) -> ModelCard:
-        """A Hub model card declaring these heads an adapter of their base model."""
-        base = self.config.get("base_model_name_or_path")
-        data = ModelCardData(
-            library_name="spatial_pipelines",
-            base_model=base if base and not os.path.isdir(str(base)) else None,
-            base_model_relation="adapter" if base else None,
-            tags=["spatial_pipelines", "speculative-decoding", "draft-heads"],
-        )
-        facts = ", ".join(f"{k}={self.config.get(k)}" for k in BACKBONE_FACTS)
-        text = (
-            f"---\n{data.to_yaml()}\n---\n\n# {type(self).__name__}\n\n"
-            f"Draft heads for speculative decoding of `{base}` with `spatial_pipelines` ({facts}).\n\n"
-            "```python\nfrom spatial_pipelines import LlamaGenPipeline\n"
-            "pipe = LlamaGenPipeline.from_pretrained(BASE)\npipe.load_draft_heads(THIS_REPO)\n```\n"
-        )
-        return ModelCard(text)
+    def push_to_hub(
+        self,
+        repo_id: str,
+        commit_message: Optional[str] = None,
+        private: Optional[bool] = None,
+        token: Optional[str] = None,
+        create_pr: bool = False,
+        safe_serialization: bool = True,
+        variant: Optional[str] = None,
+        subfolder: Optional[str] = None,
+        *,
+        benchmark=None,
+        training_command: Optional[str] = None,
+    ) -> str:
+        """Upload these heads to the Hub repo ``repo_id``: weights (safetensors), config and the adapter card of
+        `model_card` (not diffusers' generic card), the files ``save_pretrained(..., push_to_hub=True)`` sends.
+
+        Arguments as diffusers' `PushToHubMixin.push_to_hub`; ``benchmark`` and ``training_command`` go to
+        `model_card`.
+        """
+        if not safe_serialization:
+            raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
+        repo_id = create_hub_repo(repo_id, private=private, token=token)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = os.path.join(tmp, "heads")
+            self.save_pretrained(folder, variant=variant, repo_id=repo_id, benchmark=benchmark, training_command=training_command)
+            return upload_to_hub(self, folder, repo_id, token=token, commit_message=commit_message, create_pr=create_pr,
+                                 subfolder=subfolder)
+
+    def model_card(self, repo_id: Optional[str] = None, benchmark=None, training_command: Optional[str] = None, **fields) -> ModelCard:
+        """The Hub card declaring these heads an adapter of their base model (`spatial_pipelines.hub.heads_card`,
+        rendered from the template of their kind).
+
+        Args:
+            repo_id (`str`, *optional*): the heads' repo id (or folder), for the load snippet.
+            benchmark (`str`, `os.PathLike` or `dict`, *optional*): a ``scripts/benchmark.py`` report
+                (``benchmark.json``); its rows of the decoders that use these heads fill the speed table.
+            training_command (`str`, *optional*): how they were trained (default: the config's
+                ``training_command``, else the ``scripts/train_heads.py`` command of their kind and config).
+            fields: further card fields (``base_model``, ``benchmark_source``, ``notes``, ...; see `heads_card`).
+        """
+        return heads_card([c.__name__ for c in type(self).__mro__], dict(self.config), repo_id=repo_id,
+                          benchmark=benchmark, training_command=training_command, **fields)
 
 
 def _heads_classes(base: type) -> list:

@@ -22,7 +22,7 @@ from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .pass_cost import PassCost
-from ..utils import NULL_TIMER, RoundTimer, atomic_directory, check_number
+from ..utils import NULL_TIMER, RoundTimer, atomic_directory, check_number, check_weights_folder
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 PromptInput = Union[str, int, Sequence[Union[str, int]]]
@@ -242,6 +242,10 @@ class SpatialARPipeline(DiffusionPipeline):
             raise ValueError(f"`decoder` must be a decoder instance (a SpatialDecoderMixin such as `MedusaDecoder()`), got {value!r}{hint}.")
         if name in self.__dict__ and name == "draft_heads":
             self._check_draft_heads(value)
+            if value is not None:  # diffusers keeps (None, None) for a component once set to None: record it again
+                from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
+
+                self.register_to_config(draft_heads=_fetch_class_library_tuple(value))
         super().__setattr__(name, value)
 
     def _check_draft_heads(self, draft_heads) -> None:
@@ -267,6 +271,15 @@ class SpatialARPipeline(DiffusionPipeline):
         heads = DraftHeadsMixin.from_pretrained(pretrained_model_name_or_path, backbone_facts=self.backbone.facts(), **kwargs)
         self.set_draft_heads(heads)
         return heads
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' ``from_pretrained`` (a folder or a Hub repo id), after checking a local folder's weights: a
+        truncated or corrupt safetensors file is a `ValueError` naming it (not "Unable to load weights")."""
+        path = pretrained_model_name_or_path
+        if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+            check_weights_folder(os.fspath(path), "pipeline weights")
+        return super().from_pretrained(path, **kwargs)
 
     @classmethod
     def from_backbone(
@@ -299,20 +312,71 @@ class SpatialARPipeline(DiffusionPipeline):
         raise ValueError(f"{cls.__name__} has no loader for plain backbone checkpoints; use `from_pretrained`.")
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], safe_serialization: bool = True, **kwargs):
-        """Save every component (safetensors only) all at once: a failed save leaves the folder as it was."""
+        """Save every component (safetensors only) and a model card (``README.md``, `spatial_pipelines.hub.pipeline_card`:
+        what the pipeline is, the packages loading it needs, how to load it) all at once: a failed save leaves the
+        folder as it was.
+
+        With ``push_to_hub=True`` the folder is then uploaded to ``repo_id`` (default: the folder's name; ``private``,
+        ``token``, ``commit_message`` and ``create_pr`` as in diffusers): the same files `push_to_hub` sends. Without
+        it, ``repo_id`` only names the repo in the card's load snippet. ``model_card=False`` writes no card;
+        ``card_fields`` (a dict) go to `pipeline_card` (``description``, ``sections``, ``license``, ...).
+        """
+        from ..hub import HUB_KWARGS, create_hub_repo, pipeline_card, upload_to_hub
+
         if not safe_serialization:
             raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
         push = kwargs.pop("push_to_hub", False)
+        write_card = kwargs.pop("model_card", True)
+        card_fields = kwargs.pop("card_fields", None) or {}
+        hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+        repo_id = hub.get("repo_id")
         if push:
-            kwargs.setdefault("repo_id", os.path.basename(os.path.abspath(save_directory)))
+            repo_id = create_hub_repo(repo_id or os.path.basename(os.path.abspath(save_directory)),
+                                      private=hub.get("private"), token=hub.get("token"))
+        card = pipeline_card(self, repo_id=repo_id, **card_fields) if write_card else None
         packaged = {name: getattr(self.config, name) for name in self._packaged_components()}
         try:
             # components that come from an installed package are recorded as absent and never written
             self.register_to_config(**{name: (None, None) for name in packaged})
             with atomic_directory(save_directory) as tmp:
-                super().save_pretrained(tmp, safe_serialization=True, push_to_hub=push, **kwargs)
+                super().save_pretrained(tmp, safe_serialization=True, **kwargs)
+                if card is not None:  # ours, never diffusers' generic card
+                    card.save(os.path.join(tmp, "README.md"))
         finally:
             self.register_to_config(**packaged)
+        if push:
+            return upload_to_hub(self, save_directory, repo_id, token=hub.get("token"), commit_message=hub.get("commit_message"),
+                                 create_pr=hub.get("create_pr", False))
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        commit_message: Optional[str] = None,
+        private: Optional[bool] = None,
+        token: Optional[str] = None,
+        create_pr: bool = False,
+        safe_serialization: bool = True,
+        variant: Optional[str] = None,
+        subfolder: Optional[str] = None,
+        **card_fields,
+    ) -> str:
+        """Upload the pipeline to the Hub repo ``repo_id``: every component (safetensors) and our model card (not
+        diffusers' generic one), the files ``save_pretrained(..., push_to_hub=True)`` sends.
+
+        Arguments as diffusers' `PushToHubMixin.push_to_hub`; further keyword arguments go to `pipeline_card`.
+        """
+        import tempfile
+
+        from ..hub import create_hub_repo, upload_to_hub
+
+        if not safe_serialization:
+            raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
+        repo_id = create_hub_repo(repo_id, private=private, token=token)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = os.path.join(tmp, "pipeline")
+            self.save_pretrained(folder, variant=variant, repo_id=repo_id, card_fields=card_fields)
+            return upload_to_hub(self, folder, repo_id, token=token, commit_message=commit_message, create_pr=create_pr,
+                                 subfolder=subfolder)
 
     def _packaged_components(self) -> List[str]:
         """Components loaded from an installed package rather than from the pipeline folder."""

