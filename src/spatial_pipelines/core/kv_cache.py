@@ -120,3 +120,36 @@ def compact_positions_(cache: torch.Tensor, start: int, indices: torch.Tensor) -
         picked = cache.gather(2, gather)  # (B, H, n, D)
     cache[:, :, start : start + indices.shape[-1]] = picked
 
+
+
+class TransformersCacheView:
+    """The part of a transformers ``Cache`` a decoder layer calls, served by a `StaticKVCache`.
+
+    transformers' Llama-style attention calls ``past_key_values.update(key, value, layer_idx, cache_kwargs)`` and
+    the model asks ``get_seq_length()`` when it is given no ``cache_position``; with explicit ``position_ids``,
+    ``cache_position`` and a 4-D mask nothing else is touched. So a transformers backbone (Janus-Pro, Emu3) runs
+    on the library's static cache, and the loop crops and compacts it as for our own models (no per-family cache
+    code). Like `StaticKVCache.update`, ``length`` moves on only in `StaticKVCache.advance`.
+    """
+
+    is_compileable = False  # tells transformers not to build its own static-shape machinery around it
+
+    def __init__(self, cache: StaticKVCache):
+        self.cache = cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
+        """transformers' argument order -> `StaticKVCache.update`: keys/values ``(B, H_kv, L + T, D)``."""
+        return self.cache.update(layer_idx, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.length
+
+    def __len__(self) -> int:
+        return len(self.cache.keys)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (``True``: may attend) -> the float additive mask transformers expects for a 4-D
+    ``attention_mask`` (0 where allowed, ``finfo(dtype).min`` where not). A bool 4-D mask is silently misread by
+    transformers' eager attention, so transformers backbones always get this."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
