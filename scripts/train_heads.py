@@ -17,7 +17,7 @@ at inference it reads its own predictions deeper in the tree). Only the heads tr
 wd 0.1; 0.01 for ssd and eagle); 10% caption drop. Resumes from the newest checkpoint in ``--out``; writes ``<out>/heads`` and ``loss_curve.png``.
 
 Under ``accelerate launch`` every process generates its share of the grids (chunks of 32 captions, each saved as it
-is done, so an interrupted run resumes them), the chunks are merged into ``<out>/grids.safetensors``, and training
+is done, so an interrupted run resumes them), the chunks are merged into ``<out>/train_grids.safetensors``, and training
 shards the batches and averages the gradients over the processes (the global batch is ``--batch-size`` times the
 process count). On a machine without GPUs, ``--multi_gpu`` starts CPU processes that talk over gloo.
 """
@@ -33,6 +33,7 @@ from spatial_pipelines import AutoregressiveDecoder, EagleDraftHead, LatentDraft
 from spatial_pipelines.cli import load_pipeline
 from spatial_pipelines.data import TwemojiDataset
 from spatial_pipelines.embedded import default_model_path
+from spatial_pipelines.pipelines import PromptEmbeddings
 from spatial_pipelines.training import add_training_args, build_dataset, fit, prepare_and_resume, setup
 
 
@@ -63,9 +64,10 @@ def parse_args(argv=None):
 
 
 def build_grids(pipe, args, accelerator):
-    """Code grids ``(N, H*W)`` with their raw caption embeddings and masks, made in chunks of ``--chunk-size`` by every process
-    (`build_dataset`: resumable, one merged file ``<out>/grids.safetensors``). Generated grids are seeded per
-    caption (``seed + index``), so the data do not depend on the number of processes."""
+    """Code grids ``(N, H*W)`` and the index of each one's caption, made in chunks of ``--chunk-size`` by every
+    process (`build_dataset`: resumable, one merged file ``<out>/train_grids.safetensors``), and the captions.
+    Generated grids are seeded per caption (``seed + index``), so the data do not depend on the number of
+    processes. Without ``--generated`` the training images are encoded by the family's VQ encoder."""
     data = TwemojiDataset("train", pipe.backbone.layout.height * pipe.backbone.vae_scale_factor, limit=args.limit)
     captions = data.captions[: args.generated] if args.generated else data.captions
 
@@ -75,22 +77,32 @@ def build_grids(pipe, args, accelerator):
             gens = [torch.Generator().manual_seed(args.seed + i) for i in range(start, end)]
             codes = pipe(captions[start:end], generator=gens, output_type="latent").tokens.flatten(1)
         else:
-            codes = pipe.vqvae.encode(torch.stack([data[j]["pixel_values"] for j in range(start, end)])).indices.flatten(1)
-        emb, mask = pipe.backbone.encode_text(captions[start:end], torch.device("cpu"))
-        return {"codes": codes, "captions": emb, "masks": mask}
+            codes = pipe.backbone.encode_image(torch.stack([data[j]["pixel_values"] for j in range(start, end)]))
+        return {"codes": codes, "caption_index": torch.arange(start, end)}
 
-    old = os.path.join(args.out, "grids.pt.safetensors")  # the name runs before chunked generation used
-    path = old if os.path.exists(old) else os.path.join(args.out, "grids.safetensors")
+    path = os.path.join(args.out, "train_grids.safetensors")
     d = build_dataset(accelerator, path, len(captions), make_chunk, chunk_size=args.chunk_size,
                       desc="generate" if args.generated else "encode")
-    return d["codes"], d["captions"], d["masks"]
+    return d["codes"], d["caption_index"], captions
 
 
-def heads_loss(pipe, heads, offsets_h, offsets_v, codes, captions, masks, drop):
+@torch.no_grad()
+def teacher_forced(pipe, codes, captions, drop):
+    """The frozen backbone's pre-norm hidden states ``(B, N, D)`` over whole grids (``[:, j]`` predicts code ``j``),
+    after each caption's prompt, or the unconditional prompt where ``drop`` (CFG training): any family, through its
+    adapter (`SpatialBackbone.encode_prompt` and `teacher_forced_hidden_states`)."""
+    backbone = pipe.backbone
+    prefix = backbone.encode_prompt(list(captions), None, True, codes.device)  # (2B, P, D): cond rows, then uncond
+    b = codes.shape[0]
+    embeds = torch.where(drop[:, None, None], prefix.embeds[b:], prefix.embeds[:b])
+    valid = torch.where(drop[:, None], prefix.valid[b:], prefix.valid[:b])
+    return backbone.teacher_forced_hidden_states(PromptEmbeddings(embeds, valid), codes)
+
+
+def heads_loss(pipe, heads, offsets_h, offsets_v, codes, hidden):
     """Cross-entropy of every head at every grid position whose target exists (one mean per offset, summed)."""
     with torch.no_grad():  # the backbone is frozen
-        hidden = pipe.transformer.teacher_forced_hidden_states(codes, captions, masks, drop)  # (B, N, D): predicts code i
-        post = pipe.backbone.final_norm(hidden)
+        post = pipe.backbone.final_norm(hidden)  # hidden (B, N, D): [:, i] predicts code i
     feats_h, feats_v = heads(post.reshape(-1, post.shape[-1]))  # (B*N, H, D)
     b, n = codes.shape
     width = pipe.backbone.layout.width
@@ -105,11 +117,10 @@ def heads_loss(pipe, heads, offsets_h, offsets_v, codes, captions, masks, drop):
     return sum(losses.values()), losses
 
 
-def latent_loss(pipe, heads, offsets_h, offsets_v, codes, captions, masks, drop):
+def latent_loss(pipe, heads, offsets_h, offsets_v, codes, hidden):
     """SmoothL1 between each predictor's output and the backbone's own pre-norm hidden state at the target
     (one mean per offset, summed), plus the share of drafts whose argmax is the grid's code (logged only)."""
-    with torch.no_grad():  # the backbone is frozen
-        hidden = pipe.transformer.teacher_forced_hidden_states(codes, captions, masks, drop)  # (B, N, D): h_j drew code j
+    with torch.no_grad():  # the backbone is frozen; hidden (B, N, D): h_j drew code j
         embeds = pipe.backbone.embed_image_tokens(codes)  # (B, N, D)
     b, n = codes.shape
     width = pipe.backbone.layout.width
@@ -132,11 +143,10 @@ def latent_loss(pipe, heads, offsets_h, offsets_v, codes, captions, masks, drop)
     return sum(losses), parts
 
 
-def eagle_loss(pipe, head, codes, captions, masks, drop, noise, ce_weight, gen):
+def eagle_loss(pipe, head, codes, hidden, noise, ce_weight, gen):
     """The drafter at every grid position: ``[e(x_j); f_j] -> f_{j+1}`` (SmoothL1), plus ``ce_weight`` x the
     cross-entropy of its logits against code ``j + 1``; logs the share of positions whose argmax is that code."""
-    with torch.no_grad():  # the backbone is frozen
-        hidden = pipe.transformer.teacher_forced_hidden_states(codes, captions, masks, drop)  # (B, N, D): f_j drew code j
+    with torch.no_grad():  # the backbone is frozen; hidden (B, N, D): f_j drew code j
         embeds = pipe.backbone.embed_image_tokens(codes)  # (B, N, D)
     n = codes.shape[1]
     feats = hidden[:, :-1]
@@ -160,16 +170,17 @@ def main(argv=None):
     pipe = load_pipeline(model_path)
     pipe.decoder = AutoregressiveDecoder()
     pipe.set_progress_bar_config(disable=True)
-    pipe.transformer.requires_grad_(False).eval()
-    codes, emb, mask = build_grids(pipe, args, accelerator)
+    for module in pipe.components.values():  # the backbone is frozen, whatever the family calls its parts
+        if isinstance(module, torch.nn.Module):
+            module.requires_grad_(False).eval()
+    codes, caption_index, captions = build_grids(pipe, args, accelerator)
 
     num_horizontal = args.num_horizontal or (5 if args.kind == "ssd" else 4)
     offsets_h = list(range(1, num_horizontal + 1))
     offsets_v = list(range(1, args.vsd + 1)) if args.kind in ("hawk", "ssd") else []
     base = "spatial_pipelines/embedded/twemoji_llamagen" if args.model is None else args.model
     if args.kind == "eagle":
-        heads = EagleDraftHead(base_model_name_or_path=base, num_attention_heads=pipe.transformer.config.num_attention_heads,
-                               **pipe.backbone.facts())
+        heads = EagleDraftHead.for_backbone(pipe.backbone, random_init=False, base_model_name_or_path=base)
         compute_loss = None
     elif args.kind == "ssd":
         heads = LatentDraftHeads(base_model_name_or_path=base, horizontal_offsets=offsets_h, vertical_offsets=offsets_v,
@@ -180,18 +191,19 @@ def main(argv=None):
                                   num_layers=args.num_layers, **pipe.backbone.facts())
         compute_loss = heads_loss
     weight_decay = args.weight_decay if args.weight_decay is not None else (0.01 if args.kind in ("ssd", "eagle") else 0.1)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(codes, emb, mask), batch_size=args.batch_size, shuffle=True, drop_last=True)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(codes, caption_index), batch_size=args.batch_size, shuffle=True, drop_last=True)
     opt = torch.optim.AdamW(heads.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.0, 1 - s / args.steps))
     heads, opt, sched, batches, step = prepare_and_resume(accelerator, args, log, heads, opt, loader, sched)
     gen = torch.Generator().manual_seed(args.seed + step)
     def loss_fn(batch):
-        c, e, m = batch
+        c, index = batch
         drop = torch.rand(c.shape[0], generator=gen) < args.caption_drop
+        hidden = teacher_forced(pipe, c, [captions[i] for i in index.tolist()], drop.to(c.device))
         if args.kind == "eagle":
-            return eagle_loss(pipe, heads, c, e, m, drop, args.feature_noise, args.ce_weight, gen)
+            return eagle_loss(pipe, heads, c, hidden, args.feature_noise, args.ce_weight, gen)
         # the prepared (wrapped) model: under several processes its forward is what averages the gradients
-        loss, parts = compute_loss(pipe, heads, offsets_h, offsets_v, c, e, m, drop)
+        loss, parts = compute_loss(pipe, heads, offsets_h, offsets_v, c, hidden)
         return loss, {k: v if isinstance(v, float) else v.item() for k, v in parts.items()}
 
     fit(accelerator, model=heads, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn, steps=args.steps,

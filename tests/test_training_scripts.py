@@ -157,7 +157,7 @@ def test_generation_and_training_on_two_processes(tmp_path):
     assert steps_logged(two) == [1, 2] and (two / "heads" / "config.json").is_file()
     one = tmp_path / "one"
     run("train_heads.py", *common, "--steps", 1, "--out", one)
-    a, b = load_file(two / "grids.safetensors"), load_file(one / "grids.safetensors")
+    a, b = load_file(two / "train_grids.safetensors"), load_file(one / "train_grids.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["codes"].shape[0] == 6
     # resumed on two processes from the step-2 checkpoint

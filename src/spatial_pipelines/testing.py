@@ -14,7 +14,6 @@ from .pipelines import LlamaGenPipeline, SpatialARPipeline
 from .pipelines.pipeline_utils import _find_subclass
 
 FAMILIES = ("llamagen", "janus", "emu3", "anole", "lumina_mgpt")
-AVAILABLE_FAMILIES = ("llamagen",)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -94,8 +93,10 @@ def dummy_pipeline(
     """
     if family not in FAMILIES:
         raise ValueError(f"`family` must be one of {FAMILIES}, got {family!r}.")
-    if family not in AVAILABLE_FAMILIES:
-        raise ValueError(f"`family` {family!r} has no pipeline in this version; available: {AVAILABLE_FAMILIES}.")
+    if family not in FAMILY_BUILDERS:
+        raise ValueError(f"`family` {family!r} has no pipeline in this version; available: {tuple(FAMILY_BUILDERS)}.")
+    if family != "llamagen" and (condition_type != "text" or end_of_row):
+        raise ValueError("`condition_type` and `end_of_row` are LlamaGen options (a family's own layout is fixed).")
     if isinstance(decoder, str):
         if decoder not in DECODERS:
             raise ValueError(f"`decoder` must be one of {sorted(DECODERS)} or a decoder object, got {decoder!r}.")
@@ -103,9 +104,7 @@ def dummy_pipeline(
     decoder = decoder if decoder is not None else AutoregressiveDecoder()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        pipe = LlamaGenPipeline(
-            **dummy_llamagen_components(grid, num_codes, condition_type, end_of_row=end_of_row), decoder=decoder
-        )
+        pipe = FAMILY_BUILDERS[family](decoder, grid, num_codes, condition_type=condition_type, end_of_row=end_of_row)
         if isinstance(draft_heads, str):
             if draft_heads != "random":
                 raise ValueError(f"`draft_heads` must be heads, 'random' or None, got {draft_heads!r}.")
@@ -114,6 +113,16 @@ def dummy_pipeline(
             pipe.set_draft_heads(draft_heads)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _llamagen(decoder: SpatialDecoderMixin, grid: Tuple[int, int], num_codes: int, condition_type: str = "text",
+              end_of_row: bool = False) -> SpatialARPipeline:
+    return LlamaGenPipeline(**dummy_llamagen_components(grid, num_codes, condition_type, end_of_row=end_of_row), decoder=decoder)
+
+
+#: family -> ``builder(decoder, grid, num_codes, **family_options)`` returning the tiny pipeline (under a fixed seed).
+#: A new family adds one entry.
+FAMILY_BUILDERS: Dict[str, Any] = {"llamagen": _llamagen}
 
 
 def random_draft_heads(pipe: SpatialARPipeline, decoder: SpatialDecoderMixin) -> DraftHeadsMixin:

@@ -68,6 +68,13 @@ class LlamaGenBackbone(SpatialBackbone):
     def default_top_k(self):
         return self.transformer.config.get("default_top_k")
 
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.pipe.vqvae.encode(pixels).indices.flatten(1)  # (B, H*W)
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.transformer.config.num_attention_heads
+
     def prompt_from_text(self, text: str):
         if self.is_text:
             return text

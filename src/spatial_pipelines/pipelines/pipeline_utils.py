@@ -199,6 +199,26 @@ class SpatialBackbone(abc.ABC):
         """Pre-norm hidden states ``(R, T, D)`` -> image-code logits ``(R, T, V)`` in fp32."""
         return self.output_head(self.final_norm(hidden_states))
 
+    @torch.no_grad()
+    def teacher_forced_hidden_states(self, prefix: PromptEmbeddings, codes: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden states ``(B, N, D)`` over whole code grids ``(B, N)`` after the prefix rows ``prefix``
+        ``(B, P, D)``: ``[:, j]`` is the state that predicts code ``j`` (what draft heads train on). One forward over
+        ``[prefix, codes]`` (EOLs written in for EOL layouts) on a cache of its own, at the positions the loop uses."""
+        layout = self.layout
+        b, n = codes.shape
+        p = prefix.embeds.shape[1]
+        image = layout.image_sequence(self.embed_image_tokens(codes), self.eol_embedding if layout.has_eol else None)  # (B, S, D)
+        x = torch.cat([prefix.embeds, image.to(prefix.embeds.dtype)], 1)[:, : p + layout.sequence_offset(n - 1)]  # nothing after the last input
+        valid = torch.cat([prefix.valid, torch.ones(b, x.shape[1] - p, dtype=torch.bool, device=x.device)], 1)
+        cache = self.make_cache(b, x.shape[1])
+        hidden = self.forward(x, torch.arange(x.shape[1], device=x.device), None, valid, cache)  # (B, T, D)
+        # the input that precedes code j sits at p - 1 + offset(j): code j - 1, or the EOL ending the row above
+        return hidden[:, p - 1 + layout.sequence_offset(torch.arange(n, device=x.device))]
+
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, 3, h, w)`` in [-1, 1] -> their code grids ``(B, H*W)`` (families with a VQ encoder)."""
+        raise ValueError(f"{type(self).__name__} cannot encode images into codes; train on generated grids instead.")
+
     @property
     def target_module(self) -> torch.nn.Module:
         """The module whose forward `forward` runs (what `SpatialARPipeline.enable_compile` compiles)."""
