@@ -39,6 +39,8 @@ FAMILY_CASES = [
     pytest.param("llamagen", {"condition_type": "text"}, ["a red fox", "blue sky", "x"], id="llamagen-t2i"),
     pytest.param("llamagen", {"condition_type": "class"}, [3, 7, 1], id="llamagen-c2i"),
     pytest.param("llamagen", {"end_of_row": True}, ["a red fox", "blue sky", "x"], id="llamagen-eol"),
+    pytest.param("janus", {}, ["a red fox", "blue sky", "x"], id="janus"),
+    pytest.param("emu3", {}, ["a red fox", "blue sky", "x"], id="emu3"),
 ]
 
 
@@ -86,6 +88,26 @@ def test_sampling_distribution_equals_model(decoder_cls, kwargs, heads, sampling
     fixed seed; the test fails when p < 1e-4 (a correct decoder fails it with probability 1e-4).
     """
     pipe = make(decoder_cls, kwargs, heads, grid=(2, 2), num_codes=4, end_of_row=end_of_row)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    assert torch.isclose(exact.sum(), torch.tensor(1.0), atol=1e-5)
+    counts = _empirical_counts(pipe, "a fox", sampling, seed=1)
+    assert chi_square_pvalue(counts, exact) > 1e-4
+
+
+OTHER_FAMILY_DISTRIBUTION_CASES = [  # (family, decoder case id): one static tree and the dynamic trees per family
+    (family, case) for family in ("janus", "emu3") for case in EXACT_CASES if case.id in ("medusa", "eagle", "adt")
+]
+
+
+@pytest.mark.parametrize("family,case", OTHER_FAMILY_DISTRIBUTION_CASES,
+                         ids=[f"{f}-{c.id}" for f, c in OTHER_FAMILY_DISTRIBUTION_CASES])
+def test_sampling_distribution_equals_model_on_transformers_families(family, case):
+    """Invariant 2 on the transformers families (Janus-Pro: its own image head, embeddings and CFG rows; Emu3: the
+    visual columns of its text head and its forced end-of-row tokens): the same chi-square test as above, CFG 2, over
+    all 4**4 grids of a 2x2 grid with 4 codes. (SJD on Emu3: ``test_pipeline_emu3.py``.)"""
+    decoder_cls, kwargs, heads = case.values
+    pipe = make(decoder_cls, kwargs, heads, family, grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     assert torch.isclose(exact.sum(), torch.tensor(1.0), atol=1e-5)
     counts = _empirical_counts(pipe, "a fox", sampling, seed=1)

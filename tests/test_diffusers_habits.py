@@ -18,7 +18,6 @@ from diffusers import DiffusionPipeline
 import spatial_pipelines
 from spatial_pipelines import (
     ADTTreeDecoder,
-    AutoregressiveDecoder,
     EagleDecoder,
     EagleDraftHead,
     HawkDecoder,

@@ -62,6 +62,19 @@ def test_pass_count_follows_the_schedule(grid, kwargs, temperature, end_of_row):
         assert (stats.acceptance_map[0, 1:] == grid[1]).all()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sample"])
+def test_pass_count_follows_the_schedule_on_janus(temperature):
+    """The same schedule on Janus-Pro (transformers trunk, its own image head and embeddings), batch 2 with CFG."""
+    grid, kwargs = (4, 5), dict(num_horizontal=2, vertical_rounds=2)
+    pipe = dummy_pipeline("janus", SSDDecoder(**kwargs), "random", grid=grid)
+    out = pipe(["a red fox", "x"], temperature=temperature, generator=gen(0), output_type="latent")
+    stats = out.stats
+    assert stats.num_forward_passes == expected_passes(grid, **kwargs)
+    assert stats.accepted_lengths.shape == (stats.num_forward_passes, 2)
+    assert (stats.accepted_lengths.sum(0) == grid[0] * grid[1]).all()
+    assert (stats.acceptance_map[:, 1:] == grid[1]).all() and (out.tokens >= 0).all()
+
+
 def test_paper_schedule_on_a_24x24_grid():
     """SSD paper, Table 5 (Janus-Pro, 24x24): 23 later rows at r + 1 passes each; our first row takes 9."""
     assert [expected_passes((24, 24), vertical_rounds=r) for r in range(3)] == [32, 55, 78]
@@ -101,6 +114,20 @@ def test_oracle_drafts_give_the_autoregressive_grid(guidance_scale, kwargs, end_
     pipe.decoder = decoder
     pipe.set_draft_heads(heads)
     out = pipe(prompts, guidance_scale=guidance_scale, temperature=0, output_type="latent")
+    assert torch.equal(out.tokens, ref)
+
+
+def test_oracle_drafts_give_the_autoregressive_grid_on_janus():
+    """The oracle check on Janus-Pro with CFG: drafts land where SSD puts them on a transformers backbone too."""
+    pipe = dummy_pipeline("janus", grid=(4, 5))
+    prompts = ["a red fox", "x"]
+    ref = pipe(prompts, guidance_scale=5.0, temperature=0, output_type="latent").tokens
+    decoder = SSDDecoder(num_horizontal=2, vertical_rounds=0, horizontal_rounds=0)
+    heads = OracleHeads.for_backbone(pipe.backbone, decoder, random_init=False)
+    heads.set_grid(ref)
+    pipe.decoder = decoder
+    pipe.set_draft_heads(heads)
+    out = pipe(prompts, guidance_scale=5.0, temperature=0, output_type="latent")
     assert torch.equal(out.tokens, ref)
 
 

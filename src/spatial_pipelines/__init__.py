@@ -11,6 +11,8 @@ from .heads import DraftHeadsMixin, EagleDraftHead, LatentDraftHeads, SpatialDra
 from .models import LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import (
     DecodingStats,
+    Emu3Pipeline,
+    JanusProPipeline,
     LlamaGenPipeline,
     SpatialARPipeline,
     SpatialBackbone,
@@ -30,10 +32,12 @@ __all__ = [
     "DiffusionPipeline",
     "DraftHeadsMixin",
     "EagleDraftHead",
+    "Emu3Pipeline",
     "HawkDecoder",
     "JacobiDecoder",
     "LatentDraftHeads",
     "ImageTokenLayout",
+    "JanusProPipeline",
     "LlamaGenPipeline",
     "LlamaGenTransformer",
     "LlamaGenVQModel",

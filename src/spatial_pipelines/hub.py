@@ -307,7 +307,7 @@ def pipeline_card(
         description=None,
         offline_snippet=None,
         sections=[],
-        example_prompt=207 if getattr(getattr(pipe, "transformer", None), "config", {}).get("condition_type") == "class" else "a red heart",
+        example_prompt=207 if getattr(getattr(getattr(pipe, "transformer", None), "config", None), "condition_type", None) == "class" else "a red heart",
     )
     values.update(fields)
     values["example_prompt"] = _literal(values["example_prompt"])

@@ -120,9 +120,148 @@ def _llamagen(decoder: SpatialDecoderMixin, grid: Tuple[int, int], num_codes: in
     return LlamaGenPipeline(**dummy_llamagen_components(grid, num_codes, condition_type, end_of_row=end_of_row), decoder=decoder)
 
 
+#: The tiny Janus tokenizer's special tokens (the real checkpoints' image tokens; short BOS/EOS/pad names).
+JANUS_SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<begin_of_image>", "<end_of_image>", "<image_placeholder>",
+                        "<|User|>", "<|Assistant|>")
+#: Janus-Pro's chat template in short: ``<|User|>: {text}\n\n<|Assistant|>:`` (the processor then appends BOI).
+JANUS_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}<|User|>: {% else %}<|Assistant|>: {% endif %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "{{ '\\n\\n' }}{% endfor %}{% if add_generation_prompt %}<|Assistant|>:{% endif %}"
+)
+
+
+def tiny_janus_processor(image_size: int = 16):
+    """A `JanusProcessor` over a character-level tokenizer with Janus' special tokens and a chat template, built in
+    memory (BOS prepended as Janus' Llama tokenizer does; image processor normalising with mean = std = 0.5)."""
+    from tokenizers import AddedToken
+    from transformers import JanusProcessor
+    from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
+
+    chars = string.ascii_lowercase + string.digits + string.punctuation
+    vocab = list(JANUS_SPECIAL_TOKENS) + list(chars) + [f"##{c}" for c in chars]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in JANUS_SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab.index("<bos>"))])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>", "eoi_token": "<end_of_image>"},
+    )
+    image_processor = JanusImageProcessorPil(image_mean=[0.5] * 3, image_std=[0.5] * 3, size={"height": image_size, "width": image_size})
+    return JanusProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=JANUS_CHAT_TEMPLATE)
+
+
+def dummy_janus_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16) -> Dict[str, Any]:
+    """Random tiny Janus-Pro components (call under a fixed seed): a 2-layer Llama trunk of width 32, a VQ decoder
+    that upsamples 2x, and ``grid[0] * grid[1]`` codes per image (``num_image_tokens``; the VQ reads ``grid[0]`` rows)."""
+    from transformers import JanusConfig, JanusForConditionalGeneration, JanusVisionConfig, JanusVQVAEConfig, LlamaConfig
+
+    patch = 4
+    processor = tiny_janus_processor(grid[0] * patch)
+    tokenizer = processor.tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in
+           (("pad", "<pad>"), ("bos", "<bos>"), ("eos", "<eos>"), ("boi", "<begin_of_image>"), ("image", "<image_placeholder>"))}
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=512, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                       pad_token_id=ids["pad"])
+    vision = JanusVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2, image_size=grid[0] * patch,
+                               patch_size=patch, projection_dim=32, num_image_tokens=grid[0] * grid[1])
+    vq = JanusVQVAEConfig(embed_dim=4, num_embeddings=num_codes, latent_channels=8, base_channels=32, channel_multiplier=[1, 1],
+                          num_res_blocks=1, projection_dim=32, image_token_embed_dim=32, num_hidden_layers=2)
+    config = JanusConfig(text_config=text, vision_config=vision, vq_config=vq, image_token_id=ids["image"])
+    config._attn_implementation = "sdpa"
+    model = JanusForConditionalGeneration(config).eval()
+    # weights at a tiny model's natural scale (not 0.02): outputs then depend on content and position
+    for name, param in model.named_parameters():
+        if param.dim() == 2 and not name.startswith("model.vision_model"):
+            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
+    torch.nn.init.normal_(model.model.language_model.embed_tokens.weight, std=1.0)
+    torch.nn.init.normal_(model.model.generation_embeddings.weight, std=1.0)
+    gen = model.generation_config  # what `generate(generation_mode="image")` and the released checkpoints set
+    gen.guidance_scale, gen.temperature = 5.0, 1.0
+    gen.bos_token_id, gen.pad_token_id = ids["bos"], ids["pad"]
+    gen.generation_kwargs = {"boi_token_id": ids["boi"]}
+    return {"transformer": model, "processor": processor}
+
+
+def _janus(decoder: SpatialDecoderMixin, grid: Tuple[int, int], num_codes: int, **llamagen_options) -> SpatialARPipeline:
+    from .pipelines import JanusProPipeline
+
+    return JanusProPipeline(**dummy_janus_components(grid, num_codes), decoder=decoder)
+
+
+#: The tiny Emu3 tokenizer's special tokens: Emu3's names (BOS ``<|extra_203|>``, EOS ``<|extra_204|>``, pad, image
+#: start/end/wrapper, EOL ``<|extra_200|>``, EOF ``<|extra_201|>``, the ``<image>`` placeholder).
+EMU3_SPECIAL_TOKENS = ("<|endoftext|>", "<|extra_203|>", "<|extra_204|>", "<image>", "<|image start|>", "<|image end|>",
+                       "<|image token|>", "<|extra_200|>", "<|extra_201|>")
+
+
+def tiny_emu3_processor(num_codes: int = 16):
+    """An `Emu3Processor` over a byte-level tokenizer (no merges: one token per byte, like Emu3's BPE without its
+    merges) holding Emu3's special tokens and ``num_codes`` visual tokens ``<|visual token NNNNNN|>``, built in memory.
+    The visual tokens get ids in a shuffled order, so code -> id is not an offset (Emu3 maps them by name)."""
+    import random
+
+    from tokenizers import AddedToken, decoders
+    from transformers import Emu3ImageProcessor, Emu3Processor
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    codes = list(range(num_codes))
+    random.Random(num_codes).shuffle(codes)
+    names = list(EMU3_SPECIAL_TOKENS) + [f"<|visual token {c:06d}|>" for c in codes]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|extra_203|>", eos_token="<|extra_204|>", pad_token="<|endoftext|>",
+        padding_side="left", extra_special_tokens={"image_token": "<image>", "boi_token": "<|image start|>", "eoi_token": "<|image end|>",
+                                                   "image_wrapper_token": "<|image token|>", "eof_token": "<|extra_201|>"},
+    )
+    return Emu3Processor(image_processor=Emu3ImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3), tokenizer=tokenizer)
+
+
+def dummy_emu3_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16) -> Dict[str, Any]:
+    """Random tiny Emu3 components (call under a fixed seed): a 2-layer trunk of width 32 over a ~300-token vocabulary
+    whose ``vocabulary_map`` names the visual tokens, a VQ model with ``num_codes`` codes that upsamples 2x, and the
+    image grid, CFG default and unconditional prompt in the generation config."""
+    from transformers import Emu3Config, Emu3ForConditionalGeneration
+
+    from .pipelines.pipeline_emu3 import configure_generation
+
+    processor = tiny_emu3_processor(num_codes)
+    tokenizer = processor.tokenizer
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vq = dict(codebook_size=num_codes, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
+              num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1, temporal_downsample_factor=1)
+    config = Emu3Config(text_config=text, vq_config=vq, vocabulary_map=tokenizer.get_vocab())
+    config.text_config._attn_implementation = "sdpa"
+    model = Emu3ForConditionalGeneration(config).eval()
+    # weights at a tiny model's natural scale (not 0.02): outputs then depend on content and position
+    for name, param in model.named_parameters():
+        if param.dim() == 2 and not name.startswith("model.vqmodel"):
+            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
+    torch.nn.init.normal_(model.model.text_model.embed_tokens.weight, std=1.0)
+    torch.nn.init.normal_(model.lm_head.weight, std=0.5)
+    gen = model.generation_config  # as the released checkpoint: sampling, EOS/pad; plus our grid and defaults
+    gen.do_sample, gen.pad_token_id, gen.eos_token_id = True, tokenizer.pad_token_id, tokenizer.eos_token_id
+    configure_generation(model, image_grid=grid, guidance_scale=3.0, negative_prompt="lowres, blurry")
+    return {"transformer": model, "processor": processor}
+
+
+def _emu3(decoder: SpatialDecoderMixin, grid: Tuple[int, int], num_codes: int, **llamagen_options) -> SpatialARPipeline:
+    from .pipelines import Emu3Pipeline
+
+    return Emu3Pipeline(**dummy_emu3_components(grid, num_codes), decoder=decoder)
+
+
 #: family -> ``builder(decoder, grid, num_codes, **family_options)`` returning the tiny pipeline (under a fixed seed).
 #: A new family adds one entry.
-FAMILY_BUILDERS: Dict[str, Any] = {"llamagen": _llamagen}
+FAMILY_BUILDERS: Dict[str, Any] = {"llamagen": _llamagen, "janus": _janus, "emu3": _emu3}
 
 
 def random_draft_heads(pipe: SpatialARPipeline, decoder: SpatialDecoderMixin) -> DraftHeadsMixin:

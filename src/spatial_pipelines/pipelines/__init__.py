@@ -1,11 +1,17 @@
 """The generation loop (pipeline_utils) and one file per backbone family."""
 
+from .pipeline_emu3 import Emu3Backbone, Emu3Pipeline
+from .pipeline_janus import JanusProBackbone, JanusProPipeline
 from .pipeline_llamagen import LlamaGenBackbone, LlamaGenPipeline
 from .pass_cost import PassCost
 from .pipeline_utils import DecodingStats, PromptEmbeddings, SpatialARPipeline, SpatialBackbone, SpatialPipelineOutput
 
 __all__ = [
     "DecodingStats",
+    "Emu3Backbone",
+    "Emu3Pipeline",
+    "JanusProBackbone",
+    "JanusProPipeline",
     "LlamaGenBackbone",
     "LlamaGenPipeline",
     "PromptEmbeddings",

@@ -1,0 +1,359 @@
+"""The Emu3 family: transformers' `Emu3ForConditionalGeneration` (text trunk + VQ model in one component) and its
+`Emu3Processor`, loaded from our saved folders or from the plain transformers repo (``BAAI/Emu3-Gen-hf``).
+
+Emu3 facts the adapter relies on (transformers 5.x):
+
+* image codes are ordinary BPE tokens ``<|visual token NNNNNN|>`` of the 184k text vocabulary; codes and ids are
+  mapped by name through ``vocabulary_mapping`` (``img2bpe``), never by an offset;
+* the image follows ``BOS text <|image start|> "{h}*{w}" <|image token|>``: ``h`` rows of ``w`` codes, each row
+  followed by the end-of-row token ``<|extra_200|>`` (the loop forces it; its output predicts the next row's first
+  code); after the last row Emu3 writes EOL, EOF, EOI and EOS, which carry no code and are never generated here;
+* Emu3's own generation restricts the head to the visual tokens (``prefix_allowed_tokens_fn``) and mixes CFG
+  in log-softmax space with a negative prompt; restricted to the visual columns that equals the raw-logit mix used
+  here (the two differ by a per-row constant).
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from transformers import Emu3ForConditionalGeneration, Emu3Processor
+
+from ..core.kv_cache import StaticKVCache
+from ..core.layout import ImageTokenLayout
+from ..decoders.decoding_utils import SpatialDecoderMixin
+from ..heads.heads_utils import DraftHeadsMixin
+from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
+from ..utils import check_number
+from .transformers_utils import language_model_forward
+
+#: Emu3's published sampling settings (its image-generation example: CFG 3.0 with this negative prompt; top-k 2048
+#: is in the released checkpoint's generation config).
+EMU3_GUIDANCE_SCALE = 3.0
+EMU3_NEGATIVE_PROMPT = (
+    "lowres, bad anatomy, bad hands, text, error, missing fingers, extra digit, fewer digits, cropped, worst quality, "
+    "low quality, normal quality, jpeg artifacts, signature, watermark, username, blurry."
+)
+#: Emu3's default image: 720x720 pixels (the processor's ``image_area`` 518400 at ratio 1:1), 8 pixels per code.
+EMU3_IMAGE_GRID = (90, 90)
+#: special tokens of Emu3's tokenizer (``tokenizer.boi_token`` ... when the tokenizer names them).
+EMU3_SPECIAL_TOKENS = {"boi_token": "<|image start|>", "image_wrapper_token": "<|image token|>"}
+#: where the image grid and the default unconditional prompt are kept: the transformer's generation config, so they
+#: travel with the component (``Emu3Pipeline(**pipe.components)``, save/load, ``from_pipe``).
+GRID_KEY, NEGATIVE_PROMPT_KEY = "image_grid", "default_negative_prompt"
+
+
+@dataclass(frozen=True)
+class _CodeIndex:
+    """Per model and device: code -> BPE id, and the lm_head rows of the visual tokens in code order."""
+
+    ids: torch.Tensor  # (V,) BPE id of each code
+    rows: Optional[Tuple[int, int]]  # (start, end) when the ids are consecutive: a view of the weight, no copy
+    eol_id: int
+
+
+class Emu3Backbone(SpatialBackbone):
+    """Adapter over `Emu3ForConditionalGeneration` (its text trunk, head and VQ model) and `Emu3Processor`."""
+
+    @property
+    def transformer(self) -> Emu3ForConditionalGeneration:
+        return self.pipe.transformer
+
+    @property
+    def text_model(self) -> torch.nn.Module:
+        return self.transformer.model.text_model
+
+    @property
+    def vqmodel(self) -> torch.nn.Module:
+        return self.transformer.model.vqmodel
+
+    @property
+    def tokenizer(self):
+        processor = self.pipe.processor
+        return processor.tokenizer if processor is not None else None
+
+    @property
+    def generation_config(self):
+        return self.transformer.generation_config
+
+    # -- facts -------------------------------------------------------------------------------------------------
+    @property
+    def image_grid(self) -> Tuple[int, int]:
+        grid = getattr(self.generation_config, GRID_KEY, None)
+        return tuple(int(n) for n in grid) if grid is not None else EMU3_IMAGE_GRID
+
+    @property
+    def layout(self) -> ImageTokenLayout:
+        h, w = self.image_grid
+        return ImageTokenLayout(h, w, eol_token_id=self._index().eol_id)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.transformer.config.text_config.hidden_size
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.transformer.config.text_config.num_attention_heads
+
+    @property
+    def num_image_codes(self) -> int:
+        return self._index().ids.shape[0]
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.vqmodel.spatial_scale_factor
+
+    @property
+    def codebook(self) -> torch.Tensor:
+        self._onload()
+        return self.vqmodel.quantize.embedding.weight  # (V, embed_dim): what `vqmodel.decode` looks codes up in
+
+    @property
+    def default_guidance_scale(self) -> float:
+        saved = self.generation_config.guidance_scale
+        return saved if saved is not None else EMU3_GUIDANCE_SCALE
+
+    @property
+    def default_top_k(self) -> Optional[int]:
+        return self.generation_config.top_k
+
+    @property
+    def default_negative_prompt(self) -> str:
+        saved = getattr(self.generation_config, NEGATIVE_PROMPT_KEY, None)
+        return saved if saved is not None else EMU3_NEGATIVE_PROMPT
+
+    def _index(self) -> _CodeIndex:
+        """Built once per model and device (kept on the pipeline), never per call."""
+        t = self.transformer
+        device = t.lm_head.weight.device
+        cache = self.pipe.__dict__.setdefault("_emu3_code_index", {})
+        key = (id(t), id(t.vocabulary_mapping), str(device))
+        index = cache.get(key)
+        if index is None:
+            mapping = t.vocabulary_mapping
+            img2bpe = mapping.img2bpe  # code -> BPE id, read from the token names
+            v = len(img2bpe)
+            if v == 0 or sorted(img2bpe) != list(range(v)):
+                raise ValueError("The Emu3 `vocabulary_map` must name the visual tokens `<|visual token 000000|>` ... "
+                                 f"for codes 0..V-1 without gaps; it has {v} visual tokens.")
+            codebook_size = t.config.vq_config.codebook_size
+            if v != codebook_size:
+                raise ValueError(f"The Emu3 vocabulary has {v} visual tokens but the VQ codebook has {codebook_size} codes.")
+            if mapping.eol_token_id is None:
+                raise ValueError("The Emu3 `vocabulary_map` has no end-of-row token `<|extra_200|>`.")
+            ids = torch.tensor([img2bpe[c] for c in range(v)], dtype=torch.long)
+            consecutive = bool((ids == ids[0] + torch.arange(v)).all())
+            rows = (int(ids[0]), int(ids[0]) + v) if consecutive else None
+            index = _CodeIndex(ids=ids.to(device), rows=rows, eol_id=int(mapping.eol_token_id))
+            cache.clear()  # one model and device at a time
+            cache[key] = index
+        return index
+
+    def _onload(self) -> None:
+        """`enable_model_cpu_offload` hooks fire on the component's top-level forward only; the loop calls the trunk,
+        the head and the VQ model directly, so move the model to the execution device here (a no-op when it is)."""
+        hook = getattr(self.transformer, "_hf_hook", None)
+        if hook is not None and hasattr(hook, "pre_forward"):
+            hook.pre_forward(self.transformer)
+
+    def _token(self, name: str) -> str:
+        tokenizer = self.tokenizer
+        token = getattr(tokenizer, name, None) or EMU3_SPECIAL_TOKENS[name]
+        if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
+            raise ValueError(f"The tokenizer has no {token!r} token ({name}); it is not an Emu3 tokenizer.")
+        return token
+
+    # -- prompts -----------------------------------------------------------------------------------------------
+    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
+        if not all(isinstance(p, str) for p in prompt):
+            raise ValueError(f"`{name}` must be a string or a list of strings for Emu3.")
+        if self.tokenizer is None:
+            raise ValueError(f"`{name}` is text, but this pipeline has no `processor` (Emu3Processor); pass it to the pipeline.")
+
+    def image_prompt(self, text: str) -> str:
+        """The text Emu3 reads before the image (its processor's ``return_for_image_generation`` format):
+        ``BOS text <|image start|>{h}*{w}<|image token|>``."""
+        h, w = self.image_grid
+        bos = self.tokenizer.bos_token or ""
+        return f"{bos}{text}{self._token('boi_token')}{h}*{w}{self._token('image_wrapper_token')}"
+
+    def prompt_ids(self, texts: List[str], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Token ids ``(R, P)`` of the image prompts, left-padded, and which are real ``(R, P)``."""
+        tokenizer = self.tokenizer
+        position = {t: i for i, t in enumerate(dict.fromkeys(texts))}  # images per prompt repeat texts: tokenize each once
+        unique = list(position)
+        encoded = [tokenizer(self.image_prompt(t), add_special_tokens=False).input_ids for t in unique]
+        length = max(len(r) for r in encoded)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        table = torch.tensor([[pad] * (length - len(r)) + r for r in encoded], dtype=torch.long)  # (U, P)
+        table_valid = torch.tensor([[False] * (length - len(r)) + [True] * len(r) for r in encoded])
+        rows = torch.tensor([position[t] for t in texts])
+        return table[rows].to(device), table_valid[rows].to(device)
+
+    def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
+        self._onload()
+        attention = self.transformer.config.text_config._attn_implementation
+        if attention not in ("sdpa", "eager"):
+            raise ValueError(f"Emu3 runs with `attn_implementation` 'sdpa' or 'eager' (draft trees need an arbitrary "
+                             f"attention mask), got {attention!r}.")
+        texts = list(prompts)
+        if do_cfg:
+            texts += list(negative_prompts) if negative_prompts is not None else [self.default_negative_prompt] * len(prompts)
+        ids, valid = self.prompt_ids(texts, device)
+        return PromptEmbeddings(self.text_model.embed_tokens(ids), valid)
+
+    # -- the trunk ---------------------------------------------------------------------------------------------
+    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
+        self._onload()
+        index = self._index()
+        return self.text_model.embed_tokens(index.ids[codes])
+
+    @property
+    def eol_embedding(self) -> torch.Tensor:
+        self._onload()
+        return self.text_model.embed_tokens.weight[self._index().eol_id]
+
+    def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
+        self._onload()
+        if cache is None:  # a plain forward (references, training): a throwaway cache just long enough
+            cache = self.make_cache(inputs_embeds.shape[0], inputs_embeds.shape[1])
+        return language_model_forward(self.text_model, inputs_embeds, position_ids, attention_mask, token_valid, cache)
+
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.text_model.norm(hidden_states)
+
+    def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The lm_head restricted to the visual tokens, columns in code order (a view of the weight when the visual
+        ids are consecutive, as in the released checkpoints)."""
+        self._onload()
+        index = self._index()
+        weight = self.transformer.lm_head.weight
+        weight = weight[index.rows[0] : index.rows[1]] if index.rows is not None else weight.index_select(0, index.ids)
+        return torch.nn.functional.linear(hidden_states.to(weight.dtype), weight).float()
+
+    @property
+    def target_module(self) -> torch.nn.Module:
+        return self.text_model
+
+    def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
+        config = self.transformer.config.text_config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        weight = self.text_model.embed_tokens.weight
+        return StaticKVCache(config.num_hidden_layers, rows, config.num_key_value_heads or config.num_attention_heads,
+                             head_dim, max_length, dtype=weight.dtype, device=weight.device)
+
+    # -- pixels ------------------------------------------------------------------------------------------------
+    def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``vqmodel.decode((B, h, w))`` -> the VQ model's normalised pixels -> [-1, 1] through the image processor's
+        mean and std (what `Emu3ImageProcessor.postprocess` undoes)."""
+        self._onload()
+        pixels = self.vqmodel.decode(tokens.to(self.vqmodel.quantize.embedding.weight.device)).float()  # (B, 3, h, w)
+        processor = getattr(self.pipe.processor, "image_processor", None)
+        mean, std = getattr(processor, "image_mean", None), getattr(processor, "image_std", None)
+        if mean is not None and std is not None:
+            shape = (1, -1, 1, 1)
+            mean = torch.as_tensor(mean, dtype=pixels.dtype, device=pixels.device).reshape(shape)
+            std = torch.as_tensor(std, dtype=pixels.dtype, device=pixels.device).reshape(shape)
+            pixels = (pixels * std + mean) * 2 - 1
+        return pixels.clamp(-1, 1)
+
+
+class Emu3Pipeline(SpatialARPipeline):
+    r"""Emu3 text-to-image generation with a swappable speculative decoder.
+
+    Args:
+        transformer (`Emu3ForConditionalGeneration`): the AR model (text trunk, head over the text vocabulary and VQ
+            model). Its ``generation_config`` holds the sampling defaults (``guidance_scale``, ``top_k``), the image grid
+            (``image_grid``, codes; default 90x90 = 720 pixels) and the default unconditional prompt
+            (``default_negative_prompt``; default Emu3's published negative prompt).
+        processor (`Emu3Processor`): its tokenizer encodes the prompts; its image processor's mean and std map the
+            VQ model's output to pixels.
+        decoder (`SpatialDecoderMixin`): the decoding algorithm (`AutoregressiveDecoder` or a speculative one).
+        draft_heads (`DraftHeadsMixin`, *optional*): draft heads for the decoders that need them.
+    """
+
+    backbone_class = Emu3Backbone
+    model_cpu_offload_seq = "transformer"
+    _optional_components = ["draft_heads"]
+
+    def __init__(
+        self,
+        transformer: Emu3ForConditionalGeneration,
+        processor: Emu3Processor,
+        decoder: SpatialDecoderMixin,
+        draft_heads: Optional[DraftHeadsMixin] = None,
+    ):
+        super().__init__()
+        if not isinstance(transformer, Emu3ForConditionalGeneration):
+            raise ValueError(f"`transformer` must be an Emu3ForConditionalGeneration (text model + VQ model), got {type(transformer).__name__}.")
+        self.register_modules(transformer=transformer, processor=processor, decoder=decoder)
+        self._check_draft_heads(draft_heads)
+        self.register_modules(draft_heads=draft_heads)
+
+    @classmethod
+    def load_backbone_components(
+        cls,
+        repo_or_path: Union[str, os.PathLike],
+        image_grid: Optional[Tuple[int, int]] = None,
+        default_guidance_scale: Optional[float] = None,
+        default_top_k: Optional[int] = None,
+        default_negative_prompt: Optional[str] = None,
+        torch_dtype: Optional[torch.dtype] = None,
+        dtype: Optional[torch.dtype] = None,
+        attn_implementation: str = "sdpa",
+        **kwargs,
+    ) -> Dict[str, Any]:
+        """Read a transformers Emu3 repo (``config.json`` + safetensors + tokenizer/processor files; a folder or a Hub
+        repo id such as ``BAAI/Emu3-Gen-hf``, through the Hub cache, ``HF_HUB_OFFLINE`` honoured).
+
+        Args:
+            image_grid (`tuple[int, int]`, *optional*): codes per column and row (default 90x90: 720 pixels).
+            default_guidance_scale, default_top_k, default_negative_prompt (*optional*): written into the model's
+                generation config (defaults: Emu3's 3.0, the checkpoint's ``top_k``, Emu3's negative prompt).
+            torch_dtype / dtype: weights' dtype (e.g. ``torch.bfloat16``).
+            attn_implementation (`str`): ``"sdpa"`` or ``"eager"`` (draft trees need an arbitrary attention mask).
+            kwargs: to transformers' ``from_pretrained`` (``revision``, ``cache_dir``, ``token``, ``local_files_only``).
+        """
+        if attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"`attn_implementation` must be 'sdpa' or 'eager' (draft trees need an arbitrary attention "
+                             f"mask), got {attn_implementation!r}.")
+        if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+            raise ValueError(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; pass one.")
+        dtype = dtype if dtype is not None else torch_dtype
+        transformer = Emu3ForConditionalGeneration.from_pretrained(
+            repo_or_path, dtype=dtype if dtype is not None else "auto", attn_implementation=attn_implementation, **kwargs
+        ).eval()
+        processor = Emu3Processor.from_pretrained(repo_or_path, **kwargs)
+        configure_generation(transformer, image_grid=image_grid, guidance_scale=default_guidance_scale,
+                             top_k=default_top_k, negative_prompt=default_negative_prompt)
+        return {"transformer": transformer, "processor": processor}
+
+
+def configure_generation(
+    transformer: Emu3ForConditionalGeneration,
+    image_grid: Optional[Tuple[int, int]] = None,
+    guidance_scale: Optional[float] = None,
+    top_k: Optional[int] = None,
+    negative_prompt: Optional[str] = None,
+) -> None:
+    """Write the image grid and sampling defaults into ``transformer.generation_config`` (``None`` leaves a value)."""
+    config = transformer.generation_config
+    if any(v is not None for v in (image_grid, guidance_scale, top_k, negative_prompt)):
+        # a config transformers derived from the model config drops unknown keys when it is read back: this one is ours
+        config._from_model_config = False
+    if image_grid is not None:
+        if (not isinstance(image_grid, (tuple, list)) or len(image_grid) != 2
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in image_grid)):
+            raise ValueError(f"`image_grid` must be two positive ints (rows, columns of codes), got {image_grid!r}.")
+        setattr(config, GRID_KEY, [int(n) for n in image_grid])
+    if guidance_scale is not None:
+        check_number("default_guidance_scale", guidance_scale, 0)
+        config.guidance_scale = float(guidance_scale)
+    if top_k is not None:
+        check_number("default_top_k", top_k, 0, integer=True)
+        config.top_k = top_k
+    if negative_prompt is not None:
+        if not isinstance(negative_prompt, str):
+            raise ValueError(f"`default_negative_prompt` must be a string, got {negative_prompt!r}.")
+        setattr(config, NEGATIVE_PROMPT_KEY, negative_prompt)

@@ -1,0 +1,324 @@
+"""The Janus-Pro family: transformers' `JanusForConditionalGeneration` (Llama trunk, separate image-generation head,
+embeddings and VQ decoder) with its `JanusProcessor`, and loading from the plain transformers checkpoint layout.
+
+What image generation uses of the model (transformers 5.x, ``generate(..., generation_mode="image")``):
+
+* the prompt is the processor's chat template with ``add_generation_prompt=True`` followed by ``<begin_of_image>``;
+  with CFG the unconditional row is the same prompt with every token but BOS and BOI replaced by the pad id;
+* codes come from ``model.model.generation_head`` on the post-norm last hidden state (``lm_head`` is text only),
+  guidance on the raw logits (default scale 5);
+* a code is fed back through ``generation_embeddings`` then ``generation_aligner``
+  (``prepare_embeddings_for_image_generation``), never ``embed_tokens``;
+* ``vision_config.num_image_tokens`` codes (576 = 24 x 24 at 384 px) in raster order, no end-of-row token; the VQ
+  decoder reads ``vq_config.num_patches`` rows, L2-normalised code vectors.
+"""
+
+import os
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from diffusers.utils import logging
+from transformers import PreTrainedModel, ProcessorMixin
+
+from ..core.kv_cache import StaticKVCache
+from ..core.layout import ImageTokenLayout
+from ..decoders.decoding_utils import SpatialDecoderMixin
+from ..heads.heads_utils import DraftHeadsMixin
+from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
+from .transformers_utils import language_model_forward
+
+logger = logging.get_logger(__name__)
+
+#: Janus-Pro's CFG scale (the checkpoints' generation config and the paper's sampling setting).
+JANUS_DEFAULT_GUIDANCE_SCALE = 5.0
+#: Attention implementations that take the 4-D float masks tree decoding needs.
+TREE_MASK_ATTENTION = ("sdpa", "eager")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+class JanusProBackbone(SpatialBackbone):
+    """Adapter over `JanusForConditionalGeneration` + `JanusProcessor` for the generation loop."""
+
+    # -- modules ----------------------------------------------------------------------------------------
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.pipe.transformer
+
+    @property
+    def language_model(self) -> torch.nn.Module:
+        return self.model.model.language_model
+
+    @property
+    def vqmodel(self) -> torch.nn.Module:
+        return self.model.model.vqmodel
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config
+
+    def onload(self) -> None:
+        """With ``enable_model_cpu_offload`` the hook moves the model only when its top-level ``forward`` runs; image
+        generation calls submodules, so move it here (a no-op when it is already on the execution device)."""
+        model = self.model
+        hook = getattr(model, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        if device is not None and not _same_device(self.language_model.embed_tokens.weight.device, torch.device(device)):
+            hook.pre_forward(model)
+
+    # -- facts ------------------------------------------------------------------------------------------
+    @property
+    def layout(self) -> ImageTokenLayout:
+        # rows: what the VQ decoder reads (image_size // patch_size); codes: what `generate` emits
+        height = self.model.config.vq_config.num_patches
+        num_tokens = self.model.config.vision_config.num_image_tokens
+        if num_tokens % height:
+            raise ValueError(
+                f"`vision_config.num_image_tokens` ({num_tokens}) is not a whole number of rows of "
+                f"`vq_config.num_patches` ({height}) codes; this Janus config has no image grid."
+            )
+        return ImageTokenLayout(height, num_tokens // height)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.text_config.hidden_size
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.model.config.text_config.num_attention_heads
+
+    @property
+    def num_image_codes(self) -> int:
+        return self.model.config.vq_config.num_embeddings
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.model.config.vq_config.channel_multiplier) - 1)
+
+    @property
+    def codebook(self) -> torch.Tensor:
+        return F.normalize(self.vqmodel.quantize.embedding.weight, p=2, dim=-1)  # as `get_codebook_entry` reads them
+
+    @property
+    def default_guidance_scale(self) -> float:
+        saved = getattr(self.generation_config, "guidance_scale", None)
+        return float(saved) if saved is not None else JANUS_DEFAULT_GUIDANCE_SCALE
+
+    @property
+    def default_top_k(self) -> Optional[int]:
+        return getattr(self.generation_config, "top_k", None)
+
+    # -- special tokens ---------------------------------------------------------------------------------
+    def _token_id(self, name: str) -> int:
+        """BOS / pad / BOI ids: the generation config's (what ``generate`` uses), else the tokenizer's."""
+        config, tokenizer = self.generation_config, self.pipe.processor.tokenizer
+        if name == "boi":
+            value = (getattr(config, "generation_kwargs", None) or {}).get("boi_token_id")
+            if value is None:
+                value = getattr(config, "boi_token_id", None)
+            if value is None:
+                value = tokenizer.convert_tokens_to_ids(self.pipe.processor.image_start_token)
+        else:
+            value = getattr(config, f"{name}_token_id", None)
+            if value is None:
+                value = getattr(tokenizer, f"{name}_token_id")
+        if isinstance(value, (list, tuple)):
+            value = value[0]
+        if value is None:
+            raise ValueError(f"This Janus checkpoint names no {name} token (generation config or tokenizer).")
+        return int(value)
+
+    # -- prompts ----------------------------------------------------------------------------------------
+    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
+        if not all(isinstance(p, str) for p in prompt):
+            raise ValueError(f"`{name}` must be a string or a list of strings for Janus-Pro.")
+        if self.pipe.processor is None:
+            raise ValueError(f"`{name}` is text, but this pipeline has no `processor`; pass the model's JanusProcessor.")
+
+    def prompt_text(self, prompt: str) -> str:
+        """The text Janus-Pro reads for an image prompt: the chat template's user turn and assistant prefix (the
+        processor appends ``<begin_of_image>``)."""
+        processor = self.pipe.processor
+        if not getattr(processor, "chat_template", None):
+            return prompt
+        messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+        return processor.apply_chat_template(messages, add_generation_prompt=True)
+
+    def tokenize(self, prompts: List[str], device: torch.device):
+        """Prompt ids ``(B, P)`` (left-padded, BOS first, BOI last) and their mask ``(B, P)``."""
+        index = {p: i for i, p in enumerate(dict.fromkeys(prompts))}  # each distinct prompt once (repeated rows)
+        unique = list(index)
+        enc = self.pipe.processor(
+            text=[self.prompt_text(p) for p in unique], generation_mode="image", padding=True, padding_side="left",
+            return_tensors="pt",
+        )
+        rows = torch.tensor([index[p] for p in prompts]) if len(unique) < len(prompts) else slice(None)
+        return enc["input_ids"][rows].to(device), enc["attention_mask"][rows].to(device).bool()
+
+    def unconditional_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Janus' unconditional prompt: every token but BOS and BOI replaced by the pad id."""
+        keep = (ids == self._token_id("bos")) | (ids == self._token_id("boi"))
+        return ids.masked_fill(~keep, self._token_id("pad"))
+
+    def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
+        self.onload()
+        if do_cfg and negative_prompts is not None:  # one padded batch: cond and uncond rows of one length
+            ids, valid = self.tokenize(list(prompts) + list(negative_prompts), device)
+        else:
+            ids, valid = self.tokenize(list(prompts), device)
+            if do_cfg:  # the uncond row keeps the cond row's padding mask, as `generate` does
+                ids, valid = torch.cat([ids, self.unconditional_ids(ids)]), valid.repeat(2, 1)
+        embeds = self.language_model.get_input_embeddings()(ids)  # (R, P, D)
+        return PromptEmbeddings(embeds, valid)
+
+    # -- the target -------------------------------------------------------------------------------------
+    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
+        self.onload()
+        return self.model.prepare_embeddings_for_image_generation(codes)  # generation_embeddings -> aligner
+
+    def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
+        self.onload()
+        if cache is None:  # a one-off pass (references, tests): a cache of its own
+            cache = self.make_cache(inputs_embeds.shape[0], inputs_embeds.shape[1])
+        return language_model_forward(self.language_model, inputs_embeds, position_ids, attention_mask, token_valid, cache)
+
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.norm(hidden_states)
+
+    def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.model.generation_head(hidden_states).float()
+
+    @property
+    def target_module(self) -> torch.nn.Module:
+        return self.language_model
+
+    def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
+        text = self.model.config.text_config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        weight = self.language_model.embed_tokens.weight
+        hook = getattr(self.model, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None) or weight.device
+        return StaticKVCache(text.num_hidden_layers, rows, text.num_key_value_heads or text.num_attention_heads, head_dim,
+                             max_length, dtype=weight.dtype, device=device)
+
+    # -- pixels -----------------------------------------------------------------------------------------
+    def _pixel_normalization(self):
+        """The processor's (mean, std) per channel: the VQ model's pixels are ``(x - mean) / std`` of [0, 1] images."""
+        image_processor = getattr(self.pipe.processor, "image_processor", None)
+        if image_processor is None or not getattr(image_processor, "do_normalize", True):
+            return None
+        mean, std = image_processor.image_mean, image_processor.image_std
+        as_tensor = lambda v: torch.tensor(v if isinstance(v, (list, tuple)) else [v] * 3, dtype=torch.float32)  # noqa: E731
+        return as_tensor(mean)[:, None, None], as_tensor(std)[:, None, None]
+
+    @torch.no_grad()
+    def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.onload()
+        vq = self.vqmodel
+        b, h, w = tokens.shape
+        if [h, w] == list(vq.quantize.quant_state_dims):
+            pixels = vq.decode(tokens.reshape(b, h * w))  # (B, 3, h*f, w*f)
+        else:  # a grid the VQ config does not fix (tiny test configs): the same computation for any H x W
+            latent = F.normalize(vq.quantize.embedding(tokens), p=2, dim=-1).permute(0, 3, 1, 2)  # (B, d, H, W)
+            pixels = vq.decoder(vq.post_quant_conv(latent))
+        norm = self._pixel_normalization()
+        if norm is None:
+            return pixels
+        mean, std = (t.to(pixels.device) for t in norm)
+        return (pixels.float() * std + mean) * 2 - 1  # the processor's [0, 1] range -> [-1, 1]
+
+    @torch.no_grad()
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        self.onload()
+        norm = self._pixel_normalization()
+        x = pixels.float()
+        if norm is not None:
+            mean, std = (t.to(x.device) for t in norm)
+            x = ((x + 1) / 2 - mean) / std
+        weight = self.vqmodel.quant_conv.weight
+        tokens = self.vqmodel.encode(x.to(weight.device, weight.dtype)).image_tokens
+        return tokens.reshape(pixels.shape[0], -1)  # (B, H*W)
+
+
+class JanusProPipeline(SpatialARPipeline):
+    r"""Janus-Pro text-to-image generation with a swappable speculative decoder.
+
+    Args:
+        transformer (`JanusForConditionalGeneration`): the transformers model (trunk, image-generation head and
+            embeddings, VQ decoder). Its ``generation_config`` holds the sampling defaults the pipeline uses when a
+            call does not pass them: ``guidance_scale`` (Janus-Pro: 5) and ``top_k`` (none: all 16,384 codes);
+            they are saved and loaded with the model.
+        processor (`JanusProcessor`): tokenizer, chat template and the image processor whose normalisation gives the
+            pixel range.
+        decoder (`SpatialDecoderMixin`): the decoding algorithm (`AutoregressiveDecoder` or a speculative one).
+        draft_heads (`DraftHeadsMixin`, *optional*): draft heads for the decoders that need them.
+
+    Load the released checkpoints with `from_backbone` (``"deepseek-community/Janus-Pro-7B"``), saved pipelines with
+    ``from_pretrained``. The model must use ``sdpa`` or ``eager`` attention (tree masks); another implementation is
+    switched to ``sdpa``.
+    """
+
+    backbone_class = JanusProBackbone
+    model_cpu_offload_seq = "transformer"
+    _optional_components = ["draft_heads"]
+
+    def __init__(
+        self,
+        transformer: PreTrainedModel,
+        processor: ProcessorMixin,
+        decoder: SpatialDecoderMixin,
+        draft_heads: Optional[DraftHeadsMixin] = None,
+    ):
+        super().__init__()
+        from transformers import JanusForConditionalGeneration
+
+        if not isinstance(transformer, JanusForConditionalGeneration):
+            raise ValueError(f"`transformer` must be a JanusForConditionalGeneration, got {type(transformer).__name__}.")
+        impl = transformer.model.language_model.config._attn_implementation  # the trunk's: what tree masks reach
+        if impl not in TREE_MASK_ATTENTION:
+            logger.warning(f"Janus attention implementation {impl!r} cannot take tree masks; switching to 'sdpa'.")
+            transformer.set_attn_implementation("sdpa")
+        self.register_modules(transformer=transformer.eval(), processor=processor, decoder=decoder)
+        self._check_draft_heads(draft_heads)
+        self.register_modules(draft_heads=draft_heads)
+
+    @classmethod
+    def load_backbone_components(
+        cls,
+        repo_or_path: Union[str, os.PathLike],
+        torch_dtype: Optional[torch.dtype] = None,
+        dtype: Optional[torch.dtype] = None,
+        processor: Optional[ProcessorMixin] = None,
+        attn_implementation: str = "sdpa",
+        **hub_kwargs,
+    ) -> Dict[str, Any]:
+        """Read a transformers Janus checkpoint (``config.json`` + safetensors + processor files; a local folder or a
+        Hub repo id such as ``"deepseek-community/Janus-Pro-1B"``, from the Hub cache when ``HF_HUB_OFFLINE=1``).
+
+        Args:
+            torch_dtype / dtype (`torch.dtype`, *optional*): weights dtype (e.g. ``torch.bfloat16``); default: as
+                transformers loads it.
+            processor (`JanusProcessor`, *optional*): use this processor instead of the checkpoint's.
+            attn_implementation (`str`): ``"sdpa"`` (default) or ``"eager"``; flash attention cannot take tree masks.
+            hub_kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only``, ... for both ``from_pretrained``.
+        """
+        from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
+
+        if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+            raise ValueError(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; pass one.")
+        if attn_implementation not in TREE_MASK_ATTENTION:
+            raise ValueError(f"`attn_implementation` must be one of {TREE_MASK_ATTENTION} (tree masks), got {attn_implementation!r}.")
+        config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
+        if config.model_type != "janus":
+            raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a Janus checkpoint.")
+        weights_dtype = dtype if dtype is not None else torch_dtype
+        model = JanusForConditionalGeneration.from_pretrained(
+            repo_or_path, attn_implementation=attn_implementation,
+            **({"dtype": weights_dtype} if weights_dtype is not None else {}), **hub_kwargs,
+        )
+        if processor is None:
+            processor = JanusProcessor.from_pretrained(repo_or_path, **hub_kwargs)
+        return {"transformer": model.eval(), "processor": processor}
