@@ -164,3 +164,29 @@ def test_generation_and_training_on_two_processes(tmp_path):
     done = subprocess.run([*launch, *map(str, common), "--steps", "3", "--out", str(two)], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert steps_logged(two) == [1, 2, 3]
+
+
+def test_every_head_kind_trains_on_the_transformers_families(tmp_path):
+    """``scripts/train_heads.py`` on Janus-Pro and Emu3 (tiny random pipelines saved to folders): Medusa/Hawk heads,
+    SSD latent heads and the EAGLE drafter train on the model's own generations through the family adapter (its
+    prompts, embeddings, head and EOLs), and load back onto the pipeline."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import train_heads
+    finally:
+        sys.path.pop(0)
+    from spatial_pipelines.testing import dummy_pipeline
+
+    kinds = {"hawk": ["--num-horizontal", "2", "--vsd", "1"], "ssd": ["--num-horizontal", "2", "--vsd", "1", "--intermediate-size", "16"],
+             "eagle": []}
+    for family in ("janus", "emu3"):
+        model = tmp_path / family
+        dummy_pipeline(family).save_pretrained(model)
+        for kind, extra in kinds.items():
+            out = tmp_path / f"{family}_{kind}"
+            train_heads.main(["--model", str(model), "--kind", kind, *extra, "--generated", "2", "--limit", "8", "--batch-size", "2",
+                              "--steps", "1", "--log-every", "1", "--checkpoint-every", "1", "--mixed-precision", "no", "--out", str(out)])
+            assert steps_logged(out) == [1]
+            pipe = dummy_pipeline(family)
+            heads = pipe.load_draft_heads(out / "heads")
+            assert heads.config.hidden_size == pipe.backbone.hidden_size
