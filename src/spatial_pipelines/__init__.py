@@ -8,7 +8,7 @@ from ._registration import register_with_diffusers
 from .core import ImageTokenLayout, SamplingConfig
 from .decoders import DECODERS, ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SpatialDecoderMixin, SSDDecoder
 from .heads import DraftHeadsMixin, EagleDraftHead, LatentDraftHeads, SpatialDraftHeads
-from .models import LlamaGenTransformer, LlamaGenVQModel
+from .models import ChameleonVQModel, LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import (
     DecodingStats,
     Emu3Pipeline,
@@ -27,6 +27,7 @@ __all__ = [
     "DECODERS",
     "ADTTreeDecoder",
     "AutoregressiveDecoder",
+    "ChameleonVQModel",
     "EagleDecoder",
     "DecodingStats",
     "DiffusionPipeline",
