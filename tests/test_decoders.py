@@ -41,6 +41,8 @@ FAMILY_CASES = [
     pytest.param("llamagen", {"end_of_row": True}, ["a red fox", "blue sky", "x"], id="llamagen-eol"),
     pytest.param("janus", {}, ["a red fox", "blue sky", "x"], id="janus"),
     pytest.param("emu3", {}, ["a red fox", "blue sky", "x"], id="emu3"),
+    pytest.param("anole", {}, ["a red fox", "blue sky", "x"], id="anole"),
+    pytest.param("lumina_mgpt", {}, ["a red fox", "blue sky", "x"], id="lumina_mgpt"),
 ]
 
 
@@ -96,7 +98,7 @@ def test_sampling_distribution_equals_model(decoder_cls, kwargs, heads, sampling
 
 OTHER_FAMILY_DISTRIBUTION_CASES = [  # (family, decoder case id): one static tree and the dynamic trees per family
     (family, case) for family in ("janus", "emu3") for case in EXACT_CASES if case.id in ("medusa", "eagle", "adt")
-]
+] + [(family, case) for family in ("anole", "lumina_mgpt") for case in EXACT_CASES if case.id == "medusa"]  # one each: time
 
 
 @pytest.mark.parametrize("family,case", OTHER_FAMILY_DISTRIBUTION_CASES,
@@ -104,7 +106,8 @@ OTHER_FAMILY_DISTRIBUTION_CASES = [  # (family, decoder case id): one static tre
 def test_sampling_distribution_equals_model_on_transformers_families(family, case):
     """Invariant 2 on the transformers families (Janus-Pro: its own image head, embeddings and CFG rows; Emu3: the
     visual columns of its text head and its forced end-of-row tokens): the same chi-square test as above, CFG 2, over
-    all 4**4 grids of a 2x2 grid with 4 codes. (SJD on Emu3: ``test_pipeline_emu3.py``.)"""
+    all 4**4 grids of a 2x2 grid with 4 codes. Anole and Lumina-mGPT (the image columns of Chameleon's head; Lumina's
+    resolution tokens and EOLs) run Medusa only, to keep time. (SJD on Emu3: ``test_pipeline_emu3.py``.)"""
     decoder_cls, kwargs, heads = case.values
     pipe = make(decoder_cls, kwargs, heads, family, grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)

@@ -75,6 +75,21 @@ def test_pass_count_follows_the_schedule_on_janus(temperature):
     assert (stats.acceptance_map[:, 1:] == grid[1]).all() and (out.tokens >= 0).all()
 
 
+@pytest.mark.parametrize("family", ["anole", "lumina_mgpt"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sample"])
+def test_pass_count_follows_the_schedule_on_chameleon_families(family, temperature):
+    """The same schedule on Anole and Lumina-mGPT (Chameleon trunk, image columns of its head; Lumina's EOLs ride
+    along with the passes that feed a row's last code), batch 2 with CFG."""
+    grid, kwargs = (4, 5), dict(num_horizontal=2, vertical_rounds=2)
+    pipe = dummy_pipeline(family, SSDDecoder(**kwargs), "random", grid=grid)
+    out = pipe(["a red fox", "x"], temperature=temperature, generator=gen(0), output_type="latent")
+    stats = out.stats
+    assert stats.num_forward_passes == expected_passes(grid, **kwargs)
+    assert stats.accepted_lengths.shape == (stats.num_forward_passes, 2)
+    assert (stats.accepted_lengths.sum(0) == grid[0] * grid[1]).all()
+    assert (stats.acceptance_map[:, 1:] == grid[1]).all() and (out.tokens >= 0).all()
+
+
 def test_paper_schedule_on_a_24x24_grid():
     """SSD paper, Table 5 (Janus-Pro, 24x24): 23 later rows at r + 1 passes each; our first row takes 9."""
     assert [expected_passes((24, 24), vertical_rounds=r) for r in range(3)] == [32, 55, 78]

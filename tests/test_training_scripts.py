@@ -167,9 +167,9 @@ def test_generation_and_training_on_two_processes(tmp_path):
 
 
 def test_every_head_kind_trains_on_the_transformers_families(tmp_path):
-    """``scripts/train_heads.py`` on Janus-Pro and Emu3 (tiny random pipelines saved to folders): Medusa/Hawk heads,
-    SSD latent heads and the EAGLE drafter train on the model's own generations through the family adapter (its
-    prompts, embeddings, head and EOLs), and load back onto the pipeline."""
+    """``scripts/train_heads.py`` on Janus-Pro, Emu3, Anole and Lumina-mGPT (tiny random pipelines saved to folders):
+    Medusa/Hawk heads, SSD latent heads and the EAGLE drafter train on the model's own generations through the family
+    adapter (its prompts, embeddings, head and EOLs), and load back onto the pipeline."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import train_heads
@@ -179,7 +179,7 @@ def test_every_head_kind_trains_on_the_transformers_families(tmp_path):
 
     kinds = {"hawk": ["--num-horizontal", "2", "--vsd", "1"], "ssd": ["--num-horizontal", "2", "--vsd", "1", "--intermediate-size", "16"],
              "eagle": []}
-    for family in ("janus", "emu3"):
+    for family in ("janus", "emu3", "anole", "lumina_mgpt"):
         model = tmp_path / family
         dummy_pipeline(family).save_pretrained(model)
         for kind, extra in kinds.items():

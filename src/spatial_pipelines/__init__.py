@@ -10,10 +10,12 @@ from .decoders import DECODERS, ADTTreeDecoder, AutoregressiveDecoder, EagleDeco
 from .heads import DraftHeadsMixin, EagleDraftHead, LatentDraftHeads, SpatialDraftHeads
 from .models import ChameleonVQModel, LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import (
+    AnolePipeline,
     DecodingStats,
     Emu3Pipeline,
     JanusProPipeline,
     LlamaGenPipeline,
+    LuminaMGPTPipeline,
     SpatialARPipeline,
     SpatialBackbone,
     SpatialPipelineOutput,
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DECODERS",
     "ADTTreeDecoder",
+    "AnolePipeline",
     "AutoregressiveDecoder",
     "ChameleonVQModel",
     "EagleDecoder",
@@ -42,6 +45,7 @@ __all__ = [
     "LlamaGenPipeline",
     "LlamaGenTransformer",
     "LlamaGenVQModel",
+    "LuminaMGPTPipeline",
     "MedusaDecoder",
     "ModelMixin",
     "SamplingConfig",

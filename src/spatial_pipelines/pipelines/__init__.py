@@ -1,12 +1,18 @@
 """The generation loop (pipeline_utils) and one file per backbone family."""
 
+from .pipeline_chameleon import AnoleBackbone, AnolePipeline, ChameleonARPipeline, ChameleonBackbone
 from .pipeline_emu3 import Emu3Backbone, Emu3Pipeline
 from .pipeline_janus import JanusProBackbone, JanusProPipeline
 from .pipeline_llamagen import LlamaGenBackbone, LlamaGenPipeline
+from .pipeline_lumina_mgpt import LuminaMGPTBackbone, LuminaMGPTPipeline
 from .pass_cost import PassCost
 from .pipeline_utils import DecodingStats, PromptEmbeddings, SpatialARPipeline, SpatialBackbone, SpatialPipelineOutput
 
 __all__ = [
+    "AnoleBackbone",
+    "AnolePipeline",
+    "ChameleonARPipeline",
+    "ChameleonBackbone",
     "DecodingStats",
     "Emu3Backbone",
     "Emu3Pipeline",
@@ -14,6 +20,8 @@ __all__ = [
     "JanusProPipeline",
     "LlamaGenBackbone",
     "LlamaGenPipeline",
+    "LuminaMGPTBackbone",
+    "LuminaMGPTPipeline",
     "PromptEmbeddings",
     "SpatialARPipeline",
     "SpatialBackbone",

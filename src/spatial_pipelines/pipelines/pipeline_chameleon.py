@@ -1,0 +1,480 @@
+"""The Chameleon family: transformers' `ChameleonForConditionalGeneration` (the Anole and Lumina-mGPT checkpoints) with
+our `ChameleonVQModel` as the VQGAN decoder transformers lacks; the shared adapter and `AnolePipeline`.
+
+Chameleon facts the adapter relies on (transformers 5.x):
+
+* image codes are ordinary tokens ``IMGIMG<digits as letters A-J>Z`` of the 65,536-token vocabulary (ids 4..8195 in
+  the released vocabulary); codes and ids are mapped by name through the model's ``vocabulary_mapping``
+  (``img2bpe``), never by an offset;
+* ``ChameleonForConditionalGeneration.forward`` sets every image-token logit to ``finfo.min`` (it is a text model in
+  transformers): the adapter runs the trunk (``model.model``) and applies ``lm_head`` restricted to the image rows
+  itself, post-norm, columns in code order;
+* an image is ``<racm3:break>`` (begin image, 8197) + the codes + ``<eoss>`` (end image, 8196); the end token carries
+  no code and is never generated here;
+* Anole / Chameleon prompt (Chameleon's inference code, ``TokenManager.tokens_from_ui`` with a text turn and the
+  ``<END-OF-TURN>`` sentinel, as Anole's ``text2image.py`` calls it): ``BOS text <reserved08706> <racm3:break>``, then
+  32x32 codes (512 px, 16 px per code, no end-of-row token);
+* CFG: Chameleon's image decoder runs three rows (full prompt, image-only prompt, unconditional ``BOS
+  <racm3:break>``) mixed as ``u + s_img (i - u) + s_txt (f - i)`` on raw logits; for a text-only prompt the image-only
+  row IS the unconditional one, so this is plain CFG with ``s_txt`` (3.0) and the unconditional row ``BOS
+  <racm3:break>`` -- the same rows and scale the LANTERN code (``ea_model_anole.py``) and the ADT-Tree paper use for
+  Anole. A ``negative_prompt`` replaces that row with the negative text in the prompt format.
+"""
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from diffusers.utils import logging
+from transformers import ChameleonForConditionalGeneration
+
+from ..core.kv_cache import StaticKVCache
+from ..core.layout import ImageTokenLayout
+from ..decoders.decoding_utils import SpatialDecoderMixin
+from ..heads.heads_utils import DraftHeadsMixin
+from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
+from ..utils import check_number
+from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
+from .transformers_utils import language_model_forward
+
+logger = logging.get_logger(__name__)
+
+#: Chameleon's structural tokens (names in the model's ``vocabulary_map``).
+BEGIN_IMAGE_TOKEN = "<racm3:break>"
+END_IMAGE_TOKEN = "<eoss>"
+END_OF_TURN_TOKEN = "<reserved08706>"
+#: Attention implementations that take the 4-D float masks tree decoding needs.
+TREE_MASK_ATTENTION = ("sdpa", "eager")
+#: Anole's published setting: 32x32 codes (512 px), text CFG 3.0 (Chameleon's ``guidance_scale_text``; the scale
+#: the LANTERN and ADT-Tree papers use on Anole).
+ANOLE_IMAGE_GRID = (32, 32)
+ANOLE_GUIDANCE_SCALE = 3.0
+#: The Chameleon VQGAN in transformers format (the decoder transformers lacks), as converted with the Anole port.
+ANOLE_VQ_REPO = "leloy/Anole-7b-v0.1-vqvae-hf"
+#: Keys of the transformer's generation config that hold our settings (they travel with the component).
+GRID_KEY = "image_grid"
+
+
+@dataclass(frozen=True)
+class _CodeIndex:
+    """Per model and device: code -> token id, and the ``lm_head`` rows of the image tokens in code order."""
+
+    ids: torch.Tensor  # (V,) token id of each code
+    rows: Optional[Tuple[int, int]]  # (start, end) when the ids are consecutive in code order: a view, no copy
+
+
+def _run_offload_hook(module: Optional[torch.nn.Module]) -> None:
+    """`enable_model_cpu_offload` hooks fire on a component's top-level forward only; the loop calls the trunk, the head
+    and the VQ decoder directly, so the hook is run here (it moves the module to the execution device; a no-op when
+    it is there)."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and hasattr(hook, "pre_forward"):
+        hook.pre_forward(module)
+
+
+class ChameleonBackbone(SpatialBackbone):
+    """Adapter over `ChameleonForConditionalGeneration` (trunk, head over the whole vocabulary), its tokenizer (or
+    `ChameleonProcessor`) and a `ChameleonVQModel`. Subclasses fix the family's prompt and image layout."""
+
+    #: the grid (codes) when the generation config names none
+    default_image_grid: Tuple[int, int] = ANOLE_IMAGE_GRID
+    family_guidance_scale: float = ANOLE_GUIDANCE_SCALE
+    family_top_k: Optional[int] = None
+    #: whether the default unconditional row starts with BOS (Chameleon: ``BOS <racm3:break>``)
+    unconditional_has_bos: bool = True
+    family_name = "Chameleon"
+
+    # -- modules ----------------------------------------------------------------------------------------------
+    @property
+    def transformer(self) -> ChameleonForConditionalGeneration:
+        return self.pipe.transformer
+
+    @property
+    def text_model(self) -> torch.nn.Module:
+        """The decoder stack (`ChameleonModel`: ``embed_tokens``, ``layers``, final ``norm``)."""
+        return self.transformer.model
+
+    @property
+    def vqgan(self) -> ChameleonVQModel:
+        return self.pipe.vqgan
+
+    @property
+    def tokenizer(self):
+        processor = self.pipe.processor
+        return getattr(processor, "tokenizer", processor)
+
+    @property
+    def generation_config(self):
+        return self.transformer.generation_config
+
+    def _onload(self) -> None:
+        _run_offload_hook(self.transformer)
+
+    # -- facts ------------------------------------------------------------------------------------------------
+    @property
+    def image_grid(self) -> Tuple[int, int]:
+        grid = getattr(self.generation_config, GRID_KEY, None)
+        return tuple(int(n) for n in grid) if grid is not None else tuple(self.default_image_grid)
+
+    @property
+    def layout(self) -> ImageTokenLayout:
+        h, w = self.image_grid
+        return ImageTokenLayout(h, w)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.transformer.config.hidden_size
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.transformer.config.num_attention_heads
+
+    @property
+    def num_image_codes(self) -> int:
+        return self._index().ids.shape[0]
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.vqgan.downsample_factor
+
+    @property
+    def codebook(self) -> torch.Tensor:
+        """``(V, embed_dim)``: what `decode_code` looks codes up in (not normalised), on the trunk's device (with model
+        CPU offload the VQGAN sits on the CPU while the loop runs)."""
+        return self.vqgan.codebook.to(self.text_model.embed_tokens.weight.device)
+
+    @property
+    def default_guidance_scale(self) -> float:
+        saved = getattr(self.generation_config, "guidance_scale", None)
+        return float(saved) if saved is not None else self.family_guidance_scale
+
+    @property
+    def default_top_k(self) -> Optional[int]:
+        saved = getattr(self.generation_config, "top_k", None)
+        return saved if saved is not None else self.family_top_k
+
+    def _index(self) -> _CodeIndex:
+        """Built once per model and device (kept on the pipeline), never per call."""
+        t = self.transformer
+        device = t.lm_head.weight.device
+        mapping = t.model.vocabulary_mapping
+        cache = self.pipe.__dict__.setdefault("_chameleon_code_index", {})
+        key = (id(t), id(mapping), str(device))
+        index = cache.get(key)
+        if index is None:
+            img2bpe = mapping.img2bpe  # code -> token id, read from the IMGIMG...Z names
+            v = len(img2bpe)
+            if v == 0 or sorted(img2bpe) != list(range(v)):
+                raise ValueError(f"The {self.family_name} `vocabulary_map` must name the image tokens `IMGIMG...Z` for codes "
+                                 f"0..V-1 without gaps; it has {v} image tokens.")
+            codebook_size = self.vqgan.config.codebook_size
+            if v != codebook_size:
+                raise ValueError(f"The {self.family_name} vocabulary has {v} image tokens but the VQ codebook (`vqgan`) has "
+                                 f"{codebook_size} codes.")
+            ids = torch.tensor([img2bpe[c] for c in range(v)], dtype=torch.long)
+            consecutive = bool((ids == ids[0] + torch.arange(v)).all())
+            index = _CodeIndex(ids=ids.to(device), rows=(int(ids[0]), int(ids[0]) + v) if consecutive else None)
+            cache.clear()  # one model and device at a time
+            cache[key] = index
+        return index
+
+    def token_id(self, name: str) -> int:
+        """Id of a structural token, from the model's own ``vocabulary_map`` (the tokenizer's when the map lacks it)."""
+        vocab = self.transformer.config.vocabulary_map or {}
+        value = vocab.get(name)
+        if value is None and self.tokenizer is not None:
+            value = self.tokenizer.convert_tokens_to_ids(name)
+            if value == getattr(self.tokenizer, "unk_token_id", None):
+                value = None
+        if value is None:
+            raise ValueError(f"The {self.family_name} vocabulary has no {name!r} token; it is not a {self.family_name} "
+                             "checkpoint.")
+        return int(value)
+
+    @property
+    def bos_token_id(self) -> int:
+        value = getattr(self.tokenizer, "bos_token_id", None)
+        if value is None:
+            value = self.transformer.config.bos_token_id
+        if value is None:
+            raise ValueError(f"This {self.family_name} checkpoint names no BOS token (tokenizer or config).")
+        return int(value)
+
+    # -- prompts ----------------------------------------------------------------------------------------------
+    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
+        if not all(isinstance(p, str) for p in prompt):
+            raise ValueError(f"`{name}` must be a string or a list of strings for {self.family_name}.")
+        if self.tokenizer is None:
+            raise ValueError(f"`{name}` is text, but this pipeline has no `processor` (a ChameleonProcessor or the "
+                             "checkpoint's tokenizer); pass it to the pipeline.")
+
+    def prompt_text(self, text: str) -> str:
+        """The text the model reads for an image prompt (Anole: the prompt itself)."""
+        return text
+
+    def image_start_ids(self) -> List[int]:
+        """What precedes the first code: ``<racm3:break>`` (Lumina-mGPT adds its resolution tokens)."""
+        return [self.token_id(BEGIN_IMAGE_TOKEN)]
+
+    def condition_ids(self, text: str) -> List[int]:
+        """``BOS text <reserved08706> <racm3:break> ...``: a user turn closed by Chameleon's end-of-turn token, then the
+        image start."""
+        body = self.tokenizer(self.prompt_text(text), add_special_tokens=False).input_ids
+        return [self.bos_token_id, *body, self.token_id(END_OF_TURN_TOKEN), *self.image_start_ids()]
+
+    def unconditional_ids(self) -> List[int]:
+        """The default unconditional row of CFG (Anole: ``BOS <racm3:break>``)."""
+        return ([self.bos_token_id] if self.unconditional_has_bos else []) + self.image_start_ids()
+
+    def prompt_ids(self, prompts: List[str], negative_prompts: Optional[List[str]], do_cfg: bool,
+                   device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Token ids ``(R, P)`` of the prefix rows (conditional, then with CFG the unconditional ones), left-padded to
+        one length, and which are real ``(R, P)``. Each distinct text is tokenized once."""
+        texts = list(prompts) + (list(negative_prompts) if do_cfg and negative_prompts is not None else [])
+        encoded = {t: self.condition_ids(t) for t in dict.fromkeys(texts)}
+        rows = [encoded[t] for t in prompts]
+        if do_cfg:
+            if negative_prompts is not None:
+                rows += [encoded[t] for t in negative_prompts]
+            else:
+                rows += [self.unconditional_ids()] * len(prompts)
+        length = max(len(r) for r in rows)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else (self.transformer.config.pad_token_id or 0)
+        ids = torch.tensor([[pad] * (length - len(r)) + r for r in rows], dtype=torch.long)
+        valid = torch.tensor([[False] * (length - len(r)) + [True] * len(r) for r in rows])
+        return ids.to(device), valid.to(device)
+
+    def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
+        self._onload()
+        attention = self.transformer.config._attn_implementation
+        if attention not in TREE_MASK_ATTENTION:
+            raise ValueError(f"{self.family_name} runs with `attn_implementation` 'sdpa' or 'eager' (draft trees need an "
+                             f"arbitrary attention mask), got {attention!r}.")
+        ids, valid = self.prompt_ids(prompts, negative_prompts, do_cfg, device)
+        return PromptEmbeddings(self.text_model.embed_tokens(ids), valid)
+
+    # -- the trunk --------------------------------------------------------------------------------------------
+    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
+        self._onload()
+        return self.text_model.embed_tokens(self._index().ids[codes])
+
+    def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
+        self._onload()
+        if cache is None:  # a one-off pass (references, training): a throwaway cache just long enough
+            cache = self.make_cache(inputs_embeds.shape[0], inputs_embeds.shape[1])
+        return language_model_forward(self.text_model, inputs_embeds, position_ids, attention_mask, token_valid, cache)
+
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.text_model.norm(hidden_states)
+
+    def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``lm_head`` restricted to the image tokens, columns in code order (a view of the weight when the image ids
+        are consecutive in code order, as in the released vocabulary) -- never the model's forward, which masks them."""
+        self._onload()
+        index = self._index()
+        weight = self.transformer.lm_head.weight
+        weight = weight[index.rows[0] : index.rows[1]] if index.rows is not None else weight.index_select(0, index.ids)
+        return F.linear(hidden_states.to(weight.dtype), weight).float()
+
+    @property
+    def target_module(self) -> torch.nn.Module:
+        return self.text_model
+
+    def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
+        config = self.transformer.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        weight = self.text_model.embed_tokens.weight
+        return StaticKVCache(config.num_hidden_layers, rows, config.num_key_value_heads or config.num_attention_heads,
+                             head_dim, max_length, dtype=weight.dtype, device=weight.device)
+
+    # -- pixels -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Code grids ``(B, H, W)`` -> ``vqgan.decode_code`` -> images in [-1, 1] (Chameleon's VQGAN works in that range)."""
+        _run_offload_hook(self.vqgan)
+        return self.vqgan.decode_code(tokens.to(self.vqgan.codebook.device))
+
+    @torch.no_grad()
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        _run_offload_hook(self.vqgan)
+        weight = self.vqgan.codebook
+        return self.vqgan.encode(pixels.to(weight.device, weight.dtype)).indices.flatten(1)  # (B, H*W)
+
+
+class AnoleBackbone(ChameleonBackbone):
+    """Anole: 32x32 codes wrapped in ``<racm3:break>`` ... ``<eoss>``, no end-of-row token; prompt ``BOS text
+    <reserved08706> <racm3:break>``; CFG 3 against ``BOS <racm3:break>``."""
+
+    family_name = "Anole"
+
+
+class ChameleonARPipeline(SpatialARPipeline):
+    r"""Base of the Chameleon-architecture pipelines (Anole, Lumina-mGPT): components, checks and loading.
+
+    Args:
+        transformer (`ChameleonForConditionalGeneration`): the AR model. Its ``generation_config`` holds the sampling
+            defaults (``guidance_scale``, ``top_k``) and the image grid (``image_grid``, codes); they travel with it.
+        processor (`ChameleonProcessor` or the checkpoint's tokenizer): tokenizes the prompts.
+        vqgan (`ChameleonVQModel`): Chameleon's VQGAN, whose decoder turns codes into pixels (transformers has none).
+        decoder (`SpatialDecoderMixin`): the decoding algorithm (`AutoregressiveDecoder` or a speculative one).
+        draft_heads (`DraftHeadsMixin`, *optional*): draft heads for the decoders that need them.
+    """
+
+    backbone_class = ChameleonBackbone
+    model_cpu_offload_seq = "transformer->vqgan"
+    _optional_components = ["draft_heads"]
+    #: the VQ checkpoint `from_backbone` reads when ``vq`` is not given (Chameleon's VQGAN, shared by Anole and
+    #: Lumina-mGPT)
+    default_vq_repo: Optional[str] = ANOLE_VQ_REPO
+
+    def __init__(
+        self,
+        transformer: ChameleonForConditionalGeneration,
+        processor: Any,
+        vqgan: ChameleonVQModel,
+        decoder: SpatialDecoderMixin,
+        draft_heads: Optional[DraftHeadsMixin] = None,
+    ):
+        super().__init__()
+        if not isinstance(transformer, ChameleonForConditionalGeneration):
+            raise ValueError(f"`transformer` must be a ChameleonForConditionalGeneration, got {type(transformer).__name__}.")
+        if not isinstance(vqgan, ChameleonVQModel):
+            raise ValueError(f"`vqgan` must be a ChameleonVQModel (Chameleon's VQGAN decoder), got {type(vqgan).__name__}; "
+                             "convert the released weights with `load_chameleon_vq` or scripts/convert_chameleon_vqgan.py.")
+        impl = transformer.config._attn_implementation
+        if impl not in TREE_MASK_ATTENTION:
+            logger.warning(f"Chameleon attention implementation {impl!r} cannot take tree masks; switching to 'sdpa'.")
+            transformer.set_attn_implementation("sdpa")
+        self.register_modules(transformer=transformer.eval(), processor=processor, vqgan=vqgan.eval(), decoder=decoder)
+        self._check_draft_heads(draft_heads)
+        self.register_modules(draft_heads=draft_heads)
+
+    @classmethod
+    def default_image_grid_for(cls, repo_or_path, vae_scale_factor: int) -> Tuple[int, int]:
+        """The grid of a checkpoint that does not record one."""
+        return tuple(cls.backbone_class.default_image_grid)
+
+    @classmethod
+    def load_backbone_components(
+        cls,
+        repo_or_path: Union[str, os.PathLike],
+        vq: Union[None, str, os.PathLike, ChameleonVQModel] = None,
+        processor: Any = None,
+        image_grid: Optional[Tuple[int, int]] = None,
+        default_guidance_scale: Optional[float] = None,
+        default_top_k: Optional[int] = None,
+        torch_dtype: Optional[torch.dtype] = None,
+        dtype: Optional[torch.dtype] = None,
+        attn_implementation: str = "sdpa",
+        **hub_kwargs,
+    ) -> Dict[str, Any]:
+        """Read a transformers Chameleon checkpoint (``config.json`` with model_type ``chameleon`` + safetensors +
+        tokenizer files; a folder or a Hub repo id, through the Hub cache, ``HF_HUB_OFFLINE`` honoured) and
+        Chameleon's VQGAN.
+
+        Args:
+            vq: the VQGAN: a `ChameleonVQModel`, a folder saved by it (``scripts/convert_chameleon_vqgan.py``), a
+                transformers-format VQ folder or Hub repo (``config.json`` model_type ``chameleon_vqgan`` + safetensors),
+                or Meta's ``vqgan.ckpt`` (with ``vqgan.yaml`` beside it) or the folder holding them; default
+                ``default_vq_repo``.
+            processor (*optional*): use this `ChameleonProcessor` or tokenizer instead of the checkpoint's.
+            image_grid (`tuple[int, int]`, *optional*): codes per column and row (default: the family's).
+            default_guidance_scale, default_top_k (*optional*): written into the model's generation config (defaults:
+                the family's).
+            torch_dtype / dtype: weights' dtype (e.g. ``torch.bfloat16``), for the model and the VQGAN.
+            attn_implementation (`str`): ``"sdpa"`` or ``"eager"`` (draft trees need an arbitrary attention mask).
+            hub_kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only``, ... for every download.
+        """
+        from transformers import AutoConfig, AutoTokenizer, ChameleonProcessor
+
+        if attn_implementation not in TREE_MASK_ATTENTION:
+            raise ValueError(f"`attn_implementation` must be one of {TREE_MASK_ATTENTION} (tree masks), got "
+                             f"{attn_implementation!r}.")
+        if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+            raise ValueError(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; pass one.")
+        weights_dtype = dtype if dtype is not None else torch_dtype
+        config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
+        if config.model_type != "chameleon":
+            raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a "
+                             "Chameleon-architecture checkpoint.")
+        if processor is None:
+            try:
+                processor = ChameleonProcessor.from_pretrained(repo_or_path, **hub_kwargs)
+            except (OSError, ValueError, TypeError, KeyError):  # a repo with tokenizer files only (Lumina-mGPT)
+                processor = AutoTokenizer.from_pretrained(repo_or_path, **hub_kwargs)
+        if not config.vocabulary_map:  # the image-token names are the tokenizer's
+            config.vocabulary_map = dict(getattr(processor, "tokenizer", processor).get_vocab())
+        model = ChameleonForConditionalGeneration.from_pretrained(
+            repo_or_path, config=config, attn_implementation=attn_implementation,
+            dtype=weights_dtype if weights_dtype is not None else "auto", **hub_kwargs,
+        ).eval()
+        vqgan = load_vq(vq if vq is not None else cls.default_vq_repo, torch_dtype=weights_dtype, **hub_kwargs)
+        if image_grid is None and getattr(model.generation_config, GRID_KEY, None) is None:
+            image_grid = cls.default_image_grid_for(repo_or_path, vqgan.downsample_factor)
+        configure_generation(model, image_grid=image_grid, guidance_scale=default_guidance_scale, top_k=default_top_k)
+        return {"transformer": model, "processor": processor, "vqgan": vqgan}
+
+
+class AnolePipeline(ChameleonARPipeline):
+    r"""Anole (Chameleon architecture) text-to-image generation with a swappable speculative decoder.
+
+    Components as `ChameleonARPipeline`. Defaults: a 32x32 grid (512 px), CFG 3.0 against ``BOS <racm3:break>``, no
+    top-k. Load ``leloy/Anole-7b-v0.1-hf`` with `from_backbone` (its VQGAN from ``leloy/Anole-7b-v0.1-vqvae-hf`` by
+    default, or ``vq=`` Meta's ``vqgan.ckpt`` / a converted folder); saved pipelines with ``from_pretrained``.
+    """
+
+    backbone_class = AnoleBackbone
+
+
+def load_vq(vq: Union[str, os.PathLike, ChameleonVQModel], torch_dtype: Optional[torch.dtype] = None,
+            **hub_kwargs) -> ChameleonVQModel:
+    """A `ChameleonVQModel` from a model, a local path in any layout `load_chameleon_vq` reads, or a Hub repo id (its
+    snapshot downloaded, or read from the Hub cache when offline)."""
+    if isinstance(vq, ChameleonVQModel):
+        return vq.to(torch_dtype) if torch_dtype is not None else vq
+    if not isinstance(vq, (str, os.PathLike)):
+        raise ValueError(f"`vq` must be a ChameleonVQModel, a path or a Hub repo id, got {type(vq).__name__}.")
+    path = os.fspath(vq)
+    if not os.path.exists(path):
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+            raise ValueError(f"`vq` {path!r} is neither an existing path nor a Hub repo id.")
+        from huggingface_hub import snapshot_download
+
+        keys = ("revision", "cache_dir", "token", "local_files_only")
+        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.ckpt", "*.yaml"],
+                                 **{k: v for k, v in hub_kwargs.items() if k in keys and v is not None})
+    return load_chameleon_vq(path, torch_dtype=torch_dtype).eval()
+
+
+def configure_generation(
+    transformer: ChameleonForConditionalGeneration,
+    image_grid: Optional[Tuple[int, int]] = None,
+    guidance_scale: Optional[float] = None,
+    top_k: Optional[int] = None,
+    **extra: Any,
+) -> None:
+    """Write the image grid and sampling defaults into ``transformer.generation_config`` (``None`` leaves a value);
+    ``extra`` keys (family settings) are written as they are."""
+    config = transformer.generation_config
+    extra = {k: v for k, v in extra.items() if v is not None}
+    if any(v is not None for v in (image_grid, guidance_scale, top_k)) or extra:
+        # a config transformers derived from the model config drops unknown keys when it is read back: this one is ours
+        config._from_model_config = False
+    if image_grid is not None:
+        if (not isinstance(image_grid, (tuple, list)) or len(image_grid) != 2
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in image_grid)):
+            raise ValueError(f"`image_grid` must be two positive ints (rows, columns of codes), got {image_grid!r}.")
+        setattr(config, GRID_KEY, [int(n) for n in image_grid])
+    if guidance_scale is not None:
+        check_number("default_guidance_scale", guidance_scale, 0)
+        config.guidance_scale = float(guidance_scale)
+    if top_k is not None:
+        check_number("default_top_k", top_k, 0, integer=True)
+        config.top_k = int(top_k)
+        config.do_sample = True  # transformers refuses to save a top_k without it
+    for key, value in extra.items():
+        setattr(config, key, value)
