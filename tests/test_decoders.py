@@ -97,8 +97,8 @@ def test_sampling_distribution_equals_model(decoder_cls, kwargs, heads, sampling
 
 
 OTHER_FAMILY_DISTRIBUTION_CASES = [  # (family, decoder case id): one static tree and the dynamic trees per family
-    (family, case) for family in ("janus", "emu3") for case in EXACT_CASES if case.id in ("medusa", "eagle", "adt")
-] + [(family, case) for family in ("anole", "lumina_mgpt") for case in EXACT_CASES if case.id == "medusa"]  # one each: time
+    (family, case) for family in ("janus", "emu3", "anole", "lumina_mgpt") for case in EXACT_CASES if case.id in ("medusa", "eagle", "adt")
+]
 
 
 @pytest.mark.parametrize("family,case", OTHER_FAMILY_DISTRIBUTION_CASES,
