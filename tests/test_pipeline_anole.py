@@ -206,9 +206,12 @@ def test_decode_image_is_the_vq_decoder_and_encode_gives_codes():
     assert codes.shape == (1, 20) and torch.equal(codes, pipe.vqgan.encode(pixels).indices.flatten(1))
 
 
-def test_model_cpu_offload_onloads_the_modules_the_loop_calls():
+def test_model_cpu_offload_onloads_the_modules_the_loop_calls(monkeypatch):
     """Offload hooks fire on a component's top-level forward, which the loop never calls: the backbone runs the
-    transformer's and the VQGAN's hooks itself (checked on the CPU: the hooks are asked, the output is unchanged)."""
+    transformer's and the VQGAN's hooks itself (checked on the CPU, where the modules are always "there": pretending
+    they are not makes the backbone ask the hooks; the output is unchanged)."""
+    from spatial_pipelines.pipelines import transformers_utils
+
     pipe = dummy_pipeline("anole")
     ref = pipe("a red fox", generator=gen(0), output_type="np").images
     pipe.enable_model_cpu_offload(device="cpu")
@@ -217,6 +220,7 @@ def test_model_cpu_offload_onloads_the_modules_the_loop_calls():
         hook = module._hf_hook
         original = hook.pre_forward
         hook.pre_forward = lambda m, *a, _o=original, **k: (calls.append(m), _o(m, *a, **k))[1]
+    monkeypatch.setattr(transformers_utils, "same_device", lambda a, b: False)
     out = pipe("a red fox", generator=gen(0), output_type="np").images
     np.testing.assert_array_equal(out, ref)
     assert pipe.transformer in calls and pipe.vqgan in calls

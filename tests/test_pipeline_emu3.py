@@ -308,9 +308,12 @@ def test_from_backbone_repo_id_from_the_hub_cache_offline(tmp_path):
     assert got["missing"] != "loaded"
 
 
-def test_model_cpu_offload_onloads_the_submodules_the_loop_calls():
+def test_model_cpu_offload_onloads_the_submodules_the_loop_calls(monkeypatch):
     """diffusers' hooks fire on the component's top-level forward, which the loop never calls: the backbone onloads
-    explicitly (checked here on the CPU: the hook is asked before the trunk, head and VQ model run)."""
+    explicitly (checked here on the CPU, where the model is always "there": pretending it is not makes the backbone
+    ask the hook before the trunk, head and VQ model run)."""
+    from spatial_pipelines.pipelines import transformers_utils
+
     pipe = dummy_pipeline("emu3")
     ref = pipe("a red fox", generator=gen(0), output_type="np").images
     pipe.enable_model_cpu_offload(device="cpu")
@@ -318,6 +321,7 @@ def test_model_cpu_offload_onloads_the_submodules_the_loop_calls():
     calls = []
     original = hook.pre_forward
     hook.pre_forward = lambda module, *a, **k: (calls.append(module), original(module, *a, **k))[1]
+    monkeypatch.setattr(transformers_utils, "same_device", lambda a, b: False)
     out = pipe("a red fox", generator=gen(0), output_type="np").images
     np.testing.assert_array_equal(out, ref)
     assert calls and all(m is pipe.transformer for m in calls)

@@ -148,7 +148,7 @@ def test_model_cpu_offload_onloads_for_submodule_calls(monkeypatch):
     """Janus generation never calls the model's top-level forward, so the offload hook would never move it: the
     backbone runs the hook itself. On a CPU the model is always "there"; pretending it is not makes every backbone
     call run the hook, which must find it and leave the output unchanged."""
-    from spatial_pipelines.pipelines import pipeline_janus
+    from spatial_pipelines.pipelines import transformers_utils
 
     pipe = dummy_pipeline("janus", JacobiDecoder(window_size=3))
     ref = pipe(PROMPTS[:2], guidance_scale=5.0, temperature=0, output_type="latent").tokens
@@ -158,7 +158,7 @@ def test_model_cpu_offload_onloads_for_submodule_calls(monkeypatch):
     calls = []
     original = hook.pre_forward
     monkeypatch.setattr(hook, "pre_forward", lambda module, *a, **k: calls.append(module) or original(module, *a, **k))
-    monkeypatch.setattr(pipeline_janus, "_same_device", lambda a, b: False)
+    monkeypatch.setattr(transformers_utils, "same_device", lambda a, b: False)
     out = pipe(PROMPTS[:2], guidance_scale=5.0, temperature=0, output_type="latent").tokens
     assert torch.equal(out, ref)
     assert calls and all(m is pipe.transformer for m in calls)

@@ -321,7 +321,7 @@ def dummy_chameleon_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 
     from transformers.models.chameleon.image_processing_pil_chameleon import ChameleonImageProcessorPil
 
     from .models import tiny_chameleon_vq
-    from .pipelines.pipeline_chameleon import configure_generation
+    from .pipelines.transformers_utils import configure_generation
 
     tokenizer = tiny_chameleon_tokenizer(num_codes)
     vq = dict(embed_dim=4, num_embeddings=num_codes, latent_channels=4, base_channels=32, channel_multiplier=[1],

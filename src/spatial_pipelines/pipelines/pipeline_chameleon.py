@@ -23,22 +23,18 @@ Chameleon facts the adapter relies on (transformers 5.x):
 
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from diffusers.utils import logging
 from transformers import ChameleonForConditionalGeneration
 
-from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
-from ..utils import check_number
-from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
-from .transformers_utils import language_model_forward
+from .pipeline_utils import PromptEmbeddings, SpatialARPipeline
+from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, configure_generation, onload
 
 logger = logging.get_logger(__name__)
 
@@ -54,28 +50,9 @@ ANOLE_IMAGE_GRID = (32, 32)
 ANOLE_GUIDANCE_SCALE = 3.0
 #: The Chameleon VQGAN in transformers format (the decoder transformers lacks), as converted with the Anole port.
 ANOLE_VQ_REPO = "leloy/Anole-7b-v0.1-vqvae-hf"
-#: Keys of the transformer's generation config that hold our settings (they travel with the component).
-GRID_KEY = "image_grid"
 
 
-@dataclass(frozen=True)
-class _CodeIndex:
-    """Per model and device: code -> token id, and the ``lm_head`` rows of the image tokens in code order."""
-
-    ids: torch.Tensor  # (V,) token id of each code
-    rows: Optional[Tuple[int, int]]  # (start, end) when the ids are consecutive in code order: a view, no copy
-
-
-def _run_offload_hook(module: Optional[torch.nn.Module]) -> None:
-    """`enable_model_cpu_offload` hooks fire on a component's top-level forward only; the loop calls the trunk, the head
-    and the VQ decoder directly, so the hook is run here (it moves the module to the execution device; a no-op when
-    it is there)."""
-    hook = getattr(module, "_hf_hook", None)
-    if hook is not None and hasattr(hook, "pre_forward"):
-        hook.pre_forward(module)
-
-
-class ChameleonBackbone(SpatialBackbone):
+class ChameleonBackbone(TransformersBackbone):
     """Adapter over `ChameleonForConditionalGeneration` (trunk, head over the whole vocabulary), its tokenizer (or
     `ChameleonProcessor`) and a `ChameleonVQModel`. Subclasses fix the family's prompt and image layout."""
 
@@ -88,10 +65,6 @@ class ChameleonBackbone(SpatialBackbone):
     family_name = "Chameleon"
 
     # -- modules ----------------------------------------------------------------------------------------------
-    @property
-    def transformer(self) -> ChameleonForConditionalGeneration:
-        return self.pipe.transformer
-
     @property
     def text_model(self) -> torch.nn.Module:
         """The decoder stack (`ChameleonModel`: ``embed_tokens``, ``layers``, final ``norm``)."""
@@ -106,13 +79,6 @@ class ChameleonBackbone(SpatialBackbone):
         processor = self.pipe.processor
         return getattr(processor, "tokenizer", processor)
 
-    @property
-    def generation_config(self):
-        return self.transformer.generation_config
-
-    def _onload(self) -> None:
-        _run_offload_hook(self.transformer)
-
     # -- facts ------------------------------------------------------------------------------------------------
     @property
     def image_grid(self) -> Tuple[int, int]:
@@ -123,14 +89,6 @@ class ChameleonBackbone(SpatialBackbone):
     def layout(self) -> ImageTokenLayout:
         h, w = self.image_grid
         return ImageTokenLayout(h, w)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.transformer.config.hidden_size
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.transformer.config.num_attention_heads
 
     @property
     def num_image_codes(self) -> int:
@@ -156,7 +114,7 @@ class ChameleonBackbone(SpatialBackbone):
         saved = getattr(self.generation_config, "top_k", None)
         return saved if saved is not None else self.family_top_k
 
-    def _index(self) -> _CodeIndex:
+    def _index(self) -> CodeIndex:
         """Built once per model and device (kept on the pipeline), never per call."""
         t = self.transformer
         device = t.lm_head.weight.device
@@ -165,18 +123,11 @@ class ChameleonBackbone(SpatialBackbone):
         key = (id(t), id(mapping), str(device))
         index = cache.get(key)
         if index is None:
-            img2bpe = mapping.img2bpe  # code -> token id, read from the IMGIMG...Z names
-            v = len(img2bpe)
-            if v == 0 or sorted(img2bpe) != list(range(v)):
-                raise ValueError(f"The {self.family_name} `vocabulary_map` must name the image tokens `IMGIMG...Z` for codes "
-                                 f"0..V-1 without gaps; it has {v} image tokens.")
+            index = CodeIndex.from_img2bpe(mapping.img2bpe, device, f"{self.family_name}'s `IMGIMG...Z`")
             codebook_size = self.vqgan.config.codebook_size
-            if v != codebook_size:
-                raise ValueError(f"The {self.family_name} vocabulary has {v} image tokens but the VQ codebook (`vqgan`) has "
-                                 f"{codebook_size} codes.")
-            ids = torch.tensor([img2bpe[c] for c in range(v)], dtype=torch.long)
-            consecutive = bool((ids == ids[0] + torch.arange(v)).all())
-            index = _CodeIndex(ids=ids.to(device), rows=(int(ids[0]), int(ids[0]) + v) if consecutive else None)
+            if index.ids.shape[0] != codebook_size:
+                raise ValueError(f"The {self.family_name} vocabulary has {index.ids.shape[0]} image tokens but the VQ "
+                                 f"codebook (`vqgan`) has {codebook_size} codes.")
             cache.clear()  # one model and device at a time
             cache[key] = index
         return index
@@ -262,45 +213,22 @@ class ChameleonBackbone(SpatialBackbone):
         self._onload()
         return self.text_model.embed_tokens(self._index().ids[codes])
 
-    def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
-        self._onload()
-        if cache is None:  # a one-off pass (references, training): a throwaway cache just long enough
-            cache = self.make_cache(inputs_embeds.shape[0], inputs_embeds.shape[1])
-        return language_model_forward(self.text_model, inputs_embeds, position_ids, attention_mask, token_valid, cache)
-
-    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.text_model.norm(hidden_states)
-
     def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``lm_head`` restricted to the image tokens, columns in code order (a view of the weight when the image ids
         are consecutive in code order, as in the released vocabulary) -- never the model's forward, which masks them."""
         self._onload()
-        index = self._index()
-        weight = self.transformer.lm_head.weight
-        weight = weight[index.rows[0] : index.rows[1]] if index.rows is not None else weight.index_select(0, index.ids)
-        return F.linear(hidden_states.to(weight.dtype), weight).float()
-
-    @property
-    def target_module(self) -> torch.nn.Module:
-        return self.text_model
-
-    def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
-        config = self.transformer.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        weight = self.text_model.embed_tokens.weight
-        return StaticKVCache(config.num_hidden_layers, rows, config.num_key_value_heads or config.num_attention_heads,
-                             head_dim, max_length, dtype=weight.dtype, device=weight.device)
+        return self._index().logits(self.transformer.lm_head.weight, hidden_states)
 
     # -- pixels -----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
         """Code grids ``(B, H, W)`` -> ``vqgan.decode_code`` -> images in [-1, 1] (Chameleon's VQGAN works in that range)."""
-        _run_offload_hook(self.vqgan)
+        onload(self.vqgan, self.vqgan.codebook)
         return self.vqgan.decode_code(tokens.to(self.vqgan.codebook.device))
 
     @torch.no_grad()
     def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
-        _run_offload_hook(self.vqgan)
+        onload(self.vqgan, self.vqgan.codebook)
         weight = self.vqgan.codebook
         return self.vqgan.encode(pixels.to(weight.device, weight.dtype)).indices.flatten(1)  # (B, H*W)
 
@@ -448,33 +376,3 @@ def load_vq(vq: Union[str, os.PathLike, ChameleonVQModel], torch_dtype: Optional
         path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.ckpt", "*.yaml"],
                                  **{k: v for k, v in hub_kwargs.items() if k in keys and v is not None})
     return load_chameleon_vq(path, torch_dtype=torch_dtype).eval()
-
-
-def configure_generation(
-    transformer: ChameleonForConditionalGeneration,
-    image_grid: Optional[Tuple[int, int]] = None,
-    guidance_scale: Optional[float] = None,
-    top_k: Optional[int] = None,
-    **extra: Any,
-) -> None:
-    """Write the image grid and sampling defaults into ``transformer.generation_config`` (``None`` leaves a value);
-    ``extra`` keys (family settings) are written as they are."""
-    config = transformer.generation_config
-    extra = {k: v for k, v in extra.items() if v is not None}
-    if any(v is not None for v in (image_grid, guidance_scale, top_k)) or extra:
-        # a config transformers derived from the model config drops unknown keys when it is read back: this one is ours
-        config._from_model_config = False
-    if image_grid is not None:
-        if (not isinstance(image_grid, (tuple, list)) or len(image_grid) != 2
-                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in image_grid)):
-            raise ValueError(f"`image_grid` must be two positive ints (rows, columns of codes), got {image_grid!r}.")
-        setattr(config, GRID_KEY, [int(n) for n in image_grid])
-    if guidance_scale is not None:
-        check_number("default_guidance_scale", guidance_scale, 0)
-        config.guidance_scale = float(guidance_scale)
-    if top_k is not None:
-        check_number("default_top_k", top_k, 0, integer=True)
-        config.top_k = int(top_k)
-        config.do_sample = True  # transformers refuses to save a top_k without it
-    for key, value in extra.items():
-        setattr(config, key, value)

@@ -14,19 +14,17 @@ Emu3 facts the adapter relies on (transformers 5.x):
 """
 
 import os
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from transformers import Emu3ForConditionalGeneration, Emu3Processor
 
-from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
-from ..utils import check_number
-from .transformers_utils import language_model_forward
+from .pipeline_utils import PromptEmbeddings, SpatialARPipeline
+from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone
+from .transformers_utils import configure_generation as configure_shared
 
 #: Emu3's published sampling settings (its image-generation example: CFG 3.0 with this negative prompt; top-k 2048
 #: is in the released checkpoint's generation config).
@@ -41,24 +39,11 @@ EMU3_IMAGE_GRID = (90, 90)
 EMU3_SPECIAL_TOKENS = {"boi_token": "<|image start|>", "image_wrapper_token": "<|image token|>"}
 #: where the image grid and the default unconditional prompt are kept: the transformer's generation config, so they
 #: travel with the component (``Emu3Pipeline(**pipe.components)``, save/load, ``from_pipe``).
-GRID_KEY, NEGATIVE_PROMPT_KEY = "image_grid", "default_negative_prompt"
+NEGATIVE_PROMPT_KEY = "default_negative_prompt"
 
 
-@dataclass(frozen=True)
-class _CodeIndex:
-    """Per model and device: code -> BPE id, and the lm_head rows of the visual tokens in code order."""
-
-    ids: torch.Tensor  # (V,) BPE id of each code
-    rows: Optional[Tuple[int, int]]  # (start, end) when the ids are consecutive: a view of the weight, no copy
-    eol_id: int
-
-
-class Emu3Backbone(SpatialBackbone):
+class Emu3Backbone(TransformersBackbone):
     """Adapter over `Emu3ForConditionalGeneration` (its text trunk, head and VQ model) and `Emu3Processor`."""
-
-    @property
-    def transformer(self) -> Emu3ForConditionalGeneration:
-        return self.pipe.transformer
 
     @property
     def text_model(self) -> torch.nn.Module:
@@ -73,10 +58,6 @@ class Emu3Backbone(SpatialBackbone):
         processor = self.pipe.processor
         return processor.tokenizer if processor is not None else None
 
-    @property
-    def generation_config(self):
-        return self.transformer.generation_config
-
     # -- facts -------------------------------------------------------------------------------------------------
     @property
     def image_grid(self) -> Tuple[int, int]:
@@ -87,14 +68,6 @@ class Emu3Backbone(SpatialBackbone):
     def layout(self) -> ImageTokenLayout:
         h, w = self.image_grid
         return ImageTokenLayout(h, w, eol_token_id=self._index().eol_id)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.transformer.config.text_config.hidden_size
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.transformer.config.text_config.num_attention_heads
 
     @property
     def num_image_codes(self) -> int:
@@ -123,7 +96,7 @@ class Emu3Backbone(SpatialBackbone):
         saved = getattr(self.generation_config, NEGATIVE_PROMPT_KEY, None)
         return saved if saved is not None else EMU3_NEGATIVE_PROMPT
 
-    def _index(self) -> _CodeIndex:
+    def _index(self) -> CodeIndex:
         """Built once per model and device (kept on the pipeline), never per call."""
         t = self.transformer
         device = t.lm_head.weight.device
@@ -132,30 +105,16 @@ class Emu3Backbone(SpatialBackbone):
         index = cache.get(key)
         if index is None:
             mapping = t.vocabulary_mapping
-            img2bpe = mapping.img2bpe  # code -> BPE id, read from the token names
-            v = len(img2bpe)
-            if v == 0 or sorted(img2bpe) != list(range(v)):
-                raise ValueError("The Emu3 `vocabulary_map` must name the visual tokens `<|visual token 000000|>` ... "
-                                 f"for codes 0..V-1 without gaps; it has {v} visual tokens.")
-            codebook_size = t.config.vq_config.codebook_size
-            if v != codebook_size:
-                raise ValueError(f"The Emu3 vocabulary has {v} visual tokens but the VQ codebook has {codebook_size} codes.")
             if mapping.eol_token_id is None:
                 raise ValueError("The Emu3 `vocabulary_map` has no end-of-row token `<|extra_200|>`.")
-            ids = torch.tensor([img2bpe[c] for c in range(v)], dtype=torch.long)
-            consecutive = bool((ids == ids[0] + torch.arange(v)).all())
-            rows = (int(ids[0]), int(ids[0]) + v) if consecutive else None
-            index = _CodeIndex(ids=ids.to(device), rows=rows, eol_id=int(mapping.eol_token_id))
+            index = CodeIndex.from_img2bpe(mapping.img2bpe, device, "`<|visual token 000000|>` ...", int(mapping.eol_token_id))
+            codebook_size = t.config.vq_config.codebook_size
+            if index.ids.shape[0] != codebook_size:
+                raise ValueError(f"The Emu3 vocabulary has {index.ids.shape[0]} visual tokens but the VQ codebook has "
+                                 f"{codebook_size} codes.")
             cache.clear()  # one model and device at a time
             cache[key] = index
         return index
-
-    def _onload(self) -> None:
-        """`enable_model_cpu_offload` hooks fire on the component's top-level forward only; the loop calls the trunk,
-        the head and the VQ model directly, so move the model to the execution device here (a no-op when it is)."""
-        hook = getattr(self.transformer, "_hf_hook", None)
-        if hook is not None and hasattr(hook, "pre_forward"):
-            hook.pre_forward(self.transformer)
 
     def _token(self, name: str) -> str:
         tokenizer = self.tokenizer
@@ -214,34 +173,11 @@ class Emu3Backbone(SpatialBackbone):
         self._onload()
         return self.text_model.embed_tokens.weight[self._index().eol_id]
 
-    def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
-        self._onload()
-        if cache is None:  # a plain forward (references, training): a throwaway cache just long enough
-            cache = self.make_cache(inputs_embeds.shape[0], inputs_embeds.shape[1])
-        return language_model_forward(self.text_model, inputs_embeds, position_ids, attention_mask, token_valid, cache)
-
-    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.text_model.norm(hidden_states)
-
     def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The lm_head restricted to the visual tokens, columns in code order (a view of the weight when the visual
         ids are consecutive, as in the released checkpoints)."""
         self._onload()
-        index = self._index()
-        weight = self.transformer.lm_head.weight
-        weight = weight[index.rows[0] : index.rows[1]] if index.rows is not None else weight.index_select(0, index.ids)
-        return torch.nn.functional.linear(hidden_states.to(weight.dtype), weight).float()
-
-    @property
-    def target_module(self) -> torch.nn.Module:
-        return self.text_model
-
-    def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
-        config = self.transformer.config.text_config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        weight = self.text_model.embed_tokens.weight
-        return StaticKVCache(config.num_hidden_layers, rows, config.num_key_value_heads or config.num_attention_heads,
-                             head_dim, max_length, dtype=weight.dtype, device=weight.device)
+        return self._index().logits(self.transformer.lm_head.weight, hidden_states)
 
     # -- pixels ------------------------------------------------------------------------------------------------
     def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -337,23 +273,8 @@ def configure_generation(
     top_k: Optional[int] = None,
     negative_prompt: Optional[str] = None,
 ) -> None:
-    """Write the image grid and sampling defaults into ``transformer.generation_config`` (``None`` leaves a value)."""
-    config = transformer.generation_config
-    if any(v is not None for v in (image_grid, guidance_scale, top_k, negative_prompt)):
-        # a config transformers derived from the model config drops unknown keys when it is read back: this one is ours
-        config._from_model_config = False
-    if image_grid is not None:
-        if (not isinstance(image_grid, (tuple, list)) or len(image_grid) != 2
-                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in image_grid)):
-            raise ValueError(f"`image_grid` must be two positive ints (rows, columns of codes), got {image_grid!r}.")
-        setattr(config, GRID_KEY, [int(n) for n in image_grid])
-    if guidance_scale is not None:
-        check_number("default_guidance_scale", guidance_scale, 0)
-        config.guidance_scale = float(guidance_scale)
-    if top_k is not None:
-        check_number("default_top_k", top_k, 0, integer=True)
-        config.top_k = top_k
-    if negative_prompt is not None:
-        if not isinstance(negative_prompt, str):
-            raise ValueError(f"`default_negative_prompt` must be a string, got {negative_prompt!r}.")
-        setattr(config, NEGATIVE_PROMPT_KEY, negative_prompt)
+    """`transformers_utils.configure_generation` plus Emu3's default unconditional prompt (``None`` leaves a value)."""
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise ValueError(f"`default_negative_prompt` must be a string, got {negative_prompt!r}.")
+    configure_shared(transformer, image_grid=image_grid, guidance_scale=guidance_scale, top_k=top_k,
+                     **{NEGATIVE_PROMPT_KEY: negative_prompt})

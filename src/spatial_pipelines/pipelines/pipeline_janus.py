@@ -21,12 +21,11 @@ import torch.nn.functional as F
 from diffusers.utils import logging
 from transformers import PreTrainedModel, ProcessorMixin
 
-from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
-from .transformers_utils import language_model_forward
+from .pipeline_utils import PromptEmbeddings, SpatialARPipeline
+from .transformers_utils import TransformersBackbone
 
 logger = logging.get_logger(__name__)
 
@@ -36,45 +35,24 @@ JANUS_DEFAULT_GUIDANCE_SCALE = 5.0
 TREE_MASK_ATTENTION = ("sdpa", "eager")
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-class JanusProBackbone(SpatialBackbone):
+class JanusProBackbone(TransformersBackbone):
     """Adapter over `JanusForConditionalGeneration` + `JanusProcessor` for the generation loop."""
 
     # -- modules ----------------------------------------------------------------------------------------
     @property
-    def model(self) -> PreTrainedModel:
-        return self.pipe.transformer
-
-    @property
-    def language_model(self) -> torch.nn.Module:
-        return self.model.model.language_model
+    def text_model(self) -> torch.nn.Module:
+        return self.transformer.model.language_model
 
     @property
     def vqmodel(self) -> torch.nn.Module:
-        return self.model.model.vqmodel
-
-    @property
-    def generation_config(self):
-        return self.model.generation_config
-
-    def onload(self) -> None:
-        """With ``enable_model_cpu_offload`` the hook moves the model only when its top-level ``forward`` runs; image
-        generation calls submodules, so move it here (a no-op when it is already on the execution device)."""
-        model = self.model
-        hook = getattr(model, "_hf_hook", None)
-        device = getattr(hook, "execution_device", None)
-        if device is not None and not _same_device(self.language_model.embed_tokens.weight.device, torch.device(device)):
-            hook.pre_forward(model)
+        return self.transformer.model.vqmodel
 
     # -- facts ------------------------------------------------------------------------------------------
     @property
     def layout(self) -> ImageTokenLayout:
         # rows: what the VQ decoder reads (image_size // patch_size); codes: what `generate` emits
-        height = self.model.config.vq_config.num_patches
-        num_tokens = self.model.config.vision_config.num_image_tokens
+        height = self.transformer.config.vq_config.num_patches
+        num_tokens = self.transformer.config.vision_config.num_image_tokens
         if num_tokens % height:
             raise ValueError(
                 f"`vision_config.num_image_tokens` ({num_tokens}) is not a whole number of rows of "
@@ -83,20 +61,12 @@ class JanusProBackbone(SpatialBackbone):
         return ImageTokenLayout(height, num_tokens // height)
 
     @property
-    def hidden_size(self) -> int:
-        return self.model.config.text_config.hidden_size
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.model.config.text_config.num_attention_heads
-
-    @property
     def num_image_codes(self) -> int:
-        return self.model.config.vq_config.num_embeddings
+        return self.transformer.config.vq_config.num_embeddings
 
     @property
     def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.model.config.vq_config.channel_multiplier) - 1)
+        return 2 ** (len(self.transformer.config.vq_config.channel_multiplier) - 1)
 
     @property
     def codebook(self) -> torch.Tensor:
@@ -164,45 +134,23 @@ class JanusProBackbone(SpatialBackbone):
         return ids.masked_fill(~keep, self._token_id("pad"))
 
     def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
-        self.onload()
+        self._onload()
         if do_cfg and negative_prompts is not None:  # one padded batch: cond and uncond rows of one length
             ids, valid = self.tokenize(list(prompts) + list(negative_prompts), device)
         else:
             ids, valid = self.tokenize(list(prompts), device)
             if do_cfg:  # the uncond row keeps the cond row's padding mask, as `generate` does
                 ids, valid = torch.cat([ids, self.unconditional_ids(ids)]), valid.repeat(2, 1)
-        embeds = self.language_model.get_input_embeddings()(ids)  # (R, P, D)
+        embeds = self.text_model.get_input_embeddings()(ids)  # (R, P, D)
         return PromptEmbeddings(embeds, valid)
 
     # -- the target -------------------------------------------------------------------------------------
     def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
-        self.onload()
-        return self.model.prepare_embeddings_for_image_generation(codes)  # generation_embeddings -> aligner
-
-    def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
-        self.onload()
-        if cache is None:  # a one-off pass (references, tests): a cache of its own
-            cache = self.make_cache(inputs_embeds.shape[0], inputs_embeds.shape[1])
-        return language_model_forward(self.language_model, inputs_embeds, position_ids, attention_mask, token_valid, cache)
-
-    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.norm(hidden_states)
+        self._onload()
+        return self.transformer.prepare_embeddings_for_image_generation(codes)  # generation_embeddings -> aligner
 
     def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model.model.generation_head(hidden_states).float()
-
-    @property
-    def target_module(self) -> torch.nn.Module:
-        return self.language_model
-
-    def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
-        text = self.model.config.text_config
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        weight = self.language_model.embed_tokens.weight
-        hook = getattr(self.model, "_hf_hook", None)
-        device = getattr(hook, "execution_device", None) or weight.device
-        return StaticKVCache(text.num_hidden_layers, rows, text.num_key_value_heads or text.num_attention_heads, head_dim,
-                             max_length, dtype=weight.dtype, device=device)
+        return self.transformer.model.generation_head(hidden_states).float()
 
     # -- pixels -----------------------------------------------------------------------------------------
     def _pixel_normalization(self):
@@ -216,7 +164,7 @@ class JanusProBackbone(SpatialBackbone):
 
     @torch.no_grad()
     def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.onload()
+        self._onload()
         vq = self.vqmodel
         b, h, w = tokens.shape
         if [h, w] == list(vq.quantize.quant_state_dims):
@@ -232,7 +180,7 @@ class JanusProBackbone(SpatialBackbone):
 
     @torch.no_grad()
     def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
-        self.onload()
+        self._onload()
         norm = self._pixel_normalization()
         x = pixels.float()
         if norm is not None:

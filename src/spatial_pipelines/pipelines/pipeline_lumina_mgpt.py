@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..core.layout import ImageTokenLayout
 from ..utils import check_number
-from .pipeline_chameleon import ChameleonARPipeline, ChameleonBackbone, ChameleonVQModel, configure_generation
+from .pipeline_chameleon import ChameleonARPipeline, ChameleonBackbone, ChameleonVQModel
+from .transformers_utils import configure_generation
 
 #: Lumina-mGPT's text-to-image prompt (``demos/demo_image_generation.py``), sizes in pixels.
 LUMINA_PROMPT_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{prompt}"

@@ -1,11 +1,18 @@
-"""What the transformers-backed families (Janus-Pro, Emu3) share: one target forward of a transformers language
-model over the library's static KV cache, returning the pre-norm last hidden state the loop and the heads use."""
+"""What the transformers-backed families (Janus-Pro, Emu3, Anole, Lumina-mGPT) share: one target forward of a
+transformers language model over the library's static KV cache (returning the pre-norm last hidden state the loop and
+the heads use), the `TransformersBackbone` base adapter, code <-> token-id tables for image codes that live in a text
+vocabulary, onloading under model CPU offload, and sampling defaults kept in the generation config."""
 
-from typing import Optional
+import abc
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ..core.kv_cache import StaticKVCache, TransformersCacheView, additive_mask
+from ..utils import check_number
+from .pipeline_utils import SpatialBackbone
 
 
 @torch.no_grad()
@@ -46,3 +53,144 @@ def language_model_forward(
         hook.remove()
     cache.advance(token_valid, t)
     return captured[0]
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` name the same device when one of them leaves the index open."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def onload(module: Optional[torch.nn.Module], probe: torch.Tensor) -> None:
+    """Run ``module``'s ``enable_model_cpu_offload`` hook unless ``probe`` (one of its weights) already sits on the
+    hook's execution device. The hooks fire on a component's top-level ``forward`` only; the loop calls submodules
+    (trunk, head, VQ decoder), so the backbone onloads itself, once rather than on every call of a round."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None and not same_device(probe.device, torch.device(device)):
+        hook.pre_forward(module)
+
+
+@dataclass(frozen=True)
+class CodeIndex:
+    """Image codes that live in a text vocabulary (Emu3, Chameleon): code -> token id, and the ``lm_head`` rows of the
+    image tokens in code order.
+
+    Args:
+        ids (`torch.LongTensor` `(V,)`): token id of each code.
+        rows (`tuple[int, int]`, *optional*): ``(start, end)`` when the ids are consecutive in code order (the head is
+            then a view of the weight, no copy).
+        eol_id (`int`, *optional*): the end-of-row token's id (Emu3).
+    """
+
+    ids: torch.Tensor
+    rows: Optional[Tuple[int, int]]
+    eol_id: Optional[int] = None
+
+    @classmethod
+    def from_img2bpe(cls, img2bpe: Dict[int, int], device, what: str, eol_id: Optional[int] = None) -> "CodeIndex":
+        """From a transformers vocabulary mapping's ``img2bpe`` (code -> token id, read from the token names); a
+        `ValueError` saying ``what`` the names should be when the codes are not ``0..V-1`` without gaps."""
+        v = len(img2bpe)
+        if v == 0 or sorted(img2bpe) != list(range(v)):
+            raise ValueError(f"The `vocabulary_map` must name the image tokens ({what}) for codes 0..V-1 without gaps; "
+                             f"it has {v} image tokens.")
+        ids = torch.tensor([img2bpe[c] for c in range(v)], dtype=torch.long)
+        consecutive = bool((ids == ids[0] + torch.arange(v)).all())
+        return cls(ids=ids.to(device), rows=(int(ids[0]), int(ids[0]) + v) if consecutive else None, eol_id=eol_id)
+
+    def logits(self, lm_head_weight: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Post-norm states ``(R, T, D)`` -> fp32 logits over the image codes only ``(R, T, V)``, columns in code order."""
+        weight = lm_head_weight[self.rows[0] : self.rows[1]] if self.rows is not None else lm_head_weight.index_select(0, self.ids)
+        return F.linear(hidden_states.to(weight.dtype), weight).float()
+
+
+class TransformersBackbone(SpatialBackbone):
+    """What the transformers-backed families share: the pipeline's ``transformer`` component, its decoder stack
+    (``text_model``: ``embed_tokens``, ``layers``, final ``norm``) run on the library's static KV cache, the sampling
+    defaults in its ``generation_config``, and onloading under model CPU offload. A family sets ``text_model`` and
+    the rest of the `SpatialBackbone` contract (prompt, image embeddings, head, VQ)."""
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    @abc.abstractmethod
+    def text_model(self) -> torch.nn.Module:
+        """The decoder stack the loop runs."""
+
+    @property
+    def text_config(self):
+        config = self.transformer.config
+        return getattr(config, "text_config", None) or config
+
+    @property
+    def generation_config(self):
+        return self.transformer.generation_config
+
+    def _onload(self) -> None:
+        onload(self.transformer, self.text_model.embed_tokens.weight)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.text_config.num_attention_heads
+
+    def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
+        self._onload()
+        if cache is None:  # a one-off pass (references, tests): a cache of its own, just long enough
+            cache = self.make_cache(inputs_embeds.shape[0], inputs_embeds.shape[1])
+        return language_model_forward(self.text_model, inputs_embeds, position_ids, attention_mask, token_valid, cache)
+
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.text_model.norm(hidden_states)
+
+    @property
+    def target_module(self) -> torch.nn.Module:
+        return self.text_model
+
+    def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
+        config = self.text_config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        weight = self.text_model.embed_tokens.weight
+        hook = getattr(self.transformer, "_hf_hook", None)  # under offload the weights may still be on the CPU
+        device = getattr(hook, "execution_device", None) or weight.device
+        return StaticKVCache(config.num_hidden_layers, rows, config.num_key_value_heads or config.num_attention_heads,
+                             head_dim, max_length, dtype=weight.dtype, device=device)
+
+
+#: The generation-config key that holds the image grid (codes) of a transformers family.
+GRID_KEY = "image_grid"
+
+
+def configure_generation(
+    transformer: torch.nn.Module,
+    image_grid: Optional[Tuple[int, int]] = None,
+    guidance_scale: Optional[float] = None,
+    top_k: Optional[int] = None,
+    **extra: Any,
+) -> None:
+    """Write the image grid and sampling defaults into ``transformer.generation_config`` (``None`` leaves a value), so
+    they travel with the component; ``extra`` keys (family settings) are written as they are."""
+    config = transformer.generation_config
+    extra = {k: v for k, v in extra.items() if v is not None}
+    if any(v is not None for v in (image_grid, guidance_scale, top_k)) or extra:
+        # a config transformers derived from the model config drops unknown keys when it is read back: this one is ours
+        config._from_model_config = False
+    if image_grid is not None:
+        if (not isinstance(image_grid, (tuple, list)) or len(image_grid) != 2
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in image_grid)):
+            raise ValueError(f"`image_grid` must be two positive ints (rows, columns of codes), got {image_grid!r}.")
+        setattr(config, GRID_KEY, [int(n) for n in image_grid])
+    if guidance_scale is not None:
+        check_number("default_guidance_scale", guidance_scale, 0)
+        config.guidance_scale = float(guidance_scale)
+    if top_k is not None:
+        check_number("default_top_k", top_k, 0, integer=True)
+        config.top_k = int(top_k)
+        config.do_sample = True  # transformers refuses to save a top_k without it
+    for key, value in extra.items():
+        setattr(config, key, value)
