@@ -26,24 +26,7 @@ class TestEmu3Pipeline(PipelineTesterMixin):
     pipeline_class = Emu3Pipeline
     bad_prompts = [([1, 2], "prompt"), (["ok", 3], "prompt")]
 
-    def test_failed_save_leaves_old_folder(self, tmp_path, monkeypatch):
-        # the mixin's version fails the VQ model's save; Emu3's VQ model is inside the transformer component
-        target = tmp_path / "pipe"
-        old = self.get_pipeline(seed=1)
-        old.save_pretrained(target)
-        before = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
-        new = self.get_pipeline(seed=2)
-
-        def boom(*args, **kwargs):
-            raise OSError("disk full")
-
-        monkeypatch.setattr(type(new.processor), "save_pretrained", boom)
-        with pytest.raises(OSError, match="disk full"):
-            new.save_pretrained(target)
-        assert sorted(str(p.relative_to(target)) for p in target.rglob("*")) == before
-        assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
-        loaded = self.pipeline_class.from_pretrained(target)
-        assert torch.equal(loaded.backbone.codebook, old.backbone.codebook)
+    failing_component = "processor"  # its VQ model is inside the transformer component
 
     def test_layout_has_eol(self):
         backbone = self.get_pipeline(grid=(4, 5)).backbone

@@ -25,24 +25,7 @@ class TestJanusProPipeline(PipelineTesterMixin):
     prompts = PROMPTS
     bad_prompts = [([1, 2], "prompt"), (["ok", 3], "prompt")]
 
-    def test_failed_save_leaves_old_folder(self, tmp_path, monkeypatch):
-        """The mixin's test with Janus' components (the VQ model lives inside the transformers model)."""
-        target = tmp_path / "pipe"
-        old = self.get_pipeline(seed=1)
-        old.save_pretrained(target)
-        before = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
-        new = self.get_pipeline(seed=2)
-
-        def boom(*args, **kwargs):
-            raise OSError("disk full")
-
-        monkeypatch.setattr(type(new.processor), "save_pretrained", boom)
-        with pytest.raises(OSError, match="disk full"):
-            new.save_pretrained(target)
-        assert sorted(str(p.relative_to(target)) for p in target.rglob("*")) == before
-        assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
-        loaded = self.pipeline_class.from_pretrained(target)
-        assert torch.equal(loaded.backbone.codebook, old.backbone.codebook)
+    failing_component = "processor"  # its VQ model is inside the transformer component
 
     def test_default_guidance_is_janus_and_travels_with_the_model(self, tmp_path):
         pipe = self.get_pipeline()
