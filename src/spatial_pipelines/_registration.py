@@ -35,13 +35,10 @@ def bind_pipelines_on_diffusers() -> None:
     import diffusers
 
     from .pipelines.pipeline_utils import SpatialARPipeline
+    from .utils import subclasses
 
-    todo = [SpatialARPipeline]
-    while todo:
-        for cls in todo.pop().__subclasses__():
-            todo.append(cls)
-            if cls.__name__ not in diffusers.__dict__ and not hasattr(type(diffusers), cls.__name__):
-                try:
-                    getattr(diffusers, cls.__name__)
-                except AttributeError:
-                    setattr(diffusers, cls.__name__, cls)
+    for cls in subclasses(SpatialARPipeline):
+        try:
+            getattr(diffusers, cls.__name__)  # a diffusers name (lazily importable too) is never replaced
+        except AttributeError:
+            setattr(diffusers, cls.__name__, cls)

@@ -11,7 +11,7 @@ from .decoders import DECODERS, AutoregressiveDecoder, SpatialDecoderMixin
 from .heads import DraftHeadsMixin
 from .models import LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import LlamaGenPipeline, SpatialARPipeline
-from .pipelines.pipeline_utils import _find_subclass
+from .utils import find_subclass
 
 FAMILIES = ("llamagen", "janus", "emu3", "anole", "lumina_mgpt")
 
@@ -365,7 +365,7 @@ def random_draft_heads(pipe: SpatialARPipeline, decoder: SpatialDecoderMixin) ->
     """Randomly initialised heads of the kind ``decoder`` needs, sized for ``pipe``'s backbone."""
     if decoder.draft_heads_class is None:
         raise ValueError(f"`draft_heads='random'`: {type(decoder).__name__} uses no draft heads.")
-    heads_cls = _find_subclass(DraftHeadsMixin, decoder.draft_heads_class)
+    heads_cls = find_subclass(DraftHeadsMixin, decoder.draft_heads_class)
     if heads_cls is None or not hasattr(heads_cls, "for_backbone"):
         raise ValueError(f"`draft_heads='random'`: no heads class {decoder.draft_heads_class!r} is available.")
     return heads_cls.for_backbone(pipe.backbone, decoder)

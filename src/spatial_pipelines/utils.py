@@ -11,6 +11,21 @@ from typing import Iterable, Iterator
 SAVED_MARKERS = ("model_index.json", "config.json")
 
 
+def subclasses(base: type) -> list:
+    """Every loaded subclass of ``base``, at any depth (``base`` excluded)."""
+    found, todo = [], [base]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+def find_subclass(base: type, name) -> "type | None":
+    """The loaded subclass of ``base`` (or ``base`` itself) called ``name``, or ``None``."""
+    return next((c for c in [base, *subclasses(base)] if c.__name__ == name), None)
+
+
 def check_number(name: str, value, low: float = None, high: float = None, *, low_open: bool = False,
                  integer: bool = False, optional: bool = False, meaning: str = "") -> None:
     """Raise `ValueError` naming ``name`` unless ``value`` is a real number (``bool`` is not one here), finite, an int

@@ -16,6 +16,7 @@ from ..core.acceptance import EXACT, AcceptanceRule, resolve_acceptance, verify_
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig, logits_to_probs, sample_from_probs
 from ..core.tree import DraftTree, tree_from_parents
+from ..utils import subclasses
 
 DECODER_CONFIG_NAME = "decoder_config.json"
 AUTO = "auto"
@@ -190,12 +191,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     @classmethod
     def _get_compatibles(cls) -> list:
         """Every decoder can be built from any other decoder's config (``from_config`` swaps never warn)."""
-        found, todo = [], [SpatialDecoderMixin]
-        while todo:
-            for sub in todo.pop().__subclasses__():
-                found.append(sub)
-                todo.append(sub)
-        return found
+        return subclasses(SpatialDecoderMixin)
 
     @property
     def max_draft_tokens(self) -> int:

@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard
 from torch import nn
 
 from ..hub import HUB_KWARGS, create_hub_repo, heads_card, upload_to_hub
-from ..utils import atomic_directory, check_path_or_repo_id, check_safetensors_file
+from ..utils import atomic_directory, check_path_or_repo_id, check_safetensors_file, find_subclass, subclasses
 
 #: The weights file of a heads folder (diffusers' name; safetensors only).
 SAFETENSORS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -110,11 +110,11 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         except (OSError, ValueError) as err:
             raise ValueError(f"`pretrained_model_name_or_path` {str(path)!r} holds no draft-heads config (config.json): {err}") from err
         name = config.get("_class_name")
-        target = cls if name == cls.__name__ else _heads_class(name)
+        target = find_subclass(DraftHeadsMixin, name)
         if target is None or not issubclass(target, cls):
             raise ValueError(
                 f"The config.json at {str(path)!r} is of class {name!r}, not a {cls.__name__} of spatial_pipelines "
-                f"({', '.join(sorted(c.__name__ for c in _heads_classes(cls)))})."
+                f"({', '.join(sorted(c.__name__ for c in [cls, *subclasses(cls)]))})."
             )
         if target is not cls:
             return target.from_pretrained(path, backbone_facts=backbone_facts, **kwargs)
@@ -207,18 +207,3 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         """
         return heads_card([c.__name__ for c in type(self).__mro__], dict(self.config), repo_id=repo_id,
                           benchmark=benchmark, training_command=training_command, **fields)
-
-
-def _heads_classes(base: type) -> list:
-    """``base`` and every subclass of it that is loaded."""
-    found, todo = [base], [base]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            found.append(sub)
-            todo.append(sub)
-    return found
-
-
-def _heads_class(name: Optional[str]) -> Optional[type]:
-    """The heads class called ``name`` (any `DraftHeadsMixin` subclass), or ``None``."""
-    return next((c for c in _heads_classes(DraftHeadsMixin) if c.__name__ == name), None)

@@ -734,13 +734,3 @@ def _as_list(prompt, name: str = "prompt") -> List[Any]:
         raise ValueError(f"`{name}` must be a prompt (a string, or a class label for class-conditional models) or a "
                          f"list of them, got {prompt!r}.")
     return list(prompt)
-
-
-def _find_subclass(base: type, name: Optional[str]) -> Optional[type]:
-    todo = [base]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            if sub.__name__ == name:
-                return sub
-            todo.append(sub)
-    return None
