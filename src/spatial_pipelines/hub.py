@@ -76,6 +76,23 @@ def upload_to_hub(obj, folder: Union[str, os.PathLike], repo_id: str, token: Opt
                               create_pr=create_pr, subfolder=subfolder)
 
 
+def push_with_card(obj, repo_id: str, save, private: Optional[bool] = None, token: Optional[str] = None,
+                   commit_message: Optional[str] = None, create_pr: bool = False, subfolder: Optional[str] = None,
+                   safe_serialization: bool = True) -> str:
+    """What heads' and pipelines' ``push_to_hub`` share: create the repo, ``save(folder, repo_id)`` into a temporary
+    folder (our card included, so diffusers' generic card is never written), upload it."""
+    import tempfile
+
+    if not safe_serialization:
+        raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
+    repo_id = create_hub_repo(repo_id, private=private, token=token)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = os.path.join(tmp, "upload")
+        save(folder, repo_id)
+        return upload_to_hub(obj, folder, repo_id, token=token, commit_message=commit_message, create_pr=create_pr,
+                             subfolder=subfolder)
+
+
 def _literal(value) -> str:
     """``value`` as Python source (strings in double quotes)."""
     return json.dumps(value) if isinstance(value, str) else repr(value)

@@ -6,14 +6,13 @@ facts that must match (hidden size, number of image codes, grid); loading agains
 """
 
 import os
-import tempfile
 from typing import Any, Dict, Optional
 
 from diffusers import ConfigMixin, ModelMixin
 from huggingface_hub import ModelCard
 from torch import nn
 
-from ..hub import HUB_KWARGS, create_hub_repo, heads_card, upload_to_hub
+from ..hub import HUB_KWARGS, create_hub_repo, heads_card, push_with_card, upload_to_hub
 from ..utils import atomic_directory, check_path_or_repo_id, check_safetensors_file, find_subclass, subclasses
 
 #: The weights file of a heads folder (diffusers' name; safetensors only).
@@ -184,14 +183,11 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         Arguments as diffusers' `PushToHubMixin.push_to_hub`; ``benchmark`` and ``training_command`` go to
         `model_card`.
         """
-        if not safe_serialization:
-            raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
-        repo_id = create_hub_repo(repo_id, private=private, token=token)
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = os.path.join(tmp, "heads")
-            self.save_pretrained(folder, variant=variant, repo_id=repo_id, benchmark=benchmark, training_command=training_command)
-            return upload_to_hub(self, folder, repo_id, token=token, commit_message=commit_message, create_pr=create_pr,
-                                 subfolder=subfolder)
+        def save(folder, full_id):
+            self.save_pretrained(folder, variant=variant, repo_id=full_id, benchmark=benchmark, training_command=training_command)
+
+        return push_with_card(self, repo_id, save, private=private, token=token, commit_message=commit_message,
+                              create_pr=create_pr, subfolder=subfolder, safe_serialization=safe_serialization)
 
     def model_card(self, repo_id: Optional[str] = None, benchmark=None, training_command: Optional[str] = None, **fields) -> ModelCard:
         """The Hub card declaring these heads an adapter of their base model (`spatial_pipelines.hub.heads_card`,

@@ -385,18 +385,13 @@ class SpatialARPipeline(DiffusionPipeline):
 
         Arguments as diffusers' `PushToHubMixin.push_to_hub`; further keyword arguments go to `pipeline_card`.
         """
-        import tempfile
+        from ..hub import push_with_card
 
-        from ..hub import create_hub_repo, upload_to_hub
+        def save(folder, full_id):
+            self.save_pretrained(folder, variant=variant, repo_id=full_id, card_fields=card_fields)
 
-        if not safe_serialization:
-            raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
-        repo_id = create_hub_repo(repo_id, private=private, token=token)
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = os.path.join(tmp, "pipeline")
-            self.save_pretrained(folder, variant=variant, repo_id=repo_id, card_fields=card_fields)
-            return upload_to_hub(self, folder, repo_id, token=token, commit_message=commit_message, create_pr=create_pr,
-                                 subfolder=subfolder)
+        return push_with_card(self, repo_id, save, private=private, token=token, commit_message=commit_message,
+                              create_pr=create_pr, subfolder=subfolder, safe_serialization=safe_serialization)
 
     def _packaged_components(self) -> List[str]:
         """Components loaded from an installed package rather than from the pipeline folder."""
