@@ -23,6 +23,7 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
+from ..utils import check_number
 from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState, check_draft_size, check_int
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
@@ -287,8 +288,7 @@ class ADTTreeDecoder(EagleDecoder):
     ):
         if tree_init not in ADT_INITS:
             raise ValueError(f"`tree_init` must be one of {ADT_INITS}, got {tree_init!r}.")
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < float("inf"):
-            raise ValueError(f"`beta` must be a finite number >= 0, got {beta!r}.")
+        check_number("beta", beta, 0)
         check_int("depth_step", depth_step, 0)
         check_int("width_step", width_step, 0)
         for name, pair in (("depth_range", depth_range), ("width_range", width_range)):

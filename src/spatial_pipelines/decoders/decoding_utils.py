@@ -16,7 +16,7 @@ from ..core.acceptance import EXACT, AcceptanceRule, resolve_acceptance, verify_
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig, logits_to_probs, sample_from_probs
 from ..core.tree import DraftTree, tree_from_parents
-from ..utils import subclasses
+from ..utils import check_number, subclasses
 
 DECODER_CONFIG_NAME = "decoder_config.json"
 AUTO = "auto"
@@ -26,8 +26,7 @@ DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 def check_int(name: str, value, low: int = 1) -> None:
     """Raise `ValueError` naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+    check_number(name, value, low, integer=True)
 
 
 def check_draft_size(name: str, value, low: int = 1) -> None:

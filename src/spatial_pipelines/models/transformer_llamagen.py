@@ -5,7 +5,6 @@ wqkv``, ``cls_embedding.cap_proj.fc1`` ...), so an original checkpoint converts 
 from the LlamaGen paper and the public description of its architecture.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,6 +17,7 @@ from torch import nn
 
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
+from ..utils import check_number
 
 CONDITION_TYPES = ("class", "text")
 
@@ -167,12 +167,8 @@ class TransformerBlock(nn.Module):
 
 def check_sampling_defaults(default_guidance_scale, default_top_k) -> None:
     """Raise `ValueError` unless the saved sampling defaults are ``None`` or valid call values."""
-    g = default_guidance_scale
-    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0):
-        raise ValueError(f"`default_guidance_scale` must be None or a finite number >= 0, got {g!r}.")
-    k = default_top_k
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        raise ValueError(f"`default_top_k` must be None or an int >= 0, got {k!r}.")
+    check_number("default_guidance_scale", default_guidance_scale, 0, optional=True)
+    check_number("default_top_k", default_top_k, 0, integer=True, optional=True)
 
 
 @dataclass
