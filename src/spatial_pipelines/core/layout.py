@@ -70,6 +70,11 @@ class ImageTokenLayout:
         """Raster index of a code -> absolute sequence position, given the prefix length."""
         return prefix_length + self.sequence_offset(index)
 
+    def ends_row(self, offset: IntOrTensor) -> IntOrTensor:
+        """Whether the code at sequence ``offset`` (from the first image position) ends a row that an EOL follows
+        (every row but the last: no code follows it)."""
+        return (offset % self.row_stride == self.width - 1) & (offset // self.row_stride < self.height - 1)
+
     def grid(self, tokens: torch.Tensor) -> torch.Tensor:
         """Flat codes ``(B, H*W)`` -> grid ``(B, H, W)``."""
         return tokens.reshape(tokens.shape[0], self.height, self.width)
@@ -119,11 +124,7 @@ class EndOfRowInsertion:
             return RowEndOfRowInsertion.for_positions(layout, position_ids, prefix_length)
         if position_ids.dim() != 1:
             raise ValueError(f"End-of-row insertion needs positions `(T,)` or `(B, T)`, got shape {tuple(position_ids.shape)}.")
-        offsets = [p - prefix_length for p in position_ids.tolist()]
-        last_row = layout.height - 1
-        row_end = tuple(
-            o % layout.row_stride == layout.width - 1 and o // layout.row_stride < last_row for o in offsets
-        )
+        row_end = tuple(bool(layout.ends_row(p - prefix_length)) for p in position_ids.tolist())
         if not any(row_end):
             return None
         return _insertion(row_end, position_ids.device)
@@ -208,8 +209,7 @@ class RowEndOfRowInsertion:
     ) -> Optional["RowEndOfRowInsertion"]:
         """The insertion for per-row positions ``(B, T)``; ``None`` when no row's fed node ends a row. Built with
         tensor ops; one host read (the most EOLs of a row, which sizes the fed length)."""
-        offsets = position_ids - prefix_length  # (B, T)
-        row_end = (offsets % layout.row_stride == layout.width - 1) & (offsets // layout.row_stride < layout.height - 1)
+        row_end = layout.ends_row(position_ids - prefix_length)  # (B, T)
         b, t = row_end.shape
         extra = int(row_end.sum(1).max())  # the host read
         if extra == 0:
