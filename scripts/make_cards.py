@@ -41,6 +41,9 @@ from spatial_pipelines.embedded import load_default_pipeline
 pipe = load_default_pipeline()                      # LlamaGenPipeline.from_pretrained(<the folder>), offline
 image = pipe("red heart").images[0]                 # CFG 1.5 and top-k 3 are this model's saved defaults"""
 
+#: The evaluation report the card's metrics section is rendered from (`scripts/evaluate.py --decoder ar --out docs/quality`).
+EVAL_REPORT = os.path.join("docs", "quality", "eval_ar.json")
+
 MODEL_SECTIONS = [
     {"title": "Model", "body": """\
 | part | what |
@@ -99,18 +102,7 @@ sampling push this small model off the images it learned.
 
 Weights are stored in fp32: fp16 storage kept only 74% of the greedy codes of six check prompts, which is not
 lossless enough (`scripts/ship_embedded.py` measures this)."""},
-    {"title": "Metrics (AR decoder, default settings, 506 samples: 300 training + 206 held-out captions; `docs/quality.md`)", "body": """\
-| metric | value |
-|---|---|
-| VQ reconstruction on held-out emoji: PSNR / LPIPS | 21.7 dB / 0.133 |
-| FD-EffNet to real images of the same captions / label-shuffled control / real-vs-real floor | 237.4 / 238.8 / 39.2 |
-| caption retrieval top-1 / top-5, training captions | 0.0% / 0.3% |
-| caption retrieval top-1 / top-5, held-out captions | 0.0% / 0.5% |
-| LPIPS diversity (16 prompts x 4 samples) | 0.498 |
-
-Honest summary: the model draws emoji-styled images with the caption's dominant colours, not recognisable
-objects (retrieval is at chance). It is good enough to exercise and benchmark the decoders offline, not to judge
-image quality."""},
+    None,  # the metrics section: `metrics_section()`, rendered from the evaluation report
     {"title": "Draft heads", "body": """\
 Draft heads trained on it ship beside it, each with its own card:
 
@@ -151,6 +143,30 @@ HEADS = [
 ]
 
 
+def metrics_section(report: dict) -> dict:
+    """The card's metrics section from an evaluation report of `scripts/evaluate.py`, so that it cannot go stale."""
+    pct = lambda r: f"{100 * r['top1']:.1f}% / {100 * r['top5']:.1f}%"  # noqa: E731
+    fd, control = report["fd_effnet_vs_real_same_captions"], report["fd_effnet_label_shuffled_control"]
+    settings = report["settings"]
+    title = (f"Metrics (AR decoder, CFG {settings['guidance_scale']:g}, top-k {settings['top_k']}, {report['num_samples']} "
+             f"samples: {report['num_train_captions']} training + {report['num_heldout_captions']} held-out captions; "
+             "`docs/quality.md`)")
+    body = f"""\
+| metric | value |
+|---|---|
+| VQ reconstruction on held-out emoji: PSNR / LPIPS | {report['vq_heldout_psnr_db']:.1f} dB / {report['vq_heldout_lpips']:.3f} |
+| FD-EffNet to real images of the same captions / label-shuffled control / real-vs-real floor | {fd:.1f} / {control:.1f} / {report['fd_effnet_real_vs_real_control']:.1f} |
+| caption retrieval top-1 / top-5, training captions | {pct(report['retrieval_train'])} |
+| caption retrieval top-1 / top-5, held-out captions | {pct(report['retrieval_heldout'])} |
+| caption retrieval top-1 / top-5 of the VQ reconstructions of the same training images (the tokenizer's ceiling) | {pct(report['retrieval_train_vq_reconstruction_ceiling'])} |
+| LPIPS diversity ({report['lpips_diversity_prompts']} prompts x {report['lpips_diversity_samples_per_prompt']} samples) | {report['lpips_diversity']:.3f} |
+
+FD-EffNet is the Fréchet distance between EfficientNet-Lite0 pooled features (not FID); retrieval asks whether the
+nearest of all real emoji carries the prompt's caption. The model is good enough to exercise and benchmark the
+decoders offline, not to judge image quality."""
+    return {"title": title, "body": body}
+
+
 def _offline_note(function: str, decoder: str) -> str:
     return (
         "These weights also ship inside `spatial_pipelines`, next to the embedded model, and load offline:\n\n"
@@ -168,10 +184,13 @@ def render_cards() -> Dict[str, str]:
     """Every generated card: path relative to the repo root -> text."""
     cards = {}
     pipe = load_default_pipeline()
+    with open(os.path.join(ROOT, EVAL_REPORT), encoding="utf-8") as f:
+        metrics = metrics_section(json.load(f))
+    sections = [metrics if section is None else section for section in MODEL_SECTIONS]
     card = pipeline_card(
         pipe, repo_id=EMBEDDED_MODEL_HUB_ID, tags=["twemoji"], license="cc-by-4.0", datasets=["twemoji"],
         title="twemoji_llamagen — the embedded default model of spatial_pipelines",
-        description=MODEL_DESCRIPTION, offline_snippet=MODEL_OFFLINE_SNIPPET, sections=MODEL_SECTIONS,
+        description=MODEL_DESCRIPTION, offline_snippet=MODEL_OFFLINE_SNIPPET, sections=sections,
         example_prompt="red heart",
     )
     cards[MODEL_CARD] = str(card)
