@@ -104,12 +104,17 @@ class EndOfRowInsertion:
         is_eol (`torch.BoolTensor` `(T',)`): which fed slots are end-of-row tokens.
         view (`torch.LongTensor` `(T,)`): per draft node, the fed slot whose output predicts the code after it.
         row_end (`tuple[bool]`): per draft node, whether it ends a row that an EOL follows (host-side).
+        slot (`torch.LongTensor` `(T,)`): the fed slot of each draft node.
+        depth_ends (`tuple[bool]`, *optional*): per depth, whether the nodes at that depth end a row (host-side;
+            set by `for_depths`). A kept path has one node per depth, so its EOLs are known without a device read.
     """
 
     source: torch.Tensor
     is_eol: torch.Tensor
     view: torch.Tensor
     row_end: Tuple[bool, ...]
+    slot: torch.Tensor
+    depth_ends: Optional[Tuple[bool, ...]] = None
 
     @classmethod
     def for_positions(
@@ -118,7 +123,8 @@ class EndOfRowInsertion:
         """The insertion for a draft fed at ``position_ids`` ``(T,)``; ``None`` when no fed node ends a row.
         Per-row positions ``(B, T)`` (one tree per row) give a `RowEndOfRowInsertion`.
 
-        Reads the positions on the host: one small device-to-host copy per round, paid by EOL layouts only.
+        Reads the positions on the host: one small device-to-host copy per round. The loop uses it only for drafts
+        without host-side depths (`for_depths` needs none).
         """
         if position_ids.dim() == 2:
             return RowEndOfRowInsertion.for_positions(layout, position_ids, prefix_length)
@@ -127,7 +133,20 @@ class EndOfRowInsertion:
         row_end = tuple(bool(layout.ends_row(p - prefix_length)) for p in position_ids.tolist())
         if not any(row_end):
             return None
-        return _insertion(row_end, position_ids.device)
+        return _insertion(row_end, None, position_ids.device)
+
+    @classmethod
+    def for_depths(
+        cls, layout: ImageTokenLayout, depths: Tuple[int, ...], root: int, device: torch.device
+    ) -> Optional["EndOfRowInsertion"]:
+        """The insertion for a draft whose node ``i`` sits at raster index ``root + depths[i]`` (clamped to the last
+        code: nodes past the grid are never committed), ``root`` being the newest committed code. Host-side only: no
+        device read, here or in `keep_indices`. ``None`` when no fed node ends a row."""
+        last = layout.num_tokens - 1
+        depth_ends = tuple(bool(layout.ends_row(layout.sequence_offset(min(root + d, last)))) for d in range(max(depths) + 1))
+        if not any(depth_ends):
+            return None
+        return _insertion(tuple(depth_ends[d] for d in depths), depth_ends, device)
 
     def input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` codes -> ``(B, T')``; EOL slots carry their parent's code (the caller embeds them as EOL)."""
@@ -161,9 +180,13 @@ class EndOfRowInsertion:
     def keep_indices(self, keep: torch.Tensor) -> torch.Tensor:
         """Kept draft nodes ``(n,)`` or ``(B, n)`` -> kept fed slots, each row-ending node followed by its EOL.
 
-        Rows keep paths at the same positions (rows advance together), so every row keeps as many EOLs; the
-        indices are read on the host (EOL layouts only).
+        Rows keep paths at the same positions (rows advance together), so every row keeps as many EOLs. Built by
+        `for_depths`, the path's EOLs follow from its length alone (node ``j`` of a path is at depth ``j``): index
+        ops, no device read. Otherwise the indices are read on the host.
         """
+        if self.depth_ends is not None:
+            pairs = torch.stack([self.slot[keep], self.slot[keep] + 1], -1).flatten(-2)  # (..., 2n): a node, the slot after it
+            return pairs[..., _path_slots(self.depth_ends[: keep.shape[-1]], keep.device)]
         first = self.keep_length  # node i's slots are [first(i), first(i + 1)): itself, then its EOL if any
         rows = [
             [s for i in row for s in range(first(i), first(i + 1))] for row in (keep[None] if keep.dim() == 1 else keep).tolist()
@@ -194,6 +217,8 @@ class RowEndOfRowInsertion:
         slot (`torch.LongTensor` `(B, T)`): the fed slot of each draft node.
         view (`torch.LongTensor` `(B, T)`): per draft node, the fed slot whose output predicts the code after it.
         row_end (`torch.BoolTensor` `(B, T)`): draft nodes an EOL follows.
+        depth_ends (`tuple[bool]`, *optional*): per depth, whether the nodes at that depth end a row (host-side; see
+            `for_positions`).
     """
 
     source: torch.Tensor
@@ -202,15 +227,27 @@ class RowEndOfRowInsertion:
     slot: torch.Tensor
     view: torch.Tensor
     row_end: torch.Tensor
+    depth_ends: Optional[Tuple[bool, ...]] = None
 
     @classmethod
     def for_positions(
-        cls, layout: ImageTokenLayout, position_ids: torch.Tensor, prefix_length: int
+        cls, layout: ImageTokenLayout, position_ids: torch.Tensor, prefix_length: int, root: Optional[int] = None
     ) -> Optional["RowEndOfRowInsertion"]:
         """The insertion for per-row positions ``(B, T)``; ``None`` when no row's fed node ends a row. Built with
-        tensor ops; one host read (the most EOLs of a row, which sizes the fed length)."""
+        tensor ops; one host read (the most EOLs of a row, which sizes the fed length).
+
+        With ``root``, the newest committed code's raster index (the nodes at depth ``d`` of every row's tree sit at
+        ``root + d``), the rows whose trees cannot reach a row end (most rounds) are told on the host, with no read,
+        and `keep_indices` / `keep_length` need no read either.
+        """
+        b, t = position_ids.shape
+        depth_ends = None
+        if root is not None:  # a node's depth is below T: row ends the trees could reach, known on the host
+            last = layout.num_tokens - 1
+            depth_ends = tuple(bool(layout.ends_row(layout.sequence_offset(min(root + d, last)))) for d in range(t))
+            if not any(depth_ends):
+                return None
         row_end = layout.ends_row(position_ids - prefix_length)  # (B, T)
-        b, t = row_end.shape
         extra = int(row_end.sum(1).max())  # the host read
         if extra == 0:
             return None
@@ -226,7 +263,7 @@ class RowEndOfRowInsertion:
         used = torch.zeros(b, width + 1, dtype=torch.bool, device=row_end.device)
         used.scatter_(1, slot, True).scatter_(1, eol_slot, True)
         return cls(source=source[:, :width], is_eol=is_eol[:, :width], is_pad=~used[:, :width], slot=slot,
-                   view=slot + ends, row_end=row_end)
+                   view=slot + ends, row_end=row_end, depth_ends=depth_ends)
 
     def input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` -> ``(B, T')``; EOL slots carry their parent's code, pads the root's."""
@@ -257,14 +294,18 @@ class RowEndOfRowInsertion:
 
     def keep_length(self, length: int) -> int:
         """A kept prefix of ``length`` draft nodes (a chain: every row ends rows at the same nodes) -> fed slots."""
+        if self.depth_ends is not None:  # node j of a chain is at depth j
+            return length + sum(self.depth_ends[:length])
         return length + int(self.row_end[0, :length].sum())
 
     def keep_indices(self, keep: torch.Tensor) -> torch.Tensor:
         """Kept draft nodes ``(n,)`` or ``(B, n)`` -> kept fed slots ``(B, n')``, each row-ending node followed by
-        its EOL (one host read: rows must keep as many EOLs)."""
+        its EOL (one host read, unless built with ``root``: rows must keep as many EOLs)."""
         keep = keep.expand(self.slot.shape[0], -1) if keep.dim() == 1 else keep
         slots = self.slot.gather(1, keep)  # (B, n)
         pairs = torch.stack([slots, slots + 1], -1).flatten(1)  # (B, 2n): a node, then the slot after it
+        if self.depth_ends is not None:  # node j of a kept path is at depth j: its EOLs are known on the host
+            return pairs[:, _path_slots(self.depth_ends[: keep.shape[1]], keep.device)]
         wanted = torch.stack([torch.ones_like(slots, dtype=torch.bool), self.row_end.gather(1, keep)], -1).flatten(1)
         counts = wanted.sum(1).tolist()
         if len(set(counts)) != 1:
@@ -273,11 +314,12 @@ class RowEndOfRowInsertion:
 
 
 @functools.lru_cache(maxsize=256)
-def _insertion(row_end: Tuple[bool, ...], device: torch.device) -> EndOfRowInsertion:
+def _insertion(row_end: Tuple[bool, ...], depth_ends: Optional[Tuple[bool, ...]], device: torch.device) -> EndOfRowInsertion:
     """Built once per row-end pattern and device: a static tree meets the same few patterns every row, so the
     index tensors are not copied to the device every round."""
-    source, is_eol, view = [], [], []
+    source, is_eol, view, slot = [], [], [], []
     for i, end in enumerate(row_end):
+        slot.append(len(source))
         source.append(i)
         is_eol.append(False)
         if end:
@@ -289,4 +331,12 @@ def _insertion(row_end: Tuple[bool, ...], device: torch.device) -> EndOfRowInser
         is_eol=torch.tensor(is_eol, device=device),
         view=torch.tensor(view, device=device),
         row_end=row_end,
+        slot=torch.tensor(slot, device=device),
+        depth_ends=depth_ends,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _path_slots(depth_ends: Tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    """Which of a path's (node, slot after it) pairs are kept: every node, and the slot after a row-ending one."""
+    return torch.tensor([k for j, end in enumerate(depth_ends) for k in ((2 * j, 2 * j + 1) if end else (2 * j,))], device=device)

@@ -40,6 +40,7 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
             input_ids=state.tokens[:, index : index + 1],  # (B, 1) a view
             position_ids=state.positions[index : index + 1],  # (1,) a view: no host-to-device copy per round
             attention_mask=state.mask,
+            depths=(0,),  # the newest committed code alone
         )
 
     def step(

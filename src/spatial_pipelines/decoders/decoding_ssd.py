@@ -204,6 +204,7 @@ class SSDDecoder(SpatialDecoderMixin):
             input_ids=torch.cat([state.last_token[:, None], block.tokens[:, :n]], 1),  # (B, 1 + n)
             position_ids=state.positions[c - 1 : c + n],
             attention_mask=self._causal_mask(state, n + 1),
+            depths=tuple(range(n + 1)),  # a chain: the newest code, then the block
         )
 
     # -- verification and commit -----------------------------------------------------------------------

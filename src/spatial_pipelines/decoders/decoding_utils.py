@@ -138,11 +138,15 @@ class Draft:
         position_ids (`torch.LongTensor` `(T,)` or `(B, T)`): their absolute sequence positions.
         attention_mask (`torch.BoolTensor` `(T, T)` or `(B, T, T)`): which fed tokens see which (causal for a
             chain, the tree mask for a tree).
+        depths (`tuple[int]`, *optional*): host-side depth of each fed node when every row feeds the same nodes
+            (node ``i`` is the code ``depths[i]`` raster positions after the newest committed one, which is depth 0).
+            With it the loop places end-of-row tokens without reading ``position_ids`` from the device.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
+    depths: Optional[Tuple[int, ...]] = None
 
 
 @dataclass
@@ -267,6 +271,7 @@ class TreeState(DecodingState):
 
     Args:
         tree (`DraftTree`): the decoder's static tree on the generation's device (copied once per generation).
+        host_depths (`tuple[int]`): its node depths on the host (`Draft.depths`).
         hidden (`torch.Tensor` `(B, D)`): pre-norm hidden state that predicted the newest committed code.
         node_tokens (`torch.LongTensor` `(B, T)`): the tree fed this round (``-1``: slot not offered).
         accepted_path (`torch.LongTensor` `(B, n)`): the fed nodes whose outputs predicted the ``n`` codes the last
@@ -279,6 +284,7 @@ class TreeState(DecodingState):
     """
 
     tree: Optional[DraftTree] = None
+    host_depths: Optional[Tuple[int, ...]] = None
     hidden: Optional[torch.Tensor] = None
     node_tokens: Optional[torch.Tensor] = None
     accepted_path: Optional[torch.Tensor] = None
@@ -351,6 +357,7 @@ class TreeDecoderMixin:
         if not isinstance(state, TreeState):
             raise TypeError(f"{type(self).__name__}.state_class must subclass TreeState, got {type(state).__name__}.")
         state.tree = self.tree.to(device)  # once per generation, not once per round
+        state.host_depths = tuple(self.tree.depths.tolist())  # host copy, read once per generation (EOL placement)
         state.rows = torch.arange(batch_size, device=device)
         state.node_depth, state.node_rank = state.tree.depths[1:] - 1, state.tree.ranks[1:]
         if self.acceptance_rule.num_neighbours:
@@ -384,6 +391,7 @@ class TreeDecoderMixin:
             input_ids=node_tokens.clamp_min(0),  # an empty slot is fed as code 0 and never accepted
             position_ids=position_ids,
             attention_mask=tree.attention_mask,
+            depths=state.host_depths if position_ids.dim() == 1 else None,
         )
 
     def _prefill_step(self, logits, hidden_states, state: TreeState) -> StepOutput:

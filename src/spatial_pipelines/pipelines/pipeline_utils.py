@@ -16,7 +16,7 @@ from diffusers.utils import BaseOutput
 
 from ..core.acceptance import codebook_neighbours
 from ..core.kv_cache import StaticKVCache
-from ..core.layout import EndOfRowInsertion, ImageTokenLayout
+from ..core.layout import EndOfRowInsertion, ImageTokenLayout, RowEndOfRowInsertion
 from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
@@ -628,7 +628,13 @@ class SpatialARPipeline(DiffusionPipeline):
         # 5b. end-of-row tokens are forced, never drafted: one is fed after every fed code that ends a row
         with timer.section("eol"):
             input_ids, position_ids, mask = draft.input_ids, draft.position_ids, draft.attention_mask  # (B, T)
-            eol = EndOfRowInsertion.for_positions(layout, position_ids, state.prefix_length) if layout.has_eol else None
+            eol = None
+            if layout.has_eol and draft.depths is not None:  # placed on the host: no device read
+                eol = EndOfRowInsertion.for_depths(layout, draft.depths, state.num_committed - 1, input_ids.device)
+            elif layout.has_eol and position_ids.dim() == 2:  # one tree per row (EAGLE-2, ADT-Tree)
+                eol = RowEndOfRowInsertion.for_positions(layout, position_ids, state.prefix_length, root=state.num_committed - 1)
+            elif layout.has_eol:  # a decoder that gives no depths: read from the positions
+                eol = EndOfRowInsertion.for_positions(layout, position_ids, state.prefix_length)
             if eol is not None:
                 input_ids, position_ids, mask = eol.input_ids(input_ids), eol.position_ids(position_ids), eol.attention_mask(mask)
         # 5c. one target forward over the draft (CFG rows as one batch), logits over image codes
