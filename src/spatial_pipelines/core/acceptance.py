@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..utils import check_number
 from .sampling import RandomSource
 from .tree import DraftTree
 
@@ -180,11 +181,9 @@ def check_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda) -> No
     """Raise `ValueError` naming the argument unless the acceptance config is valid."""
     if acceptance not in ACCEPTANCE:
         raise ValueError(f"`acceptance` must be one of {ACCEPTANCE}, got {acceptance!r}.")
-    if not isinstance(lantern_k, int) or isinstance(lantern_k, bool) or lantern_k < 0:
-        raise ValueError(f"`lantern_k` must be an int >= 0, got {lantern_k!r}.")
-    for name, value, low, high in (("lantern_delta", lantern_delta, 0.0, 1.0), ("lantern_lambda", lantern_lambda, 1.0, math.inf)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
-            raise ValueError(f"`{name}` must be a finite number in [{low}, {high}], got {value!r}.")
+    check_number("lantern_k", lantern_k, 0, integer=True)
+    check_number("lantern_delta", lantern_delta, 0.0, 1.0)
+    check_number("lantern_lambda", lantern_lambda, 1.0)
 
 
 def resolve_acceptance(acceptance: str = "exact", lantern_k: int = 1000, lantern_delta: float = 0.1,

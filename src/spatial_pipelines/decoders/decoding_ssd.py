@@ -29,6 +29,7 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import accept_independently
 from ..core.sampling import logits_to_probs, sample_from_probs
+from ..utils import check_number
 from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput
 
 DRAFT_MODES = ("argmax", "sample")
@@ -116,10 +117,7 @@ class SSDDecoder(SpatialDecoderMixin):
             ("staged_base_rounds", staged_base_rounds, 0),
             ("staged_incremental_rounds", staged_incremental_rounds, 0),
         ):
-            if value is None and name.startswith("staged"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+            check_number(name, value, low, integer=True, optional=name.startswith("staged"))
         if draft not in DRAFT_MODES:
             raise ValueError(f"`draft` must be one of {DRAFT_MODES}, got {draft!r}.")
 
