@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Measure a pipeline + decoder on Twemoji captions: FD-EffNet, caption retrieval, LPIPS diversity, VQ
-reconstruction, and a contact sheet of generated images next to the real emoji.
+reconstruction, the model's teacher-forced fit to the real grids, and a contact sheet of generated images next to
+the real emoji.
 
     python scripts/evaluate.py --decoder ar --out docs/quality        # the embedded model, default settings
 
@@ -57,6 +58,25 @@ def generate(pipe, prompts, args, seed_offset=0):
         seconds += out.stats.wall_time_s
         calls += 1
     return torch.cat(images), {"forward_passes_per_call": passes / calls, "wall_time_s": seconds}
+
+
+@torch.no_grad()
+def teacher_forced_fit(pipe, images, captions, device, batch_size=32):
+    """How well the model knows the grids of real images (a memorisation gauge that needs no sampling): per code, the
+    conditional model's NLL and greedy accuracy given the true codes before it, over the real images' VQ grids; and
+    the share of grids whose every code but at most 2% the model predicts greedily."""
+    backbone = pipe.backbone
+    nll, hits, grids_known, n = 0.0, 0, 0, 0
+    for i in range(0, len(captions), batch_size):
+        codes = backbone.encode_image(images[i : i + batch_size].to(device))  # (b, N)
+        prefix = backbone.encode_prompt(captions[i : i + batch_size], None, False, device)
+        logits = backbone.image_logits(backbone.teacher_forced_hidden_states(prefix, codes))  # (b, N, V)
+        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), codes.flatten(), reduction="sum").item()
+        right = logits.argmax(-1) == codes  # (b, N)
+        hits += right.sum().item()
+        grids_known += (right.float().mean(1) >= 0.98).sum().item()
+        n += codes.numel()
+    return {"nll_per_code": nll / n, "greedy_accuracy": hits / n, "grids_known_98pct": grids_known / len(captions)}
 
 
 def contact_sheet(real, generated, captions, path, title):
@@ -126,6 +146,9 @@ def main(argv=None):
     train_recon = reconstruct(real_images[[index[c] for c in train_caps]]).clamp(-1, 1)
     ceiling = retrieval_accuracy(extract_features(effnet, train_recon), train_caps, real_feats, real.captions)
 
+    fit_train = teacher_forced_fit(pipe, real_images[[index[c] for c in train_caps]], train_caps, args.device)
+    fit_heldout = teacher_forced_fit(pipe, heldout_real, eval_caps, args.device)
+
     report = {
         "model": args.model or "embedded twemoji_llamagen",
         "decoder": args.decoder,
@@ -142,6 +165,8 @@ def main(argv=None):
         "retrieval_heldout": retrieval_accuracy(gen_feats[n_train:], prompts[n_train:], real_feats, real.captions),
         "retrieval_shuffled_prompts_control": retrieval_accuracy(gen_feats, shuffled, real_feats, real.captions),
         "retrieval_train_vq_reconstruction_ceiling": ceiling,
+        "teacher_forced_train": fit_train,
+        "teacher_forced_heldout": fit_heldout,
         "lpips_diversity": float(np.mean(diversity)),
         "lpips_diversity_prompts": len(div_prompts),
         "lpips_diversity_samples_per_prompt": args.diversity_samples,
