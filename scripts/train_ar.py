@@ -39,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--caption-drop", type=float, default=0.1)
     p.add_argument("--dropout", type=float, default=None, help=f"default {ARCHITECTURE['dropout'][0]}")
     p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--input-noise", type=float, default=0.0,
+                   help="share of input codes replaced by random codes (targets stay the true codes), so the model learns "
+                        "to continue after a wrong code of its own; 0 is plain teacher forcing")
     p.add_argument("--init-from", default=None,
                    help="pipeline (or transformer) folder whose transformer starts the run (continued training); the "
                         "architecture is then its own, and --hidden-size/--num-layers/--num-heads/--caption-tokens/"
@@ -71,8 +74,8 @@ class NextCodeLoss(torch.nn.Module):
         super().__init__()
         self.transformer = transformer
 
-    def forward(self, codes, captions, masks, drop):
-        return lm_loss(self.transformer, codes, captions, masks, drop)
+    def forward(self, codes, captions, masks, drop, inputs=None):
+        return lm_loss(self.transformer, codes, captions, masks, drop, inputs)
 
 
 def new_transformer(args, vqvae: LlamaGenVQModel, grid: int, caption_dim: int) -> LlamaGenTransformer:
@@ -113,14 +116,27 @@ def init_transformer(args, vqvae: LlamaGenVQModel, grid: int) -> LlamaGenTransfo
     return transformer
 
 
-def lm_loss(transformer: LlamaGenTransformer, codes, captions, masks, drop):
-    """Next-code cross-entropy over the whole grid; dropped captions become the null caption (same mask)."""
-    logits = transformer.compute_logits(transformer.teacher_forced_hidden_states(codes, captions, masks, drop))  # (B, N, V)
+def corrupt_inputs(codes: torch.Tensor, rate: float, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    """``codes`` ``(B, N)`` with a share ``rate`` of them replaced by uniformly random codes (input noise)."""
+    if rate == 0:
+        return codes
+    hit = torch.rand(codes.shape, generator=generator) < rate  # drawn on the CPU: the same noise on any device
+    noise = torch.randint(vocab_size, codes.shape, generator=generator)
+    return torch.where(hit.to(codes.device), noise.to(codes.device), codes)
+
+
+def lm_loss(transformer: LlamaGenTransformer, codes, captions, masks, drop, inputs=None):
+    """Next-code cross-entropy over the whole grid; dropped captions become the null caption (same mask). ``inputs``
+    (default ``codes``) are the codes fed; the targets are always ``codes``."""
+    inputs = codes if inputs is None else inputs
+    logits = transformer.compute_logits(transformer.teacher_forced_hidden_states(inputs, captions, masks, drop))  # (B, N, V)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), codes.reshape(-1))
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if not 0 <= args.input_noise < 1:
+        raise ValueError(f"`--input-noise` must be in [0, 1), got {args.input_noise}.")
     accelerator, log = setup(args)
 
     vqvae = LlamaGenVQModel.from_pretrained(args.vq).eval()
@@ -155,7 +171,8 @@ def main(argv=None):
     def loss_fn(batch):
         codes, captions, masks = batch
         drop = (torch.rand(codes.shape[0], generator=gen) < args.caption_drop).to(codes.device)
-        return model(codes, captions, masks, drop), {}
+        inputs = corrupt_inputs(codes, args.input_noise, vqvae.config.codebook_size, gen)
+        return model(codes, captions, masks, drop, inputs), {}
 
     fit(accelerator, model=model, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn,
         steps=args.steps, out=args.out, log=log, start_step=step, log_every=args.log_every,

@@ -2,6 +2,7 @@
 promise (the real runs and their commands are in hub_cards/ and docs/quality.md)."""
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -51,7 +52,7 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     tiny_cont = ["--vq", vq / "vqvae", "--limit", 8, "--batch-size", 4, "--mixed-precision", "no", "--out", cont]
     bad = run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--hidden-size", 64, "--steps", 1, check=False)
     assert bad.returncode != 0 and "`--hidden-size` is 64 but the `--init-from` transformer has hidden_size=32" in bad.stderr
-    run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--steps", 1, "--lr", 0)
+    run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--steps", 1, "--lr", 0, "--input-noise", 0.1)
     continued = LlamaGenPipeline.from_pretrained(cont / "pipeline").transformer.state_dict()
     assert continued.keys() == pipe.transformer.state_dict().keys()
     assert all(torch.equal(continued[k], v) for k, v in pipe.transformer.state_dict().items())
@@ -190,3 +191,17 @@ def test_every_head_kind_trains_on_the_transformers_families(tmp_path):
             pipe = dummy_pipeline(family)
             heads = pipe.load_draft_heads(out / "heads")
             assert heads.config.hidden_size == pipe.backbone.hidden_size
+
+
+def test_input_noise_replaces_about_the_asked_share_and_keeps_the_rest():
+    spec = importlib.util.spec_from_file_location("train_ar", ROOT / "scripts" / "train_ar.py")
+    train_ar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_ar)
+    codes = torch.randint(512, (64, 576))
+    assert train_ar.corrupt_inputs(codes, 0.0, 512, torch.Generator().manual_seed(0)) is codes
+    noisy = train_ar.corrupt_inputs(codes, 0.1, 512, torch.Generator().manual_seed(0))
+    changed = (noisy != codes).float().mean().item()
+    assert 0.09 < changed < 0.11  # a random code equals the true one 1/512 of the time
+    assert noisy.min() >= 0 and noisy.max() < 512 and noisy.dtype == codes.dtype
+    bad = run("train_ar.py", "--input-noise", 1.0, check=False)
+    assert bad.returncode != 0 and "`--input-noise` must be in [0, 1)" in bad.stderr
