@@ -32,9 +32,7 @@ def _count_host_reads(monkeypatch, pipe):
 
     def counted_round(backbone, state, *args, **kwargs):
         counts["inside"], counts["rounds"] = True, counts["rounds"] + 1
-        layout, root = state.layout, state.num_committed - 1
-        reach = range(root, min(root + pipe.decoder.max_draft_tokens, layout.num_tokens))
-        counts["rounds_far_from_row_end"] += not any(layout.ends_row(layout.sequence_offset(i)) for i in reach)
+        counts["rounds_far_from_row_end"] += not any(state.layout.row_ends_after(state.num_committed - 1, pipe.decoder.max_draft_tokens))
         try:
             return round_(backbone, state, *args, **kwargs)
         finally:

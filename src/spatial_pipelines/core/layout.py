@@ -75,6 +75,14 @@ class ImageTokenLayout:
         (every row but the last: no code follows it)."""
         return (offset % self.row_stride == self.width - 1) & (offset // self.row_stride < self.height - 1)
 
+    @functools.lru_cache(maxsize=4096)
+    def row_ends_after(self, root: int, num_depths: int) -> Tuple[bool, ...]:
+        """Host-side, per depth ``d < num_depths``: whether the code ``d`` raster positions after code ``root`` (clamped
+        to the last code: drafts past the grid are never committed) ends a row that an EOL follows. Cached: a
+        decoding round asks it with host ints and gets it without tensor work."""
+        last = self.num_tokens - 1
+        return tuple(bool(self.ends_row(self.sequence_offset(min(root + d, last)))) for d in range(num_depths))
+
     def grid(self, tokens: torch.Tensor) -> torch.Tensor:
         """Flat codes ``(B, H*W)`` -> grid ``(B, H, W)``."""
         return tokens.reshape(tokens.shape[0], self.height, self.width)
@@ -142,8 +150,7 @@ class EndOfRowInsertion:
         """The insertion for a draft whose node ``i`` sits at raster index ``root + depths[i]`` (clamped to the last
         code: nodes past the grid are never committed), ``root`` being the newest committed code. Host-side only: no
         device read, here or in `keep_indices`. ``None`` when no fed node ends a row."""
-        last = layout.num_tokens - 1
-        depth_ends = tuple(bool(layout.ends_row(layout.sequence_offset(min(root + d, last)))) for d in range(max(depths) + 1))
+        depth_ends = layout.row_ends_after(root, max(depths) + 1)
         if not any(depth_ends):
             return None
         return _insertion(tuple(depth_ends[d] for d in depths), depth_ends, device)
@@ -243,8 +250,7 @@ class RowEndOfRowInsertion:
         b, t = position_ids.shape
         depth_ends = None
         if root is not None:  # a node's depth is below T: row ends the trees could reach, known on the host
-            last = layout.num_tokens - 1
-            depth_ends = tuple(bool(layout.ends_row(layout.sequence_offset(min(root + d, last)))) for d in range(t))
+            depth_ends = layout.row_ends_after(root, t)
             if not any(depth_ends):
                 return None
         row_end = layout.ends_row(position_ids - prefix_length)  # (B, T)
