@@ -17,6 +17,7 @@ from transformers.models.chameleon.modeling_chameleon import ChameleonImageVocab
 from pipeline_mixin import PipelineTesterMixin, gen
 from spatial_pipelines import AnolePipeline, AutoregressiveDecoder, ChameleonVQModel, JacobiDecoder, MedusaDecoder
 from spatial_pipelines.testing import dummy_pipeline
+from test_image_vocabulary import chameleon_code
 
 PROMPTS = ["a red fox", "blue sky", "x"]  # different lengths: left padding
 
@@ -43,38 +44,9 @@ class TestAnolePipeline(PipelineTesterMixin):
 
 # -- image tokens are mapped by name; the model's own forward masks them -----------------------------------------------
 def code_ids_from_names(vocab):
-    """code -> token id, parsed from the ``IMGIMG<letters>Z`` names (A..J are the digits 0..9)."""
-    codes = {int("".join(str(ord(c) - ord("A")) for c in name[6:-1])): i
-             for name, i in vocab.items() if name.startswith("IMGIMG")}
+    """code -> token id, parsed from the ``IMGIMG<letters>Z`` names."""
+    codes = {chameleon_code(name): i for name, i in vocab.items() if name.startswith("IMGIMG")}
     return torch.tensor([codes[c] for c in range(len(codes))])
-
-
-def test_codes_map_to_image_tokens_by_name():
-    pipe = dummy_pipeline("anole")
-    backbone, model = pipe.backbone, pipe.transformer
-    ids = code_ids_from_names(model.config.vocabulary_map)
-    assert not torch.equal(ids, ids[0] + torch.arange(len(ids)))  # the tiny vocabulary shuffles them: no offset
-    codes = torch.tensor([[0, 5, 15, 3]])
-    torch.testing.assert_close(backbone.embed_image_tokens(codes), model.get_input_embeddings()(ids[codes]))
-    hidden = torch.randn(2, 3, backbone.hidden_size)
-    torch.testing.assert_close(backbone.output_head(hidden), model.lm_head(hidden)[..., ids])
-    assert backbone._index() is backbone._index()  # built once, kept on the pipeline
-
-
-def test_consecutive_image_ids_use_a_view_of_the_head():
-    """The released vocabulary numbers the image tokens 4..8195 in code order: the head is then a slice of lm_head."""
-    pipe = dummy_pipeline("anole")
-    model = pipe.transformer
-    vocab = dict(model.config.vocabulary_map)
-    names = sorted((n for n in vocab if n.startswith("IMGIMG")), key=lambda n: int("".join(str(ord(c) - 65) for c in n[6:-1])))
-    first = min(vocab[n] for n in names)
-    vocab.update({n: first + i for i, n in enumerate(names)})  # code i -> first + i
-    model.config.vocabulary_map = vocab
-    model.model.vocabulary_mapping = ChameleonImageVocabularyMapping(vocab)
-    backbone = pipe.backbone
-    assert backbone._index().rows == (first, first + len(names))
-    hidden = torch.randn(2, 3, backbone.hidden_size)
-    torch.testing.assert_close(backbone.output_head(hidden), model.lm_head(hidden)[..., first : first + len(names)])
 
 
 def test_transformers_forward_masks_image_logits():

@@ -56,36 +56,6 @@ class TestEmu3Pipeline(PipelineTesterMixin):
 
 
 # -- visual tokens are mapped by name ---------------------------------------------------------------------------
-def test_codes_map_to_visual_tokens_by_name():
-    pipe = dummy_pipeline("emu3")
-    backbone, model = pipe.backbone, pipe.transformer
-    img2bpe = model.vocabulary_mapping.img2bpe
-    ids = torch.tensor([img2bpe[c] for c in range(backbone.num_image_codes)])
-    assert not torch.equal(ids, ids[0] + torch.arange(len(ids)))  # the tiny vocabulary shuffles them: no offset
-    codes = torch.tensor([[0, 5, 15, 3]])
-    torch.testing.assert_close(backbone.embed_image_tokens(codes), model.get_input_embeddings()(ids[codes]))
-    hidden = torch.randn(2, 3, backbone.hidden_size)
-    torch.testing.assert_close(backbone.output_head(hidden), model.lm_head(hidden)[..., ids])
-    assert backbone._index() is backbone._index()  # built once, kept on the pipeline
-
-
-def test_consecutive_visual_ids_use_a_view_of_the_head():
-    """The released checkpoints number the visual tokens consecutively: the head is then a slice of lm_head (no
-    copy); the columns must still be in code order."""
-    pipe = dummy_pipeline("emu3")
-    model = pipe.transformer
-    vocab = dict(model.config.vocabulary_map)
-    names = sorted(n for n in vocab if n.startswith("<|visual token"))
-    first = min(vocab[n] for n in names)
-    vocab.update({n: first + i for i, n in enumerate(names)})  # code i -> first + i
-    model.config.vocabulary_map = vocab
-    model.model.vocabulary_mapping = Emu3ImageVocabularyMapping(vocab)
-    backbone = pipe.backbone
-    assert backbone._index().rows == (first, first + len(names))
-    hidden = torch.randn(2, 3, backbone.hidden_size)
-    torch.testing.assert_close(backbone.output_head(hidden), model.lm_head(hidden)[..., first : first + len(names)])
-
-
 def test_mapping_without_visual_tokens_is_refused():
     pipe = dummy_pipeline("emu3")
     vocab = {k: v for k, v in pipe.transformer.config.vocabulary_map.items() if "visual token 000003" not in k}
