@@ -42,6 +42,12 @@ def parse_args(argv=None):
     p.add_argument("--input-noise", type=float, default=0.0,
                    help="share of input codes replaced by random codes (targets stay the true codes), so the model learns "
                         "to continue after a wrong code of its own; 0 is plain teacher forcing")
+    p.add_argument("--self-feed", type=float, default=0.0,
+                   help="share of input codes replaced by the model's own top-k sample at that position (parallel "
+                        "scheduled sampling: one extra no-grad teacher-forced pass per step), so the model learns to "
+                        "continue after the plausible wrong codes it draws itself; 0 is plain teacher forcing")
+    p.add_argument("--self-feed-top-k", type=int, default=3,
+                   help="the self-fed codes are drawn from the model's top-k (default 3, the embedded sampling default)")
     p.add_argument("--init-from", default=None,
                    help="pipeline (or transformer) folder whose transformer starts the run (continued training); the "
                         "architecture is then its own, and --hidden-size/--num-layers/--num-heads/--caption-tokens/"
@@ -125,6 +131,20 @@ def corrupt_inputs(codes: torch.Tensor, rate: float, vocab_size: int, generator:
     return torch.where(hit.to(codes.device), noise.to(codes.device), codes)
 
 
+def self_fed_inputs(codes: torch.Tensor, logits: torch.Tensor, rate: float, top_k: int,
+                    generator: torch.Generator) -> torch.Tensor:
+    """``codes`` ``(B, N)`` with a share ``rate`` of them replaced by a top-``top_k`` sample of the model's own
+    teacher-forced ``logits`` ``(B, N, V)`` at the same position: the wrong codes the model would draw itself, unlike
+    uniform noise, which is rarely plausible."""
+    if rate == 0:
+        return codes
+    top = logits.float().topk(top_k, dim=-1)  # (B, N, k)
+    pick = torch.multinomial(top.values.softmax(-1).flatten(0, 1).cpu(), 1, generator=generator)  # (B*N, 1), CPU draw
+    drawn = top.indices.gather(-1, pick.view(*codes.shape, 1).to(codes.device)).squeeze(-1)  # (B, N)
+    hit = torch.rand(codes.shape, generator=generator) < rate
+    return torch.where(hit.to(codes.device), drawn, codes)
+
+
 def lm_loss(transformer: LlamaGenTransformer, codes, captions, masks, drop, inputs=None):
     """Next-code cross-entropy over the whole grid; dropped captions become the null caption (same mask). ``inputs``
     (default ``codes``) are the codes fed; the targets are always ``codes``."""
@@ -137,6 +157,10 @@ def main(argv=None):
     args = parse_args(argv)
     if not 0 <= args.input_noise < 1:
         raise ValueError(f"`--input-noise` must be in [0, 1), got {args.input_noise}.")
+    if not 0 <= args.self_feed < 1:
+        raise ValueError(f"`--self-feed` must be in [0, 1), got {args.self_feed}.")
+    if args.self_feed_top_k < 1:
+        raise ValueError(f"`--self-feed-top-k` must be a positive integer, got {args.self_feed_top_k}.")
     accelerator, log = setup(args)
 
     vqvae = LlamaGenVQModel.from_pretrained(args.vq).eval()
@@ -171,7 +195,12 @@ def main(argv=None):
     def loss_fn(batch):
         codes, captions, masks = batch
         drop = (torch.rand(codes.shape[0], generator=gen) < args.caption_drop).to(codes.device)
-        inputs = corrupt_inputs(codes, args.input_noise, vqvae.config.codebook_size, gen)
+        inputs = codes
+        if args.self_feed > 0:
+            with torch.no_grad():  # the model's own predictions given the true codes, as in parallel scheduled sampling
+                own = transformer.compute_logits(transformer.teacher_forced_hidden_states(codes, captions, masks, drop))
+            inputs = self_fed_inputs(codes, own, args.self_feed, args.self_feed_top_k, gen)
+        inputs = corrupt_inputs(inputs, args.input_noise, vqvae.config.codebook_size, gen)
         return model(codes, captions, masks, drop, inputs), {}
 
     fit(accelerator, model=model, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn,

@@ -52,7 +52,8 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     tiny_cont = ["--vq", vq / "vqvae", "--limit", 8, "--batch-size", 4, "--mixed-precision", "no", "--out", cont]
     bad = run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--hidden-size", 64, "--steps", 1, check=False)
     assert bad.returncode != 0 and "`--hidden-size` is 64 but the `--init-from` transformer has hidden_size=32" in bad.stderr
-    run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--steps", 1, "--lr", 0, "--input-noise", 0.1)
+    run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--steps", 1, "--lr", 0, "--input-noise", 0.1,
+        "--self-feed", 0.5)
     continued = LlamaGenPipeline.from_pretrained(cont / "pipeline").transformer.state_dict()
     assert continued.keys() == pipe.transformer.state_dict().keys()
     assert all(torch.equal(continued[k], v) for k, v in pipe.transformer.state_dict().items())
@@ -205,3 +206,25 @@ def test_input_noise_replaces_about_the_asked_share_and_keeps_the_rest():
     assert noisy.min() >= 0 and noisy.max() < 512 and noisy.dtype == codes.dtype
     bad = run("train_ar.py", "--input-noise", 1.0, check=False)
     assert bad.returncode != 0 and "`--input-noise` must be in [0, 1)" in bad.stderr
+
+
+def test_self_feed_replaces_the_asked_share_by_the_models_own_top_k_codes():
+    spec = importlib.util.spec_from_file_location("train_ar", ROOT / "scripts" / "train_ar.py")
+    train_ar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_ar)
+    codes = torch.randint(512, (8, 576))
+    logits = torch.randn(8, 576, 512)
+    assert train_ar.self_fed_inputs(codes, logits, 0.0, 3, torch.Generator().manual_seed(0)) is codes
+    fed = train_ar.self_fed_inputs(codes, logits, 0.5, 3, torch.Generator().manual_seed(0))
+    top3 = logits.topk(3, -1).indices  # (8, 576, 3)
+    changed = fed != codes
+    assert 0.45 < changed.float().mean().item() < 0.55  # a true code is rarely in a random top-3
+    assert (fed.unsqueeze(-1) == top3).any(-1)[changed].all()  # every replaced code is one of the model's top 3
+    # a confident model feeds back its argmax
+    sure = torch.full((8, 576, 512), -1e4).scatter(-1, top3[..., :1], 0.0)
+    fed = train_ar.self_fed_inputs(codes, sure, 0.99, 3, torch.Generator().manual_seed(0))
+    assert ((fed == codes) | (fed == top3[..., 0])).all() and (fed == top3[..., 0]).float().mean() > 0.95
+    for flag, value, message in (("--self-feed", 1.0, "`--self-feed` must be in [0, 1)"),
+                                 ("--self-feed-top-k", 0, "`--self-feed-top-k` must be a positive integer")):
+        bad = run("train_ar.py", flag, value, check=False)
+        assert bad.returncode != 0 and message in bad.stderr
