@@ -228,3 +228,25 @@ def test_self_feed_replaces_the_asked_share_by_the_models_own_top_k_codes():
                                  ("--self-feed-top-k", 0, "`--self-feed-top-k` must be a positive integer")):
         bad = run("train_ar.py", flag, value, check=False)
         assert bad.returncode != 0 and message in bad.stderr
+
+
+def test_evaluate_fit_measures_agree_with_greedy_decoding(monkeypatch):
+    """`free_running_fit` compares greedy codes with the real grids; at guidance 1 a grid the model decodes greedily
+    is also one it predicts code for code when fed the true codes (`teacher_forced_fit`)."""
+    from spatial_pipelines.testing import dummy_pipeline
+
+    spec = importlib.util.spec_from_file_location("evaluate", ROOT / "scripts" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    pipe = dummy_pipeline("llamagen", grid=(4, 4), num_codes=16)
+    captions = ["a red heart", "a cat face"]
+    greedy = pipe(captions, guidance_scale=1.0, top_k=1, output_type="latent").images.reshape(2, -1)  # (2, 16)
+    real = greedy.clone()
+    real[1, 3] = (real[1, 3] + 1) % 16  # the second "real" grid differs from the greedy one at raster index 3
+    monkeypatch.setattr(type(pipe.backbone), "encode_image", lambda self, pixels: real[: len(pixels)])
+    images = torch.zeros(2, 3, 32, 32)  # stand-ins: encode_image above returns the grids
+    fit = evaluate.free_running_fit(pipe, images, captions, guidance_scale=1.0)
+    assert fit["code_agreement"] == 1 - 1 / 32 and fit["median_first_divergence"] == (16 + 3) / 2
+    assert fit["grids_reproduced_90pct"] == 1.0 and fit["num_grids"] == 2
+    forced = evaluate.teacher_forced_fit(pipe, images[:1], captions[:1], "cpu")
+    assert forced["greedy_accuracy"] == 1.0 and forced["grids_known_98pct"] == 1.0
