@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from spatial_pipelines import AutoregressiveDecoder, LlamaGenPipeline, LlamaGenTransformer, LlamaGenVQModel
-from spatial_pipelines.data import TwemojiDataset
+from spatial_pipelines.data import TwemojiDataset, canonical_background_codes
 from spatial_pipelines.text_encoders import load_packaged_text_encoder
 from spatial_pipelines.training import add_training_args, build_dataset, fit, prepare_and_resume, setup
 
@@ -48,6 +48,10 @@ def parse_args(argv=None):
                         "continue after the plausible wrong codes it draws itself; 0 is plain teacher forcing")
     p.add_argument("--self-feed-top-k", type=int, default=3,
                    help="the self-fed codes are drawn from the model's top-k (default 3, the embedded sampling default)")
+    p.add_argument("--canonical-background", action="store_true",
+                   help="give every plain-white patch the code a blank canvas gets there "
+                        "(spatial_pipelines.data.canonical_background_codes), so the model need not guess which of "
+                        "the tokenizer's near-identical background codes a grid used")
     p.add_argument("--init-from", default=None,
                    help="pipeline (or transformer) folder whose transformer starts the run (continued training); the "
                         "architecture is then its own, and --hidden-size/--num-layers/--num-heads/--caption-tokens/"
@@ -65,7 +69,10 @@ def prepare_data(args, vqvae: LlamaGenVQModel, pipe: LlamaGenPipeline, path: str
     @torch.no_grad()
     def make_chunk(start, end):
         batch = [data[j] for j in range(start, end)]
-        codes = vqvae.encode(torch.stack([b["pixel_values"] for b in batch])).indices.flatten(1)  # (b, H*W)
+        pixels = torch.stack([b["pixel_values"] for b in batch])
+        codes = vqvae.encode(pixels).indices.flatten(1)  # (b, H*W)
+        if args.canonical_background:
+            codes = canonical_background_codes(vqvae, pixels, codes)
         emb, mask = pipe.backbone.encode_text([b["caption"] for b in batch], torch.device("cpu"))
         return {"codes": codes, "captions": emb, "masks": mask}
 
@@ -174,7 +181,7 @@ def main(argv=None):
         transformer=transformer, vqvae=vqvae, decoder=AutoregressiveDecoder(), text_encoder=text_encoder,
         tokenizer=tokenizer, text_encoder_package=TEXT_ENCODER_PACKAGE,
     )
-    data = prepare_data(args, vqvae, pipe, os.path.join(args.out, "train_data.safetensors"), accelerator)
+    data = prepare_data(args, vqvae, pipe, os.path.join(args.out, "train_data_canonical.safetensors" if args.canonical_background else "train_data.safetensors"), accelerator)
     dataset = torch.utils.data.TensorDataset(data["codes"], data["captions"], data["masks"])
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
 

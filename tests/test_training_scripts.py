@@ -53,7 +53,8 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     bad = run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--hidden-size", 64, "--steps", 1, check=False)
     assert bad.returncode != 0 and "`--hidden-size` is 64 but the `--init-from` transformer has hidden_size=32" in bad.stderr
     run("train_ar.py", *tiny_cont, "--init-from", ar / "pipeline", "--steps", 1, "--lr", 0, "--input-noise", 0.1,
-        "--self-feed", 0.5)
+        "--self-feed", 0.5, "--canonical-background")
+    assert (cont / "train_data_canonical.safetensors").is_file()  # never mixed up with a plain-code cache
     continued = LlamaGenPipeline.from_pretrained(cont / "pipeline").transformer.state_dict()
     assert continued.keys() == pipe.transformer.state_dict().keys()
     assert all(torch.equal(continued[k], v) for k, v in pipe.transformer.state_dict().items())
