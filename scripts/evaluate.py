@@ -20,7 +20,7 @@ import torch
 
 import spatial_pipelines
 from spatial_pipelines.cli import load_pipeline
-from spatial_pipelines.data import TwemojiDataset
+from spatial_pipelines.data import TwemojiDataset, canonical_background_codes
 from spatial_pipelines.decoders import DECODERS
 from spatial_pipelines.embedded import default_model_path
 from spatial_pipelines.evaluation import LPIPS, EffNetFeatures, extract_features, frechet_distance, lpips_diversity, retrieval_accuracy
@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--diversity-samples", type=int, default=4)
     p.add_argument("--free-running-captions", type=int, default=64,
                    help="training captions decoded greedily and compared code for code with their real grids")
+    p.add_argument("--canonical-background", action="store_true",
+                   help="compare the fits with canonical-background grids (for a model trained with "
+                        "train_ar.py --canonical-background)")
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
@@ -63,14 +66,20 @@ def generate(pipe, prompts, args, seed_offset=0):
 
 
 @torch.no_grad()
-def teacher_forced_fit(pipe, images, captions, device, batch_size=32):
+def real_grids(pipe, images, canonical):
+    """The real images' code grids ``(b, N)``, background made canonical when the model was trained that way."""
+    codes = pipe.backbone.encode_image(images.to(pipe.device))
+    return canonical_background_codes(pipe.vqvae, images.to(pipe.device), codes) if canonical else codes
+
+
+def teacher_forced_fit(pipe, images, captions, device, batch_size=32, canonical=False):
     """How well the model knows the grids of real images (a memorisation gauge that needs no sampling): per code, the
     conditional model's NLL and greedy accuracy given the true codes before it, over the real images' VQ grids; and
     the share of grids whose every code but at most 2% the model predicts greedily."""
     backbone = pipe.backbone
     nll, hits, grids_known, n = 0.0, 0, 0, 0
     for i in range(0, len(captions), batch_size):
-        codes = backbone.encode_image(images[i : i + batch_size].to(device))  # (b, N)
+        codes = real_grids(pipe, images[i : i + batch_size], canonical)  # (b, N)
         prefix = backbone.encode_prompt(captions[i : i + batch_size], None, False, device)
         logits = backbone.image_logits(backbone.teacher_forced_hidden_states(prefix, codes))  # (b, N, V)
         nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), codes.flatten(), reduction="sum").item()
@@ -81,16 +90,15 @@ def teacher_forced_fit(pipe, images, captions, device, batch_size=32):
     return {"nll_per_code": nll / n, "greedy_accuracy": hits / n, "grids_known_98pct": grids_known / len(captions)}
 
 
-def free_running_fit(pipe, images, captions, guidance_scale, batch_size=64):
+def free_running_fit(pipe, images, captions, guidance_scale, batch_size=64, canonical=False):
     """How much of the real grids the model reproduces when it feeds its own codes (the exposure-bias gap next to
     `teacher_forced_fit`): greedy decoding (top-k 1) at ``guidance_scale`` from each caption, compared code for code
     with the real image's grid. Reports the share of codes equal, the median raster index of the first code that
     differs (the grid's length when none does), and the share of grids reproduced to 90% or better."""
-    backbone = pipe.backbone
     agree, first, close = [], [], 0
     for i in range(0, len(captions), batch_size):
         chunk = captions[i : i + batch_size]
-        codes = backbone.encode_image(images[i : i + batch_size].to(pipe.device)).cpu()  # (b, N)
+        codes = real_grids(pipe, images[i : i + batch_size], canonical).cpu()  # (b, N)
         out = pipe(chunk, guidance_scale=guidance_scale, top_k=1, output_type="latent",
                    generator=torch.Generator().manual_seed(0))
         same = out.images.reshape(len(chunk), -1).cpu() == codes  # (b, N)
@@ -169,12 +177,13 @@ def main(argv=None):
     train_recon = reconstruct(real_images[[index[c] for c in train_caps]]).clamp(-1, 1)
     ceiling = retrieval_accuracy(extract_features(effnet, train_recon), train_caps, real_feats, real.captions)
 
-    fit_train = teacher_forced_fit(pipe, real_images[[index[c] for c in train_caps]], train_caps, args.device)
-    fit_heldout = teacher_forced_fit(pipe, heldout_real, eval_caps, args.device)
+    canonical = args.canonical_background
+    fit_train = teacher_forced_fit(pipe, real_images[[index[c] for c in train_caps]], train_caps, args.device, canonical=canonical)
+    fit_heldout = teacher_forced_fit(pipe, heldout_real, eval_caps, args.device, canonical=canonical)
     guidance = args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale
     k = min(args.free_running_captions, n_train)
     free_running = free_running_fit(pipe, real_images[[index[c] for c in train_caps[:k]]], train_caps[:k], guidance,
-                                    args.batch_size)
+                                    args.batch_size, canonical)
 
     report = {
         "model": args.model or "embedded twemoji_llamagen",
@@ -192,6 +201,7 @@ def main(argv=None):
         "retrieval_heldout": retrieval_accuracy(gen_feats[n_train:], prompts[n_train:], real_feats, real.captions),
         "retrieval_shuffled_prompts_control": retrieval_accuracy(gen_feats, shuffled, real_feats, real.captions),
         "retrieval_train_vq_reconstruction_ceiling": ceiling,
+        "fit_grids_canonical_background": canonical,
         "teacher_forced_train": fit_train,
         "teacher_forced_heldout": fit_heldout,
         "free_running_greedy_train": free_running,
