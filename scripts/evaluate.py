@@ -167,8 +167,10 @@ def main(argv=None):
     div_images, _ = generate(pipe, rep, args, seed_offset=10**6)
     diversity = [lpips_diversity(lpips, div_images[k : k + args.diversity_samples]) for k in range(0, len(rep), args.diversity_samples)]
 
-    def reconstruct(images):
-        return torch.cat([pipe.vqvae(images[i : i + 64].to(args.device))[0].cpu() for i in range(0, len(images), 64)])
+    def reconstruct(images):  # through the grids the model is trained to reproduce
+        grid = (pipe.backbone.layout.height, pipe.backbone.layout.width)
+        return torch.cat([pipe.vqvae.decode_code(real_grids(pipe, images[i : i + 64], args.canonical_background).view(-1, *grid)).cpu()
+                          for i in range(0, len(images), 64)])
 
     heldout_real = real_images[[index[c] for c in eval_caps]]
     recon = reconstruct(heldout_real)
