@@ -220,6 +220,8 @@ def main(argv=None):
         pipe.save_pretrained(os.path.join(args.out, "pipeline"))
         with open(os.path.join(args.out, "train_args.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group: left to exit, gloo's threads can abort the process
 
 
 if __name__ == "__main__":

@@ -101,6 +101,8 @@ def main(argv=None):
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
             json.dump(metrics, f, indent=2)
         print(json.dumps(metrics))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group: left to exit, gloo's threads can abort the process
 
 
 if __name__ == "__main__":
