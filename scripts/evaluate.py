@@ -65,13 +65,14 @@ def generate(pipe, prompts, args, seed_offset=0):
     return torch.cat(images), {"forward_passes_per_call": passes / calls, "wall_time_s": seconds}
 
 
-@torch.no_grad()
 def real_grids(pipe, images, canonical):
     """The real images' code grids ``(b, N)``, background made canonical when the model was trained that way."""
-    codes = pipe.backbone.encode_image(images.to(pipe.device))
-    return canonical_background_codes(pipe.vqvae, images.to(pipe.device), codes) if canonical else codes
+    images = images.to(pipe.device)
+    codes = pipe.backbone.encode_image(images)
+    return canonical_background_codes(pipe.vqvae, images, codes) if canonical else codes
 
 
+@torch.no_grad()
 def teacher_forced_fit(pipe, images, captions, device, batch_size=32, canonical=False):
     """How well the model knows the grids of real images (a memorisation gauge that needs no sampling): per code, the
     conditional model's NLL and greedy accuracy given the true codes before it, over the real images' VQ grids; and
@@ -90,6 +91,7 @@ def teacher_forced_fit(pipe, images, captions, device, batch_size=32, canonical=
     return {"nll_per_code": nll / n, "greedy_accuracy": hits / n, "grids_known_98pct": grids_known / len(captions)}
 
 
+@torch.no_grad()
 def free_running_fit(pipe, images, captions, guidance_scale, batch_size=64, canonical=False):
     """How much of the real grids the model reproduces when it feeds its own codes (the exposure-bias gap next to
     `teacher_forced_fit`): greedy decoding (top-k 1) at ``guidance_scale`` from each caption, compared code for code
