@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from spatial_pipelines import AutoregressiveDecoder, LlamaGenPipeline, LlamaGenTransformer, LlamaGenVQModel
+from spatial_pipelines.models import load_vq_model
 from spatial_pipelines.data import TwemojiDataset, canonical_background_codes
 from spatial_pipelines.text_encoders import load_packaged_text_encoder
 from spatial_pipelines.training import add_training_args, build_dataset, fit, prepare_and_resume, setup
@@ -129,6 +130,29 @@ def init_transformer(args, vqvae: LlamaGenVQModel, grid: int) -> LlamaGenTransfo
     return transformer
 
 
+def same_tokenizer(a, b) -> bool:
+    """Whether two VQ tokenizers are the same class with the same codebook."""
+    return type(a) is type(b) and a.codebook.shape == b.codebook.shape and torch.equal(a.codebook, b.codebook)
+
+
+@torch.no_grad()
+def remap_code_rows(transformer: LlamaGenTransformer, old_vq, new_vq, pixels: torch.Tensor) -> torch.Tensor:
+    """Carry a transformer trained on ``old_vq``'s codes over to ``new_vq``'s: each new code's input embedding and
+    output row start from those of the old code that most often tokenizes the same patches of ``pixels``
+    ``(N, 3, H, W)``; a new code that never occurs keeps its rows. Returns the map ``(V,)`` from new to old code."""
+    if old_vq.downsample_factor != new_vq.downsample_factor:
+        raise ValueError(f"the `--init-from` tokenizer downsamples by {old_vq.downsample_factor} and `--vq` by "
+                         f"{new_vq.downsample_factor}: their codes do not cover the same patches.")
+    vocab = transformer.config.vocab_size
+    old = torch.cat([old_vq.encode(pixels[i:i + 64]).indices.flatten() for i in range(0, len(pixels), 64)])
+    new = torch.cat([new_vq.encode(pixels[i:i + 64]).indices.flatten() for i in range(0, len(pixels), 64)])
+    counts = torch.bincount(new * vocab + old, minlength=vocab * vocab).view(vocab, vocab)  # (V_new, V_old)
+    mapping = torch.where(counts.sum(1) > 0, counts.argmax(1), torch.arange(vocab))
+    for weight in (transformer.tok_embeddings.weight, transformer.output.weight):  # both (V, hidden)
+        weight.copy_(weight[mapping].clone())
+    return mapping
+
+
 def corrupt_inputs(codes: torch.Tensor, rate: float, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
     """``codes`` ``(B, N)`` with a share ``rate`` of them replaced by uniformly random codes (input noise)."""
     if rate == 0:
@@ -170,11 +194,18 @@ def main(argv=None):
         raise ValueError(f"`--self-feed-top-k` must be a positive integer, got {args.self_feed_top_k}.")
     accelerator, log = setup(args)
 
-    vqvae = LlamaGenVQModel.from_pretrained(args.vq).eval()
+    vqvae = load_vq_model(args.vq).eval()
     grid = args.resolution // vqvae.downsample_factor
     text_encoder, tokenizer = load_packaged_text_encoder(TEXT_ENCODER_PACKAGE)
     if args.init_from:
         transformer = init_transformer(args, vqvae, grid)
+        old_folder = os.path.join(args.init_from, "vqvae")
+        if os.path.isfile(os.path.join(old_folder, "config.json")):
+            old_vq = load_vq_model(old_folder).eval()
+            if not same_tokenizer(old_vq, vqvae):  # a new tokenizer: start its codes' rows from the old ones
+                images = TwemojiDataset("train", args.resolution, limit=args.limit).images[:1024].float() / 127.5 - 1.0
+                mapping = remap_code_rows(transformer, old_vq, vqvae, images)
+                accelerator.print(f"--init-from: a new tokenizer; its code rows start from {mapping.unique().numel()} old codes' rows")
     else:
         transformer = new_transformer(args, vqvae, grid, caption_dim=text_encoder.config.hidden_size)
     pipe = LlamaGenPipeline(

@@ -1,7 +1,11 @@
 #!/usr/bin/env python
-"""Train the embedded model's VQ tokenizer (LlamaGen VQ structure) on Twemoji.
+"""Train the embedded model's VQ tokenizer (LlamaGen VQ structure, or a k-means patch codebook) on Twemoji.
 
     accelerate launch scripts/train_vq.py --out runs/vq          # or plain `python`, on CPU or GPU(s)
+    python scripts/train_vq.py --kind patch --codebook-size 512 --out runs/vq_patch   # k-means, about a minute on CPU
+
+``--kind patch`` fits a `PatchVQModel`: each code is the nearest of the k-means centroids of the training images'
+``--patch-size`` patches, so a code depends on its own patch alone (see `spatial_pipelines.models.vq_patch`).
 
 Resumes from the newest checkpoint in ``--out``. Writes ``<out>/vqvae`` (diffusers format), ``metrics.json``
 (reconstruction PSNR / LPIPS on the held-out emoji) and ``loss_curve.png``.
@@ -15,13 +19,18 @@ import os
 import torch
 import torch.nn.functional as F
 
-from spatial_pipelines import LlamaGenVQModel
+from spatial_pipelines import LlamaGenVQModel, PatchVQModel
 from spatial_pipelines.data import TwemojiDataset
 from spatial_pipelines.training import add_training_args, fit, prepare_and_resume, setup
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kind", choices=["conv", "patch"], default="conv",
+                   help="conv: LlamaGen's convolutional VQ, trained by gradient; patch: k-means pixel patches")
+    p.add_argument("--patch-size", type=int, default=4, help="--kind patch: patch side in pixels")
+    p.add_argument("--kmeans-iterations", type=int, default=30, help="--kind patch: Lloyd iterations")
+    p.add_argument("--kmeans-patches", type=int, default=300_000, help="--kind patch: patches sampled for the fit")
     p.add_argument("--resolution", type=int, default=96)
     p.add_argument("--codebook-size", type=int, default=1024)
     p.add_argument("--codebook-dim", type=int, default=8)
@@ -65,12 +74,33 @@ def evaluate(model, dataset, accelerator, batch_size=64):
     return torch.cat(scores).mean().item(), len(used)
 
 
+def save_with_metrics(model, args, accelerator, train, held_out, steps):
+    value, used = evaluate(model, held_out, accelerator)
+    model.save_pretrained(os.path.join(args.out, "vqvae"))
+    metrics = {"kind": args.kind, "heldout_psnr_db": value, "codes_used_heldout": used, "codebook_size": args.codebook_size,
+               "steps": steps, "num_train_images": len(train), "num_heldout_images": len(held_out)}
+    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    print(json.dumps(metrics))
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.kind == "patch" and args.resolution % args.patch_size:
+        raise ValueError(f"`--resolution` ({args.resolution}) must be a multiple of `--patch-size` ({args.patch_size}).")
     accelerator, log = setup(args)
 
     train = TwemojiDataset("train", args.resolution, limit=args.limit)
     held_out = TwemojiDataset("eval", args.resolution, limit=args.limit)
+    if args.kind == "patch":  # a fit, not a training run: no optimiser, no checkpoints
+        if accelerator.is_main_process:
+            images = train.images.float() / 127.5 - 1.0  # (N, 3, R, R)
+            model = PatchVQModel.fit(images, codebook_size=args.codebook_size, patch_size=args.patch_size,
+                                     iterations=args.kmeans_iterations, max_patches=args.kmeans_patches, seed=args.seed)
+            save_with_metrics(model.to(accelerator.device), args, accelerator, train, held_out, steps=args.kmeans_iterations)
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        return
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model = LlamaGenVQModel(
         codebook_size=args.codebook_size, codebook_embed_dim=args.codebook_dim, encoder_ch_mult=args.ch_mult,
@@ -93,14 +123,7 @@ def main(argv=None):
         title="VQ tokenizer training on Twemoji", plot_keys=["recon", "vq", "commit"], desc="train VQ")
 
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(model)
-        value, used = evaluate(model, held_out, accelerator)
-        model.save_pretrained(os.path.join(args.out, "vqvae"))
-        metrics = {"heldout_psnr_db": value, "codes_used_heldout": used, "codebook_size": args.codebook_size,
-                   "steps": args.steps, "num_train_images": len(train), "num_heldout_images": len(held_out)}
-        with open(os.path.join(args.out, "metrics.json"), "w") as f:
-            json.dump(metrics, f, indent=2)
-        print(json.dumps(metrics))
+        save_with_metrics(accelerator.unwrap_model(model), args, accelerator, train, held_out, steps=args.steps)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroys the process group: left to exit, gloo's threads can abort the process
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, LlamaGenPipeline, SSDDecoder
@@ -58,6 +59,21 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
     continued = LlamaGenPipeline.from_pretrained(cont / "pipeline").transformer.state_dict()
     assert continued.keys() == pipe.transformer.state_dict().keys()
     assert all(torch.equal(continued[k], v) for k, v in pipe.transformer.state_dict().items())
+
+    # a patch tokenizer (k-means), and the transformer carried over to its codes (lr 0: only the code rows move)
+    patch = tmp_path / "vq_patch"
+    run("train_vq.py", "--kind", "patch", "--codebook-size", 32, "--limit", 8, "--mixed-precision", "no", "--out", patch)
+    assert json.loads((patch / "metrics.json").read_text())["kind"] == "patch"
+    moved = tmp_path / "ar_patch"
+    run("train_ar.py", "--vq", patch / "vqvae", "--init-from", ar / "pipeline", "--limit", 8, "--batch-size", 4,
+        "--steps", 1, "--lr", 0, "--mixed-precision", "no", "--out", moved)
+    carried = LlamaGenPipeline.from_pretrained(moved / "pipeline")
+    assert type(carried.vqvae).__name__ == "PatchVQModel"
+    old, new = pipe.transformer.state_dict(), carried.transformer.state_dict()
+    rows = ("tok_embeddings.weight", "output.weight")
+    assert all(torch.equal(new[k], v) for k, v in old.items() if k not in rows)
+    for k in rows:  # every new row is one of the old rows
+        assert (new[k][:, None, :] == old[k][None, :, :]).all(-1).any(-1).all()
 
     heads_dir = tmp_path / "heads"
     run("train_heads.py", "--model", ar / "pipeline", "--kind", "hawk", "--num-horizontal", 2, "--vsd", 1, "--limit", 8,
@@ -207,6 +223,31 @@ def test_input_noise_replaces_about_the_asked_share_and_keeps_the_rest():
     assert noisy.min() >= 0 and noisy.max() < 512 and noisy.dtype == codes.dtype
     bad = run("train_ar.py", "--input-noise", 1.0, check=False)
     assert bad.returncode != 0 and "`--input-noise` must be in [0, 1)" in bad.stderr
+
+
+def test_code_rows_follow_the_old_code_that_tokenizes_the_same_patches():
+    spec = importlib.util.spec_from_file_location("train_ar", ROOT / "scripts" / "train_ar.py")
+    train_ar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_ar)
+    from spatial_pipelines import PatchVQModel
+    from spatial_pipelines.testing import dummy_llamagen_components
+
+    torch.manual_seed(0)
+    old_vq = PatchVQModel(codebook_size=16, patch_size=4)
+    new_vq = PatchVQModel(codebook_size=16, patch_size=4)
+    perm = torch.randperm(16)
+    with torch.no_grad():
+        new_vq.embedding.weight.copy_(old_vq.codebook[perm])  # new code i is old code perm[i]
+    pixels = old_vq.decode_code(torch.arange(16).repeat(4).view(2, 4, 8)).detach()  # every code, four times
+    transformer = dummy_llamagen_components(num_codes=16)["transformer"]
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    assert train_ar.same_tokenizer(old_vq, old_vq) and not train_ar.same_tokenizer(old_vq, new_vq)
+    mapping = train_ar.remap_code_rows(transformer, old_vq, new_vq, pixels)
+    assert torch.equal(mapping, perm)
+    for k in ("tok_embeddings.weight", "output.weight"):
+        assert torch.equal(transformer.state_dict()[k], before[k][perm])
+    with pytest.raises(ValueError, match="downsamples by 4 and `--vq` by 2"):
+        train_ar.remap_code_rows(transformer, old_vq, PatchVQModel(codebook_size=16, patch_size=2), pixels)
 
 
 def test_self_feed_replaces_the_asked_share_by_the_models_own_top_k_codes():

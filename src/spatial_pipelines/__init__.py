@@ -8,7 +8,7 @@ from ._registration import register_with_diffusers
 from .core import ImageTokenLayout, SamplingConfig
 from .decoders import DECODERS, ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SpatialDecoderMixin, SSDDecoder
 from .heads import DraftHeadsMixin, EagleDraftHead, LatentDraftHeads, SpatialDraftHeads
-from .models import ChameleonVQModel, LlamaGenTransformer, LlamaGenVQModel
+from .models import ChameleonVQModel, LlamaGenTransformer, LlamaGenVQModel, PatchVQModel
 from .pipelines import (
     AnolePipeline,
     DecodingStats,
@@ -45,6 +45,7 @@ __all__ = [
     "LlamaGenPipeline",
     "LlamaGenTransformer",
     "LlamaGenVQModel",
+    "PatchVQModel",
     "LuminaMGPTPipeline",
     "MedusaDecoder",
     "ModelMixin",

@@ -12,6 +12,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from ..models.transformer_llamagen import LlamaGenTransformer, check_sampling_defaults
 from ..models.vq_llamagen import LlamaGenVQModel
+from ..models.vq_patch import PatchVQModel
 from ..text_encoders import PACKAGE_ATTRIBUTE, load_packaged_text_encoder
 from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
 
@@ -172,7 +173,8 @@ class LlamaGenPipeline(SpatialARPipeline):
 
     Args:
         transformer (`LlamaGenTransformer`): the AR model over image codes.
-        vqvae (`LlamaGenVQModel`): the VQ tokenizer whose decoder turns code grids into pixels.
+        vqvae (`LlamaGenVQModel` or `PatchVQModel`): the VQ tokenizer whose decoder turns code grids into pixels
+            (LlamaGen's convolutional one, or a patch codebook whose codes each depend on their own patch alone).
         decoder (`SpatialDecoderMixin`): the decoding algorithm (`AutoregressiveDecoder` or a speculative one).
         text_encoder (`PreTrainedModel`, *optional*): any transformers encoder whose token embeddings the
             transformer's caption projection was trained on (text-conditional models).
@@ -194,7 +196,7 @@ class LlamaGenPipeline(SpatialARPipeline):
     def __init__(
         self,
         transformer: LlamaGenTransformer,
-        vqvae: LlamaGenVQModel,
+        vqvae: Union[LlamaGenVQModel, PatchVQModel],
         decoder: SpatialDecoderMixin,
         text_encoder: Optional[PreTrainedModel] = None,
         tokenizer: Optional[PreTrainedTokenizerBase] = None,
