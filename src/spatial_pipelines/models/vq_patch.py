@@ -10,7 +10,6 @@ patches and 512 codes it also reconstructs Twemoji more faithfully (27.4 dB held
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
