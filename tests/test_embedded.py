@@ -29,6 +29,21 @@ def test_loads_offline_with_the_packaged_text_encoder():
 
 
 @torch.no_grad()
+def test_shipped_tokenizer_gives_a_patch_the_same_code_wherever_it_is():
+    # the patch tokenizer: a blank canvas is one code everywhere, and a patch's code ignores its neighbours
+    from spatial_pipelines import PatchVQModel
+
+    vqvae = load_default_pipeline().vqvae
+    assert type(vqvae) is PatchVQModel and vqvae.downsample_factor == 4
+    blank = torch.ones(1, 3, 96, 96)
+    assert (vqvae.encode(blank).indices == 0).all()
+    dot = blank.clone()
+    dot[:, :, 40:44, 40:44] = torch.tensor([-1.0, 0.2, 0.6])[:, None, None]  # one coloured patch, code (10, 10)
+    codes = vqvae.encode(dot).indices[0]
+    assert codes[10, 10] != 0 and (codes.flatten().bincount(minlength=codes.max() + 1)[1:].sum() == 1)
+
+
+@torch.no_grad()
 def test_a_slice_of_the_model_is_conditioned_on_the_caption():
     # prefill only: the first code's distribution depends on the caption, and CFG rows differ from cond rows
     pipe = load_default_pipeline()
