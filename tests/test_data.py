@@ -62,20 +62,18 @@ def test_canonical_background_codes_replace_plain_patches_only():
         canonical_background_codes(vq, pixels, codes[:, :8])
 
 
-def test_canonical_background_keeps_the_embedded_tokenizers_reconstructions():
-    from spatial_pipelines import LlamaGenVQModel
+def test_canonical_background_changes_nothing_under_the_embedded_patch_tokenizer():
+    # the embedded tokenizer gives every plain-white patch one code already (the reason it replaced the
+    # convolutional VQ, whose white patches spread over 98 codes): canonicalising its grids is the identity
     from spatial_pipelines.data import canonical_background_codes
     from spatial_pipelines.embedded import default_model_path
+    from spatial_pipelines.models import load_vq_model
 
-    vq = LlamaGenVQModel.from_pretrained(f"{default_model_path()}/vqvae").eval()
+    vq = load_vq_model(f"{default_model_path()}/vqvae").eval()
     ds = TwemojiDataset("all", resolution=96, limit=8)
     pixels = torch.stack([ds[i]["pixel_values"] for i in range(8)])
     with torch.no_grad():
         codes = vq.encode(pixels).indices.flatten(1)
         canon = canonical_background_codes(vq, pixels, codes)
-        assert (canon != codes).float().mean() > 0.02  # the tokenizer does spread background over several codes
-        before, after = (vq.decode_code(c.view(-1, 24, 24)).clamp(-1, 1) for c in (codes, canon))
-    # the pictures move far less than the tokenizer's own error (0.033 against 0.149 mean absolute on these 8), and
-    # the squared error to the real images grows by 3%
-    assert (after - before).abs().mean() < 0.4 * (before - pixels).abs().mean()
-    assert (after - pixels).pow(2).mean() < 1.1 * (before - pixels).pow(2).mean()
+    white = (pixels == 1).all(1)  # (8, 96, 96)
+    assert white.float().mean() > 0.1 and torch.equal(canon, codes)
