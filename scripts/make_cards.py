@@ -118,21 +118,21 @@ HEADS = [
         "path": default_heads_path,
         "function": "default_heads_path",
         "training_command": "python scripts/train_heads.py --kind hawk --generated 768 --out runs/heads_hawk8 --steps 500",
-        "benchmark": None,  # re-measured on the ninth-session model: not yet
+        "benchmark": os.path.join("docs", "benchmarks", "v2", "benchmark.json"),
         "decoder": "HawkDecoder()",
     },
     {
         "path": default_ssd_heads_path,
         "function": "default_ssd_heads_path",
         "training_command": "python scripts/train_heads.py --kind ssd --generated 768 --intermediate-size 256 --out runs/heads_ssd8 --steps 400",
-        "benchmark": None,
+        "benchmark": os.path.join("docs", "benchmarks", "v2", "benchmark.json"),
         "decoder": "SSDDecoder(vertical_rounds=2)",
     },
     {
         "path": default_eagle_head_path,
         "function": "default_eagle_head_path",
         "training_command": "python scripts/train_heads.py --kind eagle --generated 768 --out runs/heads_eagle8 --steps 300",
-        "benchmark": None,
+        "benchmark": os.path.join("docs", "benchmarks", "v2", "benchmark.json"),
         "decoder": "EagleDecoder()",
     },
 ]
