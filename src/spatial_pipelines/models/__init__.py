@@ -26,14 +26,11 @@ VQ_MODEL_CLASSES = {cls.__name__: cls for cls in (LlamaGenVQModel, PatchVQModel)
 def load_vq_model(path: str, **kwargs):
     """Load a VQ tokenizer folder (``config.json`` + weights) with the class its config names: `LlamaGenVQModel` or
     `PatchVQModel`."""
-    import json
     import os
 
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
+    if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path!r} is not a VQ tokenizer folder (no config.json).")
-    with open(config) as f:
-        name = json.load(f).get("_class_name")
+    name = PatchVQModel.load_config(path).get("_class_name")
     if name not in VQ_MODEL_CLASSES:
         raise ValueError(f"{path!r} holds a {name!r}; the VQ tokenizers this loader knows are {sorted(VQ_MODEL_CLASSES)}.")
     return VQ_MODEL_CLASSES[name].from_pretrained(path, **kwargs)

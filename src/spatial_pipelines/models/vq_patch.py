@@ -114,18 +114,18 @@ class PatchVQModel(ModelMixin, ConfigMixin):
         if len(x) < codebook_size:
             raise ValueError(f"`images` give {len(x)} patches, fewer than `codebook_size` ({codebook_size}).")
         cent = x[torch.randperm(len(x), generator=gen)[:codebook_size]].clone()  # (K, d)
-        pin = torch.full_like(cent[0], background) if background is not None else None
-        for _ in range(iterations + 1):
-            if pin is not None:
-                cent[0] = pin
-            if _ == iterations:
-                break
+        pinned = background is not None
+        if pinned:
+            cent[0] = background
+        for _ in range(iterations):
             assign = torch.cat([_nearest(x[i:i + batch_size], cent) for i in range(0, len(x), batch_size)])
             sums = torch.zeros_like(cent).index_add_(0, assign, x)
             counts = torch.bincount(assign, minlength=codebook_size).to(x.dtype)
             # an empty cluster restarts on a random patch rather than dying
             reseed = x[torch.randint(len(x), (codebook_size,), generator=gen)]
             cent = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], reseed)
+            if pinned:
+                cent[0] = background
         with torch.no_grad():
             model.embedding.weight.copy_(cent)
         return model.eval()
