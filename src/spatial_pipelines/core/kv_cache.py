@@ -125,7 +125,8 @@ def compact_positions_(cache: torch.Tensor, start: int, indices: torch.Tensor) -
 class TransformersCacheView:
     """The part of a transformers ``Cache`` a decoder layer calls, served by a `StaticKVCache`.
 
-    transformers' Llama-style attention calls ``past_key_values.update(key, value, layer_idx, cache_kwargs)`` and
+    transformers' Llama-style attention calls ``cache.update(key, value, layer_idx, ...)`` (the trailing arguments
+    changed across 5.x: ``cache_kwargs`` positionally, then ``kwargs=``; none is needed here) and
     the model asks ``get_seq_length()`` when it is given no ``cache_position``; with explicit ``position_ids``,
     ``cache_position`` and a 4-D mask nothing else is touched. So a transformers backbone (Janus-Pro, Emu3) runs
     on the library's static cache, and the loop crops and compacts it as for our own models (no per-family cache
@@ -137,7 +138,7 @@ class TransformersCacheView:
     def __init__(self, cache: StaticKVCache):
         self.cache = cache
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' argument order -> `StaticKVCache.update`: keys/values ``(B, H_kv, L + T, D)``."""
         return self.cache.update(layer_idx, key_states, value_states)
 

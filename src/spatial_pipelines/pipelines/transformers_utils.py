@@ -4,6 +4,8 @@ the heads use), the `TransformersBackbone` base adapter, code <-> token-id table
 vocabulary, onloading under model CPU offload, and sampling defaults kept in the generation config."""
 
 import abc
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -42,17 +44,25 @@ def language_model_forward(
     mask = additive_mask(cache.attention_mask(attention_mask, token_valid), inputs_embeds.dtype)  # (R, 1, T, L + T)
     position_ids = position_ids.expand(r, t) if position_ids.dim() == 1 else position_ids
     captured = []
+    cache_kwarg = {cache_argument(type(language_model)): TransformersCacheView(cache)}
     hook = language_model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     try:
         language_model(
-            inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=mask,
-            past_key_values=TransformersCacheView(cache), use_cache=True,
+            inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=mask, use_cache=True, **cache_kwarg,
             cache_position=torch.arange(cache.length, cache.length + t, device=device),
         )
     finally:
         hook.remove()
     cache.advance(token_valid, t)
     return captured[0]
+
+
+@functools.lru_cache(maxsize=None)
+def cache_argument(model_class: type) -> str:
+    """The keyword a transformers model's ``forward`` takes its KV cache under: ``cache`` from transformers 5.24
+    (``past_key_values`` still works there, with a deprecation warning, until 5.40), ``past_key_values`` before.
+    Read once per class from the signature (``inspect`` follows the deprecation wrapper's ``__wrapped__``)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
