@@ -123,6 +123,10 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     def propose(self, state: EagleState, draft_heads=None) -> Draft:
         depth, k = self._tree_shape(state)
         n_keep = self.num_nodes
+        # why: a kept node's ancestors all rank above it (cumulative log-probabilities only fall along a path), so
+        # the n_keep best nodes lie within depth n_keep and, per depth, among the n_keep best: growing the tree
+        # deeper or wider than n_keep drafts nodes that are never kept (same tree, fewer and smaller drafter passes)
+        depth, k = min(depth, n_keep), min(k, n_keep)
         cache = state.drafter_cache
         rows_r = state.features.shape[0]
         b = state.batch_size
@@ -337,7 +341,9 @@ class ADTTreeDecoder(EagleDecoder):
         out = super().step(logits, hidden_states, draft, state, draft_heads)
         if draft is not None:
             depth, k = state.last_shape
-            state.last_alpha = (out.num_accepted - 1) / depth  # accepted drafts (the bonus excluded) over the depth
+            # accepted drafts (the bonus excluded) over the depth the tree was grown to (`propose` caps it at the
+            # kept node count: deeper nodes are never kept)
+            state.last_alpha = (out.num_accepted - 1) / min(depth, self.num_nodes)
             for i in range(first, state.num_committed):  # the positions this tree committed remember its shape
                 state.shapes[i] = (depth, k)
         return out
