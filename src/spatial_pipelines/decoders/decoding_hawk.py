@@ -119,7 +119,8 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         b, n = state.tokens.shape
         width = state.layout.width
         root = state.num_committed - 1  # raster index of the newest committed code
-        logits_h, logits_v = self._heads_logits(state, draft_heads)
+        n_h = min(c.num_horizontal_heads, state.tree.max_depth)  # horizontal heads the tree drafts from
+        logits_h, logits_v = self._heads_logits(state, draft_heads, n_h)
         horizontal = logits_h.topk(k, dim=-1).indices  # (B, n_h, k) offsets 1..n_h
         cache = state.vertical_cache  # (B, N, VSD, k)
         if vsd:
@@ -130,10 +131,10 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
                     vertical[:, :rows_below].permute(0, 2, 1)
                 )
         # pool per depth: rank r of [horizontal, cached vertical from 1..VSD rows above], r = 0..k-1
-        if root + c.num_horizontal_heads < n:
-            cached = cache[:, root + 1 : root + 1 + c.num_horizontal_heads, :vsd]  # (B, n_h, VSD, k) a view
+        if root + n_h < n:
+            cached = cache[:, root + 1 : root + 1 + n_h, :vsd]  # (B, n_h, VSD, k) a view
         else:
-            cached = cache[:, (root + state.depth_offsets).clamp_max(n - 1), :vsd]
+            cached = cache[:, (root + state.depth_offsets[:n_h]).clamp_max(n - 1), :vsd]
         pool = torch.cat([horizontal[:, :, None], cached], 2).transpose(2, 3).reshape(b, -1, self.pool_size)  # (B, n_h, S)
         same = pool[..., :, None] == pool[..., None, :]  # (B, n_h, S, S)
         pool = pool.masked_fill((same & state.earlier_slot).any(-1) | (pool < 0), -1)  # duplicates and empty slots offer nothing
