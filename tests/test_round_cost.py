@@ -189,3 +189,43 @@ def test_compiled_forward_keeps_the_exact_decoders_exact():
     assert pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent").tokens.equal(ref)
     pipe.disable_compile()
     assert not pipe.is_compiled
+
+
+class _UncappedEagle(EagleDecoder):
+    """EAGLE-2 that grows the whole ``depth`` x ``top_k`` tree whatever it keeps (the behaviour before the cap)."""
+
+    def _grown_shape(self, depth, k):
+        return depth, k
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sample"])
+def test_eagle_tree_grown_only_to_the_kept_size_drafts_the_same_codes(temperature):
+    """Growing the tree no deeper and no wider than the nodes it keeps changes no draft, only the drafter's work."""
+    kwargs = dict(depth=5, top_k=6, num_draft_tokens=3)
+    outs = []
+    for cls in (EagleDecoder, _UncappedEagle):
+        pipe = dummy_pipeline("llamagen", cls(**kwargs), "random", grid=(4, 5), num_codes=16)
+        fed = []
+        forward = pipe.draft_heads.forward
+        pipe.draft_heads.forward = lambda features, *a, **k: fed.append(features.shape[1]) or forward(features, *a, **k)
+        outs.append((pipe(["a red fox", "x"], temperature=temperature, generator=[torch.Generator().manual_seed(s) for s in (0, 1)],
+                          output_type="latent"), fed))
+    (capped, capped_fed), (full, full_fed) = outs
+    assert torch.equal(capped.tokens, full.tokens)
+    assert capped.stats.num_forward_passes == full.stats.num_forward_passes
+    assert capped.stats.num_draft_passes < full.stats.num_draft_passes
+    assert max(capped_fed[1:]) <= 3 < max(full_fed[1:])  # expansions feed at most num_draft_tokens nodes
+
+
+@pytest.mark.parametrize("decoder", [MedusaDecoder(num_heads=4, top_k=2, num_draft_tokens=2),
+                                     HawkDecoder(num_horizontal_heads=4, top_k=1, num_draft_tokens=2)], ids=["medusa", "hawk"])
+def test_tree_decoders_run_only_the_horizontal_heads_their_tree_drafts_from(decoder):
+    pipe = dummy_pipeline("llamagen", decoder, "random", grid=(4, 5), num_codes=16)
+    asked = []
+    forward = pipe.draft_heads.forward
+    pipe.draft_heads.forward = lambda hidden, horizontal=None, vertical=None: asked.append(list(horizontal)) or forward(hidden, horizontal, vertical)
+    out = pipe("a red fox", temperature=0.0, output_type="latent")
+    depth = decoder.tree.max_depth
+    assert depth < 4 and asked and all(h == list(range(depth)) for h in asked)
+    reference = dummy_pipeline("llamagen", "ar", grid=(4, 5), num_codes=16)("a red fox", temperature=0.0, output_type="latent")
+    assert torch.equal(out.tokens, reference.tokens)  # still exact

@@ -121,12 +121,8 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         return self.config.depth, self.config.top_k
 
     def propose(self, state: EagleState, draft_heads=None) -> Draft:
-        depth, k = self._tree_shape(state)
+        depth, k = self._grown_shape(*self._tree_shape(state))
         n_keep = self.num_nodes
-        # why: a kept node's ancestors all rank above it (cumulative log-probabilities only fall along a path), so
-        # the n_keep best nodes lie within depth n_keep and, per depth, among the n_keep best: growing the tree
-        # deeper or wider than n_keep drafts nodes that are never kept (same tree, fewer and smaller drafter passes)
-        depth, k = min(depth, n_keep), min(k, n_keep)
         cache = state.drafter_cache
         rows_r = state.features.shape[0]
         b = state.batch_size
@@ -199,6 +195,15 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state.tree_depths.append(torch.where(offered, tree.depths, 0).max(-1).values)
         state.tree_widths.append(k)
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
+
+    def _grown_shape(self, depth: int, k: int):
+        """The ``(depth, top_k)`` a tree of that shape is grown to: at most the kept node count each.
+
+        Why: a kept node's ancestors all rank above it (cumulative log-probabilities only fall along a path), so the
+        ``num_draft_tokens`` best nodes lie within that depth and, per depth, among that many best: growing deeper or
+        wider drafts nodes that are never kept. Same tree, fewer and smaller drafter passes (ties at the cut aside).
+        """
+        return min(depth, self.num_nodes), min(k, self.num_nodes)
 
     def _max_tree_slots(self) -> int:
         """Drafter cache slots one round's expansions take at most."""
@@ -343,7 +348,7 @@ class ADTTreeDecoder(EagleDecoder):
             depth, k = state.last_shape
             # accepted drafts (the bonus excluded) over the depth the tree was grown to (`propose` caps it at the
             # kept node count: deeper nodes are never kept)
-            state.last_alpha = (out.num_accepted - 1) / min(depth, self.num_nodes)
+            state.last_alpha = (out.num_accepted - 1) / self._grown_shape(depth, k)[0]
             for i in range(first, state.num_committed):  # the positions this tree committed remember its shape
                 state.shapes[i] = (depth, k)
         return out
