@@ -192,15 +192,12 @@ def render_cards() -> Dict[str, str]:
     for spec in HEADS:
         folder = spec["path"]()
         config = DraftHeadsMixin.load_config(folder)
-        report, source = None, None
-        if spec["benchmark"] is not None:
-            with open(os.path.join(ROOT, spec["benchmark"]), encoding="utf-8") as f:
-                report = json.load(f)
-            source = spec["benchmark"].replace(os.sep, "/")
+        with open(os.path.join(ROOT, spec["benchmark"]), encoding="utf-8") as f:
+            report = json.load(f)
         card = heads_card(
             config["_class_name"], config, benchmark=report,
             training_command=spec["training_command"], base_model=EMBEDDED_MODEL_HUB_ID,
-            benchmark_source=source, example_prompt="red heart",
+            benchmark_source=spec["benchmark"].replace(os.sep, "/"), example_prompt="red heart",
             notes=_offline_note(spec["function"], spec["decoder"]),
         )
         cards[os.path.relpath(os.path.join(folder, "README.md"), ROOT)] = str(card)

@@ -109,7 +109,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
         vsd, k = self.config.vertical_speculation_depth, self.config.top_k
         state.vertical_cache = torch.full((batch_size, layout.num_tokens, max(vsd, 1), k), -1, dtype=torch.long, device=device)
-        state.depth_offsets = torch.arange(1, self.config.num_horizontal_heads + 1, device=device)
+        state.depth_offsets = torch.arange(1, state.tree.max_depth + 1, device=device)  # the depths the tree drafts
         state.earlier_slot = torch.ones(self.pool_size, self.pool_size, dtype=torch.bool, device=device).tril(-1)
         return state
 
@@ -119,8 +119,8 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         b, n = state.tokens.shape
         width = state.layout.width
         root = state.num_committed - 1  # raster index of the newest committed code
-        n_h = min(c.num_horizontal_heads, state.tree.max_depth)  # horizontal heads the tree drafts from
-        logits_h, logits_v = self._heads_logits(state, draft_heads, n_h)
+        logits_h, logits_v = self._heads_logits(state, draft_heads)
+        n_h = logits_h.shape[1]  # horizontal heads run: as many as the tree is deep (a shape, not a device read)
         horizontal = logits_h.topk(k, dim=-1).indices  # (B, n_h, k) offsets 1..n_h
         cache = state.vertical_cache  # (B, N, VSD, k)
         if vsd:
@@ -134,7 +134,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if root + n_h < n:
             cached = cache[:, root + 1 : root + 1 + n_h, :vsd]  # (B, n_h, VSD, k) a view
         else:
-            cached = cache[:, (root + state.depth_offsets[:n_h]).clamp_max(n - 1), :vsd]
+            cached = cache[:, (root + state.depth_offsets).clamp_max(n - 1), :vsd]
         pool = torch.cat([horizontal[:, :, None], cached], 2).transpose(2, 3).reshape(b, -1, self.pool_size)  # (B, n_h, S)
         same = pool[..., :, None] == pool[..., None, :]  # (B, n_h, S, S)
         pool = pool.masked_fill((same & state.earlier_slot).any(-1) | (pool < 0), -1)  # duplicates and empty slots offer nothing

@@ -98,7 +98,7 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 
     def propose(self, state: TreeState, draft_heads=None) -> Draft:
-        logits_h, _ = self._heads_logits(state, draft_heads, state.tree.max_depth)  # (B, K, V) offsets 1..K, K: tree depth
+        logits_h, _ = self._heads_logits(state, draft_heads)  # (B, K, V) offsets 1..K, K: the tree's depth
         top = logits_h.topk(self._num_ranks, dim=-1).indices  # (B, K, k)
         nodes = top[:, state.node_depth, state.node_rank]  # (B, T - 1) candidate of each node
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))

@@ -281,8 +281,8 @@ class TreeState(DecodingState):
             candidate rank (or slot) of every draft node, built once.
         neighbours (`torch.Tensor` `(V, k)`, *optional*): the codebook neighbour table of a relaxed acceptance rule
             (built once per backbone and cached there).
-        head_indices (`tuple`, *optional*): ``(draft_heads, horizontal, vertical)``: the indices of the heads the
-            decoder runs, looked up on the first round.
+        head_indices (`tuple`, *optional*): ``(horizontal, vertical)``: the indices of the heads the decoder runs,
+            looked up on the first round.
     """
 
     tree: Optional[DraftTree] = None
@@ -294,7 +294,7 @@ class TreeState(DecodingState):
     node_depth: Optional[torch.Tensor] = None
     node_rank: Optional[torch.Tensor] = None
     neighbours: Optional[torch.Tensor] = None
-    head_indices: Optional[Tuple[Any, List[int], List[int]]] = None
+    head_indices: Optional[Tuple[List[int], List[int]]] = None
 
 
 class TreeDecoderMixin:
@@ -369,20 +369,16 @@ class TreeDecoderMixin:
             state.neighbours = backbone.code_neighbours(self.acceptance_rule.num_neighbours)
         return state
 
-    def _heads_logits(self, state: TreeState, draft_heads, num_horizontal: Optional[int] = None):
+    def _heads_logits(self, state: TreeState, draft_heads):
         """Logits of the heads this decoder uses (``required_horizontal_offsets`` / ``required_vertical_offsets``,
-        in that order) from the hidden state that predicted the newest committed code.
-
-        Args:
-            num_horizontal (`int`, *optional*): run only the first this many horizontal heads (a tree no deeper than
-                that drafts nothing from the others: why pay for their weights every round).
-        """
-        if state.head_indices is None or state.head_indices[0] is not draft_heads:  # once per generation, not per round
-            h = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()]
+        in that order) from the hidden state that predicted the newest committed code. Horizontal head ``i`` drafts
+        depth ``i + 1``, so only the first ``tree.max_depth`` run: a shallower ("auto"-sized) tree drafts nothing
+        from the others, and their weights are not read every round."""
+        if state.head_indices is None:  # looked up on the first round, not every round
+            h = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()][: state.tree.max_depth]
             v = [draft_heads.vertical_index(o) for o in self.required_vertical_offsets()]
-            state.head_indices = (draft_heads, h, v)
-        _, h, v = state.head_indices
-        h = h if num_horizontal is None else h[:num_horizontal]
+            state.head_indices = (h, v)
+        h, v = state.head_indices
         feats_h, feats_v = draft_heads(state.backbone.final_norm(state.hidden), h, v)  # (B, Hh, D), (B, Hv, D)
         state.num_draft_passes += 1
         return state.backbone.output_head(feats_h), state.backbone.output_head(feats_v)  # (B, Hh, V), (B, Hv, V)
