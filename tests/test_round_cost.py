@@ -145,6 +145,48 @@ def test_vectorised_walk_matches_the_sequential_walk_in_distribution():
     assert chi2_contingency(table.numpy()).pvalue > 1e-4  # two-sample test of one law
 
 
+def _same_law(fast: torch.Tensor, slow: torch.Tensor) -> float:
+    """Two-sample chi-square p-value of two outcome histograms (bins rare in both pooled into one)."""
+    from scipy.stats import chi2_contingency
+
+    big = (fast + slow) >= 20
+    table = torch.stack([torch.cat([fast[big], fast[~big].sum()[None]]), torch.cat([slow[big], slow[~big].sum()[None]])])
+    table = table[:, table.sum(0) > 0]
+    assert table.shape[1] > 5
+    return chi2_contingency(table.numpy()).pvalue
+
+
+@pytest.mark.parametrize("proposals", [False, True], ids=["point-masses", "with-q"])
+def test_sequential_walk_takes_a_chain_tail_in_one_step_with_the_same_law(proposals):
+    """An SJD-PAC window (two candidates on the first two positions, then a chain after the first ones): walking the
+    chain below its head in one vectorised step gives the same joint law of (accepted path, bonus) as walking it
+    level by level (two-sample chi-square, fails at p < 1e-4)."""
+    import dataclasses
+
+    from spatial_pipelines.decoders.decoding_jacobi import proactive_tree
+
+    v = 4
+    tree = proactive_tree(4, 2, 2)  # 2 + 4 candidate nodes, then positions 3-4 below (0, 0): a chain from depth 2
+    assert tree.chain_from == 2 and tree.chain_index.tolist() == [3, 7, 8]
+    walked = dataclasses.replace(tree, chain_from=tree.max_depth)  # the same tree, walked level by level
+    g = torch.Generator().manual_seed(3)
+    probs = torch.randn(tree.num_nodes, v, generator=g).mul(1.5).softmax(-1).expand(N, -1, -1).clone()
+    codes = torch.tensor([0, 1, 2, 1, 0, 3, 2, 1, 1])  # siblings distinct
+    tokens = codes.expand(N, -1).clone()
+    q = None
+    if proposals:  # each node's code is likely under its own proposal, as when it was drawn from it
+        q = 0.5 * torch.nn.functional.one_hot(codes, v) + 0.5 * torch.randn(tree.num_nodes, v, generator=g).softmax(-1)
+        q = q.expand(N, -1, -1).clone()
+
+    def outcomes(t, seed):
+        acc = verify_tree_sequential(t, tokens, probs, RandomSource(torch.Generator().manual_seed(seed), N, "cpu"), q)
+        return torch.bincount(acc.last_node * v + acc.bonus, minlength=tree.num_nodes * v)
+
+    fast, slow = outcomes(tree, 1), outcomes(walked, 2)
+    assert (fast.view(-1, v).sum(1)[[3, 7, 8]] > 0).all()  # the walk stops at the chain's head and at each node below
+    assert _same_law(fast, slow) > 1e-4
+
+
 def test_round_timer_sections():
     pipe = dummy_pipeline("llamagen", MedusaDecoder(), "random", grid=(4, 5))
     with pipe.profile_rounds() as timer:

@@ -355,11 +355,16 @@ def verify_tree_sequential(
     original ``p``): the step's output is ``p`` with every tried sibling's kept mass moved onto it, at TVD
     ``sum moved <= delta`` from ``p``.
 
+    Where the tree ends in a chain (`DraftTree.chain_from`: an SJD-PAC window, a small head tree), the walk goes
+    level by level only down to the chain's head and takes the chain in one vectorised step (`_verify_chain`):
+    one candidate per level has no sibling residual to carry.
+
     ``random`` draws ``(B, D, K)`` uniforms and ``(B, V)`` exponentials per call.
     """
     b, t, v = probs.shape
     depth, k = tree.max_depth, tree.children.shape[-1]
     batched = tree.parents.dim() == 2  # `RowTrees`
+    levels = depth if batched else tree.chain_from  # walked sibling by sibling; the chain below is vectorised
     rows = torch.arange(b, device=probs.device)
     uniforms = random.uniform(max(depth, 1), k)  # (B, D, K)
     cur = torch.zeros(b, dtype=torch.long, device=probs.device)  # (B,) current node
@@ -368,7 +373,7 @@ def verify_tree_sequential(
     path[:, 0] = 0
     p_left = probs[:, 0]  # (B, V) what the bonus is drawn from
     budget = rule.tvd_budget
-    for d in range(depth):
+    for d in range(levels):
         p = probs[rows, cur]  # (B, V)
         moved = torch.zeros(b, dtype=torch.bool, device=probs.device)
         nxt = cur.clone()
@@ -398,8 +403,18 @@ def verify_tree_sequential(
         cur = torch.where(moved, nxt, cur)
         path[:, d + 1] = torch.where(moved, nxt, torch.full_like(nxt, -1))
         alive &= moved
-    p_left = torch.where(alive[:, None], probs[rows, cur], p_left)  # reached the deepest level
-    bonus = (p_left / random.exponential(v)).argmax(-1)  # exponential race: a draw from p_left
+    p_left = torch.where(alive[:, None], probs[rows, cur], p_left)  # reached the last walked level (a leaf or the chain head)
+    noise = random.exponential(v)  # (B, V) Exp(1)
+    bonus = (p_left / noise).argmax(-1)  # exponential race: a draw from p_left
+    if levels < depth:  # rows at the chain's head go down the chain in one step
+        index = tree.chain_index  # (m + 1,) the head, then one node per depth
+        chain = _verify_chain(tokens[:, index], probs[:, index], uniforms[:, levels:, 0], noise,
+                              None if q is None else q[:, index], rows, rule, neighbours)
+        on = alive & (cur == index[0])  # (B,)
+        below = torch.where(chain.path >= 0, index[chain.path.clamp_min(0)], -1)  # (B, m + 1) tree nodes
+        path[:, levels:] = torch.where(on[:, None], below, path[:, levels:])
+        cur = torch.where(on, index[chain.last_node], cur)
+        bonus = torch.where(on, chain.bonus, bonus)
     num_accepted = (path[:, 1:] >= 0).sum(-1)
     return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=cur)
 

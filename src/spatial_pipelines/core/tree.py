@@ -26,6 +26,11 @@ class DraftTree:
         node_paths (`torch.LongTensor` `(T, D + 1)`): root-to-node indices of every node, padded with ``-1``
             (the accepted path is one row of it: a gather, no walk).
         earlier_siblings (`torch.BoolTensor` `(T, T)`): ``[i, j]`` is True when ``j`` is a sibling tried before ``i``.
+        chain_from (`int`): host int: the depth below which the tree is one chain (one node per depth, each the only
+            child of the one before): ``0`` for a chain, the depth ``P`` of an SJD-PAC window's candidate levels,
+            ``D`` when the deepest level has several nodes. A walk vectorises the chain part.
+        chain_index (`torch.LongTensor` `(D - chain_from + 1,)`): the chain's head (at depth ``chain_from``) and the
+            chain's nodes below it, in depth order.
     """
 
     parents: torch.Tensor
@@ -36,6 +41,8 @@ class DraftTree:
     ranks: torch.Tensor
     node_paths: torch.Tensor
     earlier_siblings: torch.Tensor
+    chain_from: int = 0
+    chain_index: torch.Tensor = None
 
     @property
     def num_nodes(self) -> int:
@@ -51,7 +58,7 @@ class DraftTree:
         return self.children.shape[1]
 
     def to(self, device) -> "DraftTree":
-        return DraftTree(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return DraftTree(*(v.to(device) if isinstance(v, torch.Tensor) else v for v in (getattr(self, f.name) for f in fields(self))))
 
 
 def tree_from_parents(parents: Sequence[int], ranks: Sequence[int] = None) -> DraftTree:
@@ -85,7 +92,15 @@ def tree_from_parents(parents: Sequence[int], ranks: Sequence[int] = None) -> Dr
     same_parent = parents[:, None] == parents[None, :]
     earlier = same_parent & (torch.arange(t)[None, :] < torch.arange(t)[:, None])  # siblings are tried in index order
     ranks = torch.as_tensor(list(ranks), dtype=torch.long) if ranks is not None else torch.full((t,), -1, dtype=torch.long)
-    return DraftTree(parents, depths, ancestors, children, retrieve, ranks, node_paths, earlier)
+    by_depth = [[] for _ in range(depth + 1)]
+    for i, d in enumerate(depths.tolist()):
+        by_depth[d].append(i)
+    chain_from = depth
+    while chain_from >= 1 and len(by_depth[chain_from]) == 1:  # one node per depth below: a chain (each the only child)
+        chain_from -= 1
+    head = int(parents[by_depth[chain_from + 1][0]]) if chain_from < depth else by_depth[depth][0]
+    chain_index = torch.tensor([head] + [by_depth[d][0] for d in range(chain_from + 1, depth + 1)], dtype=torch.long)
+    return DraftTree(parents, depths, ancestors, children, retrieve, ranks, node_paths, earlier, chain_from, chain_index)
 
 
 def tree_from_paths(paths: Sequence[Tuple[int, ...]]) -> DraftTree:

@@ -381,7 +381,9 @@ class TreeDecoderMixin:
         h, v = state.head_indices
         feats_h, feats_v = draft_heads(state.backbone.final_norm(state.hidden), h, v)  # (B, Hh, D), (B, Hv, D)
         state.num_draft_passes += 1
-        return state.backbone.output_head(feats_h), state.backbone.output_head(feats_v)  # (B, Hh, V), (B, Hv, V)
+        feats = torch.cat([feats_h, feats_v], 1) if v else feats_h  # one output-head pass for both kinds (per-op cost)
+        logits = state.backbone.output_head(feats)  # (B, Hh + Hv, V)
+        return logits[:, : len(h)], logits[:, len(h) :]  # (B, Hh, V), (B, Hv, V)
 
     def _tree_draft(self, state: TreeState, node_tokens: torch.Tensor) -> Draft:
         """Feed ``node_tokens`` ``(B, T)`` (root first; ``-1`` for slots a row does not offer) at their positions
@@ -415,7 +417,13 @@ class TreeDecoderMixin:
                           rule=self.acceptance_rule, neighbours=state.neighbours)
         # rows advance together: commit the shortest row's accepted run plus its bonus (a prefix of every
         # row's exact sample is exact), and never past the end of the grid
-        shortest = int(acc.num_accepted.min())  # the one host read per round
+        chain = state.tree.max_children == 1
+        if chain:
+            shortest, prefix = int(acc.num_accepted.min()), True  # the one host read per round
+        else:  # is every row's path nodes 0, 1, 2, ...? Then the KV cache is cropped, not compacted (no copy)
+            nodes = torch.arange(acc.path.shape[1], device=acc.path.device)
+            prefix_path = ((acc.path == nodes) | (acc.path < 0)).all()
+            shortest, prefix = torch.stack([acc.num_accepted.min(), prefix_path.long()]).tolist()  # the one host read
         n = min(shortest + 1, state.num_remaining)
         path = acc.path[:, :n]  # (B, n) root + the n - 1 accepted nodes whose KV stays
         drafted = tokens.gather(1, path)  # (B, n): column j is the code of accepted node j (all offered: >= 0)
@@ -427,6 +435,6 @@ class TreeDecoderMixin:
         state.hidden = hidden_states[state.rows, path[:, -1]]  # the node that predicted the newest code
         state.accepted_path = path
         state.commit(codes, acc.bonus.new_full(acc.bonus.shape, n))
-        if state.tree.max_children == 1:  # a chain: the accepted path is its first n slots, a crop (no copy)
+        if prefix:  # a chain, or a tree path through its first n slots: a crop (no copy)
             return StepOutput(num_accepted=n, keep_length=n)
         return StepOutput(num_accepted=n, keep_indices=path)

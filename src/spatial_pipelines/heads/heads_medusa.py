@@ -76,22 +76,24 @@ class SpatialDraftHeads(DraftHeadsMixin):
         if self.training or self.config.num_layers != 1 or not heads:
             empty = hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[-1])  # (B, 0, D)
             out = torch.stack([h(hidden_states) for h in heads], 1) if heads else empty  # (B, K, D)
-        else:  # inference: every head's ResBlock in one batched matmul (one op instead of three per head)
-            weight, bias = self._stacked(tuple(horizontal), tuple(vertical), heads)  # (K, D, D), (K, D)
-            x = hidden_states[:, None]  # (B, 1, D)
-            out = x + torch.nn.functional.silu(torch.einsum("bd,ked->bke", hidden_states, weight) + bias)
+        else:  # inference: every head's ResBlock in one matmul over the stacked weights (one op instead of three per head)
+            weight, bias = self._stacked(tuple(horizontal), tuple(vertical), heads)  # (K * D, D), (K * D,)
+            b, d = hidden_states.shape
+            mixed = torch.nn.functional.linear(hidden_states, weight, bias).view(b, len(heads), d)  # (B, K, D)
+            out = hidden_states[:, None] + torch.nn.functional.silu(mixed)
         n = len(horizontal)
         return out[:, :n], out[:, n:]
 
     def _stacked(self, horizontal, vertical, heads):
-        """The heads' ResBlock weights stacked ``(K, D_out, D_in)`` and biases ``(K, D)``, rebuilt only when a weight
-        changed (its version counter moved) or other heads are asked for."""
+        """The heads' ResBlock weights stacked ``(K * D_out, D_in)`` and biases ``(K * D,)`` (one plain linear: faster
+        than a batched einsum for a few rows), rebuilt only when a weight changed (its version counter moved) or other
+        heads are asked for."""
         linears = [h[0].linear for h in heads]
         key = (horizontal, vertical, tuple((id(l.weight), l.weight._version, l.bias._version) for l in linears))
         cached = self.__dict__.get("_stacked_cache")
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                cached = (key, torch.stack([l.weight for l in linears]), torch.stack([l.bias for l in linears]))
+                cached = (key, torch.cat([l.weight for l in linears]), torch.cat([l.bias for l in linears]))
             self.__dict__["_stacked_cache"] = cached
         return cached[1], cached[2]
 
