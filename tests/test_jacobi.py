@@ -71,14 +71,14 @@ def test_heads_init_refuses_missing_or_wrong_heads():
 
 @pytest.mark.parametrize(
     "options,low,high",
-    [({"coupling": "gumbel"}, 0.95, 1.0), ({"continuation": True}, 0.95, 1.0), ({"coupling": "gumbel", "continuation": True}, 0.95, 1.0),
-     ({}, 0.0, 0.1)],
+    [({"coupling": "gumbel"}, 0.95, 1.0), ({"coupling": "none", "continuation": True}, 0.95, 1.0),
+     ({"coupling": "gumbel", "continuation": True}, 0.95, 1.0), ({"coupling": "none"}, 0.0, 0.1)],
     ids=["gumbel", "continuation", "both", "none"],
 )
 def test_coupling_keeps_drafts_whose_distribution_did_not_move(options, low, high):
     """A redraw from an unchanged distribution keeps its code under either coupling; with fresh randomness it
     changes most of the time on a flat distribution of 64 codes."""
-    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, **options), None, grid=(2, 2), num_codes=64)
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="random", **options), None, grid=(2, 2), num_codes=64)
     decoder = pipe.decoder
     state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), 64, "cpu"), 64, 1,
                                torch.device("cpu"), pipe.backbone)
@@ -121,7 +121,8 @@ def test_proactive_verification_needs_the_without_replacement_proposal(monkeypat
         return state
 
     monkeypatch.setattr(decoding_jacobi.JacobiDecoder, "init_state", wrong)
-    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, proactive_width=3, proactive_depth=3), None, grid=(2, 2), num_codes=4)
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", proactive_width=3, proactive_depth=3), None,
+                           grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=20000, generator=gen(1), output_type="latent")

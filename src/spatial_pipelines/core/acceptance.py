@@ -243,7 +243,7 @@ def verify_tree(
         rule (`AcceptanceRule`): how much of ``p`` a candidate claims (`resolve_acceptance`).
         neighbours (`torch.Tensor` `(V, k)`, *optional*): `codebook_neighbours`, for rules that read them.
     """
-    if (q is not None or rule is not EXACT) and tree.max_children > 1:
+    if (q is not None or rule is not EXACT) and (tree.max_children > 1 or tree.parents.dim() == 2):
         return verify_tree_sequential(tree, tokens, probs, random, q, rule, neighbours)
     b, t, v = probs.shape
     if t == 1:  # nothing drafted: the bonus is a plain draw from the root's p
@@ -257,31 +257,33 @@ def verify_tree(
     batched = tree.parents.dim() == 2  # `RowTrees`: one tree per row; the tables gain a leading batch dimension
     if tree.max_children == 1 and not batched:
         return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours)
-    parents = tree.parents[..., 1:].clamp_min(0)  # (T-1,) or (B, T-1); padding (-1) reads the root, never used
     x = tokens[:, 1:]  # (B, T-1) candidate of every node
-    siblings = tree.earlier_siblings[..., 1:, 1:]  # (T-1, T-1) or (B, T-1, T-1)
     valid = x >= 0
-    if batched:
-        valid = valid & tree.valid[:, 1:]  # padding offers nothing
-    if not distinct_siblings:
-        # a candidate that repeats an earlier sibling's code is offered nothing: after that sibling's rejection p(x) = 0
-        valid = valid & ~((x[:, :, None] == x[:, None, :]) & siblings & (x[:, None, :] >= 0)).any(-1)  # (B, T-1)
-    xs = x.clamp_min(0)
-    # p(x) under the parent's distribution, read straight from the flat (B, T*V) view: no (B, T-1, V) copy
-    px = probs.reshape(b, t * v).gather(1, parents * v + xs) * valid  # (B, T-1)
-    if q is None:
-        # point masses: after rejecting earlier siblings s, p is renormalised over 1 - sum p(s)
-        left = 1.0 - (px[:, None, :] * siblings).sum(-1)  # (B, T-1) mass not taken by earlier siblings
-        accept = valid & (u * left < px)  # u < p(x) / left, without dividing
+    if not batched:  # one shared tree (point masses: q is None here): sums over siblings and ancestors as matmuls
+        tables = _walk_tables(tree, v)
+        if not distinct_siblings:  # a repeat of an earlier sibling's code is offered nothing (its p(x) is 0 by then)
+            valid = valid & ~((x[:, :, None] == x[:, None, :]) & tables.siblings & (x[:, None, :] >= 0)).any(-1)
+        px = probs.reshape(b, t * v).gather(1, tables.offsets + x.clamp_min(0)) * valid  # (B, T-1) p(x) after the parent
+        # after rejecting earlier siblings s, p is renormalised over 1 - sum p(s): accept when u < p(x) / left
+        accept = valid & (u * (1.0 - px @ tables.siblings_t) < px)  # (B, T-1)
+        # a node is taken when it is the first accepted sibling and every ancestor was taken too
+        first = accept & (accept.float() @ tables.siblings_t == 0)
+        taken = (~first).float() @ tables.ancestors_t == 0  # (B, T-1)
+        depth = torch.where(taken, tables.depths, 0)  # (B, T-1)
     else:
-        # a chain: one candidate per node, accepted with min(1, p/q)
-        qx = q[:, 1:].gather(-1, xs[..., None]).squeeze(-1)  # (B, T-1)
-        accept = valid & (u * qx < px)
-    # a node is taken when it is the first accepted sibling and every ancestor was taken too
-    first = accept & ~((accept[:, None, :] & siblings).any(-1))  # (B, T-1)
-    above = tree.attention_mask[..., 1:, 1:]  # (T-1, T-1) or (B, T-1, T-1): ancestors-or-self below the root
-    taken = ~((above & ~first[:, None, :]).any(-1))  # (B, T-1)
-    depth = torch.where(taken, tree.depths[..., 1:], 0)  # (B, T-1)
+        parents = tree.parents[..., 1:].clamp_min(0)  # (B, T-1); padding (-1) reads the root, never used
+        siblings = tree.earlier_siblings[..., 1:, 1:]  # (B, T-1, T-1)
+        valid = valid & tree.valid[:, 1:]  # padding offers nothing
+        if not distinct_siblings:
+            valid = valid & ~((x[:, :, None] == x[:, None, :]) & siblings & (x[:, None, :] >= 0)).any(-1)  # (B, T-1)
+        # p(x) under the parent's distribution, read straight from the flat (B, T*V) view: no (B, T-1, V) copy
+        px = probs.reshape(b, t * v).gather(1, parents * v + x.clamp_min(0)) * valid  # (B, T-1)
+        left = 1.0 - (px[:, None, :] * siblings).sum(-1)  # (B, T-1) mass not taken by earlier siblings
+        accept = valid & (u * left < px)
+        first = accept & ~((accept[:, None, :] & siblings).any(-1))  # (B, T-1)
+        above = tree.attention_mask[..., 1:, 1:]  # (B, T-1, T-1): ancestors-or-self below the root
+        taken = ~((above & ~first[:, None, :]).any(-1))  # (B, T-1)
+        depth = torch.where(taken, tree.depths[..., 1:], 0)  # (B, T-1)
     num_accepted, deepest = depth.max(-1)  # taken nodes form one path: its deepest node ends it
     last = torch.where(num_accepted > 0, deepest + 1, 0)  # (B,)
     path = tree.node_paths[rows, last] if batched else tree.node_paths[last]  # (B, D + 1)
@@ -290,16 +292,46 @@ def verify_tree(
     kids = tree.children[rows, last] if batched else tree.children[last]  # (B, K) -1 where there is no such child
     node_valid = torch.cat([valid.new_zeros(b, 1), valid], 1)  # (B, T) the root is never a child
     kid_valid = (kids >= 0) & node_valid.gather(1, kids.clamp_min(0))
-    if q is None:
-        kid_codes = torch.where(kid_valid, tokens.gather(1, kids.clamp_min(0)), 0)  # (B, K)
-        removed = torch.zeros_like(p_last).scatter_add_(1, kid_codes, kid_valid.to(p_last.dtype)) > 0  # (B, V)
-        p_left = p_last.masked_fill(removed, 0.0)
-    else:
-        q_kid = q[rows, kids[:, 0].clamp_min(0)]  # (B, V) a chain: at most one child
-        p_left = torch.where(kid_valid[:, :1], (p_last - q_kid).clamp_min(0), p_last)
+    kid_codes = torch.where(kid_valid, tokens.gather(1, kids.clamp_min(0)), 0)  # (B, K)
+    removed = torch.zeros_like(p_last).scatter_add_(1, kid_codes, kid_valid.to(p_last.dtype)) > 0  # (B, V)
+    p_left = p_last.masked_fill(removed, 0.0)
     p_left = torch.where(p_left.sum(-1, keepdim=True) > 0, p_left, p_last)  # nothing left: cannot happen exactly
     bonus = (p_left / noise).argmax(-1)  # exponential race: a draw from p_left (no normalising needed)
     return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=last)
+
+
+@dataclass
+class _WalkTables:
+    """A shared tree's index tables for the vectorised walk, built once per tree and codebook size (not per round).
+
+    Args:
+        offsets (`torch.LongTensor` `(T-1,)`): ``parent * V``: where each node's parent distribution starts in the flat
+            ``(B, T * V)`` view of ``probs``.
+        siblings (`torch.BoolTensor` `(T-1, T-1)`): earlier siblings below the root.
+        siblings_t (`torch.Tensor` `(T-1, T-1)`), ancestors_t (`torch.Tensor` `(T-1, T-1)`): earlier siblings and
+            ancestors-or-self, transposed, as floats: a sum over them is one matmul.
+        depths (`torch.LongTensor` `(T-1,)`): node depths below the root.
+    """
+
+    offsets: torch.Tensor
+    siblings: torch.Tensor
+    siblings_t: torch.Tensor
+    ancestors_t: torch.Tensor
+    depths: torch.Tensor
+
+
+def _walk_tables(tree: DraftTree, v: int) -> _WalkTables:
+    cache = tree.__dict__.setdefault("_walk_tables", {})  # a frozen dataclass still has its __dict__: a plain cache
+    if v not in cache:
+        siblings = tree.earlier_siblings[1:, 1:]
+        cache[v] = _WalkTables(
+            offsets=tree.parents[1:].clamp_min(0) * v,
+            siblings=siblings,
+            siblings_t=siblings.T.float().contiguous(),
+            ancestors_t=tree.attention_mask[1:, 1:].T.float().contiguous(),
+            depths=tree.depths[1:],
+        )
+    return cache[v]
 
 
 def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None) -> TreeAcceptance:
