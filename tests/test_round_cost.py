@@ -91,6 +91,28 @@ def test_auto_size_follows_the_pass_cost(decoder_cls, size_arg):
     assert fixed.tree.num_nodes == 4 and not fixed.sizes_from_pass_cost
 
 
+@pytest.mark.parametrize("decoder_cls", [EagleDecoder, ADTTreeDecoder])
+def test_auto_tree_size_weighs_the_drafter_passes(decoder_cls):
+    """EAGLE-2 drafts with one drafter pass per depth: with a flat target cost the largest tree pays when drafting is
+    free, and a single node (one drafter pass) when a drafter pass costs as much as a target pass."""
+    free = decoder_cls(depth=4, top_k=3)
+    free.resolve_draft_size(lambda t: 1.0, lambda t: 0.0)
+    assert free.tree.num_nodes == free._full_tree.num_nodes
+    dear = decoder_cls(depth=4, top_k=3)
+    dear.resolve_draft_size(lambda t: 1.0, lambda t: 1.0)
+    assert dear.tree.num_nodes == 2
+    assert dear._drafting_seconds(dear._sized_tree(5)[0], lambda t: 1.0) == 1 + 3  # a catch-up pass, then 3 expansions
+    assert dear._drafting_seconds(dear._sized_tree(5)[0], None) == 0.0
+
+
+def test_pipeline_measures_the_drafter_pass_for_eagle_auto_sizes():
+    pipe = dummy_pipeline("llamagen", EagleDecoder(depth=3, top_k=2), "random", grid=(4, 5))
+    pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
+    pass_cost, drafter = pipe.decoder._resolved_for
+    assert drafter is pipe.draft_pass_cost(2) and drafter.seconds and all(s > 0 for s in drafter.seconds.values())
+    assert MedusaDecoder.uses_drafter_passes is False
+
+
 def test_auto_size_is_resolved_once_per_pipeline_and_serves_the_invariants():
     pipe = dummy_pipeline("llamagen", JacobiDecoder(), None, grid=(4, 5))
     assert pipe.decoder.sizes_from_pass_cost

@@ -69,6 +69,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     state_class = EagleState
     distinct_siblings = True  # top-k children are distinct
     uses_all_rows = True  # the drafter reads the unconditional rows' features too
+    uses_drafter_passes = True  # a deeper tree costs one more drafter pass: "auto" weighs it
 
     @register_to_config
     def __init__(
@@ -196,14 +197,23 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state.tree_widths.append(k)
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 
-    def _grown_shape(self, depth: int, k: int):
+    def _grown_shape(self, depth: int, k: int, num_nodes: Optional[int] = None):
         """The ``(depth, top_k)`` a tree of that shape is grown to: at most the kept node count each.
 
         Why: a kept node's ancestors all rank above it (cumulative log-probabilities only fall along a path), so the
         ``num_draft_tokens`` best nodes lie within that depth and, per depth, among that many best: growing deeper or
         wider drafts nodes that are never kept. Same tree, fewer and smaller drafter passes (ties at the cut aside).
         """
-        return min(depth, self.num_nodes), min(k, self.num_nodes)
+        n = self.num_nodes if num_nodes is None else num_nodes
+        return min(depth, n), min(k, n)
+
+    def _drafting_seconds(self, tree, draft_pass_cost) -> float:
+        """A round's drafter passes for a kept tree of ``tree``'s size: one over the codes the last pass committed
+        (about two), then one expansion of ``top_k`` nodes per depth below the first (`_grown_shape`)."""
+        if draft_pass_cost is None:
+            return 0.0
+        depth, k = self._grown_shape(self.config.depth, self.config.top_k, num_nodes=tree.num_nodes - 1)
+        return draft_pass_cost(2) + (depth - 1) * draft_pass_cost(k)
 
     def _max_tree_slots(self) -> int:
         """Drafter cache slots one round's expansions take at most."""

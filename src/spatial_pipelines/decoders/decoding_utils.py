@@ -206,8 +206,11 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         """Whether a draft size is ``"auto"``: the pipeline then calls `resolve_draft_size` before decoding."""
         return False
 
-    def resolve_draft_size(self, pass_cost: Callable[[int], float]) -> None:
-        """Fix ``"auto"`` sizes from ``pass_cost(T)``, the measured seconds of a target pass over ``T`` fed tokens."""
+    uses_drafter_passes: bool = False  # drafts with passes of a drafter model (EAGLE-2): "auto" sizes weigh their cost
+
+    def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None) -> None:
+        """Fix ``"auto"`` sizes from ``pass_cost(T)``, the measured seconds of a target pass over ``T`` fed tokens, and
+        (decoders that ``uses_drafter_passes``) ``draft_pass_cost(T)``, those of a drafter pass over ``T`` nodes."""
 
     def check_compatibility(self, layout: ImageTokenLayout, draft_heads=None) -> None:
         """Raise `ValueError` if this decoder cannot serve ``layout`` with ``draft_heads``."""
@@ -336,15 +339,22 @@ class TreeDecoderMixin:
     def sizes_from_pass_cost(self) -> bool:
         return self._size == AUTO
 
-    def resolve_draft_size(self, pass_cost: Callable[[int], float]) -> None:
-        if self._size != AUTO or self._resolved_for is pass_cost:  # once per pipeline cost model
-            return
+    def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None) -> None:
+        resolved = self._resolved_for
+        if self._size != AUTO or (resolved is not None and resolved[0] is pass_cost and resolved[1] is draft_pass_cost):
+            return  # once per pipeline cost model
         candidates = [self._sized_tree(n) for n in self._draft_sizes()]  # (tree, expected accepted drafts)
         if hasattr(pass_cost, "measure"):  # a PassCost: measure every size interleaved, in one go
             pass_cost.measure(sorted({tree.num_nodes for tree, _ in candidates}))
-        rates = [(tree, (1.0 + accepted) / pass_cost(tree.num_nodes)) for tree, accepted in candidates]  # codes per second
+        rates = [(tree, (1.0 + accepted) / (pass_cost(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost)))
+                 for tree, accepted in candidates]  # codes per second
         self.tree = max(rates, key=lambda tr: tr[1])[0]  # ties: the smaller draft (max keeps the first)
-        self._resolved_for = pass_cost
+        self._resolved_for = (pass_cost, draft_pass_cost)
+
+    def _drafting_seconds(self, tree: DraftTree, draft_pass_cost: Optional[Callable[[int], float]]) -> float:
+        """Seconds of drafter passes a round with ``tree`` adds to the target pass (none here: head passes are a few
+        small matmuls; decoders that ``uses_drafter_passes`` override this)."""
+        return 0.0
 
     def _draft_sizes(self) -> List[int]:
         """The sizes ``"auto"`` weighs (arguments of `_sized_tree`)."""

@@ -5,7 +5,7 @@ from .pipeline_emu3 import Emu3Backbone, Emu3Pipeline
 from .pipeline_janus import JanusProBackbone, JanusProPipeline
 from .pipeline_llamagen import LlamaGenBackbone, LlamaGenPipeline
 from .pipeline_lumina_mgpt import LuminaMGPTBackbone, LuminaMGPTPipeline
-from .pass_cost import PassCost
+from .pass_cost import DraftPassCost, PassCost
 from .pipeline_utils import DecodingStats, PromptEmbeddings, SpatialARPipeline, SpatialBackbone, SpatialPipelineOutput
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "ChameleonARPipeline",
     "ChameleonBackbone",
     "DecodingStats",
+    "DraftPassCost",
     "Emu3Backbone",
     "Emu3Pipeline",
     "JanusProBackbone",

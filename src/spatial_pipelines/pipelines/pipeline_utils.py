@@ -21,7 +21,7 @@ from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from .pass_cost import PassCost
+from .pass_cost import DraftPassCost, PassCost
 from ..utils import NULL_TIMER, RoundTimer, atomic_directory, check_number, check_weights_folder
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
@@ -529,7 +529,9 @@ class SpatialARPipeline(DiffusionPipeline):
 
         # 3. Prepare the decoding state, the random numbers and the KV cache ("auto" draft sizes: from c(T))
         if self.decoder.sizes_from_pass_cost:  # measured at up to 4 images (a big batch would take long to time)
-            self.decoder.resolve_draft_size(self.pass_cost(min(prefix.embeds.shape[0], 4 * (2 if sampling.do_cfg else 1))))
+            rows = min(prefix.embeds.shape[0], 4 * (2 if sampling.do_cfg else 1))
+            drafter = self.draft_pass_cost(rows) if self.decoder.uses_drafter_passes else None
+            self.decoder.resolve_draft_size(self.pass_cost(rows), drafter)
         state = self.decoder.init_state(
             layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device, backbone
         )
@@ -711,6 +713,18 @@ class SpatialARPipeline(DiffusionPipeline):
         costs = self.__dict__.setdefault("_pass_costs", {})
         if key not in costs:
             costs[key] = PassCost(self.backbone, rows)
+        return costs[key]
+
+    def draft_pass_cost(self, rows: int) -> Optional[DraftPassCost]:
+        """The measured cost of a drafter pass of the loaded `EagleDraftHead` with ``rows`` rows (``None`` without one),
+        kept per pipeline and heads: what EAGLE-2's ``"auto"`` tree size weighs against the target pass cost."""
+        heads = self.draft_heads
+        if heads is None or not hasattr(heads, "make_cache"):
+            return None
+        key = (rows, str(self._execution_device), str(next(heads.parameters()).dtype))
+        costs = self.__dict__.setdefault("_draft_pass_costs", {})
+        if key not in costs or costs[key].draft_heads is not heads:
+            costs[key] = DraftPassCost(heads, self.backbone, rows)
         return costs[key]
 
     @contextlib.contextmanager
