@@ -259,31 +259,20 @@ def verify_tree(
         return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours)
     x = tokens[:, 1:]  # (B, T-1) candidate of every node
     valid = x >= 0
-    if not batched:  # one shared tree (point masses: q is None here): sums over siblings and ancestors as matmuls
-        tables = _walk_tables(tree, v)
-        if not distinct_siblings:  # a repeat of an earlier sibling's code is offered nothing (its p(x) is 0 by then)
-            valid = valid & ~((x[:, :, None] == x[:, None, :]) & tables.siblings & (x[:, None, :] >= 0)).any(-1)
-        px = probs.reshape(b, t * v).gather(1, tables.offsets + x.clamp_min(0)) * valid  # (B, T-1) p(x) after the parent
-        # after rejecting earlier siblings s, p is renormalised over 1 - sum p(s): accept when u < p(x) / left
-        accept = valid & (u * (1.0 - px @ tables.siblings_t) < px)  # (B, T-1)
-        # a node is taken when it is the first accepted sibling and every ancestor was taken too
-        first = accept & (accept.float() @ tables.siblings_t == 0)
-        taken = (~first).float() @ tables.ancestors_t == 0  # (B, T-1)
-        depth = torch.where(taken, tables.depths, 0)  # (B, T-1)
-    else:
-        parents = tree.parents[..., 1:].clamp_min(0)  # (B, T-1); padding (-1) reads the root, never used
-        siblings = tree.earlier_siblings[..., 1:, 1:]  # (B, T-1, T-1)
+    # point masses (q is None here): sums over earlier siblings and over ancestors are matmuls with the tree's tables
+    tables = _walk_tables(tree, v)
+    if batched:
         valid = valid & tree.valid[:, 1:]  # padding offers nothing
-        if not distinct_siblings:
-            valid = valid & ~((x[:, :, None] == x[:, None, :]) & siblings & (x[:, None, :] >= 0)).any(-1)  # (B, T-1)
-        # p(x) under the parent's distribution, read straight from the flat (B, T*V) view: no (B, T-1, V) copy
-        px = probs.reshape(b, t * v).gather(1, parents * v + x.clamp_min(0)) * valid  # (B, T-1)
-        left = 1.0 - (px[:, None, :] * siblings).sum(-1)  # (B, T-1) mass not taken by earlier siblings
-        accept = valid & (u * left < px)
-        first = accept & ~((accept[:, None, :] & siblings).any(-1))  # (B, T-1)
-        above = tree.attention_mask[..., 1:, 1:]  # (B, T-1, T-1): ancestors-or-self below the root
-        taken = ~((above & ~first[:, None, :]).any(-1))  # (B, T-1)
-        depth = torch.where(taken, tree.depths[..., 1:], 0)  # (B, T-1)
+    if not distinct_siblings:  # a repeat of an earlier sibling's code is offered nothing (its p(x) is 0 by then)
+        valid = valid & ~((x[:, :, None] == x[:, None, :]) & tables.siblings & (x[:, None, :] >= 0)).any(-1)
+    # p(x) under the parent's distribution, read straight from the flat (B, T*V) view: no (B, T-1, V) copy
+    px = probs.reshape(b, t * v).gather(1, tables.offsets + x.clamp_min(0)) * valid  # (B, T-1)
+    # after rejecting earlier siblings s, p is renormalised over 1 - sum p(s): accept when u < p(x) / left
+    accept = valid & (u * (1.0 - _summed(px, tables.siblings_t)) < px)  # (B, T-1)
+    # a node is taken when it is the first accepted sibling and every ancestor was taken too
+    first = accept & (_summed(accept.float(), tables.siblings_t) == 0)
+    taken = _summed((~first).float(), tables.ancestors_t) == 0  # (B, T-1)
+    depth = torch.where(taken, tables.depths, 0)  # (B, T-1)
     num_accepted, deepest = depth.max(-1)  # taken nodes form one path: its deepest node ends it
     last = torch.where(num_accepted > 0, deepest + 1, 0)  # (B,)
     path = tree.node_paths[rows, last] if batched else tree.node_paths[last]  # (B, D + 1)
@@ -307,7 +296,8 @@ class _WalkTables:
     Args:
         offsets (`torch.LongTensor` `(T-1,)`): ``parent * V``: where each node's parent distribution starts in the flat
             ``(B, T * V)`` view of ``probs``.
-        siblings (`torch.BoolTensor` `(T-1, T-1)`): earlier siblings below the root.
+        siblings (`torch.BoolTensor` `(T-1, T-1)`): earlier siblings below the root (all tables gain a leading
+            ``(B,)`` for `RowTrees`).
         siblings_t (`torch.Tensor` `(T-1, T-1)`), ancestors_t (`torch.Tensor` `(T-1, T-1)`): earlier siblings and
             ancestors-or-self, transposed, as floats: a sum over them is one matmul.
         depths (`torch.LongTensor` `(T-1,)`): node depths below the root.
@@ -320,18 +310,28 @@ class _WalkTables:
     depths: torch.Tensor
 
 
-def _walk_tables(tree: DraftTree, v: int) -> _WalkTables:
-    cache = tree.__dict__.setdefault("_walk_tables", {})  # a frozen dataclass still has its __dict__: a plain cache
-    if v not in cache:
-        siblings = tree.earlier_siblings[1:, 1:]
-        cache[v] = _WalkTables(
-            offsets=tree.parents[1:].clamp_min(0) * v,
-            siblings=siblings,
-            siblings_t=siblings.T.float().contiguous(),
-            ancestors_t=tree.attention_mask[1:, 1:].T.float().contiguous(),
-            depths=tree.depths[1:],
-        )
-    return cache[v]
+def _walk_tables(tree, v: int) -> _WalkTables:
+    """The tables of a `DraftTree` (built once, kept on the tree) or of `RowTrees` (built every call: they change every
+    round), with a leading batch dimension for the latter."""
+    cache = None if tree.parents.dim() == 2 else tree.__dict__.setdefault("_walk_tables", {})  # a frozen dataclass keeps a __dict__
+    if cache is not None and v in cache:
+        return cache[v]
+    siblings = tree.earlier_siblings[..., 1:, 1:]
+    tables = _WalkTables(
+        offsets=tree.parents[..., 1:].clamp_min(0) * v,  # padding (-1) reads the root, never used
+        siblings=siblings,
+        siblings_t=siblings.transpose(-1, -2).float().contiguous(),
+        ancestors_t=tree.attention_mask[..., 1:, 1:].transpose(-1, -2).float().contiguous(),
+        depths=tree.depths[..., 1:],
+    )
+    if cache is not None:
+        cache[v] = tables
+    return tables
+
+
+def _summed(values: torch.Tensor, table_t: torch.Tensor) -> torch.Tensor:
+    """``out[b, i] = sum_j values[b, j] * table[(b,) i, j]`` for a transposed table ``(T', T')`` or ``(B, T', T')``."""
+    return torch.matmul(values.unsqueeze(-2), table_t).squeeze(-2)
 
 
 def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None) -> TreeAcceptance:

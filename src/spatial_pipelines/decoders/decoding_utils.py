@@ -280,6 +280,7 @@ class TreeState(DecodingState):
         accepted_path (`torch.LongTensor` `(B, n)`): the fed nodes whose outputs predicted the ``n`` codes the last
             round committed (the root first).
         rows (`torch.LongTensor` `(B,)`): row indices, built once.
+        slots (`torch.LongTensor` `(max_draft_tokens,)`): ``0, 1, 2, ...``, built once: a path through the first slots.
         node_depth (`torch.LongTensor` `(T - 1,)`), node_rank (`torch.LongTensor` `(T - 1,)`): the head (or pool) and
             candidate rank (or slot) of every draft node, built once.
         neighbours (`torch.Tensor` `(V, k)`, *optional*): the codebook neighbour table of a relaxed acceptance rule
@@ -294,6 +295,7 @@ class TreeState(DecodingState):
     node_tokens: Optional[torch.Tensor] = None
     accepted_path: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
+    slots: Optional[torch.Tensor] = None
     node_depth: Optional[torch.Tensor] = None
     node_rank: Optional[torch.Tensor] = None
     neighbours: Optional[torch.Tensor] = None
@@ -372,6 +374,7 @@ class TreeDecoderMixin:
         state.tree = self.tree.to(device)  # once per generation, not once per round
         state.host_depths = tuple(self.tree.depths.tolist())  # host copy, read once per generation (EOL placement)
         state.rows = torch.arange(batch_size, device=device)
+        state.slots = torch.arange(self.max_draft_tokens, device=device)  # a path is at most this many nodes long
         state.node_depth, state.node_rank = state.tree.depths[1:] - 1, state.tree.ranks[1:]
         if self.acceptance_rule.num_neighbours:
             if backbone is None:
@@ -431,7 +434,9 @@ class TreeDecoderMixin:
         if chain:
             shortest, prefix = int(acc.num_accepted.min()), True  # the one host read per round
         else:  # is every row's path nodes 0, 1, 2, ...? Then the KV cache is cropped, not compacted (no copy)
-            nodes = torch.arange(acc.path.shape[1], device=acc.path.device)
+            if acc.path.shape[1] > state.slots.shape[0]:  # a tree grown deeper than it keeps nodes (host shapes)
+                state.slots = torch.arange(acc.path.shape[1], device=acc.path.device)
+            nodes = state.slots[: acc.path.shape[1]]  # (D + 1,) 0, 1, 2, ...: a view, built once
             prefix_path = ((acc.path == nodes) | (acc.path < 0)).all()
             shortest, prefix = torch.stack([acc.num_accepted.min(), prefix_path.long()]).tolist()  # the one host read
         n = min(shortest + 1, state.num_remaining)

@@ -72,11 +72,11 @@ class PassCost:
         return self.backbone.pipe._execution_device
 
 
-class DraftPassCost:
+class DraftPassCost(PassCost):
     """Seconds of one drafter pass of an `EagleDraftHead` over ``T`` nodes (``rows`` drafter rows, the backbone's final
     norm and image-code head for logits included) with its cache holding half the image: what each expansion of
     an EAGLE-2 tree costs. ``"auto"`` tree sizes weigh it against the target pass cost (`PassCost`), because a
-    deeper tree costs one more drafter pass.
+    deeper tree costs one more drafter pass. Measured like `PassCost` (interleaved sizes, medians).
 
     Args:
         draft_heads: the `EagleDraftHead`.
@@ -86,42 +86,29 @@ class DraftPassCost:
     """
 
     def __init__(self, draft_heads, backbone, rows: int, repeats: int = 9, warmup: int = 2):
-        self.draft_heads, self.backbone, self.rows, self.repeats, self.warmup = draft_heads, backbone, rows, repeats, warmup
-        self.seconds: Dict[int, float] = {}
-
-    def __call__(self, t: int) -> float:
-        if t not in self.seconds:
-            self.measure([t])
-        return self.seconds[t]
+        super().__init__(backbone, rows, repeats, warmup)
+        self.draft_heads = draft_heads
 
     @torch.no_grad()
-    def measure(self, sizes) -> Dict[int, float]:
-        """Measure several ``T`` at once, interleaved (as `PassCost.measure`); keeps and returns the medians."""
-        todo = [t for t in dict.fromkeys(sizes) if t not in self.seconds]
-        if todo:
-            heads, layout = self.draft_heads, self.backbone.layout
-            weight = next(heads.parameters())
-            filled = max(layout.num_tokens // 2, 1)  # the accepted prefix: half the image
-            cache = heads.make_cache(self.rows, filled + max(todo))
-            width = heads.config.hidden_size
-            heads(torch.zeros(self.rows, filled, width, dtype=weight.dtype, device=weight.device),
-                  torch.zeros(self.rows, filled, width, dtype=weight.dtype, device=weight.device),
-                  torch.arange(filled, device=weight.device), cache=cache)
-            times = {t: [] for t in todo}
-            for i in range(self.warmup + self.repeats):
-                for t in todo:
-                    x = torch.zeros(self.rows, t, width, dtype=weight.dtype, device=weight.device)
-                    position = torch.full((t,), min(filled, layout.num_tokens - 1), device=weight.device)
-                    mask = torch.eye(t, dtype=torch.bool, device=weight.device)
-                    if weight.device.type == "cuda":
-                        torch.cuda.synchronize(weight.device)
-                    start = time.perf_counter()
-                    self.backbone.image_logits(heads(x, x, position, attention_mask=mask, cache=cache))
-                    if weight.device.type == "cuda":
-                        torch.cuda.synchronize(weight.device)
-                    if i >= self.warmup:
-                        times[t].append(time.perf_counter() - start)
-                    cache.crop(filled)
-            for t in todo:
-                self.seconds[t] = sorted(times[t])[len(times[t]) // 2]
-        return {t: self.seconds[t] for t in sizes}
+    def _measure(self, t: int, passes: int) -> float:
+        heads, layout = self.draft_heads, self.backbone.layout
+        weight = next(heads.parameters())
+        device, dtype, width = weight.device, weight.dtype, heads.config.hidden_size
+        filled = max(layout.num_tokens // 2, 1)  # the accepted prefix: half the image
+        if self._cache is None or self._cache.max_length < filled + t:
+            self._cache = heads.make_cache(self.rows, filled + max(t, 64))
+            prefix = torch.zeros(self.rows, filled, width, dtype=dtype, device=device)
+            heads(prefix, prefix, torch.arange(filled, device=device), cache=self._cache)
+        cache = self._cache
+        x = torch.zeros(self.rows, t, width, dtype=dtype, device=device)
+        position = torch.full((t,), min(filled, layout.num_tokens - 1), device=device)
+        mask = torch.eye(t, dtype=torch.bool, device=device)  # tree nodes of one depth see themselves
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(passes):
+            self.backbone.image_logits(heads(x, x, position, attention_mask=mask, cache=cache))
+            cache.crop(filled)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / passes
