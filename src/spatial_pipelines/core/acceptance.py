@@ -331,6 +331,8 @@ def _walk_tables(tree, v: int) -> _WalkTables:
 
 def _summed(values: torch.Tensor, table_t: torch.Tensor) -> torch.Tensor:
     """``out[b, i] = sum_j values[b, j] * table[(b,) i, j]`` for a transposed table ``(T', T')`` or ``(B, T', T')``."""
+    if table_t.dim() == 2:  # a shared tree: one plain matmul (the batched form costs a bmm and two views per call)
+        return values @ table_t
     return torch.matmul(values.unsqueeze(-2), table_t).squeeze(-2)
 
 
