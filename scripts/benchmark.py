@@ -211,6 +211,17 @@ def main(argv=None):
             raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
         setups.append((spec, decoder_cls, decoder, need))
     output_type = "pt" if args.quality or args.picture else "latent"
+    # one untimed image per row first: it resolves "auto" draft sizes (a one-time measurement of the pass cost per
+    # pipeline, charged otherwise to whichever row asks first) and warms each decoder's code paths
+    warmup = {}
+    for spec, decoder_cls, decoder, need in setups:
+        if decoder_cls is not None:
+            pipe.decoder = decoder
+            pipe.set_draft_heads(heads[need][0] if need else None)
+            start = time.perf_counter()
+            pipe(prompts[:1], guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
+                 generator=torch.Generator().manual_seed(args.seed), output_type="latent")
+            warmup[spec] = time.perf_counter() - start
     runs = {spec: [] for spec, *_ in setups}
     for i in range(0, len(prompts), args.batch_size):
         for spec, decoder_cls, decoder, need in setups:
@@ -257,6 +268,7 @@ def main(argv=None):
             "wall_clock_s": cost["seconds"],
             "seconds_per_image": cost["seconds"] / len(prompts),
             "tokens_per_s": cost["tokens"] / cost["seconds"],
+            "warmup_s": warmup[spec],  # the untimed first image, with any one-time "auto" size measurement
         }
         depths = [d for *_, c in parts for d in c.get("tree_depth", [])]
         if depths:
