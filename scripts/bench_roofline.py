@@ -6,6 +6,8 @@ spend their drafts in).
     python scripts/bench_roofline.py --device cuda --dtype bfloat16 --out docs/performance/roofline
     python scripts/bench_roofline.py --presets llamagen-xl --ks 1 4 16 64 --compile --out docs/performance/roofline
     python scripts/bench_roofline.py --presets tiny --device cpu --ks 1 4 --repeats 2 --warmup 1 --out /tmp/roofline
+    python scripts/bench_roofline.py --presets embedded-v2 embedded-15m embedded-27m embedded-40m --device cpu \
+        --ks 1 4 8 12 16 24 32 --repeats 40 --out docs/performance/v2/trunk_sizes
 
 Backbones are built from config only (``LlamaGenTransformer`` sized as LlamaGen GPT-XL, Janus-Pro-7B and
 Lumina-mGPT-7B; normal-init weights, nothing downloaded), directly on ``--device`` in ``--dtype``. Every step
@@ -31,6 +33,8 @@ from spatial_pipelines.models.transformer_llamagen import LlamaGenTransformer
 
 # prompt prefixes: LlamaGen's 120 T5 tokens; Janus-Pro and Lumina-mGPT embed the prompt with the LLM's own text
 # vocabulary, which a step never reads, so a one-class label table stands in and only the prefix length counts
+EMBEDDED = dict(vocab_size=512, grid_height=24, grid_width=24, condition_type="text", caption_dim=384,
+                num_condition_tokens=24, multiple_of=64, zero_prefix_rope=False)
 PRESETS = {
     "llamagen-xl": dict(
         hidden_size=1280, num_layers=36, num_attention_heads=20, vocab_size=16384, grid_height=24, grid_width=24,
@@ -45,6 +49,12 @@ PRESETS = {
         grid_height=48, grid_width=48, end_of_row_token=True, condition_type="class", num_classes=1,
         num_condition_tokens=64,
     ),
+    # the embedded Twemoji model's layout (24x24 patch codes, 512 codes, 24 MiniLM caption tokens) at growing trunk
+    # sizes: does a larger model make a verification window cheaper relative to an AR step on this machine?
+    "embedded-v2": dict(EMBEDDED, hidden_size=256, num_layers=6, num_attention_heads=8),
+    "embedded-15m": dict(EMBEDDED, hidden_size=384, num_layers=8, num_attention_heads=6),
+    "embedded-27m": dict(EMBEDDED, hidden_size=512, num_layers=8, num_attention_heads=8),
+    "embedded-40m": dict(EMBEDDED, hidden_size=512, num_layers=12, num_attention_heads=8),
     "tiny": dict(
         hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=64, grid_height=4, grid_width=4,
         condition_type="text", caption_dim=16, num_condition_tokens=4,
