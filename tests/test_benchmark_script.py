@@ -30,6 +30,7 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     minimal = rows.pop("minimal-ar")  # the independent AR loop: a timing row, no quality columns
     assert minimal["exact"] and minimal["target_forward_passes_per_image"] == 16 and minimal["speedup_vs_ar"] > 0
     assert rows["ar"]["target_forward_passes_per_image"] == 16 and rows["ar"]["speedup_vs_ar"] == 1.0
+    assert all(r["warmup_s"] > 0 for r in rows.values())  # every decoder row generated one untimed image first
     # 4x4 grid, k_h = 5: prefill + one chunk of 2 drafts and the code after them (2 passes); 3 rows x (r + 1)
     assert rows["ssd:vertical_rounds=0"]["target_forward_passes_per_image"] == 1 + 2 + 3 * 1
     assert rows["ssd:vertical_rounds=2,draft=sample"]["target_forward_passes_per_image"] == 1 + 2 + 3 * 3
