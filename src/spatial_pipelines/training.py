@@ -215,6 +215,64 @@ def resume(accelerator: Accelerator, directory: str) -> int:
         return json.load(f)["step"]
 
 
+class WeightEMA:
+    """An exponential moving average of a module's weights (diffusers' `EMAModel`, constant ``decay``), saved beside
+    every checkpoint as ``ema.safetensors`` (names as in ``module.named_parameters()``) so a resumed run continues it.
+
+    A run stopped while its learning rate is still high (the CPU route trains in chunks) samples from noisy weights;
+    the average over the last ``1 / (1 - decay)`` steps is the usual remedy in image generation.
+
+    Args:
+        module (`torch.nn.Module`): the module whose parameters are averaged (the unwrapped model).
+        decay (`float`): in ``[0, 1)``; the average spans about ``1 / (1 - decay)`` steps.
+    """
+
+    def __init__(self, module: torch.nn.Module, decay: float):
+        from diffusers.training_utils import EMAModel
+
+        if not 0 <= decay < 1:
+            raise ValueError(f"`decay` must be in [0, 1), got {decay}.")
+        named = list(module.named_parameters())
+        self.names = [n for n, _ in named]
+        self.parameters = [p for _, p in named]
+        self.average = EMAModel(self.parameters, decay=decay, min_decay=decay)  # min_decay = decay: no ramp
+
+    def step(self) -> None:
+        self.average.step(self.parameters)
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+
+        save_file({n: p.detach().contiguous() for n, p in zip(self.names, self.average.shadow_params)},
+                  os.path.join(path, "ema.safetensors"))
+        with open(os.path.join(path, "ema.json"), "w") as f:
+            json.dump({"decay": self.average.decay, "optimization_step": self.average.optimization_step}, f)
+
+    def load(self, path: str) -> bool:
+        """Continue the average saved in checkpoint ``path``; ``False`` (the average starts from the current
+        weights) when that checkpoint has none."""
+        from safetensors.torch import load_file
+
+        file = os.path.join(path, "ema.safetensors")
+        if not os.path.isfile(file):
+            return False
+        saved = load_file(file)
+        if set(saved) != set(self.names):
+            raise ValueError(f"{file} averages other parameters than this model's.")
+        for name, shadow in zip(self.names, self.average.shadow_params):
+            shadow.copy_(saved[name])
+        with open(os.path.join(path, "ema.json")) as f:
+            self.average.optimization_step = json.load(f)["optimization_step"]
+        return True
+
+    def copy_to(self, module: torch.nn.Module) -> None:
+        """Write the averaged weights into ``module`` (a module with the same parameter names)."""
+        params = dict(module.named_parameters())
+        with torch.no_grad():
+            for name, shadow in zip(self.names, self.average.shadow_params):
+                params[name].copy_(shadow)
+
+
 def fit(
     accelerator: Accelerator,
     *,
@@ -233,10 +291,12 @@ def fit(
     plot_keys: Optional[List[str]] = None,
     clip_grad_norm: Optional[float] = None,
     desc: str = "train",
+    ema: Optional[WeightEMA] = None,
 ) -> int:
     """The training loop the scripts share: ``loss_fn(batch) -> (loss, {name: value})`` under autocast, backward,
-    optional gradient clipping, optimizer and scheduler steps, a progress bar, logging every ``log_every`` steps
-    and a checkpoint + loss-curve plot every ``checkpoint_every`` steps and at the end. Returns the last step."""
+    optional gradient clipping, optimizer and scheduler steps (and the `WeightEMA` ``ema``, if given), a progress
+    bar, logging every ``log_every`` steps and a checkpoint (with the average) + loss-curve plot every
+    ``checkpoint_every`` steps and at the end. Returns the last step."""
     from tqdm.auto import tqdm
 
     step = start_step
@@ -250,14 +310,18 @@ def fit(
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.step()
         step += 1
         bar.update(1)
         if step % log_every == 0 and accelerator.is_main_process:
             log.append(step, loss=loss.item(), lr=scheduler.get_last_lr()[0], **{k: float(v) for k, v in parts.items()})
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if step % checkpoint_every == 0 or step == steps:
-            save_checkpoint(accelerator, out, step)
+            path = save_checkpoint(accelerator, out, step)
             if accelerator.is_main_process:
+                if ema is not None:
+                    ema.save(path)
                 log.plot(title, keys=plot_keys)
     bar.close()
     check_replicas_in_sync(accelerator, model)
