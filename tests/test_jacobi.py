@@ -127,3 +127,46 @@ def test_proactive_verification_needs_the_without_replacement_proposal(monkeypat
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=20000, generator=gen(1), output_type="latent")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
+
+
+def _first_draft_state(decoder, pipe, rows, q, left):
+    """A state whose first window position holds drafts drawn from ``q`` ``(V,)`` after the committed code ``left``."""
+    state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), rows, "cpu"), rows, 1,
+                               torch.device("cpu"), pipe.backbone)
+    state.tokens[:, 0] = left
+    state.num_committed = 1
+    state.q[:, 1] = q
+    state.drafts[:, 0] = torch.multinomial(q, rows, replacement=True, generator=gen(1))
+    return state
+
+
+def test_left_anchor_draft_follows_its_adjusted_proposal():
+    """``anchor="left"`` turns a draft ``x ~ q`` into the committed code ``c`` where ``q(x) <= q(c)``; the drafts then
+    follow ``q'`` (``q`` above ``q(c)``, the rest of the mass on ``c``), the proposal the next verification uses."""
+    decoder = JacobiDecoder(window_size=3, init="random", coupling="none", anchor="left")
+    pipe = dummy_pipeline("llamagen", decoder, None, grid=(2, 2), num_codes=6)
+    q = torch.tensor([0.05, 0.30, 0.10, 0.20, 0.25, 0.10])
+    state = _first_draft_state(decoder, pipe, 40000, q, left=3)
+    decoder._anchor_left(state)
+    expected = torch.tensor([0.0, 0.30, 0.0, 0.45, 0.25, 0.0])  # 0.05 + 0.10 + 0.10 moved onto code 3 (q = 0.20)
+    assert torch.allclose(state.q[:, 1], expected.expand(40000, 6))
+    assert chi_square_pvalue(torch.bincount(state.drafts[:, 0], minlength=6), expected) > 1e-3
+    state = _first_draft_state(decoder, pipe, 8, q, left=1)  # the likeliest code: every draft becomes the copy
+    decoder._anchor_left(state)
+    assert (state.drafts[:, 0] == 1).all() and torch.allclose(state.q[:, 1, 1], torch.ones(8))
+
+
+def test_left_anchor_needs_its_adjusted_proposal(monkeypatch):
+    """The distribution test has power here: anchoring the draft but verifying it against the unchanged ``q`` is
+    caught."""
+    def wrong(state):
+        left, q, x = state.last_token[:, None], state.q[:, 1], state.drafts[:, :1]
+        state.drafts[:, :1] = torch.where(q.gather(-1, x) > q.gather(-1, left), x, left)  # q left as it was
+
+    monkeypatch.setattr(JacobiDecoder, "_anchor_left", staticmethod(wrong))
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", anchor="left"), None,
+                          grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=20000, generator=gen(1), output_type="latent")
+    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4

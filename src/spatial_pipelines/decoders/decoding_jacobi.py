@@ -24,6 +24,7 @@ from .decoding_utils import (
 
 INITS = ("random", "left", "above", "heads")
 COUPLINGS = ("none", "gumbel")
+ANCHORS = ("none", "left")
 HEADS_CLASSES = ("SpatialDraftHeads", "LatentDraftHeads")  # heads `init="heads"` can read a vertical offset 1 from
 MAX_WINDOW = 32  # the largest window "auto" considers
 
@@ -136,6 +137,11 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             drawn without replacement from its ``q`` and verified by recursive rejection sampling (each against ``q``
             less the earlier candidates, the residual carried from sibling to sibling). ``1`` (default): off.
         proactive_depth (`int`): positions with ``K`` candidates (SJD-PAC: 2, with ``K = 3``).
+        anchor (`str`): ``"left"``: the window's first draft after a pass, redrawn from a distribution ``q`` that did
+            not know the code just committed before it, becomes a copy of that code whenever ``q`` rates the draft
+            below the copy; ``q`` becomes the law of that choice (its mass below the copy moved onto the copy), so
+            the draft is still verified exactly. Image codes come in runs, which the stale ``q`` underrates.
+            ``"none"``: the draft is kept.
         Every option above is exact: a redraw follows ``p`` given everything the next verification sees, and
             becomes its own ``q``.
         acceptance (`str`): ``"exact"`` (``min(1, p/q)`` with the residual ``norm(max(p - q, 0))``), or the lossy
@@ -158,6 +164,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         continuation: bool = False,
         proactive_width: int = 1,
         proactive_depth: int = 2,
+        anchor: str = "none",
         acceptance: str = "exact",
         lantern_k: int = 1000,
         lantern_delta: float = 0.1,
@@ -169,6 +176,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             raise ValueError(f"`init` must be one of {INITS}, got {init!r}.")
         if coupling not in COUPLINGS:
             raise ValueError(f"`coupling` must be one of {COUPLINGS}, got {coupling!r}.")
+        if anchor not in ANCHORS:
+            raise ValueError(f"`anchor` must be one of {ANCHORS}, got {anchor!r}.")
         if not isinstance(continuation, bool):
             raise ValueError(f"`continuation` must be True or False, got {continuation!r}.")
         check_int("proactive_width", proactive_width)
@@ -289,6 +298,23 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         q[:, start:] = torch.where(has[..., None], F.one_hot(codes, v).float(), 1.0 / v)
         drafts[:, start:] = codes
 
+    @staticmethod
+    def _anchor_left(state: JacobiState) -> None:
+        """``anchor="left"``: the first draft ``x ~ q`` becomes ``c``, the newest committed code, where
+        ``q(x) <= q(c)``. The result follows ``q'``: ``q`` on the codes ``q`` rates above ``c``, and the rest of the
+        mass on ``c`` (``c`` is known before ``x`` is drawn, so ``q'`` is the draft's law given everything the next
+        verification sees)."""
+        left = state.last_token[:, None]  # (B, 1) the code just committed
+        q = state.q[:, 1]  # (B, V) the first draft's proposal (a view)
+        x = state.drafts[:, :1]  # (B, 1)
+        above = q > q.gather(-1, left)  # (B, V) codes rated above the copy: they stay themselves
+        moved = q.masked_fill(above, 0.0).sum(-1, keepdim=True)  # (B, 1) mass of the rest, onto the copy
+        kept = above.gather(-1, x)  # (B, 1)
+        state.drafts[:, :1] = torch.where(kept, x, left)
+        q.masked_fill_(~above, 0.0).scatter_(-1, left, moved)
+        if state.raced is not None:  # a copy is not the race of the position's noise
+            state.raced[:, :1] &= kept
+
     def _initialise_alternatives(self, state: JacobiState, start: int) -> None:
         """Proactive candidates of the fresh positions from ``start`` that fall among the first ``P``."""
         levels = state.alternatives.shape[1]
@@ -386,8 +412,10 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
                 state.raced[:, :left] = True
             state.drafts[:, :left] = codes
             state.q[:, 1 : left + 1] = redrawn
+            if self.config.anchor == "left":
+                self._anchor_left(state)
             if proactive:
                 m = min(left, state.alternatives.shape[1])
-                state.alternatives[:, :m] = self._draw_alternatives(state, redrawn[:, :m], codes[:, :m])
+                state.alternatives[:, :m] = self._draw_alternatives(state, state.q[:, 1 : m + 1], state.drafts[:, :m])  # after any anchoring
         state.num_fresh = L - left
         return out
