@@ -291,6 +291,7 @@ CONSTRUCTOR_CASES = [  # (factory, what the message names)
     (lambda: MedusaDecoder(acceptance="lantern", lantern_delta=NAN), "`lantern_delta`"),
     (lambda: JacobiDecoder(window_size=2.5), "`window_size`"),
     (lambda: JacobiDecoder(continuation="yes"), "`continuation`"),
+    (lambda: JacobiDecoder(anchor="right"), "`anchor`"),
     (lambda: HawkDecoder(top_k=0), "`top_k`"),
     (lambda: EagleDecoder(depth=0), "`depth`"),
     (lambda: EagleDecoder(top_k=True), "`top_k`"),

@@ -78,7 +78,7 @@ def test_heads_init_refuses_missing_or_wrong_heads():
 def test_coupling_keeps_drafts_whose_distribution_did_not_move(options, low, high):
     """A redraw from an unchanged distribution keeps its code under either coupling; with fresh randomness it
     changes most of the time on a flat distribution of 64 codes."""
-    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="random", **options), None, grid=(2, 2), num_codes=64)
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="random", anchor="none", **options), None, grid=(2, 2), num_codes=64)
     decoder = pipe.decoder
     state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), 64, "cpu"), 64, 1,
                                torch.device("cpu"), pipe.backbone)
@@ -121,7 +121,7 @@ def test_proactive_verification_needs_the_without_replacement_proposal(monkeypat
         return state
 
     monkeypatch.setattr(decoding_jacobi.JacobiDecoder, "init_state", wrong)
-    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", proactive_width=3, proactive_depth=3), None,
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", anchor="none", proactive_width=3, proactive_depth=3), None,
                            grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)

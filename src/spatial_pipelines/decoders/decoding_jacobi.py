@@ -6,7 +6,8 @@ Options that keep it exact: coupled redraws (MC-SJD, arXiv 2510.24211: a redraw 
 distribution barely moved), continued verification (SJD-PAC's adaptive continuation, arXiv 2603.18599: drafts
 after the first rejection are still tested against this pass's ``p`` and kept when they pass) and a spatial first
 draft (``init="heads"``: the code a vertical draft head predicted for this position when the row above was
-committed). A relaxed acceptance rule (LANTERN) makes it lossy.
+committed) and a left anchor (``anchor="left"``: the window's first draft is pulled onto the code just committed,
+with its proposal adjusted to match). A relaxed acceptance rule (LANTERN) makes it lossy.
 """
 
 from dataclasses import dataclass
@@ -123,7 +124,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         coupling (`str`): how drafts not reached are redrawn from this pass's ``p``: ``"gumbel"`` (default: MC-SJD's
             Gumbel coupling: every position keeps one noise draw from entering the window until it is committed, so a
             redraw whose distribution barely moved stays the same code) or ``"none"`` (fresh randomness every time:
-            the SJD paper's). ``JacobiDecoder(init="random", coupling="none")`` is the paper's SJD.
+            the SJD paper's). ``JacobiDecoder(init="random", coupling="none", anchor="none")`` is the paper's SJD.
         continuation (`bool`): SJD-PAC's adaptive continuation: verification goes on after the first rejection;
             every later draft ``x`` is tested against this pass's ``p`` (computed after the rejected draft) and kept
             with probability ``min(1, p(x) / q(x))``, else replaced by a draw from ``norm(max(p - q, 0))``. Nothing
@@ -137,11 +138,11 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             drawn without replacement from its ``q`` and verified by recursive rejection sampling (each against ``q``
             less the earlier candidates, the residual carried from sibling to sibling). ``1`` (default): off.
         proactive_depth (`int`): positions with ``K`` candidates (SJD-PAC: 2, with ``K = 3``).
-        anchor (`str`): ``"left"``: the window's first draft after a pass, redrawn from a distribution ``q`` that did
-            not know the code just committed before it, becomes a copy of that code whenever ``q`` rates the draft
-            below the copy; ``q`` becomes the law of that choice (its mass below the copy moved onto the copy), so
-            the draft is still verified exactly. Image codes come in runs, which the stale ``q`` underrates.
-            ``"none"``: the draft is kept.
+        anchor (`str`): ``"left"`` (default): the window's first draft after a pass, redrawn from a distribution
+            ``q`` that did not know the code just committed before it, becomes a copy of that code whenever ``q``
+            rates the draft below the copy; ``q`` becomes the law of that choice (its mass below the copy moved onto
+            the copy), so the draft is still verified exactly. Image codes come in runs, which the stale ``q``
+            underrates. ``"none"``: the draft is kept (the SJD paper's).
         Every option above is exact: a redraw follows ``p`` given everything the next verification sees, and
             becomes its own ``q``.
         acceptance (`str`): ``"exact"`` (``min(1, p/q)`` with the residual ``norm(max(p - q, 0))``), or the lossy
@@ -165,7 +166,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         continuation: bool = False,
         proactive_width: int = 1,
         proactive_depth: int = 2,
-        anchor: str = "none",
+        anchor: str = "left",
         acceptance: str = "exact",
         lantern_k: int = 1000,
         lantern_delta: float = 0.1,
