@@ -57,6 +57,22 @@ def parse_args(argv=None):
 
 
 @torch.no_grad()
+def acceptance_by_depth(decoder, committed: torch.Tensor):
+    """Where a decoder's codes per pass are lost: ``[P(draft d accepted | drafts before it accepted)]`` for the
+    depths of a static draft (SJD's window, Medusa's and Hawk's trees), from the codes each pass committed
+    (``k`` codes: ``k - 1`` accepted drafts and one bonus or resampled code). ``None`` for AR and for trees whose
+    depth changes per round (EAGLE-2, ADT-Tree)."""
+    tree = getattr(decoder, "tree", None)
+    if tree is None or getattr(decoder, "uses_drafter_passes", False):
+        return None
+    accepted = committed.long() - 1  # (passes,) drafts accepted per pass
+    rates = []
+    for d in range(tree.max_depth):
+        tried = int((accepted >= d).sum())
+        rates.append(int((accepted >= d + 1).sum()) / tried if tried else None)
+    return rates
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -83,7 +99,7 @@ def main(argv=None):
         if need is not None and need not in heads:
             raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
         decoders[spec] = (decoder, heads.get(need))
-    totals = {spec: {"seconds": {}, "rounds": 0, "passes": 0, "wall": 0.0} for spec in decoders}
+    totals = {spec: {"seconds": {}, "rounds": 0, "passes": 0, "wall": 0.0, "accepted": []} for spec in decoders}
     for spec, (decoder, h) in decoders.items():  # warm-up (and "auto" size resolution)
         pipe.decoder = decoder
         pipe.set_draft_heads(h)
@@ -100,6 +116,7 @@ def main(argv=None):
                 totals[spec]["seconds"][k] = totals[spec]["seconds"].get(k, 0.0) + v
             totals[spec]["rounds"] += timer.rounds
             totals[spec]["passes"] += out.stats.num_forward_passes
+            totals[spec]["accepted"].append(out.stats.accepted_lengths[1:, 0])  # codes per pass, prefill excluded
 
     report_rows = {}
     for spec, tot in totals.items():
@@ -116,6 +133,7 @@ def main(argv=None):
             "breakdown_ms": ms,
             "outside_forward_share": 1 - ms["forward"] / (1000 * rnd / tot["rounds"]),
             "seconds_per_image": tot["wall"] / len(prompts),
+            "acceptance_by_depth": acceptance_by_depth(decoder, torch.cat(tot["accepted"])),
         }
     base = report_rows.get("ar")
     for r in report_rows.values():
@@ -147,6 +165,13 @@ def main(argv=None):
                      + " | ".join(f"{b[k]:.2f}" for k in SECTIONS) + f" | {b['other']:.2f} | {100 * r['outside_forward_share']:.0f}% | "
                      f"{r.get('round_cost_vs_ar_step', float('nan')):.2f} | {r.get('predicted_speedup', float('nan')):.2f}x | "
                      f"{r.get('measured_speedup', float('nan')):.2f}x |")
+    depths = {spec: r["acceptance_by_depth"] for spec, r in report_rows.items() if r["acceptance_by_depth"]}
+    if depths:  # where the codes per pass are lost
+        shown = min(8, max(len(v) for v in depths.values()))
+        lines += ["", "| decoder | " + " | ".join(f"draft {d + 1}" for d in range(shown)) + " |", "|" + "---|" * (shown + 1)]
+        for spec, rates in depths.items():
+            cells = [f"{rates[d]:.2f}" if d < len(rates) and rates[d] is not None else "-" for d in range(shown)]
+            lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
     with open(os.path.join(args.out, "cost.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

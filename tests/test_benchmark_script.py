@@ -72,3 +72,8 @@ def test_bench_cost_tables_breakdown_and_plot(tmp_path):
         assert parts["forward"] > 0 and parts["other"] >= -1e-6  # the named sections never exceed the round
         assert 0 <= r["outside_forward_share"] < 1 and r["predicted_speedup"] > 0
     assert (out / "cost.png").stat().st_size > 0 and "c(T) / c(1)" in (out / "cost.md").read_text()
+    # where codes are lost: one acceptance rate per drafted depth (a 3-draft window), none for AR
+    assert rows["ar"]["acceptance_by_depth"] is None
+    rates = rows["sjd:window_size=3"]["acceptance_by_depth"]
+    assert len(rates) == 3 and all(r is None or 0 <= r <= 1 for r in rates)
+    assert "| `sjd:window_size=3` |" in (out / "cost.md").read_text().split("draft 1")[-1]
