@@ -182,7 +182,6 @@ def main(argv=None):
     resolution = pipe.backbone.layout.height * pipe.backbone.vae_scale_factor
     real = TwemojiDataset(args.split, resolution, limit=args.limit)
     prompts = random.Random(args.seed).sample(real.captions, args.num_prompts)
-    pipe(prompts[:1], output_type="latent", generator=torch.Generator().manual_seed(0))  # warm-up
     guidance = args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale
     top_k = args.top_k if args.top_k is not None else pipe.backbone.default_top_k
 
@@ -211,17 +210,19 @@ def main(argv=None):
             raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
         setups.append((spec, decoder_cls, decoder, need))
     output_type = "pt" if args.quality or args.picture else "latent"
-    # one untimed image per row first: it resolves "auto" draft sizes (a one-time measurement of the pass cost per
-    # pipeline, charged otherwise to whichever row asks first) and warms each decoder's code paths
+    # one untimed image per row first (the only warm-up): it resolves "auto" draft sizes (a one-time measurement of the
+    # pass cost per pipeline, charged otherwise to whichever row asks first) and warms each row's code paths
     warmup = {}
     for spec, decoder_cls, decoder, need in setups:
-        if decoder_cls is not None:
+        start = time.perf_counter()
+        if decoder_cls is None:
+            minimal_ar_generate(pipe, prompts[:1], guidance, args.temperature, top_k, [torch.Generator().manual_seed(args.seed)])
+        else:
             pipe.decoder = decoder
             pipe.set_draft_heads(heads[need][0] if need else None)
-            start = time.perf_counter()
             pipe(prompts[:1], guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
                  generator=torch.Generator().manual_seed(args.seed), output_type="latent")
-            warmup[spec] = time.perf_counter() - start
+        warmup[spec] = time.perf_counter() - start
     runs = {spec: [] for spec, *_ in setups}
     for i in range(0, len(prompts), args.batch_size):
         for spec, decoder_cls, decoder, need in setups:
@@ -246,7 +247,7 @@ def main(argv=None):
                 "decoder_class": "minimal gpt-fast-style AR loop (scripts/minimal_ar.py)", "decoder_config": {}, "heads": None,
                 "exact": True, "target_forward_passes_per_image": cost["passes"] / len(prompts), "draft_passes_per_image": 0.0,
                 "mean_accepted_length": 1.0, "wall_clock_s": cost["seconds"], "seconds_per_image": cost["seconds"] / len(prompts),
-                "tokens_per_s": cost["tokens"] / cost["seconds"],
+                "tokens_per_s": cost["tokens"] / cost["seconds"], "warmup_s": warmup[spec],
             }
             print(spec, json.dumps(rows[spec]))
             continue

@@ -28,6 +28,7 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     assert list(rows) == ["ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
                           "medusa:acceptance=lantern,lantern_k=3,lantern_delta=0.2"]
     minimal = rows.pop("minimal-ar")  # the independent AR loop: a timing row, no quality columns
+    assert minimal["warmup_s"] > 0  # warmed up like every other row
     assert minimal["exact"] and minimal["target_forward_passes_per_image"] == 16 and minimal["speedup_vs_ar"] > 0
     assert rows["ar"]["target_forward_passes_per_image"] == 16 and rows["ar"]["speedup_vs_ar"] == 1.0
     assert all(r["warmup_s"] > 0 for r in rows.values())  # every decoder row generated one untimed image first

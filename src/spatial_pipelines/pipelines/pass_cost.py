@@ -58,12 +58,22 @@ class PassCost:
         positions = torch.arange(filled, filled + t, device=device).clamp_max(layout.sequence_length - 1)  # inside RoPE
         mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         ids = torch.zeros(self.rows, t, dtype=torch.long, device=device)
+        length = cache.length
+
+        def one_pass():
+            backbone.image_logits(backbone.forward(backbone.embed_image_tokens(ids), positions, mask, None, cache))
+            cache.crop(length)
+
+        return self._timed(one_pass, passes, device)
+
+    @staticmethod
+    def _timed(one_pass, passes: int, device: torch.device) -> float:
+        """Mean seconds of ``passes`` calls of ``one_pass`` (a pass and the cache crop after it), synchronised on a GPU."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         for _ in range(passes):
-            backbone.image_logits(backbone.forward(backbone.embed_image_tokens(ids), positions, mask, None, cache))
-            cache.crop(cache.length - t)
+            one_pass()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return (time.perf_counter() - start) / passes
@@ -103,12 +113,9 @@ class DraftPassCost(PassCost):
         x = torch.zeros(self.rows, t, width, dtype=dtype, device=device)
         position = torch.full((t,), min(filled, layout.num_tokens - 1), device=device)
         mask = torch.eye(t, dtype=torch.bool, device=device)  # tree nodes of one depth see themselves
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(passes):
+
+        def one_pass():
             self.backbone.image_logits(heads(x, x, position, attention_mask=mask, cache=cache))
             cache.crop(filled)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - start) / passes
+
+        return self._timed(one_pass, passes, device)
