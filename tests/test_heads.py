@@ -105,3 +105,14 @@ def test_failed_heads_save_keeps_previous(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         new.save_pretrained(tmp_path / "heads")
     assert torch.equal(ToyHeads.from_pretrained(tmp_path / "heads").proj.weight, old.proj.weight)
+
+
+@pytest.mark.parametrize("decoder", ["medusa", "hawk", "ssd", "eagle"])
+def test_heads_follow_the_backbone_dtype(decoder):
+    # fp32 heads attached to a bf16 backbone are cast like an adapter (they read its bf16 hidden states)
+    pipe = dummy_pipeline("llamagen", decoder=decoder, draft_heads="random").to(dtype=torch.bfloat16)
+    heads = pipe.draft_heads.to(dtype=torch.float32)
+    pipe.set_draft_heads(heads)
+    assert {p.dtype for p in heads.parameters()} == {torch.bfloat16}
+    out = pipe("a prompt", generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert out.tokens.shape[0] == 1 and bool((out.tokens >= 0).all())

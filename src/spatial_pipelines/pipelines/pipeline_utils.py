@@ -224,6 +224,11 @@ class SpatialBackbone(abc.ABC):
         """The module whose forward `forward` runs (what `SpatialARPipeline.enable_compile` compiles)."""
         raise ValueError(f"{type(self).__name__} does not name its target module; it cannot be compiled.")
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the hidden states `forward` returns: the target module's (draft heads are cast to it)."""
+        return next(self.target_module.parameters()).dtype
+
     @abc.abstractmethod
     def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
         """A KV cache for ``rows`` sequences of up to ``max_length`` positions."""
@@ -276,10 +281,15 @@ class SpatialARPipeline(DiffusionPipeline):
         draft_heads.check_backbone(self.backbone.facts())
 
     def set_draft_heads(self, draft_heads: Optional[DraftHeadsMixin]) -> None:
-        """Attach (or with ``None`` detach) draft heads after checking they fit the backbone."""
+        """Attach (or with ``None`` detach) draft heads after checking they fit the backbone. Like an adapter, the
+        heads move to the backbone's device and dtype (heads trained in fp32 drive a bf16 backbone)."""
         self._check_draft_heads(draft_heads)
         if draft_heads is not None:
             draft_heads.to(self.device)
+            dtype = self.backbone.dtype
+            if any(p.is_floating_point() and p.dtype != dtype for p in draft_heads.parameters()):
+                # nn.Module.to: diffusers' ModelMixin.to warns on every dtype cast, even with no fp32-only modules
+                torch.nn.Module.to(draft_heads, dtype=dtype)
         self.register_modules(draft_heads=draft_heads)
 
     def load_draft_heads(self, pretrained_model_name_or_path: Union[str, os.PathLike], **kwargs) -> DraftHeadsMixin:
