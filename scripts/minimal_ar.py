@@ -41,8 +41,9 @@ def minimal_ar_generate(
         y = F.rms_norm(x, (d,), layer.attention_norm.weight, layer.attention_norm.eps)
         qkv = F.linear(y, a.wqkv.weight)
         q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], -1)
-        q = torch.view_as_real(torch.view_as_complex(q.reshape(rows, -1, h, hd // 2, 2)) * rope[pos][None, :, None]).flatten(3)
-        k = torch.view_as_real(torch.view_as_complex(k.reshape(rows, -1, hkv, hd // 2, 2)) * rope[pos][None, :, None]).flatten(3)
+        # RoPE in fp32 (complex multiply; as the model's own apply_rope), back to the weights' dtype
+        q = torch.view_as_real(torch.view_as_complex(q.float().reshape(rows, -1, h, hd // 2, 2)) * rope[pos][None, :, None]).flatten(3).type_as(v)
+        k = torch.view_as_real(torch.view_as_complex(k.float().reshape(rows, -1, hkv, hd // 2, 2)) * rope[pos][None, :, None]).flatten(3).type_as(v)
         keys[i].index_copy_(2, pos, k.transpose(1, 2))  # fixed-shape cache write
         values[i].index_copy_(2, pos, v.reshape(rows, -1, hkv, hd).transpose(1, 2))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[i], values[i], attn_mask=mask, enable_gqa=h != hkv)
