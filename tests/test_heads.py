@@ -114,5 +114,7 @@ def test_heads_follow_the_backbone_dtype(decoder):
     heads = pipe.draft_heads.to(dtype=torch.float32)
     pipe.set_draft_heads(heads)
     assert {p.dtype for p in heads.parameters()} == {torch.bfloat16}
+    pipe.draft_heads = heads.to(dtype=torch.float32)  # the `pipe.scheduler = ...` habit attaches them alike
+    assert {p.dtype for p in pipe.draft_heads.parameters()} == {torch.bfloat16}
     out = pipe("a prompt", generator=torch.Generator().manual_seed(0), output_type="latent")
     assert out.tokens.shape[0] == 1 and bool((out.tokens >= 0).all())

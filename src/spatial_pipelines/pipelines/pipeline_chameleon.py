@@ -278,7 +278,7 @@ class ChameleonARPipeline(SpatialARPipeline):
             logger.warning(f"Chameleon attention implementation {impl!r} cannot take tree masks; switching to 'sdpa'.")
             transformer.set_attn_implementation("sdpa")
         self.register_modules(transformer=transformer.eval(), processor=processor, vqgan=vqgan.eval(), decoder=decoder)
-        self._check_draft_heads(draft_heads)
+        self._prepare_draft_heads(draft_heads)
         self.register_modules(draft_heads=draft_heads)
 
     @classmethod

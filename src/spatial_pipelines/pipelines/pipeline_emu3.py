@@ -224,7 +224,7 @@ class Emu3Pipeline(SpatialARPipeline):
         if not isinstance(transformer, Emu3ForConditionalGeneration):
             raise ValueError(f"`transformer` must be an Emu3ForConditionalGeneration (text model + VQ model), got {type(transformer).__name__}.")
         self.register_modules(transformer=transformer, processor=processor, decoder=decoder)
-        self._check_draft_heads(draft_heads)
+        self._prepare_draft_heads(draft_heads)
         self.register_modules(draft_heads=draft_heads)
 
     @classmethod

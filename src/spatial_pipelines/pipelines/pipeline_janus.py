@@ -230,7 +230,7 @@ class JanusProPipeline(SpatialARPipeline):
             logger.warning(f"Janus attention implementation {impl!r} cannot take tree masks; switching to 'sdpa'.")
             transformer.set_attn_implementation("sdpa")
         self.register_modules(transformer=transformer.eval(), processor=processor, decoder=decoder)
-        self._check_draft_heads(draft_heads)
+        self._prepare_draft_heads(draft_heads)
         self.register_modules(draft_heads=draft_heads)
 
     @classmethod

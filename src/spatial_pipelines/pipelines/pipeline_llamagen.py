@@ -220,7 +220,7 @@ class LlamaGenPipeline(SpatialARPipeline):
         self.register_modules(
             transformer=transformer, vqvae=vqvae, decoder=decoder, text_encoder=text_encoder, tokenizer=tokenizer
         )
-        self._check_draft_heads(draft_heads)
+        self._prepare_draft_heads(draft_heads)
         self.register_modules(draft_heads=draft_heads)
 
     def _packaged_components(self) -> List[str]:

@@ -261,35 +261,34 @@ class SpatialARPipeline(DiffusionPipeline):
 
     def __setattr__(self, name: str, value: Any):
         """``pipe.decoder = ...`` and ``pipe.draft_heads = ...`` (the ``pipe.scheduler = ...`` habit) get the checks of
-        `set_draft_heads`: a non-decoder, or heads made for another backbone, is a `ValueError`."""
+        `set_draft_heads`: a non-decoder, or heads made for another backbone, is a `ValueError`; heads move to the
+        backbone's device and dtype."""
         if name in self.__dict__ and name == "decoder" and not isinstance(value, SpatialDecoderMixin):
             hint = f"; by name: `DECODERS[{value!r}]()` from `spatial_pipelines.decoders`" if isinstance(value, str) else ""
             raise ValueError(f"`decoder` must be a decoder instance (a SpatialDecoderMixin such as `MedusaDecoder()`), got {value!r}{hint}.")
         if name in self.__dict__ and name == "draft_heads":
-            self._check_draft_heads(value)
+            self._prepare_draft_heads(value)
             if value is not None:  # diffusers keeps (None, None) for a component once set to None: record it again
                 from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
 
                 self.register_to_config(draft_heads=_fetch_class_library_tuple(value))
         super().__setattr__(name, value)
 
-    def _check_draft_heads(self, draft_heads) -> None:
+    def _prepare_draft_heads(self, draft_heads) -> None:
+        """Check ``draft_heads`` fit the backbone, then move them to its device and dtype (``None``: nothing)."""
         if draft_heads is None:
             return
         if not isinstance(draft_heads, DraftHeadsMixin):
             raise ValueError(f"`draft_heads` must be a `DraftHeadsMixin` (e.g. `SpatialDraftHeads`), got {type(draft_heads).__name__}.")
         draft_heads.check_backbone(self.backbone.facts())
+        # like an adapter, the heads take the backbone's device and dtype (fp32 heads drive a bf16 backbone);
+        # nn.Module.to: diffusers' ModelMixin.to warns on every dtype cast, even with no fp32-only modules
+        torch.nn.Module.to(draft_heads, device=self.device, dtype=self.backbone.dtype)
 
     def set_draft_heads(self, draft_heads: Optional[DraftHeadsMixin]) -> None:
         """Attach (or with ``None`` detach) draft heads after checking they fit the backbone. Like an adapter, the
         heads move to the backbone's device and dtype (heads trained in fp32 drive a bf16 backbone)."""
-        self._check_draft_heads(draft_heads)
-        if draft_heads is not None:
-            draft_heads.to(self.device)
-            dtype = self.backbone.dtype
-            if any(p.is_floating_point() and p.dtype != dtype for p in draft_heads.parameters()):
-                # nn.Module.to: diffusers' ModelMixin.to warns on every dtype cast, even with no fp32-only modules
-                torch.nn.Module.to(draft_heads, dtype=dtype)
+        self._prepare_draft_heads(draft_heads)
         self.register_modules(draft_heads=draft_heads)
 
     def load_draft_heads(self, pretrained_model_name_or_path: Union[str, os.PathLike], **kwargs) -> DraftHeadsMixin:
