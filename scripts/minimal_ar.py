@@ -36,14 +36,17 @@ def minimal_ar_generate(
     masks = (causal[None] & valid[:, None, :]) | torch.eye(total, dtype=torch.bool, device=device)  # (R, S, S)
     rope = torch.view_as_complex(t.freqs_cis.float().contiguous())  # (S, hd/2)
 
+    def apply_rope(x, heads, pos):  # x (R, T, heads*hd) -> (R, T, heads, hd)
+        # in fp32 (view_as_complex has no bf16; as the model's own apply_rope), back to the weights' dtype
+        z = torch.view_as_complex(x.float().reshape(rows, -1, heads, hd // 2, 2)) * rope[pos][None, :, None]
+        return torch.view_as_real(z).flatten(3).type_as(x)
+
     def layer_forward(x, layer, i, pos, mask):  # x (R, T, D); pos (T,) slots written
         a = layer.attention
         y = F.rms_norm(x, (d,), layer.attention_norm.weight, layer.attention_norm.eps)
         qkv = F.linear(y, a.wqkv.weight)
         q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], -1)
-        # RoPE in fp32 (complex multiply; as the model's own apply_rope), back to the weights' dtype
-        q = torch.view_as_real(torch.view_as_complex(q.float().reshape(rows, -1, h, hd // 2, 2)) * rope[pos][None, :, None]).flatten(3).type_as(v)
-        k = torch.view_as_real(torch.view_as_complex(k.float().reshape(rows, -1, hkv, hd // 2, 2)) * rope[pos][None, :, None]).flatten(3).type_as(v)
+        q, k = apply_rope(q, h, pos), apply_rope(k, hkv, pos)
         keys[i].index_copy_(2, pos, k.transpose(1, 2))  # fixed-shape cache write
         values[i].index_copy_(2, pos, v.reshape(rows, -1, hkv, hd).transpose(1, 2))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[i], values[i], attn_mask=mask, enable_gqa=h != hkv)

@@ -220,9 +220,10 @@ class SpatialBackbone(abc.ABC):
         raise ValueError(f"{type(self).__name__} cannot encode images into codes; train on generated grids instead.")
 
     @property
+    @abc.abstractmethod
     def target_module(self) -> torch.nn.Module:
-        """The module whose forward `forward` runs (what `SpatialARPipeline.enable_compile` compiles)."""
-        raise ValueError(f"{type(self).__name__} does not name its target module; it cannot be compiled.")
+        """The module whose forward `forward` runs: what `SpatialARPipeline.enable_compile` compiles, and whose dtype
+        draft heads take (`dtype`)."""
 
     @property
     def dtype(self) -> torch.dtype:
