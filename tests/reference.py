@@ -6,6 +6,12 @@ import torch
 
 from spatial_pipelines.core.sampling import SamplingConfig, cfg_mix, logits_to_probs
 
+# Samples per chi-square distribution test (2x2 grid, 4 codes: 256 joint outcomes). Measured power at this size: AR
+# samples at temperature 1.1 against the T=1 joint give p ~ 1e-41 (`test_distribution_test_detects_a_wrong_sampler`
+# asserts p < 1e-4), a Medusa tree verified against a wrong q gives p ~ 0. 20,000 (before) cost 2.5x the time for no
+# power those checks needed; the subtle negative controls in `test_jacobi.py` keep their own larger counts.
+DISTRIBUTION_SAMPLES = 8000
+
 
 def full_sequence_probs(pipe, prompts, sampling: SamplingConfig, prefixes: torch.Tensor) -> torch.Tensor:
     """Target distribution of the next code after each code prefix, recomputing the whole sequence (no cache).

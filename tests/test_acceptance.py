@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline_mixin import gen
-from reference import chi_square_pvalue, exact_joint_distribution, grid_index
+from reference import DISTRIBUTION_SAMPLES, chi_square_pvalue, exact_joint_distribution, grid_index
 from spatial_pipelines import HawkDecoder, JacobiDecoder, MedusaDecoder
 from spatial_pipelines.core import RandomSource, SamplingConfig
 from spatial_pipelines.core.acceptance import (
@@ -252,12 +252,12 @@ def test_lantern_output_tvd_grows_with_delta_within_the_bound():
 )
 def test_relaxed_rules_at_zero_keep_the_model_distribution(decoder):
     """Invariant 4, end to end: with nothing to move, the relaxed rules sample the model's own joint (the chi-square
-    test of invariant 2, 20,000 samples, p > 1e-4)."""
+    test of invariant 2, ``DISTRIBUTION_SAMPLES`` samples, p > 1e-4)."""
     heads = None if isinstance(decoder, JacobiDecoder) else "random"
     pipe = dummy_pipeline("llamagen", decoder, heads, grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
-    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=20000, generator=gen(1), output_type="latent")
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent")
     counts = torch.bincount(grid_index(out.tokens, 4), minlength=4**4)
     assert chi_square_pvalue(counts, exact) > 1e-4
 

@@ -2,14 +2,11 @@
 quality columns and the side-by-side picture (the real run and its command are in docs/benchmarks.md)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
+from script_runner import run_script
 from spatial_pipelines import HawkDecoder, LatentDraftHeads, SpatialDraftHeads, SSDDecoder
 from spatial_pipelines.testing import dummy_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_benchmark_rows_quality_and_picture(tmp_path):
@@ -18,11 +15,11 @@ def test_benchmark_rows_quality_and_picture(tmp_path):
     SpatialDraftHeads.for_backbone(pipe.backbone, HawkDecoder()).save_pretrained(tmp_path / "spatial")
     LatentDraftHeads.for_backbone(pipe.backbone, SSDDecoder()).save_pretrained(tmp_path / "latent")
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--model", str(tmp_path / "model"),
+    cmd = ["benchmark.py", "--model", str(tmp_path / "model"),
            "--decoders", "ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
            "medusa:acceptance=lantern,lantern_k=3,lantern_delta=0.2", "--heads", str(tmp_path / "spatial"), str(tmp_path / "latent"), "--num-prompts", "3", "--limit", "40", "--quality", "--top-k", "2",
            "--diversity-prompts", "1", "--diversity-samples", "2", "--picture", "2", "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    run_script(*cmd)
     report = json.loads((out / "benchmark.json").read_text())
     rows = report["decoders"]
     assert list(rows) == ["ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
@@ -59,10 +56,10 @@ def test_bench_cost_tables_breakdown_and_plot(tmp_path):
     pipe.save_pretrained(tmp_path / "model")
     SpatialDraftHeads.for_backbone(pipe.backbone, HawkDecoder()).save_pretrained(tmp_path / "spatial")
     out = tmp_path / "cost"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_cost.py"), "--model", str(tmp_path / "model"),
+    cmd = ["bench_cost.py", "--model", str(tmp_path / "model"),
            "--decoders", "ar", "medusa", "sjd:window_size=3", "--heads", str(tmp_path / "spatial"),
            "--num-prompts", "2", "--limit", "20", "--sizes", "1", "4", "--repeats", "2", "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    run_script(*cmd)
     report = json.loads((out / "cost.json").read_text())
     assert set(report["pass_cost_ms"]) == {"1", "4"} and all(v > 0 for v in report["pass_cost_ms"].values())
     rows = report["decoders"]

@@ -2,17 +2,14 @@
 with the original key names, training-only buffers included), checked against an independent functional
 re-implementation of the original forward passes."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from script_runner import run_script
 from spatial_pipelines import LlamaGenPipeline, LlamaGenVQModel
 
-ROOT = Path(__file__).resolve().parents[1]
 D, LAYERS, HEADS, KV_HEADS, FFN, V, GRID = 64, 2, 4, 2, 96, 16, 4
 
 
@@ -135,10 +132,7 @@ def checkpoints(tmp_path):
 
 
 def run_converter(*args):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "convert_llamagen.py"), *map(str, args)],
-        capture_output=True, text=True, check=True,
-    )
+    return run_script("convert_llamagen.py", *args)
 
 
 @torch.no_grad()

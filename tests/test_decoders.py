@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pipeline_mixin import gen
-from reference import chi_square_pvalue, exact_joint_distribution, grid_index
+from reference import DISTRIBUTION_SAMPLES, chi_square_pvalue, exact_joint_distribution, grid_index
 from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SSDDecoder
 from spatial_pipelines.core import SamplingConfig
 from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
@@ -66,7 +66,7 @@ def test_greedy_equals_autoregressive(decoder_cls, kwargs, heads, family, dummy,
     assert out.stats.num_forward_passes <= ref.stats.num_forward_passes
 
 
-N_SAMPLES = 20000
+N_SAMPLES = DISTRIBUTION_SAMPLES
 
 
 def _empirical_counts(pipe, prompt, sampling: SamplingConfig, seed: int) -> torch.Tensor:
@@ -88,7 +88,7 @@ def test_sampling_distribution_equals_model(decoder_cls, kwargs, heads, sampling
     """Invariant 2: samples follow the model's own joint distribution over all 4**4 grids (with an end-of-row
     token after each row for ``cfg-eol``: the reference enumerates sequences with the EOL written in).
 
-    Pearson chi-square against the enumerated joint (bins with expected count < 5 pooled), 20,000 samples,
+    Pearson chi-square against the enumerated joint (bins with expected count < 5 pooled), 8,000 samples,
     fixed seed; the test fails when p < 1e-4 (a correct decoder fails it with probability 1e-4).
     """
     pipe = make(decoder_cls, kwargs, heads, grid=(2, 2), num_codes=4, end_of_row=end_of_row)
@@ -120,10 +120,11 @@ def test_sampling_distribution_equals_model_on_transformers_families(family, cas
 
 
 def test_distribution_test_detects_a_wrong_sampler():
-    """The statistical test has power: AR samples at temperature 1.3 are rejected against the T=1 joint."""
+    """The statistical test has power at ``N_SAMPLES``: AR samples at temperature 1.1 are rejected against the T=1
+    joint (measured p ~ 1e-41 for three seeds)."""
     pipe = dummy_pipeline("llamagen", grid=(2, 2), num_codes=4)
     exact = exact_joint_distribution(pipe, "a fox", SamplingConfig(2.0, 1.0))
-    counts = _empirical_counts(pipe, "a fox", SamplingConfig(2.0, 1.3), seed=1)
+    counts = _empirical_counts(pipe, "a fox", SamplingConfig(2.0, 1.1), seed=1)
     assert chi_square_pvalue(counts, exact) < 1e-4
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers.models.emu3.modeling_emu3 import Emu3ImageVocabularyMapping
 
 from pipeline_mixin import PipelineTesterMixin, gen
-from reference import chi_square_pvalue, exact_joint_distribution, grid_index, naive_greedy
+from reference import DISTRIBUTION_SAMPLES, chi_square_pvalue, exact_joint_distribution, grid_index, naive_greedy
 from spatial_pipelines import AutoregressiveDecoder, Emu3Pipeline, JacobiDecoder, MedusaDecoder, SSDDecoder
 from spatial_pipelines.core import SamplingConfig
 from spatial_pipelines.pipelines.pipeline_emu3 import EMU3_NEGATIVE_PROMPT
@@ -150,13 +150,13 @@ def test_reference_sees_a_missing_eol():
 # -- sampling ----------------------------------------------------------------------------------------------------
 def test_sampling_distribution_equals_model():
     """Invariant 2 on Emu3 for an exact speculative decoder (SJD; 2x2 grid, 4 codes, CFG with the default
-    unconditional prompt, EOL layout): Pearson chi-square of 20,000 samples against the enumerated joint (sequences
+    unconditional prompt, EOL layout): Pearson chi-square of ``DISTRIBUTION_SAMPLES`` samples against the enumerated joint (sequences
     with the EOLs written in); fails at p < 1e-4. The other exact decoders run it on LlamaGen's EOL layout."""
     pipe = dummy_pipeline("emu3", JacobiDecoder(window_size=3), grid=(2, 2), num_codes=4)  # drafts cross the row end
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     assert torch.isclose(exact.sum(), torch.tensor(1.0), atol=1e-5)
-    out = pipe("a fox", guidance_scale=2.0, temperature=1.0, num_images_per_prompt=20000, generator=gen(1), output_type="latent")
+    out = pipe("a fox", guidance_scale=2.0, temperature=1.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent")
     counts = torch.bincount(grid_index(out.tokens, 4), minlength=4**4)
     assert chi_square_pvalue(counts, exact) > 1e-4
 

@@ -12,15 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from script_runner import run_script
 from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, LlamaGenPipeline, SSDDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(script, *args, check=True):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / script), *map(str, args)], capture_output=True, text=True, check=check
-    )
+run = run_script  # in this process: a new interpreter per call would spend ~5 s importing before the script starts
 
 
 def steps_logged(folder: Path):

@@ -57,7 +57,8 @@ class TrainingLog:
         ax.set_yscale("log" if values and min(values) > 0 else "linear")  # log only when every value is positive
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a run that logged no step yet draws empty axes, without a legend
+            ax.legend()
         fig.tight_layout()
         out = os.path.join(self.directory, filename)
         fig.savefig(out)

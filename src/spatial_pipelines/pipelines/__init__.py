@@ -23,6 +23,7 @@ __all__ = [
     "LlamaGenPipeline",
     "LuminaMGPTBackbone",
     "LuminaMGPTPipeline",
+    "PassCost",
     "PromptEmbeddings",
     "SpatialARPipeline",
     "SpatialBackbone",
