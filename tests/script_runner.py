@@ -1,4 +1,5 @@
-"""Run a script of ``scripts/`` as ``__main__`` inside the test process.
+"""The scripts of ``scripts/`` in the test process: run one as ``__main__`` (`run_script`), or import one to call its
+functions (`load_script`).
 
 Why: a new interpreter pays ~5 s importing torch, diffusers and transformers before the script does anything, and the
 script tests start a dozen of them; the test worker has already paid it. The script still runs as ``__main__`` with its
@@ -9,6 +10,7 @@ fresh ``HF_HUB_OFFLINE``) still use ``subprocess``.
 """
 
 import contextlib
+import importlib.util
 import io
 import os
 import random
@@ -30,32 +32,44 @@ def run_script(script: str, *args, check: bool = True) -> subprocess.CompletedPr
     path = SCRIPTS / script
     argv = [str(path), *map(str, args)]
     out, err = io.StringIO(), io.StringIO()
-    saved = sys.argv[:], sys.path[:], dict(os.environ), random.getstate(), np.random.get_state(), torch.get_num_threads()
+    argv_before, path_before, env_before = sys.argv[:], sys.path[:], dict(os.environ)
+    random_before, numpy_before, threads_before = random.getstate(), np.random.get_state(), torch.get_num_threads()
     code = 0
     with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         sys.argv = argv
         sys.path.insert(0, str(SCRIPTS))  # what `python scripts/x.py` puts first
         try:
             runpy.run_path(str(path), run_name="__main__")
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-            if exit_.code is not None and not isinstance(exit_.code, int):
+        except SystemExit as exit_:  # as the interpreter maps it: None -> 0, an int as is, anything else printed -> 1
+            if exit_.code is None or isinstance(exit_.code, int):
+                code = exit_.code or 0
+            else:
                 print(exit_.code, file=sys.stderr)
+                code = 1
         except Exception:  # noqa: BLE001 - a crashing script is a non-zero exit with its traceback, as from a process
             traceback.print_exc()
             code = 1
         finally:
-            sys.argv, sys.path[:] = saved[0], saved[1]
+            sys.argv, sys.path[:] = argv_before, path_before
             os.environ.clear()
-            os.environ.update(saved[2])
-            random.setstate(saved[3])
-            np.random.set_state(saved[4])
-            torch.set_num_threads(saved[5])
+            os.environ.update(env_before)
+            random.setstate(random_before)
+            np.random.set_state(numpy_before)
+            torch.set_num_threads(threads_before)
             _reset_accelerate()
     done = subprocess.CompletedProcess([sys.executable, *argv], code, out.getvalue(), err.getvalue())
     if check and code != 0:
         raise AssertionError(f"{script} exited with {code}:\n{done.stderr[-4000:]}")
     return done
+
+
+def load_script(script: str):
+    """``scripts/<script>`` imported as a module (its ``main`` is not run), to test its functions."""
+    path = SCRIPTS / script
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _reset_accelerate() -> None:

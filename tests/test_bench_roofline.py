@@ -1,26 +1,18 @@
 """Smoke test of scripts/bench_roofline.py on the tiny preset, on the CPU: report fields, the K = 1 ratio and the
 plot (timings are not asserted)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_runner import load_script
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_roofline", ROOT / "scripts" / "bench_roofline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+roofline = load_script("bench_roofline.py")
 
 
 def test_roofline_report_and_plot(tmp_path):
     out = tmp_path / "roofline"
-    load_script().main(["--presets", "tiny", "--device", "cpu", "--ks", "1", "4", "--repeats", "2", "--warmup", "1",
-                        "--out", str(out)])
+    roofline.main(["--presets", "tiny", "--device", "cpu", "--ks", "1", "4", "--repeats", "2", "--warmup", "1", "--out", str(out)])
     report = json.loads((out / "roofline.json").read_text())
     assert report["dtype"] == "float32" and report["batch"] == 2 and report["device"].startswith("cpu")
     assert {"torch", "diffusers"} <= set(report["versions"])
@@ -35,8 +27,8 @@ def test_roofline_report_and_plot(tmp_path):
 
 
 def test_peak_bandwidth_gives_floor(tmp_path):
-    report = load_script().main(["--presets", "tiny", "--device", "cpu", "--ks", "2", "--repeats", "1", "--warmup", "0",
-                                 "--cache-length", "3", "--peak-bandwidth-gbs", "100", "--out", str(tmp_path)])
+    report = roofline.main(["--presets", "tiny", "--device", "cpu", "--ks", "2", "--repeats", "1", "--warmup", "0",
+                            "--cache-length", "3", "--peak-bandwidth-gbs", "100", "--out", str(tmp_path)])
     row = report["presets"]["tiny"]
     assert row["cache_length"] == 3
     moved = row["weight_bytes_per_step"] + row["kv_bytes_per_step"]
@@ -45,7 +37,7 @@ def test_peak_bandwidth_gives_floor(tmp_path):
 
 
 def test_peak_bandwidth_lookup():
-    lookup = load_script().lookup_peak_bandwidth
+    lookup = roofline.lookup_peak_bandwidth
     assert lookup("NVIDIA H100 80GB HBM3") == 3350 and lookup("NVIDIA H100 PCIe") == 2000
     assert lookup("NVIDIA H200") == 4800 and lookup("NVIDIA A100-SXM4-80GB") == 2039
     assert lookup("NVIDIA A100-SXM4-40GB") == 1555 and lookup("NVIDIA L4") is None
@@ -55,6 +47,6 @@ def test_peak_bandwidth_lookup():
 def test_bad_ks_rejected_before_any_work(tmp_path, capsys, bad):
     out = tmp_path / "never"
     with pytest.raises(SystemExit):
-        load_script().main(["--presets", "tiny", "--device", "cpu", "--ks", "1", bad, "--out", str(out)])
+        roofline.main(["--presets", "tiny", "--device", "cpu", "--ks", "1", bad, "--out", str(out)])
     assert "must be a positive integer" in capsys.readouterr().err
     assert not out.exists()

@@ -66,13 +66,10 @@ def test_greedy_equals_autoregressive(decoder_cls, kwargs, heads, family, dummy,
     assert out.stats.num_forward_passes <= ref.stats.num_forward_passes
 
 
-N_SAMPLES = DISTRIBUTION_SAMPLES
-
-
 def _empirical_counts(pipe, prompt, sampling: SamplingConfig, seed: int) -> torch.Tensor:
     out = pipe(
         prompt, guidance_scale=sampling.guidance_scale, temperature=sampling.temperature, top_k=sampling.top_k,
-        num_images_per_prompt=N_SAMPLES, generator=gen(seed), output_type="latent",
+        num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(seed), output_type="latent",
     )
     v = pipe.backbone.num_image_codes
     return torch.bincount(grid_index(out.tokens, v), minlength=v ** pipe.backbone.layout.num_tokens)
@@ -88,8 +85,8 @@ def test_sampling_distribution_equals_model(decoder_cls, kwargs, heads, sampling
     """Invariant 2: samples follow the model's own joint distribution over all 4**4 grids (with an end-of-row
     token after each row for ``cfg-eol``: the reference enumerates sequences with the EOL written in).
 
-    Pearson chi-square against the enumerated joint (bins with expected count < 5 pooled), 8,000 samples,
-    fixed seed; the test fails when p < 1e-4 (a correct decoder fails it with probability 1e-4).
+    Pearson chi-square against the enumerated joint (bins with expected count < 5 pooled),
+    ``DISTRIBUTION_SAMPLES`` samples, fixed seed; the test fails when p < 1e-4 (a correct decoder fails it with probability 1e-4).
     """
     pipe = make(decoder_cls, kwargs, heads, grid=(2, 2), num_codes=4, end_of_row=end_of_row)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
@@ -120,8 +117,8 @@ def test_sampling_distribution_equals_model_on_transformers_families(family, cas
 
 
 def test_distribution_test_detects_a_wrong_sampler():
-    """The statistical test has power at ``N_SAMPLES``: AR samples at temperature 1.1 are rejected against the T=1
-    joint (measured p ~ 1e-41 for three seeds)."""
+    """The statistical test has power at ``DISTRIBUTION_SAMPLES``: AR samples at temperature 1.1 are rejected
+    against the T=1 joint (measured p ~ 1e-41 for three seeds)."""
     pipe = dummy_pipeline("llamagen", grid=(2, 2), num_codes=4)
     exact = exact_joint_distribution(pipe, "a fox", SamplingConfig(2.0, 1.0))
     counts = _empirical_counts(pipe, "a fox", SamplingConfig(2.0, 1.1), seed=1)

@@ -2,7 +2,6 @@
 pipelines a card that names the packages loading needs, both through ``save_pretrained`` and ``push_to_hub``, and
 the embedded model's cards stay what scripts/make_cards.py renders. Uploads are stubbed: no network."""
 
-import importlib.util
 import json
 import re
 import shutil
@@ -15,6 +14,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
+from script_runner import load_script
 import spatial_pipelines.hub
 from spatial_pipelines import (
     DraftHeadsMixin,
@@ -301,9 +301,7 @@ def test_embedded_pipeline_card_names_its_text_encoder_package():
 
 # -- generated cards ----------------------------------------------------------------------------------------
 def test_committed_cards_are_what_make_cards_renders():
-    spec = importlib.util.spec_from_file_location("make_cards", ROOT / "scripts" / "make_cards.py")
-    make_cards = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_cards)
+    make_cards = load_script("make_cards.py")
     cards = make_cards.render_cards()
     assert set(cards) == {"hub_cards/twemoji_llamagen.md"} | {
         f"src/spatial_pipelines/embedded/{name}/README.md"

@@ -120,12 +120,12 @@ def test_proactive_verification_needs_the_without_replacement_proposal(monkeypat
         state.earlier_rank = torch.zeros_like(state.earlier_rank)  # nothing excluded
         return state
 
-    monkeypatch.setattr(decoding_jacobi.JacobiDecoder, "init_state", wrong)  # p ~ 1e-8 at 8,000 samples: 12,000 for a margin
+    monkeypatch.setattr(decoding_jacobi.JacobiDecoder, "init_state", wrong)
     pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", anchor="none", proactive_width=3, proactive_depth=3), None,
                            grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
-    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=12000, generator=gen(1), output_type="latent")
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=12000, generator=gen(1), output_type="latent")  # p ~ 1e-8 at 8,000: a margin
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
 
 

@@ -3,16 +3,13 @@ compares like with like: seeded samples in fp32, and greedy codes in bf16 too (i
 model's). bf16 samples are not compared: the two loops' bf16 ops need not round alike, and a random
 tiny model's top-k logits are close enough for that to change a draw."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from script_runner import load_script
 from spatial_pipelines.testing import dummy_pipeline
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from minimal_ar import minimal_ar_generate  # noqa: E402
+minimal_ar_generate = load_script("minimal_ar.py").minimal_ar_generate
 
 
 @pytest.mark.parametrize("dtype, top_k", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 1)])

@@ -2,7 +2,6 @@
 promise (the real runs and their commands are in hub_cards/ and docs/quality.md)."""
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,13 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from script_runner import run_script
+from script_runner import load_script
+from script_runner import run_script as run  # in this process: a new interpreter per call would spend ~5 s importing
 from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, LlamaGenPipeline, SSDDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-run = run_script  # in this process: a new interpreter per call would spend ~5 s importing before the script starts
 
 
 def steps_logged(folder: Path):
@@ -198,11 +195,7 @@ def test_every_head_kind_trains_on_the_transformers_families(tmp_path):
     """``scripts/train_heads.py`` on Janus-Pro, Emu3, Anole and Lumina-mGPT (tiny random pipelines saved to folders):
     Medusa/Hawk heads, SSD latent heads and the EAGLE drafter train on the model's own generations through the family
     adapter (its prompts, embeddings, head and EOLs), and load back onto the pipeline."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import train_heads
-    finally:
-        sys.path.pop(0)
+    train_heads = load_script("train_heads.py")
     from spatial_pipelines.testing import dummy_pipeline
 
     kinds = {"hawk": ["--num-horizontal", "2", "--vsd", "1"], "ssd": ["--num-horizontal", "2", "--vsd", "1", "--intermediate-size", "16"],
@@ -221,9 +214,7 @@ def test_every_head_kind_trains_on_the_transformers_families(tmp_path):
 
 
 def test_input_noise_replaces_about_the_asked_share_and_keeps_the_rest():
-    spec = importlib.util.spec_from_file_location("train_ar", ROOT / "scripts" / "train_ar.py")
-    train_ar = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_ar)
+    train_ar = load_script("train_ar.py")
     codes = torch.randint(512, (64, 576))
     assert train_ar.corrupt_inputs(codes, 0.0, 512, torch.Generator().manual_seed(0)) is codes
     noisy = train_ar.corrupt_inputs(codes, 0.1, 512, torch.Generator().manual_seed(0))
@@ -235,9 +226,7 @@ def test_input_noise_replaces_about_the_asked_share_and_keeps_the_rest():
 
 
 def test_code_rows_follow_the_old_code_that_tokenizes_the_same_patches():
-    spec = importlib.util.spec_from_file_location("train_ar", ROOT / "scripts" / "train_ar.py")
-    train_ar = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_ar)
+    train_ar = load_script("train_ar.py")
     from spatial_pipelines import PatchVQModel
     from spatial_pipelines.testing import dummy_llamagen_components
 
@@ -260,9 +249,7 @@ def test_code_rows_follow_the_old_code_that_tokenizes_the_same_patches():
 
 
 def test_self_feed_replaces_the_asked_share_by_the_models_own_top_k_codes():
-    spec = importlib.util.spec_from_file_location("train_ar", ROOT / "scripts" / "train_ar.py")
-    train_ar = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_ar)
+    train_ar = load_script("train_ar.py")
     codes = torch.randint(512, (8, 576))
     logits = torch.randn(8, 576, 512)
     assert train_ar.self_fed_inputs(codes, logits, 0.0, 3, torch.Generator().manual_seed(0)) is codes
@@ -286,9 +273,7 @@ def test_evaluate_fit_measures_agree_with_greedy_decoding(monkeypatch):
     is also one it predicts code for code when fed the true codes (`teacher_forced_fit`)."""
     from spatial_pipelines.testing import dummy_pipeline
 
-    spec = importlib.util.spec_from_file_location("evaluate", ROOT / "scripts" / "evaluate.py")
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
+    evaluate = load_script("evaluate.py")
     pipe = dummy_pipeline("llamagen", grid=(4, 4), num_codes=16)
     captions = ["a red heart", "a cat face"]
     greedy = pipe(captions, guidance_scale=1.0, top_k=1, output_type="latent").images.reshape(2, -1)  # (2, 16)

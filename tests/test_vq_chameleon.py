@@ -4,7 +4,6 @@ model_type ``chameleon_vqgan`` + safetensors) -- with key names and shapes liste
 (not taken from the module under test), converted, and checked against an independent functional re-implementation
 of the original encoder and decoder written with ``torch.nn.functional`` on the original state dict."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,10 +13,10 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import save_file
 
+from script_runner import load_script
 from spatial_pipelines import ChameleonVQModel
 from spatial_pipelines.models import chameleon_vq_from_hf, chameleon_vq_from_original, load_chameleon_vq, tiny_chameleon_vq
 
-ROOT = Path(__file__).resolve().parents[1]
 # tiny, but with the original's hard-coded GroupNorm(32): level widths 32 and 64
 CH, CH_MULT, NRB, Z, EMBED, V, RES, GROUPS = 32, (1, 2), 1, 8, 4, 16, 16, 32
 
@@ -218,10 +217,7 @@ def write_hf(folder: Path, attn_resolutions=(8,), seed=1):
 
 
 def run_converter(*args):
-    spec = importlib.util.spec_from_file_location("convert_chameleon_vqgan", ROOT / "scripts" / "convert_chameleon_vqgan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main([str(a) for a in args])
+    load_script("convert_chameleon_vqgan.py").main([str(a) for a in args])
 
 
 def pixels(b=2, seed=3, size=RES):
