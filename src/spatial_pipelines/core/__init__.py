@@ -1,6 +1,6 @@
 """Pure tensor code shared by decoders, heads and pipelines (depends on torch only)."""
 
-from .kv_cache import StaticKVCache, compact_positions_
+from .kv_cache import KVCache, StaticKVCache, compact_positions_
 from .layout import ImageTokenLayout
 from .sampling import (
     RandomSource,
@@ -16,6 +16,7 @@ __all__ = [
     "ImageTokenLayout",
     "RandomSource",
     "SamplingConfig",
+    "KVCache",
     "StaticKVCache",
     "apply_top_k",
     "apply_top_p",

@@ -4,11 +4,49 @@ Slots are physical: the cache holds ``length`` filled slots per row, the same fo
 row may attend to is ``key_valid`` ``(B, max_length)`` (padding inside a prompt is a filled but invalid
 slot), so rows with prompts of different lengths share one slot index. Logical positions (for RoPE) are
 passed to the model separately.
+
+Two shapes of a pass (``fixed_shape``):
+
+- growing (the default): a pass over ``T`` new tokens attends to slots ``[0, length + T)``; the cheapest in eager
+  mode, but the attended length changes every round, so a compiled step would recompile for every length.
+- fixed: a pass attends to all ``max_length`` slots, the mask says which are valid, and the new keys are written
+  by index at ``write_index`` (a tensor, so moving it recompiles nothing). Every round of a generation then has
+  the same shapes: what ``torch.compile(dynamic=False)`` and CUDA graphs need (transformers' ``StaticLayer`` and
+  gpt-fast keep their caches the same way).
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What the generation loop and a backbone need from a KV cache (`StaticKVCache`, and `TransformersCacheView` in
+    front of one for transformers models).
+
+    - ``length``: filled slots (host-side int); ``max_length``: allocated slots.
+    - ``prepare_write(t)``: before a pass over ``t`` new tokens (fixes where they are written).
+    - ``update(layer_idx, key, value)``: write one layer's new keys/values, return what the pass attends to.
+    - ``attention_mask(new_mask, new_valid)``: the boolean mask ``(B, 1, T, S)`` of the pass.
+    - ``advance(new_valid, t)``: after the pass, account for the ``t`` slots written.
+    - ``crop(length)`` / ``keep(start, indices)``: drop rejected drafts / compact an accepted tree path.
+    """
+
+    length: int
+    max_length: int
+
+    def prepare_write(self, t: int) -> None: ...
+
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attention_mask(self, new_mask: torch.Tensor, new_valid: Optional[torch.Tensor]) -> torch.Tensor: ...
+
+    def advance(self, new_valid: Optional[torch.Tensor], t: Optional[int] = None) -> None: ...
+
+    def crop(self, length: int) -> None: ...
+
+    def keep(self, start: int, indices: torch.Tensor) -> None: ...
 
 
 class StaticKVCache:
@@ -20,6 +58,7 @@ class StaticKVCache:
         num_kv_heads (`int`), head_dim (`int`): key/value head shape.
         max_length (`int`): slots to allocate.
         dtype, device: storage of the tensors.
+        fixed_shape (`bool`): every pass attends to all ``max_length`` slots (see the module docstring).
     """
 
     def __init__(
@@ -31,6 +70,7 @@ class StaticKVCache:
         max_length: int,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device] = None,
+        fixed_shape: bool = False,
     ):
         # one tensor for every layer's keys and values, so compacting an accepted path is one gather and one copy
         # for the whole cache instead of two per layer (per-op dispatch dominates a small model's round)
@@ -40,10 +80,35 @@ class StaticKVCache:
         self.key_valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)  # (B, S)
         self.length = 0  # host-side int: filled slots (never read back from the device)
         self.max_length = max_length
+        self.fixed_shape = fixed_shape
+        self.write_index: Optional[torch.Tensor] = None  # (T,) slots the next pass writes (fixed shape)
+
+    def reset(self) -> None:
+        """Empty the cache for a new generation (the storage is kept: reusing it keeps its address, which CUDA graphs
+        replay)."""
+        self.key_valid.zero_()
+        self.length = 0
+        self.write_index = None
+
+    def prepare_write(self, t: int) -> None:
+        """Before a pass over ``t`` new tokens: they go to slots ``[length, length + t)``. Fixed shape: the slots as
+        a tensor, so the compiled step reads them as data (a host int would be baked into the graph)."""
+        end = self.length + t
+        if end > self.max_length:
+            raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
+        if self.fixed_shape:
+            self.write_index = torch.arange(self.length, end, device=self.key_valid.device)  # (T,) no host sync
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Write ``key``/``value`` ``(B, H_kv, T, D)`` into slots ``[length, length + T)`` of one layer and
-        return that layer's keys/values over ``[0, length + T)``. ``length`` moves on in `advance`."""
+        """Write ``key``/``value`` ``(B, H_kv, T, D)`` into slots ``[length, length + T)`` of one layer and return
+        what the pass attends to: that layer's keys/values over ``[0, length + T)`` (growing), or over all
+        ``max_length`` slots (fixed shape: written by index, `prepare_write` first). ``length`` moves on in `advance`."""
+        if self.fixed_shape:
+            if self.write_index is None or self.write_index.shape[0] != key.shape[2]:
+                raise ValueError(f"Call `prepare_write({key.shape[2]})` before a pass on a fixed-shape cache.")
+            self.keys[layer_idx].index_copy_(2, self.write_index, key)  # (B, H_kv, S, D): a fixed-shape write
+            self.values[layer_idx].index_copy_(2, self.write_index, value)
+            return self.keys[layer_idx], self.values[layer_idx]
         end = self.length + key.shape[2]
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
@@ -51,8 +116,8 @@ class StaticKVCache:
         self.values[layer_idx][:, :, self.length : end] = value
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
-    def attention_mask(self, new_mask: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
-        """Boolean mask ``(B, 1, T, length + T)`` for ``T`` new queries.
+    def attention_mask(self, new_mask: torch.Tensor, new_valid: Optional[torch.Tensor]) -> torch.Tensor:
+        """Boolean mask ``(B, 1, T, length + T)`` for ``T`` new queries (fixed shape: ``(B, 1, T, max_length)``).
 
         Args:
             new_mask: ``(B, T, T)`` or ``(T, T)`` which new tokens see which (causal or a tree mask; every token
@@ -60,6 +125,14 @@ class StaticKVCache:
             new_valid: ``(B, T)`` which new tokens are real (padding is not); ``None``: all of them (decoding
                 rounds), which skips the padding terms.
         """
+        if self.fixed_shape:
+            b, t = self.key_valid.shape[0], new_mask.shape[-1]
+            new = new_mask.expand(b, t, t)
+            if new_valid is not None:  # a padded query sees itself: no NaN rows
+                new = (new & new_valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=new_mask.device)
+            # the valid past, then the new tokens' own columns written by index (the slots after them are not valid)
+            mask = self.key_valid[:, None, :].expand(b, t, self.max_length).clone()  # (B, T, S)
+            return mask.index_copy_(2, self.write_index, new)[:, None]  # (B, 1, T, S)
         if new_valid is None:  # a decoding round: no padding, the draft's mask already has its diagonal
             b, t = self.key_valid.shape[0], new_mask.shape[-1]
             past = self.key_valid[:, None, : self.length].expand(b, t, self.length)  # (B, T, L)
@@ -130,7 +203,8 @@ class TransformersCacheView:
     the model asks ``get_seq_length()`` when it is given no ``cache_position``; with explicit ``position_ids``,
     ``cache_position`` and a 4-D mask nothing else is touched. So a transformers backbone (Janus-Pro, Emu3) runs
     on the library's static cache, and the loop crops and compacts it as for our own models (no per-family cache
-    code). Like `StaticKVCache.update`, ``length`` moves on only in `StaticKVCache.advance`.
+    code). Like `StaticKVCache.update`, ``length`` moves on only in `StaticKVCache.advance`. The loop's side of
+    the `KVCache` protocol is the wrapped cache's, so the view serves both.
     """
 
     is_compileable = False  # tells transformers not to build its own static-shape machinery around it
@@ -139,7 +213,8 @@ class TransformersCacheView:
         self.cache = cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """transformers' argument order -> `StaticKVCache.update`: keys/values ``(B, H_kv, L + T, D)``."""
+        """transformers' argument order -> `StaticKVCache.update`: keys/values ``(B, H_kv, L + T, D)`` (fixed shape:
+        ``(B, H_kv, S, D)``)."""
         return self.cache.update(layer_idx, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -147,6 +222,11 @@ class TransformersCacheView:
 
     def __len__(self) -> int:
         return len(self.cache.keys)
+
+    def __getattr__(self, name: str):  # the loop's side of `KVCache`: length, crop, keep, advance, ...
+        if name == "cache":  # not set yet (copy/unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.cache, name)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -142,6 +142,11 @@ class SSDDecoder(SpatialDecoderMixin):
     def max_draft_tokens(self) -> int:
         return 1  # blocks never pass the end of the grid, so the cache needs no slack beyond it
 
+    def max_fed_tokens(self, layout) -> int:
+        """The newest code and the largest block: a horizontal chunk or ``num_vertical_rows`` rows of codes."""
+        c = self.config
+        return 1 + max(c.num_horizontal, min(c.num_vertical_rows, layout.height) * layout.width)
+
     def required_horizontal_offsets(self) -> List[int]:
         return list(range(1, self.config.num_horizontal + 1))
 

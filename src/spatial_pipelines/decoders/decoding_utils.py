@@ -80,6 +80,9 @@ class DecodingState:
         num_draft_passes (`int`): forward passes of draft heads/models.
         backbone: the family adapter (its ``final_norm``, ``output_head``, ``embed_image_tokens``, ``codebook``),
             for decoders whose drafts go through the backbone's own head; decoders never call its forward.
+        fed_size (`int`, *optional*): with static shapes, the number of slots every round feeds the target (the loop
+            pads drafts to it); ``None``: each round feeds what its draft holds.
+        fed_slots (`int`), padded_slots (`int`): slots fed to the target by the rounds, and how many were padding.
 
     A decoder that carries more between rounds subclasses this dataclass (typed fields with defaults, set in its
     ``init_state``) and names it in its ``state_class``.
@@ -96,6 +99,9 @@ class DecodingState:
     accepted_lengths: List[torch.Tensor] = field(default_factory=list)
     num_draft_passes: int = 0
     backbone: Any = None
+    fed_size: Optional[int] = None
+    fed_slots: int = 0
+    padded_slots: int = 0
 
     @property
     def num_remaining(self) -> int:
@@ -200,6 +206,11 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def max_draft_tokens(self) -> int:
         """Largest number of positions one round feeds to the target (sizes the KV cache)."""
         return 1
+
+    def max_fed_tokens(self, layout: ImageTokenLayout) -> int:
+        """Most codes one round feeds the target on ``layout`` (end-of-row tokens not counted): what static-shape
+        rounds pad every draft to. Default: `max_draft_tokens`; a decoder whose drafts depend on the grid overrides it."""
+        return self.max_draft_tokens
 
     @property
     def sizes_from_pass_cost(self) -> bool:

@@ -355,6 +355,7 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
         token_valid: Optional[torch.Tensor] = None,
         past_key_values: Optional[StaticKVCache] = None,
         return_dict: bool = True,
+        advance_cache: bool = True,
     ):
         """
         Args:
@@ -364,10 +365,15 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
             attention_mask (`torch.BoolTensor` of shape `(B, T, T)` or `(T, T)`, *optional*): which new tokens see
                 which (default causal; a tree mask for speculative drafts). Cached tokens are always visible.
             token_valid (`torch.BoolTensor` of shape `(B, T)`, *optional*): ``False`` marks padding.
-            past_key_values (`StaticKVCache`, *optional*): filled in place; call ``advance`` is done here.
+            past_key_values (`StaticKVCache`, *optional*): filled in place.
+            advance_cache (`bool`): call the cache's ``prepare_write`` before the pass and ``advance`` after it. A
+                compiled step passes ``False`` and its caller does both outside the graph (they move host-side
+                counters, which a graph would bake in and recompile on).
         """
         b, t, _ = inputs_embeds.shape
         device = inputs_embeds.device
+        if past_key_values is not None and advance_cache:
+            past_key_values.prepare_write(t)
         if position_ids.dim() == 1:
             position_ids = position_ids[None].expand(b, t)
         if attention_mask is None:
@@ -390,7 +396,7 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
                 h = self._gradient_checkpointing_func(layer, h, rope, mask, past_key_values, i)
             else:
                 h = layer(h, rope, mask, past_key_values, i)
-        if past_key_values is not None:
+        if past_key_values is not None and advance_cache:
             past_key_values.advance(token_valid, t)
         out = LlamaGenTransformerOutput(hidden_states=h, last_hidden_state=self.norm(h))
         return out if return_dict else out.to_tuple()

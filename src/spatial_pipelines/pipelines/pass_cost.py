@@ -4,10 +4,13 @@ Speculative decoders size their drafts from it (``num_draft_tokens="auto"``, ``w
 weight-bound device a pass over 16 tokens costs about what a pass over 1 does, on a compute-bound one it does not.
 """
 
+import contextlib
 import time
 from typing import Dict
 
 import torch
+
+from .static_shapes import eager_target
 
 
 class PassCost:
@@ -18,10 +21,14 @@ class PassCost:
         backbone: the pipeline's `SpatialBackbone`.
         rows (`int`): batch rows of a pass (2 with CFG at batch 1).
         repeats (`int`), warmup (`int`): timed and untimed passes per ``T`` (the median is kept).
+        compiled (`bool`): time the compiled target when the pipeline has one (otherwise the eager forward, which
+            compiles nothing per measured ``T``).
+        fixed_shape (`bool`): on a fixed-shape cache (every pass attends to the whole cache), as static-shape rounds run.
     """
 
-    def __init__(self, backbone, rows: int, repeats: int = 9, warmup: int = 2):
+    def __init__(self, backbone, rows: int, repeats: int = 9, warmup: int = 2, compiled: bool = False, fixed_shape: bool = False):
         self.backbone, self.rows, self.repeats, self.warmup = backbone, rows, repeats, warmup
+        self.compiled, self.fixed_shape = compiled, fixed_shape
         self.seconds: Dict[int, float] = {}
         self._cache = None
 
@@ -35,11 +42,13 @@ class PassCost:
         every ``T`` alike rather than biasing the comparison); keeps and returns the medians."""
         todo = [t for t in dict.fromkeys(sizes) if t not in self.seconds]
         times = {t: [] for t in todo}
-        for i in range(self.warmup + self.repeats):
-            for t in todo:
-                seconds = self._measure(t, 1)
-                if i >= self.warmup:
-                    times[t].append(seconds)
+        module = getattr(self.backbone, "target_module", None)
+        with contextlib.nullcontext() if self.compiled or module is None else eager_target(module):
+            for i in range(self.warmup + self.repeats):
+                for t in todo:
+                    seconds = self._measure(t, 1)
+                    if i >= self.warmup:
+                        times[t].append(seconds)
         for t in todo:
             self.seconds[t] = sorted(times[t])[len(times[t]) // 2]
         return {t: self.seconds[t] for t in sizes}
@@ -52,8 +61,10 @@ class PassCost:
         filled = min(layout.sequence_length // 2 + 16, layout.sequence_length)  # the prompt and half the image
         if self._cache is None or self._cache.max_length < filled + t:
             self._cache = backbone.make_cache(self.rows, filled + max(t, 64))
+            self._cache.fixed_shape = self.fixed_shape
             embeds = torch.zeros(self.rows, filled, weight.shape[-1], device=device, dtype=dtype)
-            backbone.forward(embeds, torch.arange(filled, device=device), None, None, self._cache)
+            with eager_target(backbone.target_module):  # filling the cache is no measured pass: no graph for it
+                backbone.forward(embeds, torch.arange(filled, device=device), None, None, self._cache)
         cache = self._cache
         positions = torch.arange(filled, filled + t, device=device).clamp_max(layout.sequence_length - 1)  # inside RoPE
         mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()

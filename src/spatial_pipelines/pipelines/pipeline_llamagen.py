@@ -149,7 +149,12 @@ class LlamaGenBackbone(SpatialBackbone):
         return self.transformer.eol_embedding
 
     def forward(self, inputs_embeds, position_ids, attention_mask, token_valid, cache) -> torch.Tensor:
-        return self.transformer(inputs_embeds, position_ids, attention_mask, token_valid, cache).hidden_states
+        if cache is None:
+            return self.transformer(inputs_embeds, position_ids, attention_mask, token_valid).hidden_states
+        cache.prepare_write(inputs_embeds.shape[1])  # host-side bookkeeping stays outside a compiled step
+        hidden = self.transformer(inputs_embeds, position_ids, attention_mask, token_valid, cache, advance_cache=False).hidden_states
+        cache.advance(token_valid, inputs_embeds.shape[1])
+        return hidden
 
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.transformer.norm(hidden_states)

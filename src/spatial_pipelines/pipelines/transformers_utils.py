@@ -39,22 +39,46 @@ def language_model_forward(
     """
     r, t = inputs_embeds.shape[:2]
     device = inputs_embeds.device
+    cache.prepare_write(t)  # where the new keys go (a tensor for a fixed-shape cache), before the mask reads it
     if attention_mask is None:
         attention_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     mask = additive_mask(cache.attention_mask(attention_mask, token_valid), inputs_embeds.dtype)  # (R, 1, T, L + T)
     position_ids = position_ids.expand(r, t) if position_ids.dim() == 1 else position_ids
-    captured = []
+    captured = pre_norm_capture(language_model)
     cache_kwarg = {cache_argument(type(language_model)): TransformersCacheView(cache)}
-    hook = language_model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
-    try:
-        language_model(
-            inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=mask, use_cache=True, **cache_kwarg,
-            cache_position=torch.arange(cache.length, cache.length + t, device=device),
-        )
-    finally:
-        hook.remove()
+    language_model(
+        inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=mask, use_cache=True, **cache_kwarg,
+        cache_position=torch.arange(cache.length, cache.length + t, device=device),
+    )
     cache.advance(token_valid, t)
-    return captured[0]
+    hidden, captured.value = captured.value, None  # hold no activation between passes
+    return hidden
+
+
+class PreNormCapture:
+    """Where the pre-norm hook puts the input of a model's final norm (``value``)."""
+
+    value: Optional[torch.Tensor] = None
+
+    def __call__(self, module: torch.nn.Module, args) -> None:
+        self.value = args[0]  # written, never read, inside a compiled step: nothing to guard on
+
+
+def pre_norm_capture(language_model: torch.nn.Module) -> PreNormCapture:
+    """The `PreNormCapture` that receives the input of ``language_model.norm`` (the pre-norm last hidden state) on each
+    forward.
+
+    The hook is registered once per model and kept: a hook registered and removed around every call would be a new
+    function each round, which a compiled step sees as a changed module and recompiles for. It keeps only the newest
+    input, and `language_model_forward` drops it after reading it.
+    """
+    norm = language_model.norm
+    holder = norm.__dict__.get("_spatial_pre_norm")
+    if holder is None:
+        holder = PreNormCapture()
+        norm.register_forward_pre_hook(holder)
+        norm.__dict__["_spatial_pre_norm"] = holder
+    return holder
 
 
 @functools.lru_cache(maxsize=None)
