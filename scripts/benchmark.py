@@ -33,6 +33,7 @@ import diffusers
 import numpy as np
 import torch
 import transformers
+from torch._dynamo.utils import counters
 
 import spatial_pipelines
 from spatial_pipelines.cli import load_pipeline
@@ -86,25 +87,40 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--compile", action="store_true", help="pipe.enable_compile(): the target forward through torch.compile where measured faster")
+    p.add_argument("--compile", action="store_true",
+                   help="also every row with the target step compiled (pipe.enable_compile on a second copy of the pipeline, "
+                        "static shapes, kept even where slower): rows '<decoder> [compiled]', each also against compiled AR")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
+    p.add_argument("--num-images-per-prompt", type=int, nargs="+", default=[1],
+                   help="images per prompt in one call; several values run every row at each (rows '<decoder> xN')")
     p.add_argument("--out", default="docs/benchmarks")
     return p.parse_args(argv)
 
 
-def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent"):
-    """Generate ``prompts`` (one seeded generator per image); returns outputs, code grids and the summed cost."""
-    outs, grids, cost = [], [], {"passes": 0, "draft_passes": 0, "tokens": 0, "accepted": [], "seconds": 0.0, "tree_depth": [], "tree_width": []}
+def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent", num_images_per_prompt=1):
+    """Generate ``prompts`` (one seeded generator per image, ``num_images_per_prompt`` images of each prompt in one
+    call); returns outputs, code grids and the summed cost (passes and tokens per image)."""
+    outs, grids = [], []
+    cost = {"passes": 0, "draft_passes": 0, "tokens": 0, "images": 0, "accepted": [], "seconds": 0.0, "tree_depth": [], "tree_width": [],
+            "padded": [], "compiled_graphs": 0}
+    n = num_images_per_prompt
     for i in range(0, len(prompts), args.batch_size):
         chunk = prompts[i : i + args.batch_size]
-        gens = [torch.Generator().manual_seed(args.seed + seed_offset + i + j) for j in range(len(chunk))]
+        gens = [torch.Generator().manual_seed(args.seed + seed_offset + (i + j) * n + k) for j in range(len(chunk)) for k in range(n)]
+        graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         out = pipe(chunk, guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
-                   generator=gens, output_type=output_type)
+                   generator=gens, output_type=output_type, num_images_per_prompt=n)
         cost["seconds"] += time.perf_counter() - start
-        cost["passes"] += out.stats.num_forward_passes * len(chunk)
-        cost["draft_passes"] += out.stats.num_draft_passes * len(chunk)
+        cost["compiled_graphs"] += counters["stats"]["unique_graphs"] - graphs  # a timed call that compiled: a recompile
+        images = len(gens)
+        cost["images"] += images
+        cost["passes"] += out.stats.num_forward_passes * images
+        cost["draft_passes"] += out.stats.num_draft_passes * images
         cost["accepted"].append(out.stats.accepted_lengths.float().flatten())
         cost["tokens"] += out.stats.num_tokens
+        if out.stats.padded_fraction is not None:
+            cost["padded"].append(out.stats.padded_fraction)
         if out.stats.mean_tree_depth is not None:  # dynamic trees (EAGLE-2, ADT-Tree)
             cost["tree_depth"].append(out.stats.mean_tree_depth)
             cost["tree_width"].append(out.stats.mean_tree_width)
@@ -173,12 +189,23 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype)).to(args.device)
     pipe.set_progress_bar_config(disable=True)
-    compiled = pipe.enable_compile() if args.compile else None
+    pipes = {False: pipe}
+    compiled = None
+    if args.compile:
+        # a second copy of the weights, compiled: the eager rows keep running eagerly beside it in the same run
+        cpipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype)).to(args.device)
+        cpipe.set_progress_bar_config(disable=True)
+        # one static-shape graph per decoder row and batch: more than dynamo's default limit of 8 graphs per function
+        # in one run (past it dynamo would silently run eager); every timed call's compilations are counted below
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        compiled = cpipe.enable_compile(backend=args.compile_backend, keep_if_slower=True)
+        pipes[True] = cpipe
     heads = {}
-    for path in args.heads:
-        loaded = pipe.load_draft_heads(path)
-        heads[type(loaded).__name__] = (loaded, path)
-    pipe.set_draft_heads(None)
+    for compiled_pipe, p in pipes.items():
+        for path in args.heads:
+            loaded = p.load_draft_heads(path)
+            heads[compiled_pipe, type(loaded).__name__] = (loaded, path)
+        p.set_draft_heads(None)
     resolution = pipe.backbone.layout.height * pipe.backbone.vae_scale_factor
     real = TwemojiDataset(args.split, resolution, limit=args.limit)
     prompts = random.Random(args.seed).sample(real.captions, args.num_prompts)
@@ -199,106 +226,130 @@ def main(argv=None):
         div_rep = [p for p in prompts[: args.diversity_prompts] for _ in range(args.diversity_samples)]
 
     # every row's decoder and heads, then the timed runs interleaved prompt by prompt
-    setups = []
-    for spec, decoder_cls, kwargs in args.decoders:
-        if decoder_cls is None:
-            setups.append((spec, None, None, None))
-            continue
-        decoder = decoder_cls(**kwargs)  # a fresh config: no option leaks from another row
-        need = decoder.draft_heads_class
-        if need is not None and need not in heads:
-            raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
-        setups.append((spec, decoder_cls, decoder, need))
+    setups = []  # (row name, spec, decoder class, decoder, heads class, compiled, images per prompt)
+    for n in args.num_images_per_prompt:
+        for compiled_row in pipes:
+            for spec, decoder_cls, kwargs in args.decoders:
+                name = spec + (f" x{n}" if n != 1 else "") + (" [compiled]" if compiled_row else "")
+                if decoder_cls is None:
+                    if n == 1 and not compiled_row:  # the reference loop: one image, eager
+                        setups.append((name, spec, None, None, None, False, 1))
+                    continue
+                decoder = decoder_cls(**kwargs)  # a fresh config: no option leaks from another row
+                need = decoder.draft_heads_class
+                if need is not None and (compiled_row, need) not in heads:
+                    raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
+                setups.append((name, spec, decoder_cls, decoder, need, compiled_row, n))
     output_type = "pt" if args.quality or args.picture else "latent"
-    # one untimed image per row first (the only warm-up): it resolves "auto" draft sizes (a one-time measurement of the
-    # pass cost per pipeline, charged otherwise to whichever row asks first) and warms each row's code paths
+
+    def use(setup):
+        *_, decoder, need, compiled_row, _ = setup
+        p = pipes[compiled_row]
+        p.decoder = decoder
+        p.set_draft_heads(heads[compiled_row, need][0] if need else None)
+        return p
+
+    # one untimed call per row first (the only warm-up): it resolves "auto" draft sizes (a one-time measurement of the
+    # pass cost per pipeline, charged otherwise to whichever row asks first), compiles the row's step shape and warms
+    # each row's code paths
     warmup = {}
-    for spec, decoder_cls, decoder, need in setups:
+    for setup in setups:
+        name, spec, decoder_cls, decoder, need, compiled_row, n = setup
         start = time.perf_counter()
         if decoder_cls is None:
             minimal_ar_generate(pipe, prompts[:1], guidance, args.temperature, top_k, [torch.Generator().manual_seed(args.seed)])
         else:
-            pipe.decoder = decoder
-            pipe.set_draft_heads(heads[need][0] if need else None)
-            pipe(prompts[:1], guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
-                 generator=torch.Generator().manual_seed(args.seed), output_type="latent")
-        warmup[spec] = time.perf_counter() - start
-    runs = {spec: [] for spec, *_ in setups}
+            use(setup)(prompts[:1], guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
+                       generator=torch.Generator().manual_seed(args.seed), output_type="latent", num_images_per_prompt=n)
+        warmup[name] = time.perf_counter() - start
+    runs = {setup[0]: [] for setup in setups}
     for i in range(0, len(prompts), args.batch_size):
-        for spec, decoder_cls, decoder, need in setups:
+        for setup in setups:
+            name, spec, decoder_cls, decoder, need, compiled_row, n = setup
             if decoder_cls is None:
                 gens = [torch.Generator().manual_seed(args.seed + i + j) for j in range(len(prompts[i : i + args.batch_size]))]
                 start = time.perf_counter()
                 grid = minimal_ar_generate(pipe, prompts[i : i + args.batch_size], guidance, args.temperature, top_k, gens)
-                runs[spec].append((None, grid, {"passes": pipe.backbone.layout.num_tokens * len(gens), "draft_passes": 0,
+                runs[name].append((None, grid, {"passes": pipe.backbone.layout.num_tokens * len(gens), "draft_passes": 0, "images": len(gens),
                                                 "tokens": grid.numel(), "accepted": [torch.ones(1)], "seconds": time.perf_counter() - start}))
                 continue
-            pipe.decoder = decoder
-            pipe.set_draft_heads(heads[need][0] if need else None)
-            runs[spec].append(run_decoder(pipe, prompts[i : i + args.batch_size], args, seed_offset=i, output_type=output_type))
+            quality_row = n == 1 and not compiled_row  # quality columns and pictures: the eager one-image rows
+            runs[name].append(run_decoder(use(setup), prompts[i : i + args.batch_size], args, seed_offset=i,
+                                          output_type=output_type if quality_row else "latent", num_images_per_prompt=n))
 
     rows, pictures = {}, {}
-    for spec, decoder_cls, decoder, need in setups:
-        parts = runs[spec]
-        cost = {k: sum(c[k] for *_, c in parts) for k in ("passes", "draft_passes", "tokens", "seconds")}
+    for setup in setups:
+        name, spec, decoder_cls, decoder, need, compiled_row, n = setup
+        parts = runs[name]
+        cost = {k: sum(c[k] for *_, c in parts) for k in ("passes", "draft_passes", "tokens", "seconds", "images")}
         cost["accepted"] = [a for *_, c in parts for a in c["accepted"]]
+        per_image = {"target_forward_passes_per_image": cost["passes"] / cost["images"], "wall_clock_s": cost["seconds"],
+                     "seconds_per_image": cost["seconds"] / cost["images"], "images_per_s": cost["images"] / cost["seconds"],
+                     "tokens_per_s": cost["tokens"] / cost["seconds"], "warmup_s": warmup[name]}
         if decoder_cls is None:
-            rows[spec] = {
-                "decoder_class": "minimal gpt-fast-style AR loop (scripts/minimal_ar.py)", "decoder_config": {}, "heads": None,
-                "exact": True, "target_forward_passes_per_image": cost["passes"] / len(prompts), "draft_passes_per_image": 0.0,
-                "mean_accepted_length": 1.0, "wall_clock_s": cost["seconds"], "seconds_per_image": cost["seconds"] / len(prompts),
-                "tokens_per_s": cost["tokens"] / cost["seconds"], "warmup_s": warmup[spec],
-            }
-            print(spec, json.dumps(rows[spec]))
+            rows[name] = {"decoder": spec, "compiled": False, "images_per_prompt": 1,
+                          "decoder_class": "minimal gpt-fast-style AR loop (scripts/minimal_ar.py)", "decoder_config": {}, "heads": None,
+                          "exact": True, "draft_passes_per_image": 0.0, "mean_accepted_length": 1.0, **per_image}
+            print(name, json.dumps(rows[name]))
             continue
         images = torch.cat([im for im, _, _ in parts])
         grids = torch.cat([g for _, g, _ in parts])
-        pipe.decoder = decoder
-        pipe.set_draft_heads(heads[need][0] if need else None)
+        p = use(setup)
         config = {k: v for k, v in dict(decoder.config).items() if not k.startswith("_")}
         if getattr(decoder, "sizes_from_pass_cost", False):
             config["resolved_draft_tokens"] = decoder.tree.num_nodes - 1  # what "auto" chose on this device
         row = {
+            "decoder": spec,
+            "compiled": compiled_row,
+            "images_per_prompt": n,
             "decoder_class": decoder_cls.__name__,
             "decoder_config": config,
-            "heads": heads[need][1] if need else None,
+            "heads": heads[compiled_row, need][1] if need else None,
             "exact": decoder.is_exact,
-            "target_forward_passes_per_image": cost["passes"] / len(prompts),
-            "draft_passes_per_image": cost["draft_passes"] / len(prompts),
+            "draft_passes_per_image": cost["draft_passes"] / cost["images"],
             "mean_accepted_length": torch.cat(cost["accepted"]).mean().item(),
-            "wall_clock_s": cost["seconds"],
-            "seconds_per_image": cost["seconds"] / len(prompts),
-            "tokens_per_s": cost["tokens"] / cost["seconds"],
-            "warmup_s": warmup[spec],  # the untimed first image, with any one-time "auto" size measurement
+            **per_image,  # warmup_s: the untimed first call, with any one-time "auto" size measurement or compilation
         }
+        padded = [f for *_, c in parts for f in c.get("padded", [])]
+        if padded:  # static shapes: the share of fed slots that were padding
+            row["padded_fraction"] = float(np.mean(padded))
+        if compiled_row:  # compilations during timed calls (0: every round replayed a warm graph)
+            row["graphs_compiled_while_timed"] = sum(c.get("compiled_graphs", 0) for *_, c in parts)
         depths = [d for *_, c in parts for d in c.get("tree_depth", [])]
         if depths:
             row["mean_tree_depth"] = float(np.mean(depths))
             row["mean_tree_width"] = float(np.mean([w for *_, c in parts for w in c["tree_width"]]))
-        if args.quality:
+        if args.quality and n == 1 and not compiled_row:
             feats = extract_features(effnet, images)
             row["fd_effnet"] = frechet_distance(feats, matched)
             row["retrieval"] = retrieval_accuracy(feats, prompts, real_feats, everything.captions)
-            fit = target_fit(pipe, prompts, grids, args.guidance_scale, args.temperature, args.top_k)
+            fit = target_fit(p, prompts, grids, args.guidance_scale, args.temperature, args.top_k)
             row["target_nll_per_code"] = fit["nll_per_code"].mean().item()
             row["outside_target_support"] = fit["outside_support"].mean().item()
-            div, _, _ = run_decoder(pipe, div_rep, args, seed_offset=10**6, output_type="pt")
+            div, _, _ = run_decoder(p, div_rep, args, seed_offset=10**6, output_type="pt")
             k = args.diversity_samples
             row["lpips_diversity"] = float(np.mean([lpips_diversity(lpips, div[i : i + k]) for i in range(0, len(div), k)]))
-        if args.picture:
+        if args.picture and n == 1 and not compiled_row:
             pictures[spec] = images[: args.picture]
-        rows[spec] = row
-        print(spec, json.dumps(row))
+        rows[name] = row
+        print(name, json.dumps(row))
 
-    base = rows.get("ar")
+    # speed-ups within the run: against eager AR at the same images per prompt, and against AR run the same way
+    def ar_row(compiled_row, n):
+        return next((r for r in rows.values() if r["decoder"] == "ar" and r["compiled"] == compiled_row and r["images_per_prompt"] == n), None)
+
     for r in rows.values():
-        r["speedup_vs_ar"] = base["wall_clock_s"] / r["wall_clock_s"] if base else None
-        r["pass_reduction_vs_ar"] = base["target_forward_passes_per_image"] / r["target_forward_passes_per_image"] if base else None
+        eager_ar, same_ar = ar_row(False, r["images_per_prompt"]), ar_row(r["compiled"], r["images_per_prompt"])
+        r["speedup_vs_ar"] = r["images_per_s"] / eager_ar["images_per_s"] if eager_ar else None
+        r["speedup_vs_compiled_ar"] = r["images_per_s"] / same_ar["images_per_s"] if same_ar and r["compiled"] else None
+        r["pass_reduction_vs_ar"] = (eager_ar["target_forward_passes_per_image"] / r["target_forward_passes_per_image"]
+                                     if eager_ar else None)
     report = {
         "model": args.model or "embedded twemoji_llamagen",
         "num_prompts": len(prompts),
         "prompt_split": args.split,
         "batch_size": args.batch_size,
+        "num_images_per_prompt": args.num_images_per_prompt,
         "sampling": {"guidance_scale": args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale,
                      "temperature": args.temperature,
                      "top_k": args.top_k if args.top_k is not None else pipe.backbone.default_top_k, "seed": args.seed},
@@ -316,13 +367,20 @@ def main(argv=None):
     }
     with open(os.path.join(args.out, "benchmark.json"), "w") as f:
         json.dump(report, f, indent=2)
-    header = "| decoder | exact | target passes / image | mean accepted length | s / image | speed-up vs AR |"
+    header = "| decoder | exact | target passes / image | mean accepted length | s / image | images / s | speed-up vs AR |"
+    if args.compile:
+        header += " speed-up vs compiled AR |"
     if args.quality:
         header += " FD-EffNet | retrieval top-1 / top-5 | LPIPS diversity | target NLL / code | codes outside target support |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, r in rows.items():
         line = (f"| `{name}` | {'yes' if r['exact'] else 'no'} | {r['target_forward_passes_per_image']:.1f} | "
-                f"{r['mean_accepted_length']:.2f} | {r['seconds_per_image']:.2f} | {r['speedup_vs_ar']:.2f}x |")
+                f"{r['mean_accepted_length']:.2f} | {r['seconds_per_image']:.2f} | {r['images_per_s']:.2f} | "
+                f"{r['speedup_vs_ar']:.2f}x |" if r["speedup_vs_ar"] is not None else
+                f"| `{name}` | {'yes' if r['exact'] else 'no'} | {r['target_forward_passes_per_image']:.1f} | "
+                f"{r['mean_accepted_length']:.2f} | {r['seconds_per_image']:.2f} | {r['images_per_s']:.2f} | - |")
+        if args.compile:
+            line += f" {r['speedup_vs_compiled_ar']:.2f}x |" if r.get("speedup_vs_compiled_ar") is not None else " - |"
         if args.quality and "fd_effnet" not in r:
             line += " - | - | - | - | - |"
         elif args.quality:

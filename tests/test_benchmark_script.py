@@ -75,3 +75,30 @@ def test_bench_cost_tables_breakdown_and_plot(tmp_path):
     rates = rows["sjd:window_size=3"]["acceptance_by_depth"]
     assert len(rates) == 3 and all(r is None or 0 <= r <= 1 for r in rates)
     assert "| `sjd:window_size=3` |" in (out / "cost.md").read_text().split("draft 1")[-1]
+
+
+def test_benchmark_compiled_rows_and_batches(tmp_path):
+    """``--compile`` adds every row run on a compiled copy of the pipeline (speed-ups against eager and compiled AR,
+    graphs compiled while timed); ``--num-images-per-prompt`` runs every row at each batch (speed-ups against AR at
+    the same batch)."""
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    out = tmp_path / "bench"
+    run_script("benchmark.py", "--model", str(tmp_path / "model"), "--decoders", "ar", "sjd:window_size=3", "--compile",
+               "--compile-backend", "eager", "--num-images-per-prompt", "1", "2", "--num-prompts", "2", "--limit", "40",
+               "--out", str(out))
+    report = json.loads((out / "benchmark.json").read_text())
+    rows = report["decoders"]
+    assert list(rows) == ["ar", "sjd:window_size=3", "ar [compiled]", "sjd:window_size=3 [compiled]",
+                          "ar x2", "sjd:window_size=3 x2", "ar x2 [compiled]", "sjd:window_size=3 x2 [compiled]"]
+    assert report["num_images_per_prompt"] == [1, 2] and report["compile"]["enabled"]
+    for name, r in rows.items():
+        assert r["images_per_prompt"] == (2 if " x2" in name else 1) and r["compiled"] == name.endswith("[compiled]")
+        assert r["target_forward_passes_per_image"] > 0 and r["images_per_s"] > 0
+        if r["compiled"]:
+            assert r["graphs_compiled_while_timed"] == 0 and r["speedup_vs_compiled_ar"] > 0 and 0 <= r["padded_fraction"] < 1
+        else:
+            assert r["speedup_vs_compiled_ar"] is None and "padded_fraction" not in r
+    assert rows["ar x2"]["speedup_vs_ar"] == 1.0 and rows["ar [compiled]"]["speedup_vs_compiled_ar"] == 1.0
+    assert rows["ar"]["target_forward_passes_per_image"] == rows["ar x2 [compiled]"]["target_forward_passes_per_image"] == 16
+    assert "speed-up vs compiled AR" in (out / "benchmark.md").read_text()

@@ -1,0 +1,262 @@
+#!/usr/bin/env python
+"""One command for a GPU: the roofline and eager-versus-compiled decoding speed on the embedded model and on a
+random-weight 1B-class backbone, in one run, within a time budget.
+
+    python scripts/gpu_check.py --out gpu_check            # on a CUDA machine: the real check (budget 8.5 minutes)
+    python scripts/gpu_check.py --out /tmp/check --dry-run  # anywhere: the same steps on tiny models, in seconds
+
+Steps (each row records its own wall-clock; a step that would overrun ``--budget-s`` is skipped and says so):
+
+1. Roofline (`bench_roofline.py`): ms per AR step against the bandwidth floor, and the cost of verifying K tokens
+   in one pass relative to one AR step, for the embedded model's layout and for ``--big`` (Janus-Pro-1B's trunk by
+   default), in bf16.
+2. Decoding: AR, SJD and Medusa on both models (the embedded model with its shipped heads; the 1B-class
+   backbone with random weights and random heads, class-conditional, so its acceptance is not meaningful and only
+   the cost of a round is), eager and then compiled (`pipe.enable_compile`: static shapes, CUDA graphs), at each
+   ``--num-images-per-prompt``. Each row: images per second, target passes per image, codes per pass, the share
+   of padded slots, graphs compiled while timed (0 expected), and speed-ups against eager AR and compiled AR.
+
+Writes at most 4 files under ``--out``: ``gpu_check.json`` (everything, with device, versions and settings),
+``gpu_check.md`` (the tables), ``roofline.png`` and ``speed.png``.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import diffusers
+import torch
+import transformers
+from torch._dynamo.utils import counters
+
+import spatial_pipelines
+from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, LlamaGenPipeline, MedusaDecoder, SpatialDraftHeads
+from spatial_pipelines.models import LlamaGenTransformer, PatchVQModel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_roofline  # noqa: E402
+
+# Janus-Pro-1B's language model (DeepSeek-LLM 1.5B layout: 24 layers, width 2048, 16 heads, SwiGLU 5632) over
+# Janus' 24x24 grid of 16384 codes; LlamaGen's blocks stand in for the trunk (the cost of a step is the same shape)
+JANUS_PRO_1B = dict(hidden_size=2048, num_layers=24, num_attention_heads=16, intermediate_size=5632, vocab_size=16384,
+                    grid_height=24, grid_width=24, condition_type="class", num_classes=1000, num_condition_tokens=1)
+TINY = dict(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=64, grid_height=4, grid_width=4,
+            condition_type="class", num_classes=10, num_condition_tokens=1)
+PROMPTS = ["grinning face", "red heart", "thumbs up", "smiling face with sunglasses", "fire", "rocket", "cat face", "sun"]
+DECODERS = ("ar", "sjd", "medusa")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--dry-run", action="store_true", help="tiny models, a few images (the default without CUDA)")
+    p.add_argument("--budget-s", type=float, default=510.0, help="stop starting new steps after this many seconds")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts per row (default: 8 on a GPU, 2 in a dry run)")
+    p.add_argument("--num-images-per-prompt", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA")
+    p.add_argument("--compile-backend", default=None, help="default: inductor on CUDA, eager (dynamo only) in a dry run")
+    p.add_argument("--skip-roofline", action="store_true")
+    args = p.parse_args(argv)
+    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.dry_run = args.dry_run or args.device.type != "cuda"
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32"))
+    args.compile_backend = args.compile_backend or ("eager" if args.dry_run else "inductor")
+    args.num_prompts = args.num_prompts or (2 if args.dry_run else 8)
+    for n in args.num_images_per_prompt:
+        if n < 1:
+            p.error(f"--num-images-per-prompt values must be >= 1, got {n}")
+    return args
+
+
+def big_pipeline(config: dict, device, dtype) -> LlamaGenPipeline:
+    """A class-conditional LlamaGen pipeline of random weights built on ``device`` in ``dtype`` (nothing downloaded),
+    with random Medusa heads."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        transformer = LlamaGenTransformer(**config, default_guidance_scale=4.0).to(dtype).eval()
+        vqvae = PatchVQModel(codebook_size=config["vocab_size"], patch_size=4).eval()
+    pipe = LlamaGenPipeline(transformer=transformer, vqvae=vqvae, text_encoder=None, tokenizer=None, decoder=AutoregressiveDecoder())
+    pipe.set_progress_bar_config(disable=True)
+    pipe.set_draft_heads(SpatialDraftHeads.for_backbone(pipe.backbone, MedusaDecoder()))
+    return pipe
+
+
+def embedded_pipeline(device, dtype) -> LlamaGenPipeline:
+    from spatial_pipelines.embedded import default_heads_path, load_default_pipeline
+
+    pipe = load_default_pipeline(torch_dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_draft_heads(default_heads_path())
+    return pipe
+
+
+def make_decoder(name: str):
+    return {"ar": AutoregressiveDecoder, "sjd": JacobiDecoder, "medusa": MedusaDecoder}[name]()
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_rows(pipe, prompts, args, compiled: bool, log) -> dict:
+    """Every decoder at every images-per-prompt on ``pipe`` (one warm-up call per row, then the prompts one by one)."""
+    rows = {}
+    for n in args.num_images_per_prompt:
+        for name in DECODERS:
+            pipe.decoder = make_decoder(name)
+            key = f"{name} x{n}" + (" [compiled]" if compiled else "")
+            start = time.perf_counter()
+            pipe(prompts[:1], num_images_per_prompt=n, generator=torch.Generator().manual_seed(0), output_type="latent")
+            warmup = time.perf_counter() - start
+            graphs, passes, accepted, padded, images = counters["stats"]["unique_graphs"], 0, [], [], 0
+            sync(args.device)
+            start = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                gens = [torch.Generator().manual_seed(1000 * i + k) for k in range(n)]
+                out = pipe(prompt, num_images_per_prompt=n, generator=gens, output_type="latent")
+                passes += out.stats.num_forward_passes * n
+                images += n
+                accepted.append(out.stats.accepted_lengths.float().mean().item())
+                if out.stats.padded_fraction is not None:
+                    padded.append(out.stats.padded_fraction)
+            sync(args.device)
+            seconds = time.perf_counter() - start
+            rows[key] = {
+                "decoder": name, "compiled": compiled, "images_per_prompt": n, "images_per_s": images / seconds,
+                "seconds_per_image": seconds / images, "target_passes_per_image": passes / images,
+                "codes_per_pass": sum(accepted) / len(accepted), "warmup_s": warmup,
+                "padded_fraction": sum(padded) / len(padded) if padded else None,
+                "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs,
+                "draft_size": getattr(getattr(pipe.decoder, "tree", None), "num_nodes", None),
+            }
+            log(f"  {key}: {json.dumps(rows[key])}")
+    return rows
+
+
+def add_speedups(rows: dict) -> None:
+    for r in rows.values():
+        eager = next((a for a in rows.values() if a["decoder"] == "ar" and not a["compiled"] and a["images_per_prompt"] == r["images_per_prompt"]), None)
+        same = next((a for a in rows.values() if a["decoder"] == "ar" and a["compiled"] == r["compiled"] and a["images_per_prompt"] == r["images_per_prompt"]), None)
+        r["speedup_vs_eager_ar"] = r["images_per_s"] / eager["images_per_s"] if eager else None
+        r["speedup_vs_same_ar"] = r["images_per_s"] / same["images_per_s"] if same else None
+
+
+def plot_speed(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m, r in report["decoding"].items() if r.get("rows")]
+    fig, axes = plt.subplots(1, max(len(models), 1), figsize=(5.5 * max(len(models), 1), 3.8), dpi=120, squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = report["decoding"][model]["rows"]
+        labels = list(rows)
+        ax.barh(range(len(labels)), [rows[k]["images_per_s"] for k in labels],
+                color=["tab:orange" if rows[k]["compiled"] else "tab:blue" for k in labels])
+        ax.set_yticks(range(len(labels)), labels, fontsize=6)
+        ax.set_xlabel("images / s")
+        ax.set_title(model, fontsize=8)
+    fig.suptitle(f"{report['device']}, {report['dtype']} (orange: compiled)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    for model, section in report["decoding"].items():
+        lines += [f"### {model}", ""]
+        if "skipped" in section:
+            lines += [f"skipped: {section['skipped']}", ""]
+            continue
+        lines += ["| row | images / s | passes / image | codes / pass | padded | graphs while timed | vs eager AR | vs AR same mode |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for key, r in section["rows"].items():
+            padded = "-" if r["padded_fraction"] is None else f"{100 * r['padded_fraction']:.0f}%"
+            lines.append(f"| `{key}` | {r['images_per_s']:.3f} | {r['target_passes_per_image']:.0f} | {r['codes_per_pass']:.2f} | {padded} | "
+                         f"{r['graphs_compiled_while_timed']} | {r['speedup_vs_eager_ar']:.2f}x | {r['speedup_vs_same_ar']:.2f}x |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    began = time.perf_counter()
+    lines = []
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - began)
+
+    name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+    report = {
+        "device": name, "dtype": str(args.dtype).removeprefix("torch."), "dry_run": args.dry_run, "compile_backend": args.compile_backend,
+        "num_prompts": args.num_prompts, "num_images_per_prompt": args.num_images_per_prompt, "budget_s": args.budget_s,
+        "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__, "diffusers": diffusers.__version__,
+                     "transformers": transformers.__version__, "cuda": torch.version.cuda},
+        "roofline": None, "decoding": {},
+    }
+    # one graph per decoder row, batch and mode: more than dynamo's default limit of 8 per function in one process
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+
+    # 1. roofline
+    if not args.skip_roofline:
+        bench_roofline.PRESETS.setdefault("janus-pro-1b", dict(JANUS_PRO_1B, condition_type="class", num_classes=1))
+        presets = ["tiny"] if args.dry_run else ["embedded-v2", "janus-pro-1b"]
+        ks = ["1", "4"] if args.dry_run else ["1", "4", "16", "64", "256"]
+        roof_args = ["--presets", *presets, "--device", args.device.type, "--dtype", report["dtype"], "--ks", *ks,
+                     "--repeats", "2" if args.dry_run else "20", "--warmup", "1" if args.dry_run else "5", "--out", args.out]
+        start = time.perf_counter()
+        report["roofline"] = bench_roofline.main(roof_args)
+        report["roofline"]["seconds"] = time.perf_counter() - start
+        os.remove(os.path.join(args.out, "roofline.json"))  # kept inside gpu_check.json
+
+    # 2. decoding, eager then compiled, on each model
+    models = {"embedded": lambda: embedded_pipeline(args.device, args.dtype) if not args.dry_run else big_pipeline(TINY, args.device, args.dtype),
+              "janus-pro-1b-layout": lambda: big_pipeline(TINY if args.dry_run else JANUS_PRO_1B, args.device, args.dtype)}
+    for model, build in models.items():
+        if left() < 60 and not args.dry_run:
+            report["decoding"][model] = {"skipped": f"time budget ({args.budget_s:.0f} s) nearly spent"}
+            log(f"{model}: skipped (budget)")
+            continue
+        log(f"{model}:")
+        start = time.perf_counter()
+        pipe = build()
+        prompts = PROMPTS[: args.num_prompts] if pipe.backbone.is_text else list(range(args.num_prompts))
+        rows = time_rows(pipe, prompts, args, compiled=False, log=log)
+        compile_info = None
+        if left() > 90 or args.dry_run:
+            compile_info = pipe.enable_compile(backend=args.compile_backend, keep_if_slower=True)
+            rows.update(time_rows(pipe, prompts, args, compiled=True, log=log))
+        else:
+            log("  compiled rows skipped (budget)")
+        add_speedups(rows)
+        report["decoding"][model] = {"rows": rows, "compile": compile_info, "seconds": time.perf_counter() - start,
+                                     "params": sum(p.numel() for p in pipe.transformer.parameters())}
+        del pipe
+        torch._dynamo.reset()
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    report["seconds"] = time.perf_counter() - began
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    table = markdown(report)
+    with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
+        f.write(table + "\n")
+    plot_speed(report, os.path.join(args.out, "speed.png"))
+    print(table)
+    return report
+
+
+if __name__ == "__main__":
+    main()
