@@ -15,7 +15,15 @@ gpt-fast-style AR loop over the same weights (`scripts/minimal_ar.py`), the floo
 On a CPU the OpenMP threads spin between passes (``OMP_WAIT_POLICY=ACTIVE``, set before torch loads unless you
 set it): a speculative round's small host ops would otherwise put them to sleep before every target pass. Writes ``<out>/benchmark.json``, ``<out>/benchmark.md``, with
 ``--picture N`` ``<out>/decoders_side_by_side.png`` (the first N prompts and seeds under every decoder), and with
-``--quality`` ``<out>/speed_quality.png`` (speed-up against FD-EffNet and target NLL, exact and lossy rows marked).
+``--quality`` ``<out>/speed_quality.png`` (speed-up against FD-EffNet and target NLL, exact and lossy rows marked),
+and with ``--compile`` or several ``--num-images-per-prompt`` ``<out>/batches.png`` (images per second per decoder,
+eager and compiled, one panel per batch).
+
+``--compile`` adds every row run on a second copy of the pipeline with the target step compiled (`enable_compile`:
+static shapes, one graph per row and batch, compiled in the row's warm-up call): rows ``<decoder> [compiled]``,
+with their speed-up against eager AR and against compiled AR, the share of padded slots, and the graphs compiled
+while timed (0 when every round replayed a warm graph). ``--num-images-per-prompt 1 4 8`` runs every row at each
+batch (rows ``<decoder> xN``; speed-ups against AR at the same batch).
 """
 
 import argparse
@@ -121,6 +129,8 @@ def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent", num_im
         cost["tokens"] += out.stats.num_tokens
         if out.stats.padded_fraction is not None:
             cost["padded"].append(out.stats.padded_fraction)
+        if out.stats.batch_wait_fraction is not None:
+            cost.setdefault("batch_wait", []).append(out.stats.batch_wait_fraction)
         if out.stats.mean_tree_depth is not None:  # dynamic trees (EAGLE-2, ADT-Tree)
             cost["tree_depth"].append(out.stats.mean_tree_depth)
             cost["tree_width"].append(out.stats.mean_tree_width)
@@ -179,6 +189,43 @@ def plot_speed_quality(report: dict, path: str) -> None:
     fig.suptitle(f"{report['model']}: {report['num_prompts']} prompts, {report['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def plot_batches(report: dict, path: str) -> None:
+    """Images per second of every decoder at each images-per-prompt, eager and compiled side by side (one group of
+    bars per decoder, one panel per batch), with each bar's speed-up against AR run the same way."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["decoders"].values() if r["decoder_class"] != "minimal gpt-fast-style AR loop (scripts/minimal_ar.py)"]
+    batches = sorted({r["images_per_prompt"] for r in rows})
+    decoders = list(dict.fromkeys(r["decoder"] for r in rows))
+    modes = sorted({r["compiled"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), dpi=120, squeeze=False)
+    width = 0.8 / len(modes)
+    for ax, n in zip(axes[0], batches):
+        for m, compiled_row in enumerate(modes):
+            for d, name in enumerate(decoders):
+                r = next((r for r in rows if r["decoder"] == name and r["compiled"] == compiled_row and r["images_per_prompt"] == n), None)
+                if r is None:
+                    continue
+                x = d + (m - (len(modes) - 1) / 2) * width
+                ax.bar(x, r["images_per_s"], width, color="tab:orange" if compiled_row else "tab:blue",
+                       label=("compiled" if compiled_row else "eager") if d == 0 else None)
+                ratio = r["speedup_vs_compiled_ar"] if compiled_row else r["speedup_vs_ar"]
+                if ratio is not None:
+                    ax.annotate(f"{ratio:.2f}x", (x, r["images_per_s"]), ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(decoders)), decoders, fontsize=7, rotation=30)
+        ax.set_title(f"{n} image(s) per prompt", fontsize=8)
+        ax.set_ylabel("images / s")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{report['model']}: {report['num_prompts']} prompts, {report['device']}, {report['dtype']} "
+                 "(labels: speed-up vs AR run the same way)", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
     plt.close(fig)
 
 
@@ -313,6 +360,9 @@ def main(argv=None):
         padded = [f for *_, c in parts for f in c.get("padded", [])]
         if padded:  # static shapes: the share of fed slots that were padding
             row["padded_fraction"] = float(np.mean(padded))
+        waits = [f for *_, c in parts for f in c.get("batch_wait", [])]
+        if waits:  # several images per call: the share of accepted codes rows dropped waiting for the shortest row
+            row["batch_wait_fraction"] = float(np.mean(waits))
         if compiled_row:  # compilations during timed calls (0: every round replayed a warm graph)
             row["graphs_compiled_while_timed"] = sum(c.get("compiled_graphs", 0) for *_, c in parts)
         depths = [d for *_, c in parts for d in c.get("tree_depth", [])]
@@ -394,6 +444,8 @@ def main(argv=None):
         side_by_side(pictures, prompts[: args.picture], os.path.join(args.out, "decoders_side_by_side.png"))
     if args.quality:
         plot_speed_quality(report, os.path.join(args.out, "speed_quality.png"))
+    if args.compile or len(args.num_images_per_prompt) > 1:
+        plot_batches(report, os.path.join(args.out, "batches.png"))
 
 
 if __name__ == "__main__":

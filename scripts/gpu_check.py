@@ -14,7 +14,8 @@ Steps (each row records its own wall-clock; a step that would overrun ``--budget
    backbone with random weights and random heads, class-conditional, so its acceptance is not meaningful and only
    the cost of a round is), eager and then compiled (`pipe.enable_compile`: static shapes, CUDA graphs), at each
    ``--num-images-per-prompt``. Each row: images per second, target passes per image, codes per pass, the share
-   of padded slots, graphs compiled while timed (0 expected), and speed-ups against eager AR and compiled AR.
+   of padded slots, the share of accepted codes rows dropped waiting for the batch's shortest row, graphs compiled
+   while timed (0 expected), and speed-ups against eager AR and compiled AR.
 
 Writes at most 4 files under ``--out``: ``gpu_check.json`` (everything, with device, versions and settings),
 ``gpu_check.md`` (the tables), ``roofline.png`` and ``speed.png``.
@@ -112,7 +113,7 @@ def time_rows(pipe, prompts, args, compiled: bool, log) -> dict:
             start = time.perf_counter()
             pipe(prompts[:1], num_images_per_prompt=n, generator=torch.Generator().manual_seed(0), output_type="latent")
             warmup = time.perf_counter() - start
-            graphs, passes, accepted, padded, images = counters["stats"]["unique_graphs"], 0, [], [], 0
+            graphs, passes, accepted, padded, waits, images = counters["stats"]["unique_graphs"], 0, [], [], [], 0
             sync(args.device)
             start = time.perf_counter()
             for i, prompt in enumerate(prompts):
@@ -123,6 +124,8 @@ def time_rows(pipe, prompts, args, compiled: bool, log) -> dict:
                 accepted.append(out.stats.accepted_lengths.float().mean().item())
                 if out.stats.padded_fraction is not None:
                     padded.append(out.stats.padded_fraction)
+                if out.stats.batch_wait_fraction is not None:
+                    waits.append(out.stats.batch_wait_fraction)
             sync(args.device)
             seconds = time.perf_counter() - start
             rows[key] = {
@@ -130,6 +133,7 @@ def time_rows(pipe, prompts, args, compiled: bool, log) -> dict:
                 "seconds_per_image": seconds / images, "target_passes_per_image": passes / images,
                 "codes_per_pass": sum(accepted) / len(accepted), "warmup_s": warmup,
                 "padded_fraction": sum(padded) / len(padded) if padded else None,
+                "batch_wait_fraction": sum(waits) / len(waits) if waits else None,
                 "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs,
                 "draft_size": getattr(getattr(pipe.decoder, "tree", None), "num_nodes", None),
             }

@@ -102,3 +102,4 @@ def test_benchmark_compiled_rows_and_batches(tmp_path):
     assert rows["ar x2"]["speedup_vs_ar"] == 1.0 and rows["ar [compiled]"]["speedup_vs_compiled_ar"] == 1.0
     assert rows["ar"]["target_forward_passes_per_image"] == rows["ar x2 [compiled]"]["target_forward_passes_per_image"] == 16
     assert "speed-up vs compiled AR" in (out / "benchmark.md").read_text()
+    assert (out / "batches.png").stat().st_size > 0

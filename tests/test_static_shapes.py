@@ -58,23 +58,29 @@ def test_padding_is_exercised():
     assert _generate(pipe, 1).stats.padded_fraction > 0.1
 
 
-def test_fixed_shape_cache_attends_over_its_whole_length():
-    cache = StaticKVCache(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=4, max_length=16, fixed_shape=True)
+@pytest.mark.parametrize("buckets,lengths", [(1, (16, 16)), (4, (4, 8))])
+def test_fixed_shape_cache_attends_to_fixed_lengths(buckets, lengths):
+    """A fixed-shape cache writes by index and attends to one of ``attend_buckets`` lengths counted back from its end
+    (the shortest that holds every filled slot); slots past the new tokens are never valid."""
+    cache = StaticKVCache(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=4, max_length=16, fixed_shape=True, attend_buckets=buckets)
     assert isinstance(cache, KVCache) and isinstance(TransformersCacheView(cache), KVCache)
     cache.prepare_write(3)
     keys, values = cache.update(0, torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 4))
-    assert keys.shape == values.shape == (2, 1, 16, 4)
+    assert keys.shape == values.shape == (2, 1, lengths[0], 4)
     mask = cache.attention_mask(torch.ones(3, 3, dtype=torch.bool).tril(), None)
-    assert mask.shape == (2, 1, 3, 16) and mask[0, 0, :, :3].equal(torch.ones(3, 3, dtype=torch.bool).tril())
+    assert mask.shape == (2, 1, 3, lengths[0]) and mask[0, 0, :, :3].equal(torch.ones(3, 3, dtype=torch.bool).tril())
     assert not mask[..., 3:].any()  # nothing after the new tokens is valid
     cache.advance(None, 3)
     cache.prepare_write(2)
     mask = cache.attention_mask(torch.ones(2, 2, dtype=torch.bool), None)
-    assert mask[..., :5].all() and not mask[..., 5:].any()
+    assert mask.shape[-1] == lengths[1] and mask[..., :5].all() and not mask[..., 5:].any()
+    assert cache.storage[0, 0, 0, 0, :3].eq(1).all()  # written where prepare_write put them
     with pytest.raises(ValueError, match="prepare_write"):
         cache.update(0, torch.ones(2, 1, 4, 4), torch.ones(2, 1, 4, 4))  # 4 new keys, 2 slots prepared
     with pytest.raises(ValueError, match="overflow"):
         cache.prepare_write(14)  # 3 filled + 14 > 16
+    with pytest.raises(ValueError, match="attend_buckets"):
+        StaticKVCache(1, 1, 1, 4, 16, fixed_shape=True, attend_buckets=0)
 
 
 def test_pad_fed_keeps_real_tokens_apart_from_padding():
@@ -115,7 +121,8 @@ COMPILE_CASES = [
 @pytest.mark.parametrize("family", ["llamagen", "janus"])
 @pytest.mark.parametrize("decoder_cls,kwargs,heads", COMPILE_CASES)
 def test_compiled_step_compiles_once(decoder_cls, kwargs, heads, family):
-    """`enable_compile` (static shapes, ``fullgraph=True``): the warm-up generation compiles one graph, staying under
+    """`enable_compile` (static shapes, ``fullgraph=True``): the warm-up generation compiles one graph per attended
+    length it reaches (the tiny grid's cache fits the first of the cache's `attend_buckets`: one graph), staying under
     dynamo's recompile limit (past it dynamo would fall back to eager without a word, hiding every recompile); a
     second generation with another prompt (another prompt length for Janus) compiles nothing. The dynamo backend
     is "eager": recompiles are decided by dynamo's guards, whatever backend runs the graph."""
@@ -134,3 +141,14 @@ def test_compiled_step_compiles_once(decoder_cls, kwargs, heads, family):
     assert warm.stats.num_forward_passes > 2 and again.tokens.shape == warm.tokens.shape
     pipe.disable_compile()
     assert not pipe.is_compiled and not pipe.static_shapes
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", [c for c in DECODER_CASES if c.id in ("medusa", "sjd-left", "eagle")])
+def test_batch_wait_is_measured(decoder_cls, kwargs, heads):
+    """Rows of a batch advance by the shortest row's accepted run: the stats say what share of the accepted codes the
+    other rows dropped (none at batch 1)."""
+    pipe = dummy_pipeline("llamagen", decoder_cls(**kwargs), heads, grid=(4, 5))
+    one = pipe("a red fox", generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert one.stats.batch_wait_fraction is None
+    many = pipe("a red fox", num_images_per_prompt=4, generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert 0 <= many.stats.batch_wait_fraction < 1

@@ -9,10 +9,13 @@ Two shapes of a pass (``fixed_shape``):
 
 - growing (the default): a pass over ``T`` new tokens attends to slots ``[0, length + T)``; the cheapest in eager
   mode, but the attended length changes every round, so a compiled step would recompile for every length.
-- fixed: a pass attends to all ``max_length`` slots, the mask says which are valid, and the new keys are written
-  by index at ``write_index`` (a tensor, so moving it recompiles nothing). Every round of a generation then has
-  the same shapes: what ``torch.compile(dynamic=False)`` and CUDA graphs need (transformers' ``StaticLayer`` and
-  gpt-fast keep their caches the same way).
+- fixed: a pass attends to a fixed number of slots, the mask says which are valid, and the new keys are written
+  by index at ``write_index`` (a tensor, so moving it recompiles nothing). A few lengths serve a whole generation:
+  ``attend_buckets`` lengths counted back from the end of the cache (``max_length``, ``max_length - step``, ...;
+  ``step = max_length / attend_buckets``), the pass taking the shortest that holds every filled slot. So a compiled
+  step (``torch.compile(dynamic=False)``, CUDA graphs) has at most ``attend_buckets`` shapes per fed length, and the
+  first rounds, with a short cache, do not read the whole of it (transformers' ``StaticLayer`` and gpt-fast attend
+  to the whole cache: ``attend_buckets=1``).
 """
 
 from typing import List, Optional, Protocol, Tuple, runtime_checkable
@@ -58,7 +61,8 @@ class StaticKVCache:
         num_kv_heads (`int`), head_dim (`int`): key/value head shape.
         max_length (`int`): slots to allocate.
         dtype, device: storage of the tensors.
-        fixed_shape (`bool`): every pass attends to all ``max_length`` slots (see the module docstring).
+        fixed_shape (`bool`): passes attend to one of a few fixed lengths (see the module docstring).
+        attend_buckets (`int`): with ``fixed_shape``, how many lengths passes attend to (1: always the whole cache).
     """
 
     def __init__(
@@ -71,7 +75,10 @@ class StaticKVCache:
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device] = None,
         fixed_shape: bool = False,
+        attend_buckets: int = 4,
     ):
+        if not isinstance(attend_buckets, int) or isinstance(attend_buckets, bool) or attend_buckets < 1:
+            raise ValueError(f"`attend_buckets` must be an int >= 1, got {attend_buckets!r}.")
         # one tensor for every layer's keys and values, so compacting an accepted path is one gather and one copy
         # for the whole cache instead of two per layer (per-op dispatch dominates a small model's round)
         self.storage = torch.zeros(num_layers, 2, batch_size, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
@@ -81,7 +88,9 @@ class StaticKVCache:
         self.length = 0  # host-side int: filled slots (never read back from the device)
         self.max_length = max_length
         self.fixed_shape = fixed_shape
+        self.attend_buckets = attend_buckets
         self.write_index: Optional[torch.Tensor] = None  # (T,) slots the next pass writes (fixed shape)
+        self.attend_length = max_length  # slots the next pass attends to (fixed shape; a host int a graph is made for)
 
     def reset(self) -> None:
         """Empty the cache for a new generation (the storage is kept: reusing it keeps its address, which CUDA graphs
@@ -98,17 +107,21 @@ class StaticKVCache:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
         if self.fixed_shape:
             self.write_index = torch.arange(self.length, end, device=self.key_valid.device)  # (T,) no host sync
+            step = -(-self.max_length // self.attend_buckets)
+            # the shortest bucket, counted back from the end, that holds every filled slot
+            self.attend_length = self.max_length - ((self.max_length - end) // step) * step
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write ``key``/``value`` ``(B, H_kv, T, D)`` into slots ``[length, length + T)`` of one layer and return
-        what the pass attends to: that layer's keys/values over ``[0, length + T)`` (growing), or over all
-        ``max_length`` slots (fixed shape: written by index, `prepare_write` first). ``length`` moves on in `advance`."""
+        what the pass attends to: that layer's keys/values over ``[0, length + T)`` (growing), or over
+        ``[0, attend_length)`` (fixed shape: written by index, `prepare_write` first). ``length`` moves on in `advance`."""
         if self.fixed_shape:
             if self.write_index is None or self.write_index.shape[0] != key.shape[2]:
                 raise ValueError(f"Call `prepare_write({key.shape[2]})` before a pass on a fixed-shape cache.")
             self.keys[layer_idx].index_copy_(2, self.write_index, key)  # (B, H_kv, S, D): a fixed-shape write
             self.values[layer_idx].index_copy_(2, self.write_index, value)
-            return self.keys[layer_idx], self.values[layer_idx]
+            a = self.attend_length
+            return self.keys[layer_idx][:, :, :a], self.values[layer_idx][:, :, :a]  # (B, H_kv, A, D)
         end = self.length + key.shape[2]
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
@@ -117,7 +130,7 @@ class StaticKVCache:
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
     def attention_mask(self, new_mask: torch.Tensor, new_valid: Optional[torch.Tensor]) -> torch.Tensor:
-        """Boolean mask ``(B, 1, T, length + T)`` for ``T`` new queries (fixed shape: ``(B, 1, T, max_length)``).
+        """Boolean mask ``(B, 1, T, length + T)`` for ``T`` new queries (fixed shape: ``(B, 1, T, attend_length)``).
 
         Args:
             new_mask: ``(B, T, T)`` or ``(T, T)`` which new tokens see which (causal or a tree mask; every token
@@ -131,8 +144,9 @@ class StaticKVCache:
             if new_valid is not None:  # a padded query sees itself: no NaN rows
                 new = (new & new_valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=new_mask.device)
             # the valid past, then the new tokens' own columns written by index (the slots after them are not valid)
-            mask = self.key_valid[:, None, :].expand(b, t, self.max_length).clone()  # (B, T, S)
-            return mask.index_copy_(2, self.write_index, new)[:, None]  # (B, 1, T, S)
+            a = self.attend_length
+            mask = self.key_valid[:, None, :a].expand(b, t, a).clone()  # (B, T, A)
+            return mask.index_copy_(2, self.write_index, new)[:, None]  # (B, 1, T, A)
         if new_valid is None:  # a decoding round: no padding, the draft's mask already has its diagonal
             b, t = self.key_valid.shape[0], new_mask.shape[-1]
             past = self.key_valid[:, None, : self.length].expand(b, t, self.length)  # (B, T, L)

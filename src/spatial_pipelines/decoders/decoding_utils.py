@@ -22,6 +22,8 @@ DECODER_CONFIG_NAME = "decoder_config.json"
 AUTO = "auto"
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+#: ``"auto"`` keeps the smallest draft whose predicted codes per second are within this share of the best size's.
+AUTO_RATE_TOLERANCE = 0.03
 
 
 def check_int(name: str, value, low: int = 1) -> None:
@@ -83,6 +85,9 @@ class DecodingState:
         fed_size (`int`, *optional*): with static shapes, the number of slots every round feeds the target (the loop
             pads drafts to it); ``None``: each round feeds what its draft holds.
         fed_slots (`int`), padded_slots (`int`): slots fed to the target by the rounds, and how many were padding.
+        row_potential (`torch.Tensor`, *optional*): ``()`` codes the rows of a batch would have committed alone, summed
+            over verification rounds (each row's accepted run and its bonus); ``batch_committed`` (`int`): what they
+            committed together (rows advance by the shortest row's run).
 
     A decoder that carries more between rounds subclasses this dataclass (typed fields with defaults, set in its
     ``init_state``) and names it in its ``state_class``.
@@ -102,6 +107,8 @@ class DecodingState:
     fed_size: Optional[int] = None
     fed_slots: int = 0
     padded_slots: int = 0
+    row_potential: Optional[torch.Tensor] = None
+    batch_committed: int = 0
 
     @property
     def num_remaining(self) -> int:
@@ -360,8 +367,12 @@ class TreeDecoderMixin:
         if hasattr(pass_cost, "measure"):  # a PassCost: measure every size interleaved, in one go
             pass_cost.measure(sorted({tree.num_nodes for tree, _ in candidates}))
         rates = [(tree, (1.0 + accepted) / (pass_cost(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost)))
-                 for tree, accepted in candidates]  # codes per second
-        self.tree = max(rates, key=lambda tr: tr[1])[0]  # ties: the smaller draft (max keeps the first)
+                 for tree, accepted in candidates]  # codes per second, smallest draft first
+        best = max(rate for _, rate in rates)
+        # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so
+        # the argmax follows the timing noise from run to run, while the rising edge before it does not; and every
+        # node also costs outside the target pass (tree walk, masks, KV edits), which the rate does not count
+        self.tree = next(tree for tree, rate in rates if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
         self._resolved_for = (pass_cost, draft_pass_cost)
 
     def _drafting_seconds(self, tree: DraftTree, draft_pass_cost: Optional[Callable[[int], float]]) -> float:
@@ -451,6 +462,10 @@ class TreeDecoderMixin:
             prefix_path = ((acc.path == nodes) | (acc.path < 0)).all()
             shortest, prefix = torch.stack([acc.num_accepted.min(), prefix_path.long()]).tolist()  # the one host read
         n = min(shortest + 1, state.num_remaining)
+        if state.batch_size > 1:  # what rows that accepted more drop by advancing with the shortest (no host read)
+            potential = (acc.num_accepted + 1).clamp_max(state.num_remaining).sum()
+            state.row_potential = potential if state.row_potential is None else state.row_potential + potential
+            state.batch_committed += n * state.batch_size
         path = acc.path[:, :n]  # (B, n) root + the n - 1 accepted nodes whose KV stays
         drafted = tokens.gather(1, path)  # (B, n): column j is the code of accepted node j (all offered: >= 0)
         codes = torch.cat([drafted[:, 1:], acc.bonus[:, None]], 1)  # (B, n)

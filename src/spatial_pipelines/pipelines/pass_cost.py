@@ -26,7 +26,7 @@ class PassCost:
         fixed_shape (`bool`): on a fixed-shape cache (every pass attends to the whole cache), as static-shape rounds run.
     """
 
-    def __init__(self, backbone, rows: int, repeats: int = 9, warmup: int = 2, compiled: bool = False, fixed_shape: bool = False):
+    def __init__(self, backbone, rows: int, repeats: int = 15, warmup: int = 2, compiled: bool = False, fixed_shape: bool = False):
         self.backbone, self.rows, self.repeats, self.warmup = backbone, rows, repeats, warmup
         self.compiled, self.fixed_shape = compiled, fixed_shape
         self.seconds: Dict[int, float] = {}

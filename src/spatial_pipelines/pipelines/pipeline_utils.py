@@ -22,7 +22,7 @@ from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .pass_cost import DraftPassCost, PassCost
-from .static_shapes import eager_target, mark_static_cache, pad_fed, static_cache_length, uses_cuda_graphs
+from .static_shapes import StaticShapesMixin, eager_target
 from ..utils import NULL_TIMER, RoundTimer, atomic_directory, check_number, check_weights_folder
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
@@ -46,6 +46,9 @@ class DecodingStats:
         mean_tree_width (`float`, *optional*): the same for the ``top_k`` the trees were grown with.
         padded_fraction (`float`, *optional*): with static shapes (`SpatialARPipeline.static_shapes`), the share of
             the slots the rounds fed to the target that were padding (the price of one fixed-shape step).
+        batch_wait_fraction (`float`, *optional*): in a batch of several images, the share of the codes the rows had
+            accepted that they did not commit because the rows advance together by the shortest row's run (tree and
+            window decoders; 0: no row waited).
     """
 
     num_forward_passes: int
@@ -58,6 +61,7 @@ class DecodingStats:
     mean_tree_depth: Optional[float] = None
     mean_tree_width: Optional[float] = None
     padded_fraction: Optional[float] = None
+    batch_wait_fraction: Optional[float] = None
 
 
 @dataclass
@@ -246,7 +250,7 @@ class SpatialBackbone(abc.ABC):
         """Code grids ``(B, H, W)`` -> images ``(B, 3, h, w)`` in [-1, 1]."""
 
 
-class SpatialARPipeline(DiffusionPipeline):
+class SpatialARPipeline(StaticShapesMixin, DiffusionPipeline):
     r"""Base of the AR image pipelines: the generation loop, written once for every family and decoder.
 
     Components of a family pipeline: the backbone's modules, a ``decoder`` (a `SpatialDecoderMixin`: the
@@ -598,6 +602,7 @@ class SpatialARPipeline(DiffusionPipeline):
             mean_tree_depth=torch.stack(state.tree_depths).float().mean().item() if getattr(state, "tree_depths", None) else None,
             mean_tree_width=sum(state.tree_widths) / len(state.tree_widths) if getattr(state, "tree_widths", None) else None,
             padded_fraction=state.padded_slots / state.fed_slots if state.fed_size and state.fed_slots else None,
+            batch_wait_fraction=1.0 - state.batch_committed / state.row_potential.item() if state.row_potential is not None else None,
         )
         if not return_dict:
             return images, tokens, stats
@@ -691,127 +696,6 @@ class SpatialARPipeline(DiffusionPipeline):
                 cache.crop(slot + keep_length)  # a prefix stays where it is: no copy
             elif cache.length > slot + fed:  # every fed slot stays, the padding does not
                 cache.crop(slot + fed)
-
-    # -- static shapes ------------------------------------------------------------------------------------
-    @property
-    def static_shapes(self) -> bool:
-        """Whether every round of a generation runs the target with the same shapes: the KV cache attended over its
-        whole (rounded-up) length and every draft padded to the decoder's largest (`static_shapes` module). On by
-        default when the target is compiled (`enable_compile`), off otherwise (eager, the growing slice is cheaper).
-        Set it to ``True``/``False`` to choose, ``None`` for the default. Outputs are the same either way."""
-        chosen = self.__dict__.get("_static_shapes")
-        return self.is_compiled if chosen is None else chosen
-
-    @static_shapes.setter
-    def static_shapes(self, value: Optional[bool]) -> None:
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"`static_shapes` must be True, False or None (the default: on when compiled), got {value!r}.")
-        self.__dict__["_static_shapes"] = value
-
-    def _make_cache(self, backbone: SpatialBackbone, rows: int, needed: int) -> StaticKVCache:
-        """Step 3's KV cache. With static shapes its length is rounded up (one size serves many prompt lengths) and the
-        cache is kept for the next call of the same size: its tensors keep their address, which CUDA graphs replay."""
-        if not self.static_shapes:
-            return backbone.make_cache(rows, needed)
-        length = static_cache_length(needed)
-        cache = self.__dict__.get("_static_cache")
-        weight = backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._execution_device))
-        if (cache is None or cache.max_length != length or cache.storage.shape[2] != rows
-                or cache.storage.dtype != weight.dtype or cache.storage.device != weight.device):
-            cache = backbone.make_cache(rows, length)
-            cache.fixed_shape = True
-            self.__dict__["_static_cache"] = cache
-        cache.reset()
-        mark_static_cache(cache, uses_cuda_graphs(backbone.target_module, cache.storage.device))
-        return cache
-
-    def _pad_round(self, embeds, position_ids, mask, state: DecodingState):
-        """Static shapes: pad the round's fed embeddings ``(R, T', D)`` to ``state.fed_size`` slots (`pad_fed`)."""
-        fed, size = embeds.shape[1], state.fed_size
-        state.fed_slots += size
-        state.padded_slots += size - fed
-        if fed == size:
-            return embeds, position_ids, mask
-        ids = torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)  # padding feeds a zero vector
-        _, position_ids, mask = pad_fed(ids, position_ids, mask, size)
-        embeds = torch.nn.functional.pad(embeds, (0, 0, 0, size - fed))  # (R, F, D)
-        return embeds, position_ids, mask
-
-    def _target_forward(self, backbone: SpatialBackbone, embeds, position_ids, mask, cache) -> torch.Tensor:
-        """The round's target pass. Under CUDA graphs each round is a new graph step and the output is copied out of
-        the graph's memory (the next replay overwrites it, and decoders keep hidden states across rounds)."""
-        graphs = uses_cuda_graphs(backbone.target_module, embeds.device)
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T', D)
-        return hidden.clone() if graphs else hidden
-
-    def enable_compile(
-        self,
-        mode: Optional[str] = None,
-        dynamic: bool = False,
-        fullgraph: Optional[bool] = None,
-        backend: str = "inductor",
-        keep_if_slower: bool = False,
-        measure: bool = True,
-        **kwargs,
-    ) -> Dict[str, Any]:
-        """Compile the round's target step once per shape, and keep it only where it measures faster.
-
-        With the target compiled, `static_shapes` is on: every round of a generation feeds the same number of slots
-        and attends to the whole cache, so one graph serves the whole generation (and every later one of the same
-        batch, draft size and cache size; a new prompt length compiles nothing: the prefill runs eagerly). The first
-        round of each new shape compiles (tens of seconds with inductor on a CPU).
-
-        Args:
-            mode (`str`, *optional*): ``torch.compile``'s mode; default ``"reduce-overhead"`` (CUDA graphs) on a GPU
-                with inductor, none otherwise.
-            dynamic (`bool`): ``False`` (the default): static shapes, one graph per shape.
-            fullgraph (`bool`, *optional*): no graph breaks allowed; default: the backbone's ``supports_fullgraph``.
-            backend (`str`): ``"inductor"``, or ``"eager"`` / ``"aot_eager"`` to check graphs and recompiles quickly.
-            keep_if_slower (`bool`): keep the compiled step even when it measures slower.
-            measure (`bool`): time the eager and compiled passes (one fed token and eight, CFG rows, after warming up)
-                and drop the compiled step unless it is faster; ``False`` keeps it unmeasured.
-            kwargs: further ``torch.compile`` options.
-
-        Returns:
-            ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool, "options": {...}}`` (no timings when
-            ``measure=False``).
-        """
-        backbone = self.backbone
-        module = backbone.target_module
-        on_gpu = self._execution_device.type == "cuda"
-        if mode is None and on_gpu and backend == "inductor":
-            mode = "reduce-overhead"
-        options = dict(backend=backend, dynamic=dynamic,
-                       fullgraph=backbone.supports_fullgraph if fullgraph is None else fullgraph, **kwargs)
-        if mode is not None:
-            options["mode"] = mode
-        rows = 2 if backbone.default_guidance_scale != 1.0 else 1
-        sizes = [1, 8]
-        self.disable_compile()
-        eager = PassCost(backbone, rows, repeats=5, warmup=1).measure(sizes) if measure else {}
-        module.compile(**options)
-        module._spatial_compile_mode = mode  # read by `uses_cuda_graphs`
-        compiled = PassCost(backbone, rows, repeats=5, warmup=2, compiled=True, fixed_shape=True).measure(sizes) if measure else {}
-        enabled = keep_if_slower or not measure or compiled[1] < eager[1]
-        if not enabled:
-            self.disable_compile()
-        self.__dict__["_pass_costs"] = {}  # "auto" sizes are chosen again for the forward that runs now
-        return {"eager_ms": {t: 1e3 * s for t, s in eager.items()}, "compiled_ms": {t: 1e3 * s for t, s in compiled.items()},
-                "enabled": enabled, "options": {k: v for k, v in options.items() if isinstance(v, (str, bool, int, float, type(None)))}}
-
-    def disable_compile(self) -> None:
-        """Undo `enable_compile`: the target forward runs eagerly again."""
-        module = self.backbone.target_module
-        module._compiled_call_impl = None  # what nn.Module.compile sets
-        module._spatial_compile_mode = None
-        self.__dict__["_pass_costs"] = {}
-        self.__dict__.pop("_static_cache", None)
-
-    @property
-    def is_compiled(self) -> bool:
-        return getattr(self.backbone.target_module, "_compiled_call_impl", None) is not None
 
     def pass_cost(self, rows: int) -> PassCost:
         """The measured cost ``c(T)`` of a target pass with ``rows`` batch rows on this pipeline's device and dtype,

@@ -3,9 +3,9 @@ round of a generation with one graph.
 
 Three things change shape from round to round in a speculative loop, and each is fixed here:
 
-- the attended length (the KV cache grows by the accepted count): the cache attends to all its slots instead
-  (`StaticKVCache` with ``fixed_shape=True``), and its length is rounded up to `STATIC_LENGTH_MULTIPLE`, so prompts
-  of different lengths share one cache size;
+- the attended length (the KV cache grows by the accepted count): the cache attends to one of a few fixed lengths
+  counted back from its end (`StaticKVCache` with ``fixed_shape=True``, ``attend_buckets``), and its length is
+  rounded up to `STATIC_LENGTH_MULTIPLE`, so prompts of different lengths share one cache size;
 - the fed length (dynamic trees, end-of-row tokens, a shrinking window at the end of the grid): the draft is
   padded to the decoder's generation-wide maximum (`pad_fed`); padded slots see only themselves, no real token sees
   them, and the loop drops them from the cache after the pass;
@@ -16,13 +16,24 @@ length compiles nothing.
 """
 
 import contextlib
-from typing import Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
 
 import torch
+
+from ..core.kv_cache import StaticKVCache
+
+if TYPE_CHECKING:
+    from ..decoders.decoding_utils import DecodingState
+    from .pipeline_utils import SpatialBackbone
 
 #: Fixed-shape caches are allocated in multiples of this many slots (one graph serves every prompt length that
 #: rounds up to the same size).
 STATIC_LENGTH_MULTIPLE = 256
+
+
+#: `SpatialARPipeline.enable_compile` raises dynamo's per-function recompile limit to at least this: each decoder
+#: configuration compiles one graph per attended length its rounds reach (at most the cache's ``attend_buckets``).
+RECOMPILE_LIMIT = 64
 
 
 def static_cache_length(needed: int) -> int:
@@ -84,21 +95,133 @@ def mark_static_cache(cache, enabled: bool) -> None:
     cache._marked_static = True
 
 
-def count_compiles() -> "CompileCounter":
-    """A `CompileCounter` over the block's dynamo compilations (``with count_compiles() as c: ...; c.frames``)."""
-    return CompileCounter()
+class StaticShapesMixin:
+    """The pipeline's static-shape rounds and compiled step (`SpatialARPipeline` inherits it): `static_shapes`, the
+    round's cache, padding and target call, and `enable_compile` / `disable_compile`."""
 
+    @property
+    def static_shapes(self) -> bool:
+        """Whether every round of a generation runs the target with the same shapes: the KV cache attended over its
+        whole (rounded-up) length and every draft padded to the decoder's largest (`static_shapes` module). On by
+        default when the target is compiled (`enable_compile`), off otherwise (eager, the growing slice is cheaper).
+        Set it to ``True``/``False`` to choose, ``None`` for the default. Outputs are the same either way."""
+        chosen = self.__dict__.get("_static_shapes")
+        return self.is_compiled if chosen is None else chosen
 
-class CompileCounter:
-    """How many graphs dynamo compiled inside a ``with`` block (``frames``), from ``torch._dynamo.utils.counters``."""
+    @static_shapes.setter
+    def static_shapes(self, value: Optional[bool]) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"`static_shapes` must be True, False or None (the default: on when compiled), got {value!r}.")
+        self.__dict__["_static_shapes"] = value
 
-    def __enter__(self) -> "CompileCounter":
-        from torch._dynamo.utils import counters
+    def _make_cache(self, backbone: "SpatialBackbone", rows: int, needed: int) -> StaticKVCache:
+        """Step 3's KV cache. With static shapes its length is rounded up (one size serves many prompt lengths) and the
+        cache is kept for the next call of the same size: its tensors keep their address, which CUDA graphs replay."""
+        if not self.static_shapes:
+            return backbone.make_cache(rows, needed)
+        length = static_cache_length(needed)
+        cache = self.__dict__.get("_static_cache")
+        weight = backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._execution_device))
+        if (cache is None or cache.max_length != length or cache.storage.shape[2] != rows
+                or cache.storage.dtype != weight.dtype or cache.storage.device != weight.device):
+            cache = backbone.make_cache(rows, length)
+            cache.fixed_shape = True
+            self.__dict__["_static_cache"] = cache
+        cache.reset()
+        mark_static_cache(cache, uses_cuda_graphs(backbone.target_module, cache.storage.device))
+        return cache
 
-        self._counters = counters
-        self._start = counters["stats"]["unique_graphs"]
-        self.frames: Optional[int] = None
-        return self
+    def _pad_round(self, embeds, position_ids, mask, state: "DecodingState"):
+        """Static shapes: pad the round's fed embeddings ``(R, T', D)`` to ``state.fed_size`` slots (`pad_fed`)."""
+        fed, size = embeds.shape[1], state.fed_size
+        state.fed_slots += size
+        state.padded_slots += size - fed
+        if fed == size:
+            return embeds, position_ids, mask
+        ids = torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)  # padding feeds a zero vector
+        _, position_ids, mask = pad_fed(ids, position_ids, mask, size)
+        embeds = torch.nn.functional.pad(embeds, (0, 0, 0, size - fed))  # (R, F, D)
+        return embeds, position_ids, mask
 
-    def __exit__(self, *exc) -> None:
-        self.frames = self._counters["stats"]["unique_graphs"] - self._start
+    def _target_forward(self, backbone: "SpatialBackbone", embeds, position_ids, mask, cache) -> torch.Tensor:
+        """The round's target pass. Under CUDA graphs each round is a new graph step and the output is copied out of
+        the graph's memory (the next replay overwrites it, and decoders keep hidden states across rounds)."""
+        graphs = uses_cuda_graphs(backbone.target_module, embeds.device)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T', D)
+        return hidden.clone() if graphs else hidden
+
+    def enable_compile(
+        self,
+        mode: Optional[str] = None,
+        dynamic: bool = False,
+        fullgraph: Optional[bool] = None,
+        backend: str = "inductor",
+        keep_if_slower: bool = False,
+        measure: bool = True,
+        **kwargs,
+    ) -> Dict[str, Any]:
+        """Compile the round's target step once per shape, and keep it only where it measures faster.
+
+        With the target compiled, `static_shapes` is on: every round of a generation feeds the same number of slots
+        and attends to one of a few fixed lengths (`StaticKVCache`'s ``attend_buckets``), so a handful of graphs (one
+        per length reached) serve the whole generation and every later one of the same batch, draft size and cache
+        size; a new prompt length compiles nothing (the prefill runs eagerly). The first round of each new shape
+        compiles (tens of seconds with inductor on a CPU). Dynamo's per-function recompile limit is raised to at least
+        `RECOMPILE_LIMIT` (64), since swapping decoders adds graphs.
+
+        Args:
+            mode (`str`, *optional*): ``torch.compile``'s mode; default ``"reduce-overhead"`` (CUDA graphs) on a GPU
+                with inductor, none otherwise.
+            dynamic (`bool`): ``False`` (the default): static shapes, one graph per shape.
+            fullgraph (`bool`, *optional*): no graph breaks allowed; default: the backbone's ``supports_fullgraph``.
+            backend (`str`): ``"inductor"``, or ``"eager"`` / ``"aot_eager"`` to check graphs and recompiles quickly.
+            keep_if_slower (`bool`): keep the compiled step even when it measures slower.
+            measure (`bool`): time the eager and compiled passes (one fed token and eight, CFG rows, after warming up)
+                and drop the compiled step unless it is faster; ``False`` keeps it unmeasured.
+            kwargs: further ``torch.compile`` options.
+
+        Returns:
+            ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool, "options": {...}}`` (no timings when
+            ``measure=False``).
+        """
+        from .pass_cost import PassCost  # pass_cost imports this module
+
+        backbone = self.backbone
+        module = backbone.target_module
+        on_gpu = self._execution_device.type == "cuda"
+        if mode is None and on_gpu and backend == "inductor":
+            mode = "reduce-overhead"
+        options = dict(backend=backend, dynamic=dynamic,
+                       fullgraph=backbone.supports_fullgraph if fullgraph is None else fullgraph, **kwargs)
+        if mode is not None:
+            options["mode"] = mode
+        rows = 2 if backbone.default_guidance_scale != 1.0 else 1
+        sizes = [1, 8]
+        self.disable_compile()
+        # a graph per fed size and attended length (`attend_buckets`): swapping decoders passes dynamo's default of 8
+        # graphs per function, past which it would fail (fullgraph) or run eagerly without a word
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        eager = PassCost(backbone, rows, repeats=5, warmup=1).measure(sizes) if measure else {}
+        module.compile(**options)
+        module._spatial_compile_mode = mode  # read by `uses_cuda_graphs`
+        compiled = PassCost(backbone, rows, repeats=5, warmup=2, compiled=True, fixed_shape=True).measure(sizes) if measure else {}
+        enabled = keep_if_slower or not measure or compiled[1] < eager[1]
+        if not enabled:
+            self.disable_compile()
+        self.__dict__["_pass_costs"] = {}  # "auto" sizes are chosen again for the forward that runs now
+        return {"eager_ms": {t: 1e3 * s for t, s in eager.items()}, "compiled_ms": {t: 1e3 * s for t, s in compiled.items()},
+                "enabled": enabled, "options": {k: v for k, v in options.items() if isinstance(v, (str, bool, int, float, type(None)))}}
+
+    def disable_compile(self) -> None:
+        """Undo `enable_compile`: the target forward runs eagerly again."""
+        module = self.backbone.target_module
+        module._compiled_call_impl = None  # what nn.Module.compile sets
+        module._spatial_compile_mode = None
+        self.__dict__["_pass_costs"] = {}
+        self.__dict__.pop("_static_cache", None)
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self.backbone.target_module, "_compiled_call_impl", None) is not None

@@ -1,0 +1,18 @@
+"""scripts/check_auto_sizes.py: fresh processes resolve "auto" draft sizes on a saved pipeline and the report says
+whether they agreed (the choice itself depends on the machine's timings, so only its form is asserted)."""
+
+import json
+
+from script_runner import run_script
+from spatial_pipelines.testing import dummy_pipeline
+
+
+def test_fresh_processes_report_their_choices(tmp_path):
+    dummy_pipeline("llamagen", grid=(4, 4)).save_pretrained(tmp_path / "model")
+    run_script("check_auto_sizes.py", "--model", str(tmp_path / "model"), "--processes", "2", "--decoders", "sjd", "medusa",
+               "--threads", "1", "--out", str(tmp_path / "out"))
+    report = json.loads((tmp_path / "out" / "auto_sizes.json").read_text())
+    assert len(report["processes"]) == 2 and set(report["agreed"]) == {"sjd", "medusa"}
+    for run in report["processes"]:
+        assert all(isinstance(n, int) and n >= 1 for n in run["chosen"].values())
+        assert run["pass_cost_ms"] and all(ms > 0 for ms in run["pass_cost_ms"].values())
