@@ -62,7 +62,8 @@ def test_padding_is_exercised():
 def test_fixed_shape_cache_attends_to_fixed_lengths(buckets, lengths):
     """A fixed-shape cache writes by index and attends to one of ``attend_buckets`` lengths counted back from its end
     (the shortest that holds every filled slot); slots past the new tokens are never valid."""
-    cache = StaticKVCache(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=4, max_length=16, fixed_shape=True, attend_buckets=buckets)
+    cache = StaticKVCache(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=4, max_length=16, fixed_shape=True,
+                          attend_buckets=buckets, min_attend_step=1)
     assert isinstance(cache, KVCache) and isinstance(TransformersCacheView(cache), KVCache)
     cache.prepare_write(3)
     keys, values = cache.update(0, torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 4))
@@ -81,6 +82,9 @@ def test_fixed_shape_cache_attends_to_fixed_lengths(buckets, lengths):
         cache.prepare_write(14)  # 3 filled + 14 > 16
     with pytest.raises(ValueError, match="attend_buckets"):
         StaticKVCache(1, 1, 1, 4, 16, fixed_shape=True, attend_buckets=0)
+    lengths = lambda size: sorted({c.max_length - ((c.max_length - e) // c.attend_step) * c.attend_step  # noqa: E731
+                                   for c in [StaticKVCache(1, 1, 1, 4, size, fixed_shape=True)] for e in range(1, size + 1)})
+    assert lengths(768) == [256, 512, 768] and lengths(256) == [256] and lengths(2048) == [512, 1024, 1536, 2048]
 
 
 def test_pad_fed_keeps_real_tokens_apart_from_padding():

@@ -11,8 +11,9 @@ Two shapes of a pass (``fixed_shape``):
   mode, but the attended length changes every round, so a compiled step would recompile for every length.
 - fixed: a pass attends to a fixed number of slots, the mask says which are valid, and the new keys are written
   by index at ``write_index`` (a tensor, so moving it recompiles nothing). A few lengths serve a whole generation:
-  ``attend_buckets`` lengths counted back from the end of the cache (``max_length``, ``max_length - step``, ...;
-  ``step = max_length / attend_buckets``), the pass taking the shortest that holds every filled slot. So a compiled
+  at most ``attend_buckets`` lengths counted back from the end of the cache (``max_length``, ``max_length - step``,
+  ...; ``step = max(max_length / attend_buckets, min_attend_step)``), the pass taking the shortest that holds every
+  filled slot. So a compiled
   step (``torch.compile(dynamic=False)``, CUDA graphs) has at most ``attend_buckets`` shapes per fed length, and the
   first rounds, with a short cache, do not read the whole of it (transformers' ``StaticLayer`` and gpt-fast attend
   to the whole cache: ``attend_buckets=1``).
@@ -63,6 +64,9 @@ class StaticKVCache:
         dtype, device: storage of the tensors.
         fixed_shape (`bool`): passes attend to one of a few fixed lengths (see the module docstring).
         attend_buckets (`int`): with ``fixed_shape``, how many lengths passes attend to (1: always the whole cache).
+        min_attend_step (`int`): the lengths are at least this many slots apart (fewer buckets on a short cache). With
+            the pipeline's caches (a multiple of 256 slots, less than 256 of them unused) every generation then ends in
+            the last length, so the lengths a generation reaches do not depend on its prompt's length beyond the first.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class StaticKVCache:
         device: Optional[torch.device] = None,
         fixed_shape: bool = False,
         attend_buckets: int = 4,
+        min_attend_step: int = 256,
     ):
         if not isinstance(attend_buckets, int) or isinstance(attend_buckets, bool) or attend_buckets < 1:
             raise ValueError(f"`attend_buckets` must be an int >= 1, got {attend_buckets!r}.")
@@ -89,6 +94,7 @@ class StaticKVCache:
         self.max_length = max_length
         self.fixed_shape = fixed_shape
         self.attend_buckets = attend_buckets
+        self.attend_step = max(-(-max_length // attend_buckets), min_attend_step)  # lengths: max_length - k * step
         self.write_index: Optional[torch.Tensor] = None  # (T,) slots the next pass writes (fixed shape)
         self.attend_length = max_length  # slots the next pass attends to (fixed shape; a host int a graph is made for)
 
@@ -107,9 +113,8 @@ class StaticKVCache:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
         if self.fixed_shape:
             self.write_index = torch.arange(self.length, end, device=self.key_valid.device)  # (T,) no host sync
-            step = -(-self.max_length // self.attend_buckets)
-            # the shortest bucket, counted back from the end, that holds every filled slot
-            self.attend_length = self.max_length - ((self.max_length - end) // step) * step
+            # the shortest length, counted back from the end by attend_step, that holds every filled slot
+            self.attend_length = self.max_length - ((self.max_length - end) // self.attend_step) * self.attend_step
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write ``key``/``value`` ``(B, H_kv, T, D)`` into slots ``[length, length + T)`` of one layer and return
