@@ -42,30 +42,31 @@ def static_cache_length(needed: int) -> int:
 
 
 def pad_fed(
-    input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, size: int
+    fed: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, size: int
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pad a round's fed tokens to ``size`` slots.
 
     Args:
-        input_ids: ``(B, T)`` fed codes; position_ids: ``(T,)`` or ``(B, T)``; attention_mask: ``(T, T)`` or
-            ``(B, T, T)`` (which fed tokens see which).
+        fed: ``(B, T)`` fed codes or ``(B, T, D)`` their embeddings; position_ids: ``(T,)`` or ``(B, T)``;
+            attention_mask: ``(T, T)`` or ``(B, T, T)`` (which fed tokens see which).
         size (`int`): the generation-wide fed length (``T <= size``).
 
     Returns:
-        The three padded to ``size``: padded slots feed code 0 at the last real position (inside the RoPE table),
-        see only themselves, and no real token sees them, so the real tokens' outputs are those of the unpadded pass.
+        The three padded to ``size``: padded slots feed zeros (code 0, or a zero embedding) at the last real position
+        (inside the RoPE table), see only themselves, and no real token sees them, so the real tokens' outputs are
+        those of the unpadded pass.
     """
-    t = input_ids.shape[1]
+    t = fed.shape[1]
     if t == size:
-        return input_ids, position_ids, attention_mask
+        return fed, position_ids, attention_mask
     if t > size:
         raise ValueError(f"A round fed {t} tokens, more than the {size} the decoder declared (`max_draft_tokens`).")
     pad = size - t
-    input_ids = torch.nn.functional.pad(input_ids, (0, pad))  # (B, size)
+    fed = torch.nn.functional.pad(fed, (0, 0) * (fed.dim() - 2) + (0, pad))  # (B, size) or (B, size, D)
     position_ids = torch.cat([position_ids, position_ids[..., -1:].expand(*position_ids.shape[:-1], pad)], -1)
     mask = torch.eye(size, dtype=torch.bool, device=attention_mask.device).expand(*attention_mask.shape[:-2], size, size).clone()
     mask[..., :t, :t] = attention_mask  # (B?, size, size)
-    return input_ids, position_ids, mask
+    return fed, position_ids, mask
 
 
 @contextlib.contextmanager
@@ -121,9 +122,8 @@ class StaticShapesMixin:
             return backbone.make_cache(rows, needed)
         length = static_cache_length(needed)
         cache = self.__dict__.get("_static_cache")
-        weight = backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._execution_device))
         if (cache is None or cache.max_length != length or cache.storage.shape[2] != rows
-                or cache.storage.dtype != weight.dtype or cache.storage.device != weight.device):
+                or cache.storage.dtype != backbone.dtype or cache.storage.device != self._execution_device):
             cache = backbone.make_cache(rows, length)
             cache.fixed_shape = True
             self.__dict__["_static_cache"] = cache
@@ -136,12 +136,7 @@ class StaticShapesMixin:
         fed, size = embeds.shape[1], state.fed_size
         state.fed_slots += size
         state.padded_slots += size - fed
-        if fed == size:
-            return embeds, position_ids, mask
-        ids = torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)  # padding feeds a zero vector
-        _, position_ids, mask = pad_fed(ids, position_ids, mask, size)
-        embeds = torch.nn.functional.pad(embeds, (0, 0, 0, size - fed))  # (R, F, D)
-        return embeds, position_ids, mask
+        return pad_fed(embeds, position_ids, mask, size)  # (R, F, D): padding feeds a zero vector
 
     def _target_forward(self, backbone: "SpatialBackbone", embeds, position_ids, mask, cache) -> torch.Tensor:
         """The round's target pass. Under CUDA graphs each round is a new graph step and the output is copied out of
