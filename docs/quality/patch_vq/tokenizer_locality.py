@@ -1,5 +1,5 @@
 """How local is a VQ tokenizer? Groups identical 4x4 pixel patches of the Twemoji training images and reports how
-often a patch gets its group's most common code, and how many codes the plain white patches get (ninth session).
+often a patch gets its group's most common code, and how many codes the plain white patches get (2026-11-24, commit `ef699b4`).
 
     python docs/quality/patch_vq/tokenizer_locality.py PATH/TO/vqvae
 """
