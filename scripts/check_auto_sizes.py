@@ -26,6 +26,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="pipeline folder (default: the embedded model)")
     p.add_argument("--decoders", nargs="+", default=["sjd", "medusa", "hawk"], choices=["sjd", "medusa", "hawk"])
     p.add_argument("--processes", type=int, default=5)
+    p.add_argument("--heads", default=None, help="draft heads folder for decoders that need them (default: the embedded model's)")
     p.add_argument("--images", type=int, default=1, help="images per call the sizes are chosen for")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -42,25 +43,34 @@ def parse_args(argv=None):
 
 
 def worker(args) -> dict:
-    """In a fresh process: the sizes ``"auto"`` chooses for each decoder, and the pass costs they came from (the
-    choice needs no heads: it weighs the decoder's prior against the measured cost)."""
+    """In a fresh process: the sizes ``"auto"`` chooses for each decoder as a generation would (`resolve_draft_sizes`,
+    with the decoder's heads loaded), the pass costs and the fitted curve they came from, and each decoder's
+    measured round overhead."""
     import torch
 
-    from spatial_pipelines.cli import load_pipeline
+    from spatial_pipelines.cli import embedded_heads_path, load_pipeline
     from spatial_pipelines.decoders import DECODERS
     from spatial_pipelines.embedded import default_model_path
 
     torch.set_num_threads(args.threads)
     pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype))
-    rows = args.images * (2 if pipe.backbone.default_guidance_scale != 1.0 else 1)
-    rows = min(rows, 4 * (2 if pipe.backbone.default_guidance_scale != 1.0 else 1))  # as the loop measures
-    cost = pipe.pass_cost(rows)
-    chosen = {}
+    chosen, overhead = {}, {}
     for name in args.decoders:
         decoder = DECODERS[name]()
-        decoder.resolve_draft_size(cost)
+        pipe.decoder = decoder
+        if decoder.draft_heads_class is not None:
+            pipe.load_draft_heads(args.heads or embedded_heads_path(decoder.draft_heads_class))
+        pipe.resolve_draft_sizes(args.images)
         chosen[name] = decoder.tree.num_nodes - 1
-    return {"chosen": chosen, "pass_cost_ms": {str(t): 1e3 * s for t, s in sorted(cost.seconds.items())}}
+        for kept in pipe.__dict__.get("_round_overheads", {}).values():
+            if kept.decoder is decoder:
+                overhead[name] = {str(n): 1e3 * s for n, s in sorted(kept.seconds.items())}
+    costs = next(iter(pipe.__dict__["_pass_costs"].values()))
+    fit = costs.fitted()
+    return {"chosen": chosen, "pass_cost_ms": {str(t): 1e3 * s for t, s in sorted(costs.seconds.items())},
+            "fitted_pass_cost_ms": {"base": 1e3 * fit.base, "slope": 1e3 * fit.slope, "extra_slope": 1e3 * fit.extra_slope,
+                                    "knee": fit.knee},
+            "round_overhead_ms": overhead}
 
 
 def main(argv=None):
@@ -73,6 +83,8 @@ def main(argv=None):
                "--threads", str(args.threads), "--dtype", args.dtype]
     if args.model:
         command += ["--model", args.model]
+    if args.heads:
+        command += ["--heads", args.heads]
     runs = []
     for i in range(args.processes):
         done = subprocess.run(command, capture_output=True, text=True, check=True)

@@ -2,6 +2,8 @@
 round, "auto" draft sizes chosen from the measured pass cost, the vectorised tree walk equal in distribution to
 the sequential one, and the round timer's sections."""
 
+import random
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from spatial_pipelines.core import RandomSource
 from spatial_pipelines.core.acceptance import verify_tree, verify_tree_sequential
 from spatial_pipelines.core.tree import tree_from_paths
 from spatial_pipelines.decoders.decoding_utils import AUTO_RATE_TOLERANCE, best_subtree, node_priors
+from spatial_pipelines.pipelines.pass_cost import RoundOverhead, fit_pass_cost
 from spatial_pipelines.testing import dummy_pipeline
 from test_decoders import DECODER_CASES, make
 
@@ -115,7 +118,8 @@ def test_auto_tree_size_weighs_the_drafter_passes(decoder_cls):
 def test_pipeline_measures_the_drafter_pass_for_eagle_auto_sizes():
     pipe = dummy_pipeline("llamagen", EagleDecoder(depth=3, top_k=2), "random", grid=(4, 5))
     pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
-    pass_cost, drafter = pipe.decoder._resolved_for
+    pass_cost, drafter, overhead = pipe.decoder._resolved_for
+    assert overhead is None  # a drafter's passes are timed as passes, not on dry rounds
     assert drafter is pipe.draft_pass_cost(2) and drafter.seconds and all(s > 0 for s in drafter.seconds.values())
     assert MedusaDecoder.uses_drafter_passes is False
 
@@ -129,6 +133,80 @@ def test_auto_size_is_resolved_once_per_pipeline_and_serves_the_invariants():
     assert len(costs) > 3 and all(s > 0 for s in costs.values())
     assert pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent").tokens.equal(greedy.tokens)
     assert pipe.decoder.tree.num_nodes == chosen and pipe.pass_cost(4).seconds == costs  # measured once
+
+
+def test_fitted_pass_cost_recovers_the_curve_and_never_falls():
+    """A flat-then-rising (weight-bound, then compute-bound) curve and a straight one are recovered from their
+    points, and the fit never falls as ``T`` grows."""
+    sizes = [2, 3, 4, 5, 6, 7, 9, 11, 13, 17, 21, 25, 33, 49, 65]
+    gpu = fit_pass_cost({t: 1.0 + 0.05 * max(0, t - 17) for t in sizes})
+    assert gpu.knee == 17 and abs(gpu.base - 1.0) < 1e-9 and abs(gpu.slope) < 1e-9 and abs(gpu.extra_slope - 0.05) < 1e-9
+    cpu = fit_pass_cost({t: 7.0 + 0.2 * t for t in sizes})
+    assert all(abs(cpu(t) - (7.0 + 0.2 * t)) < 1e-9 for t in sizes)
+    noisy = fit_pass_cost({t: (9.0 if t == 2 else 7.0 + 0.2 * t) for t in sizes})  # T = 2 read 1.6 ms (21%) slow
+    assert all(noisy(a) <= noisy(b) for a, b in zip(sizes, sizes[1:]))
+    with pytest.raises(ValueError, match="seconds"):
+        fit_pass_cost({})
+
+
+class _Timings:
+    """A `PassCost` stand-in: "measures" ``seconds(T)`` and fits like `PassCost.fitted`."""
+
+    def __init__(self, seconds):
+        self.timing, self.seconds = seconds, {}
+
+    def measure(self, sizes):
+        self.seconds.update({t: self.timing(t) for t in sizes})
+
+    def fitted(self, sizes):
+        return fit_pass_cost({t: self.seconds[t] for t in sizes})
+
+
+@pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
+def test_auto_size_from_the_fitted_curve_holds_under_timing_noise(decoder_cls, size_arg):
+    """Timings with 2% noise per size (seeded, 30 draws) on this VM's curve shape (7 ms + 0.2 ms per fed token):
+    sizes chosen from the fitted curve agree far more often than sizes read off each noisy point."""
+    rng = random.Random(0)
+    fitted, raw = [], []
+    for _ in range(30):
+        noise = {t: 1 + rng.gauss(0, 0.02) for t in range(1, 70)}
+        timing = lambda t, noise=noise: (7.0 + 0.2 * t) * noise[t]  # noqa: E731
+        for chosen, cost in ((fitted, _Timings(timing)), (raw, timing)):
+            decoder = decoder_cls(**{size_arg: "auto"})
+            decoder.resolve_draft_size(cost)
+            chosen.append(decoder.tree.num_nodes)
+    share = lambda sizes: max(sizes.count(n) for n in sizes) / len(sizes)  # noqa: E731
+    assert share(fitted) >= 0.85 and share(fitted) > share(raw) and len(set(fitted)) < len(set(raw))
+
+
+@pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
+def test_auto_size_counts_the_round_outside_the_pass(decoder_cls, size_arg):
+    """Work per node outside the target pass makes "auto" choose a smaller draft than the pass cost alone; a fixed
+    cost per round (amortised over more accepted codes) a larger one, never smaller."""
+    pass_cost = lambda t: 1.0 + 0.04 * t  # noqa: E731
+    alone = decoder_cls(**{size_arg: "auto"})
+    alone.resolve_draft_size(pass_cost)
+    per_node = decoder_cls(**{size_arg: "auto"})
+    per_node.resolve_draft_size(pass_cost, round_overhead=lambda tree: 0.2 * tree.num_nodes)
+    per_round = decoder_cls(**{size_arg: "auto"})
+    per_round.resolve_draft_size(pass_cost, round_overhead=lambda tree: 1.0)
+    assert per_node.tree.num_nodes < alone.tree.num_nodes <= per_round.tree.num_nodes
+
+
+def test_pipeline_times_the_decoders_own_work_on_dry_rounds():
+    """A call with "auto" Medusa times the decoder's own round (propose, CFG mix, step) per candidate tree on dry
+    rounds, once per pipeline; the decoder keeps the tree it chose, and greedy output is unchanged by the choice."""
+    pipe = dummy_pipeline("llamagen", MedusaDecoder(), "random", grid=(4, 5))
+    out = pipe("a fox", temperature=0, output_type="latent")
+    _, drafter, overhead = pipe.decoder._resolved_for
+    assert drafter is None and isinstance(overhead, RoundOverhead) and overhead.decoder is pipe.decoder
+    candidates = {pipe.decoder._sized_tree(n)[0].num_nodes for n in pipe.decoder._draft_sizes()}
+    assert set(overhead.seconds) == candidates and all(s > 0 for s in overhead.seconds.values())
+    chosen, timed = pipe.decoder.tree, dict(overhead.seconds)
+    assert pipe("a fox", temperature=0, output_type="latent").tokens.equal(out.tokens)
+    assert pipe.decoder.tree is chosen and overhead.seconds == timed  # timed once
+    fixed = dummy_pipeline("llamagen", MedusaDecoder(num_draft_tokens=chosen.num_nodes - 1), "random", grid=(4, 5))
+    assert fixed("a fox", temperature=0, output_type="latent").tokens.equal(out.tokens)  # same seed, same weights
 
 
 @pytest.mark.parametrize("bad", [0, -2, "big", 1.5, True])

@@ -39,6 +39,16 @@ def check_draft_size(name: str, value, low: int = 1) -> None:
         raise ValueError(f"`{name}` must be \"auto\" or an int >= {low}, got {value!r}.")
 
 
+def _fit_affine(seconds: dict) -> Callable[[int], float]:
+    """``a + b * n`` (``b >= 0``) through ``{n: seconds}`` by least squares: a decoder's walk grows about linearly with
+    its tree, and the fit spreads one size's timing noise over all of them."""
+    n = torch.tensor(sorted(seconds), dtype=torch.float64)
+    y = torch.tensor([seconds[k] for k in sorted(seconds)], dtype=torch.float64)
+    slope = 0.0 if len(n) < 2 else max(0.0, float(((n - n.mean()) * (y - y.mean())).sum() / ((n - n.mean()) ** 2).sum()))
+    base = float(y.mean() - slope * n.mean())
+    return lambda k: base + slope * k
+
+
 def node_priors(tree: DraftTree, first_rate: float, sibling_decay: float) -> List[float]:
     """Prior probability that each node lies on the accepted path: the sibling tried ``r``-th is accepted with
     ``first_rate * sibling_decay**r`` once its parent is reached and its earlier siblings failed (root: 1)."""
@@ -226,9 +236,12 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 
     uses_drafter_passes: bool = False  # drafts with passes of a drafter model (EAGLE-2): "auto" sizes weigh their cost
 
-    def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None) -> None:
-        """Fix ``"auto"`` sizes from ``pass_cost(T)``, the measured seconds of a target pass over ``T`` fed tokens, and
-        (decoders that ``uses_drafter_passes``) ``draft_pass_cost(T)``, those of a drafter pass over ``T`` nodes."""
+    def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None,
+                           round_overhead: Optional[Callable[[Any], float]] = None) -> None:
+        """Fix ``"auto"`` sizes from ``pass_cost(T)``, the measured seconds of a target pass over ``T`` fed tokens,
+        and what a round costs outside it: ``round_overhead(tree)`` (`RoundOverhead`: the decoder's own work per
+        candidate tree) or ``draft_pass_cost(T)`` (decoders that ``uses_drafter_passes``: a drafter pass over ``T``
+        nodes)."""
 
     def check_compatibility(self, layout: ImageTokenLayout, draft_heads=None) -> None:
         """Raise `ValueError` if this decoder cannot serve ``layout`` with ``draft_heads``."""
@@ -359,21 +372,30 @@ class TreeDecoderMixin:
     def sizes_from_pass_cost(self) -> bool:
         return self._size == AUTO
 
-    def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None) -> None:
+    def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None,
+                           round_overhead: Optional[Callable[[DraftTree], float]] = None) -> None:
         resolved = self._resolved_for
-        if self._size != AUTO or (resolved is not None and resolved[0] is pass_cost and resolved[1] is draft_pass_cost):
+        if self._size != AUTO or (resolved is not None and all(a is b for a, b in zip(resolved, (pass_cost, draft_pass_cost, round_overhead)))):
             return  # once per pipeline cost model
         candidates = [self._sized_tree(n) for n in self._draft_sizes()]  # (tree, expected accepted drafts)
-        if hasattr(pass_cost, "measure"):  # a PassCost: measure every size interleaved, in one go
-            pass_cost.measure(sorted({tree.num_nodes for tree, _ in candidates}))
-        rates = [(tree, (1.0 + accepted) / (pass_cost(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost)))
-                 for tree, accepted in candidates]  # codes per second, smallest draft first
+        target = pass_cost
+        if hasattr(pass_cost, "measure"):  # a PassCost: measure every size interleaved, in one go, and fit a curve
+            sizes = sorted({tree.num_nodes for tree, _ in candidates})
+            pass_cost.measure(sizes)
+            target = pass_cost.fitted(sizes)  # through these sizes only: what another decoder measured changes nothing
+        if round_overhead is not None:  # measured per tree: the decoder's drafting and walk
+            trees = [tree for tree, _ in candidates]
+            measured = round_overhead.measure(trees) if hasattr(round_overhead, "measure") else {t.num_nodes: round_overhead(t) for t in trees}
+            outside = _fit_affine(measured)
+            cost = [target(tree.num_nodes) + outside(tree.num_nodes) for tree in trees]
+        else:
+            cost = [target(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost) for tree, _ in candidates]
+        rates = [(tree, (1.0 + accepted) / seconds) for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
         best = max(rate for _, rate in rates)
         # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so
-        # the argmax follows the timing noise from run to run, while the rising edge before it does not; and every
-        # node also costs outside the target pass (tree walk, masks, KV edits), which the rate does not count
+        # the argmax would follow what timing noise is left in the fitted curves from run to run
         self.tree = next(tree for tree, rate in rates if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
-        self._resolved_for = (pass_cost, draft_pass_cost)
+        self._resolved_for = (pass_cost, draft_pass_cost, round_overhead)
 
     def _drafting_seconds(self, tree: DraftTree, draft_pass_cost: Optional[Callable[[int], float]]) -> float:
         """Seconds of drafter passes a round with ``tree`` adds to the target pass (none here: head passes are a few

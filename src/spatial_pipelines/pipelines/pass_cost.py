@@ -5,12 +5,31 @@ weight-bound device a pass over 16 tokens costs about what a pass over 1 does, o
 """
 
 import contextlib
+import random
+import statistics
 import time
-from typing import Dict
+from dataclasses import dataclass
+from typing import Dict, List
 
+import numpy as np
 import torch
 
+from ..core.sampling import RandomSource, cfg_mix
 from .static_shapes import eager_target
+
+
+def sweep_estimate(times: Dict[int, List[float]]) -> Dict[int, float]:
+    """Seconds per size from sweeps that timed every size once (``times[size][i]``: sweep ``i``).
+
+    A sweep takes a fraction of a second, so a slow spell of a shared machine scales a whole sweep: each size's shape
+    is the median over sweeps of its time relative to its sweep's mean, and the level is the quietest sweep's mean.
+    (Per-size medians moved by 5-10% between processes on a busy 2-core VM, and per-size minimums caught one size in
+    a quiet moment and the others not, moving the chosen draft size.)"""
+    sizes = list(times)
+    sweeps = len(times[sizes[0]])
+    means = [sum(times[t][i] for t in sizes) / len(sizes) for i in range(sweeps)]
+    level = min(means)
+    return {t: level * statistics.median(times[t][i] / means[i] for i in range(sweeps)) for t in sizes}
 
 
 class PassCost:
@@ -20,7 +39,7 @@ class PassCost:
     Args:
         backbone: the pipeline's `SpatialBackbone`.
         rows (`int`): batch rows of a pass (2 with CFG at batch 1).
-        repeats (`int`), warmup (`int`): timed and untimed passes per ``T`` (the median is kept).
+        repeats (`int`), warmup (`int`): timed and untimed sweeps over the sizes (`sweep_estimate`).
         compiled (`bool`): time the compiled target when the pipeline has one (otherwise the eager forward, which
             compiles nothing per measured ``T``).
         fixed_shape (`bool`): on a fixed-shape cache (every pass attends to the whole cache), as static-shape rounds run.
@@ -38,20 +57,30 @@ class PassCost:
         return self.seconds[t]
 
     def measure(self, sizes) -> Dict[int, float]:
-        """Measure several ``T`` at once, interleaved round by round (a slow spell of a shared machine then hits
-        every ``T`` alike rather than biasing the comparison); keeps and returns the medians."""
-        todo = [t for t in dict.fromkeys(sizes) if t not in self.seconds]
-        times = {t: [] for t in todo}
-        module = getattr(self.backbone, "target_module", None)
-        with contextlib.nullcontext() if self.compiled or module is None else eager_target(module):
-            for i in range(self.warmup + self.repeats):
-                for t in todo:
-                    seconds = self._measure(t, 1)
-                    if i >= self.warmup:
-                        times[t].append(seconds)
-        for t in todo:
-            self.seconds[t] = sorted(times[t])[len(times[t]) // 2]
+        """Measure several ``T`` at once in sweeps: each sweep times every ``T`` once, in a shuffled order (no ``T``
+        always runs first, right after other work), and the times are combined by `sweep_estimate`. Sizes not
+        measured before are timed together with every size measured so far, and all are replaced from the new
+        sweeps: one curve, measured at one time. Returns the seconds of ``sizes``."""
+        if any(t not in self.seconds for t in sizes):
+            todo = sorted(set(self.seconds) | set(sizes))
+            times = {t: [] for t in todo}
+            module = getattr(self.backbone, "target_module", None)
+            order = random.Random(0)  # a fixed shuffle per sweep: the same in every process
+            with contextlib.nullcontext() if self.compiled or module is None else eager_target(module):
+                for i in range(self.warmup + self.repeats):
+                    order.shuffle(todo)
+                    for t in todo:
+                        seconds = self._measure(t, 1)
+                        if i >= self.warmup:
+                            times[t].append(seconds)
+            self.seconds = sweep_estimate(times)
         return {t: self.seconds[t] for t in sizes}
+
+    def fitted(self, sizes=None) -> "FittedCost":
+        """`fit_pass_cost` through the timings of ``sizes`` (measured first if needed; default: every ``T`` so far)."""
+        if sizes is not None:
+            self.measure(sizes)
+        return fit_pass_cost({t: self.seconds[t] for t in (self.seconds if sizes is None else sizes)})
 
     @torch.no_grad()
     def _measure(self, t: int, passes: int) -> float:
@@ -97,13 +126,13 @@ class DraftPassCost(PassCost):
     """Seconds of one drafter pass of an `EagleDraftHead` over ``T`` nodes (``rows`` drafter rows, the backbone's final
     norm and image-code head for logits included) with its cache holding half the image: what each expansion of
     an EAGLE-2 tree costs. ``"auto"`` tree sizes weigh it against the target pass cost (`PassCost`), because a
-    deeper tree costs one more drafter pass. Measured like `PassCost` (interleaved sizes, medians).
+    deeper tree costs one more drafter pass. Measured like `PassCost` (sweeps, `sweep_estimate`).
 
     Args:
         draft_heads: the `EagleDraftHead`.
         backbone: the pipeline's `SpatialBackbone`.
         rows (`int`): drafter rows (2 with CFG at batch 1).
-        repeats (`int`), warmup (`int`): timed and untimed passes per ``T`` (the median is kept).
+        repeats (`int`), warmup (`int`): timed and untimed sweeps over the sizes (`sweep_estimate`).
     """
 
     def __init__(self, draft_heads, backbone, rows: int, repeats: int = 9, warmup: int = 2):
@@ -130,3 +159,141 @@ class DraftPassCost(PassCost):
             cache.crop(filled)
 
         return self._timed(one_pass, passes, device)
+
+
+@dataclass(frozen=True)
+class FittedCost:
+    """A pass cost curve fitted through measured ``c(T)``: ``base + slope * T + extra_slope * max(0, T - knee)``,
+    every term non-negative, so the curve never falls as ``T`` grows and bends up at most once (weight-bound below the
+    knee, compute-bound above it on a GPU; two compute slopes on a CPU). One point's timing noise moves the fit by
+    about a fifteenth of what it moves that point, which is what makes ``"auto"`` sizes repeat between processes."""
+
+    base: float
+    slope: float
+    extra_slope: float
+    knee: int
+
+    def __call__(self, t: int) -> float:
+        return self.base + self.slope * t + self.extra_slope * max(0, t - self.knee)
+
+
+def fit_pass_cost(seconds: Dict[int, float]) -> FittedCost:
+    """Least squares (relative errors) of `FittedCost` through ``{T: seconds}``, the knee tried at every measured
+    ``T``; a fit whose slope comes out negative is refitted without that term."""
+    sizes = sorted(seconds)
+    if not sizes:
+        raise ValueError("`seconds` is empty: measure at least one size before fitting.")
+    t = np.asarray(sizes, dtype=np.float64)
+    c = np.asarray([seconds[s] for s in sizes], dtype=np.float64)
+    best, best_error = FittedCost(float(c.mean()), 0.0, 0.0, sizes[0]), np.inf
+    for knee in sizes:
+        hinge = np.maximum(0.0, t - knee)
+        for columns in ((0, 1, 2), (0, 2), (0, 1), (0,)):  # the full fit first, then without a slope that went negative
+            design = np.stack([np.ones_like(t), t, hinge], 1)[:, columns] / c[:, None]  # relative errors
+            coef = np.linalg.lstsq(design, np.ones_like(c), rcond=None)[0]
+            if (coef[1:] < 0).any() or coef[0] < 0:
+                continue
+            full = dict(zip(columns, coef))
+            fit = FittedCost(float(full.get(0, 0.0)), float(full.get(1, 0.0)), float(full.get(2, 0.0)), knee)
+            error = float(((np.asarray([fit(s) for s in sizes]) - c) / c) @ ((np.asarray([fit(s) for s in sizes]) - c) / c))
+            if error < best_error - 1e-12:
+                best, best_error = fit, error
+            break
+    return best
+
+
+class RoundOverhead:
+    """Seconds of a decoder's own work in one round, outside the target pass: `propose` (drafting, head passes,
+    drafter passes), the CFG mix and `step` (verification, the tree walk, commits), per candidate draft tree. Timed on
+    dry rounds: the decoder runs on a fresh state with random target logits and hidden states in place of a forward
+    (sweeps over the trees in a shuffled order, combined by `sweep_estimate`), so nothing of the model runs.
+
+    ``"auto"`` sizes add it to the fitted target pass cost: a node costs the pass its slot and the round its walk.
+
+    Args:
+        decoder: the `TreeDecoderMixin` decoder whose candidate trees are timed (its ``tree`` is restored after).
+        backbone: the pipeline's `SpatialBackbone` (final norm and output head for head-drafting decoders).
+        draft_heads: the pipeline's draft heads (or ``None``).
+        sampling (`SamplingConfig`): the call's sampling settings.
+        batch_size (`int`): images per pass.
+        prefix_length (`int`): prompt positions before the first code.
+        repeats (`int`), warmup (`int`): timed and untimed rounds per tree.
+    """
+
+    def __init__(self, decoder, backbone, draft_heads, sampling, batch_size: int, prefix_length: int, repeats: int = 15, warmup: int = 2):
+        self.decoder, self.backbone, self.draft_heads = decoder, backbone, draft_heads
+        self.sampling, self.batch_size, self.prefix_length = sampling, batch_size, prefix_length
+        self.repeats, self.warmup = repeats, warmup
+        self.seconds: Dict[int, float] = {}  # per number of tree nodes (the root included)
+
+    def __call__(self, tree) -> float:
+        if tree.num_nodes not in self.seconds:
+            self.measure([tree])
+        return self.seconds[tree.num_nodes]
+
+    @torch.no_grad()
+    def measure(self, trees) -> Dict[int, float]:
+        """Time every tree of ``trees`` not timed yet; returns ``{num_nodes: seconds}`` of all of them."""
+        todo = list({tree.num_nodes: tree for tree in trees if tree.num_nodes not in self.seconds}.values())
+        decoder, kept_tree = self.decoder, self.decoder.tree
+        device = self.backbone.pipe._execution_device
+        width = self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=device)).shape[-1]
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        try:
+            runs = {}
+            for tree in todo:
+                decoder.tree = tree
+                runs[tree.num_nodes] = _DryRound(self, width, device, generator)
+            times = {n: [] for n in runs}
+            order = random.Random(0)  # a fixed shuffle per repeat: the same in every process, no size always first
+            for i in range(self.warmup + self.repeats):
+                sizes = list(runs)
+                order.shuffle(sizes)
+                for n in sizes:
+                    decoder.tree = runs[n].tree
+                    seconds = runs[n].timed_round()
+                    if i >= self.warmup:
+                        times[n].append(seconds)
+        finally:
+            decoder.tree = kept_tree
+        if todo:
+            self.seconds.update(sweep_estimate(times))
+        return {tree.num_nodes: self.seconds[tree.num_nodes] for tree in trees}
+
+
+class _DryRound:
+    """One dry generation of `RoundOverhead`: a state, and random logits and hidden states sized for its tree."""
+
+    def __init__(self, owner: RoundOverhead, width: int, device: torch.device, generator: torch.Generator):
+        self.owner, self.tree, self.device = owner, owner.decoder.tree, device
+        self.rows = owner.batch_size * (2 if owner.sampling.do_cfg else 1)
+        self.hidden_rows = self.rows if owner.decoder.uses_all_rows else owner.batch_size
+        fed = owner.decoder.max_draft_tokens
+        weight = owner.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=device))
+        vocab = owner.backbone.image_logits(torch.zeros_like(weight)).shape[-1]
+        self.logits = torch.randn(self.rows, fed, vocab, generator=generator).to(device)  # (R, T, V)
+        self.hidden = torch.randn(self.hidden_rows, fed, width, generator=generator).to(device)  # (B or R, T, D)
+        self.random = RandomSource(torch.Generator(device="cpu").manual_seed(0), owner.batch_size, device)
+        self.state = None
+
+    def _restart(self) -> None:
+        owner = self.owner
+        self.state = owner.decoder.init_state(owner.backbone.layout, owner.sampling, self.random, owner.batch_size,
+                                              owner.prefix_length, self.device, owner.backbone)
+        self._step(self.logits[:, :1], self.hidden[:, :1], None)  # the prefill's step
+
+    def _step(self, logits, hidden, draft):
+        logits = cfg_mix(logits, self.owner.sampling.guidance_scale) if self.owner.sampling.do_cfg else logits  # (B, T, V)
+        return self.owner.decoder.step(logits, hidden, draft, self.state, self.owner.draft_heads)
+
+    def timed_round(self) -> float:
+        if self.state is None or self.state.num_remaining <= self.tree.num_nodes:
+            self._restart()  # untimed
+        decoder, heads, state = self.owner.decoder, self.owner.draft_heads, self.state
+
+        def one_round():
+            draft = decoder.propose(state, heads)
+            fed = draft.input_ids.shape[1]
+            self._step(self.logits[:, :fed], self.hidden[:, :fed], draft)
+
+        return PassCost._timed(one_round, 1, self.device)

@@ -21,7 +21,7 @@ from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from .pass_cost import DraftPassCost, PassCost
+from .pass_cost import DraftPassCost, PassCost, RoundOverhead
 from .static_shapes import StaticShapesMixin, eager_target
 from ..utils import NULL_TIMER, RoundTimer, atomic_directory, check_number, check_weights_folder
 
@@ -549,10 +549,7 @@ class SpatialARPipeline(StaticShapesMixin, DiffusionPipeline):
         prefix_length = prefix.embeds.shape[1]
 
         # 3. Prepare the decoding state, the random numbers and the KV cache ("auto" draft sizes: from c(T))
-        if self.decoder.sizes_from_pass_cost:  # measured at up to 4 images (a big batch would take long to time)
-            rows = min(prefix.embeds.shape[0], 4 * (2 if sampling.do_cfg else 1))
-            drafter = self.draft_pass_cost(rows) if self.decoder.uses_drafter_passes else None
-            self.decoder.resolve_draft_size(self.pass_cost(rows), drafter)
+        self.resolve_draft_sizes(batch_size, sampling, prefix_length)
         state = self.decoder.init_state(
             layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device, backbone
         )
@@ -705,6 +702,40 @@ class SpatialARPipeline(StaticShapesMixin, DiffusionPipeline):
         costs = self.__dict__.setdefault("_pass_costs", {})
         if key not in costs:  # measured eagerly (one graph per measured T would be minutes of compiling)
             costs[key] = PassCost(self.backbone, rows, fixed_shape=self.static_shapes)
+        return costs[key]
+
+    def resolve_draft_sizes(self, num_images: int = 1, sampling: Optional[SamplingConfig] = None, prefix_length: int = 16) -> None:
+        """Fix the decoder's ``"auto"`` draft sizes for calls of ``num_images`` images (a call does this itself before
+        its first round; nothing happens for fixed sizes or sizes already chosen for this cost model).
+
+        The target pass cost ``c(T)`` is measured at up to 4 images (a big batch would take long to time) and fitted
+        (`PassCost.fitted`); the decoder's own work per round is measured on dry rounds (`RoundOverhead`), or for a
+        drafter model (EAGLE-2, ADT-Tree) its passes (`DraftPassCost`).
+
+        Args:
+            num_images (`int`): images per call.
+            sampling (`SamplingConfig`, *optional*): the calls' sampling settings (default: the backbone's defaults).
+            prefix_length (`int`): prompt positions before the first code (where dry rounds place their codes).
+        """
+        if not self.decoder.sizes_from_pass_cost:
+            return
+        if sampling is None:
+            sampling = SamplingConfig(self.backbone.default_guidance_scale, 1.0, self.backbone.default_top_k)
+        rows = min(num_images, 4) * (2 if sampling.do_cfg else 1)
+        if self.decoder.uses_drafter_passes:  # a dry round's random features make a drafter grow unlike a real one
+            self.decoder.resolve_draft_size(self.pass_cost(rows), self.draft_pass_cost(rows))
+        else:
+            self.decoder.resolve_draft_size(self.pass_cost(rows), round_overhead=self.round_overhead(rows, sampling, prefix_length))
+
+    def round_overhead(self, rows: int, sampling: SamplingConfig, prefix_length: int) -> RoundOverhead:
+        """The measured cost of the current decoder's own work in a round (`RoundOverhead`) with ``rows`` target rows,
+        kept per pipeline, decoder and heads (measured with the first call's sampling settings)."""
+        key = (rows, str(self._execution_device))  # the decoder's work: the same with static shapes or compiled
+        costs = self.__dict__.setdefault("_round_overheads", {})
+        kept = costs.get(key)
+        if kept is None or kept.decoder is not self.decoder or kept.draft_heads is not self.draft_heads:
+            batch = rows // (2 if sampling.do_cfg else 1)
+            costs[key] = RoundOverhead(self.decoder, self.backbone, self.draft_heads, sampling, batch, prefix_length)
         return costs[key]
 
     def draft_pass_cost(self, rows: int) -> Optional[DraftPassCost]:
