@@ -57,7 +57,8 @@ MINIMAL_AR = "minimal-ar"
 
 
 def parse_decoder(spec: str):
-    """``"ssd:vertical_rounds=1,draft=sample"`` -> (decoder class, {"vertical_rounds": 1, "draft": "sample"})."""
+    """``"ssd:vertical_rounds=1,draft=sample"`` -> (spec, decoder class, {"vertical_rounds": 1, "draft": "sample"});
+    ``"medusa:acceptance=lantern,acceptance.delta=0.2"`` -> ``{"acceptance": {"name": "lantern", "delta": 0.2}}``."""
     if spec == MINIMAL_AR:
         return spec, None, {}
     name, _, options = spec.partition(":")
@@ -69,8 +70,14 @@ def parse_decoder(spec: str):
         if not eq:
             raise argparse.ArgumentTypeError(f"decoder option {item!r} of {spec!r} is not key=value")
         try:
-            kwargs[key] = json.loads(value)
+            value = json.loads(value)
         except json.JSONDecodeError:
+            pass
+        parent, dot, setting = key.partition(".")
+        if dot:  # "acceptance.k=3": a setting of a dict-valued option (a rule name given before becomes its "name")
+            current = kwargs.get(parent, {})
+            kwargs[parent] = {**({"name": current} if isinstance(current, str) else current), setting: value}
+        else:
             kwargs[key] = value
     return spec, DECODERS[name], kwargs
 

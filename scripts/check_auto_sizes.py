@@ -62,9 +62,8 @@ def worker(args) -> dict:
             pipe.load_draft_heads(args.heads or embedded_heads_path(decoder.draft_heads_class))
         pipe.resolve_draft_sizes(args.images)
         chosen[name] = decoder.tree.num_nodes - 1
-        for kept in pipe.__dict__.get("_round_overheads", {}).values():
-            if kept.decoder is decoder:
-                overhead[name] = {str(n): 1e3 * s for n, s in sorted(kept.seconds.items())}
+        for kept in pipe.__dict__["_round_overheads"].get(decoder, {}).values():
+            overhead[name] = {str(n): 1e3 * s for n, s in sorted(kept.seconds.items())}
     costs = next(iter(pipe.__dict__["_pass_costs"].values()))
     fit = costs.fitted()
     return {"chosen": chosen, "pass_cost_ms": {str(t): 1e3 * s for t, s in sorted(costs.seconds.items())},

@@ -32,6 +32,8 @@ from spatial_pipelines.cli import main as cli_main
 from spatial_pipelines.heads import DraftHeadsMixin
 from spatial_pipelines.testing import dummy_pipeline
 
+from helpers import lay_out_hub_cache
+
 COMMIT_MAIN, COMMIT_V2 = "a" * 40, "b" * 40
 
 
@@ -162,17 +164,6 @@ def test_callback_gets_copies_and_its_returned_dict_is_honoured():
             pipe("a fox", generator=gen(2), output_type="latent", callback_on_step_end=callback)
 
 
-# -- Hub cache, offline, by repo id and revision --------------------------------------------------------------
-def lay_out_hub_cache(hub: Path, repo_id: str, folder: Path, commit: str, refs=("main",)) -> None:
-    """A repo in the Hub cache as huggingface_hub lays it out: ``models--org--name/snapshots/<commit>/`` and
-    ``refs/<name>`` files holding the commit."""
-    repo = hub / f"models--{repo_id.replace('/', '--')}"
-    shutil.copytree(folder, repo / "snapshots" / commit)
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    for ref in refs:
-        (repo / "refs" / ref).write_text(commit)
-
-
 OFFLINE_SCRIPT = r"""
 import json, sys, torch
 from diffusers import DiffusionPipeline
@@ -288,7 +279,7 @@ CONSTRUCTOR_CASES = [  # (factory, what the message names)
     (lambda: MedusaDecoder(tree_paths=[[0, 0]]), "`tree_paths` must be prefix-closed"),
     (lambda: MedusaDecoder(tree_paths=[[0], [-1]]), "`tree_paths`"),
     (lambda: MedusaDecoder(tree_paths="0,0"), "`tree_paths`"),
-    (lambda: MedusaDecoder(acceptance="lantern", lantern_delta=NAN), "`lantern_delta`"),
+    (lambda: MedusaDecoder(acceptance={"name": "lantern", "delta": NAN}), '`acceptance\\["delta"\\]`'),
     (lambda: JacobiDecoder(window_size=2.5), "`window_size`"),
     (lambda: JacobiDecoder(continuation="yes"), "`continuation`"),
     (lambda: JacobiDecoder(anchor="right"), "`anchor`"),
@@ -300,8 +291,8 @@ CONSTRUCTOR_CASES = [  # (factory, what the message names)
     (lambda: SSDDecoder(draft="x"), "`draft`"),
     (lambda: SSDDecoder(num_horizontal=NAN), "`num_horizontal`"),
     (lambda: SSDDecoder(staged_base_rounds=-1), "`staged_base_rounds`"),
-    (lambda: MedusaDecoder(acceptance="lantern", lantern_k=2.5), "`lantern_k`"),
-    (lambda: MedusaDecoder(acceptance="lantern++", lantern_lambda=0.5), "`lantern_lambda`"),
+    (lambda: MedusaDecoder(acceptance={"name": "lantern", "k": 2.5}), '`acceptance\\["k"\\]`'),
+    (lambda: MedusaDecoder(acceptance={"name": "lantern++", "lambda": 0.5}), '`acceptance\\["lambda"\\]`'),
     (lambda: SpatialDraftHeads(hidden_size="8"), "`hidden_size`"),
     (lambda: SpatialDraftHeads(horizontal_offsets=[0]), "`horizontal_offsets`"),
     (lambda: SpatialDraftHeads(num_layers=1.0), "`num_layers`"),

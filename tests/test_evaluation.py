@@ -81,10 +81,11 @@ def test_lpips_weights_refuse_code_in_pickles(tmp_path):
 def test_target_fit_scores_grids_like_the_reference(end_of_row):
     """NLL per code equals the full-sequence reference; exact samples never leave the top-k support, and a grid of
     codes the model ranks last always does."""
-    from reference import full_sequence_probs
     from spatial_pipelines.core import SamplingConfig
     from spatial_pipelines.evaluation import target_fit
     from spatial_pipelines.testing import dummy_pipeline
+
+    from helpers import full_sequence_probs
 
     pipe = dummy_pipeline("llamagen", grid=(3, 4), num_codes=8, end_of_row=end_of_row)
     prompts = ["a fox", "blue sky"]

@@ -14,7 +14,6 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from script_runner import load_script
 import spatial_pipelines.hub
 from spatial_pipelines import (
     DraftHeadsMixin,
@@ -27,6 +26,8 @@ from spatial_pipelines import (
 )
 from spatial_pipelines.hub import default_training_command, heads_card, hub_model_id
 from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"README.md", "config.json", "diffusion_pytorch_model.safetensors"}

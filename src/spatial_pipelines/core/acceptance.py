@@ -1,63 +1,28 @@
-"""Acceptance of draft trees (DESIGN.md section 5), batched and free of host syncs, and the acceptance rules.
+"""Acceptance rules (docs/design.md, "Acceptance rules"): how much of the target distribution ``p`` a drafted code
+``x`` may claim when a tree is verified (`verification.py` walks the trees).
 
-Every candidate carries a proposal distribution ``q``. A candidate produced deterministically (top-k, copied,
-cached) is a point mass, and the exact rule reduces to "accept with ``p(x)``, else zero ``p[x]`` and renormalise".
-Siblings are tried in order, each with its own ``q``; a rejection replaces ``p`` by the residual
-``norm(max(p - q, 0))``. When every sibling fails, or a leaf is reached, one code is drawn from what is left.
-Either way the committed codes follow the target distribution exactly.
+The exact rule claims ``p(x)``: committed codes then follow ``p`` exactly. LANTERN and LANTERN++ also claim the mass
+of ``x``'s nearest codebook neighbours, within a bound, which moves that mass onto ``x``: the *relaxed* target
+``p~_x`` (lossy by design).
 
-A rule (`AcceptanceRule`) says how much of ``p`` a candidate ``x`` may claim: the exact rule claims ``p(x)``;
-LANTERN and LANTERN++ (`LanternAcceptance`) also claim the mass of ``x``'s nearest codebook neighbours, within a
-bound, which moves that mass onto ``x``: the *relaxed* target ``p~_x``. Rules are resolved from a decoder's config
-by `resolve_acceptance`, the way peft resolves a LoRA variant from its config.
+A decoder takes ``acceptance=`` as a rule name (``"exact"``, ``"lantern"``, ``"lantern++"``), a dict (``{"name":
+"lantern", "k": 1000, "delta": 0.1}``) or a rule object (``LanternAcceptance(k=1000, delta=0.1)``), resolved by
+`resolve_acceptance` from `ACCEPTANCE_RULES`, the way peft resolves a LoRA variant or diffusers a scheduler from a
+config. A new rule is one subclass of `AcceptanceRule` with its own ``name``: defining it registers it.
 """
 
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Type, Union
 
 import torch
 
 from ..utils import check_number
-from .sampling import RandomSource
-from .tree import DraftTree
 
-
-@dataclass
-class TreeAcceptance:
-    """Result of verifying one tree per row.
-
-    Args:
-        path (`torch.LongTensor` `(B, D + 1)`): accepted node indices from the root (column 0), ``-1`` after the
-            last accepted node.
-        num_accepted (`torch.LongTensor` `(B,)`): accepted drafts (root excluded).
-        bonus (`torch.LongTensor` `(B,)`): the code drawn after the last accepted node.
-        last_node (`torch.LongTensor` `(B,)`): the last accepted node (whose output gave ``bonus``).
-    """
-
-    path: torch.Tensor
-    num_accepted: torch.Tensor
-    bonus: torch.Tensor
-    last_node: torch.Tensor
-
-
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``norm(max(p - q, 0))`` row-wise; a row with nothing left keeps ``p`` (cannot happen for exact use)."""
-    r = (p - q).clamp_min(0)
-    total = r.sum(-1, keepdim=True)
-    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
-
-
-# -- acceptance rules ------------------------------------------------------------------------------------------
-ACCEPTANCE = ("exact", "lantern", "lantern++")
-#: Paper settings (DESIGN.md section 5), to pass as decoder kwargs: ``MedusaDecoder(**LANTERN_PRESETS["llamagen"])``.
-LANTERN_PRESETS: Dict[str, Dict] = {
-    "llamagen": {"acceptance": "lantern", "lantern_k": 1000, "lantern_delta": 0.1},
-    "llamagen-strong": {"acceptance": "lantern", "lantern_k": 1000, "lantern_delta": 0.2},
-    "anole": {"acceptance": "lantern", "lantern_k": 100, "lantern_delta": 0.5},
-    "lantern++": {"acceptance": "lantern++", "lantern_k": 10, "lantern_lambda": 5.0},
-    "lantern++-strong": {"acceptance": "lantern++", "lantern_k": 10, "lantern_lambda": 20.0},
-}
+#: Every rule a decoder's ``acceptance=`` can name: a subclass of `AcceptanceRule` that sets its own ``name`` joins
+#: by being defined.
+ACCEPTANCE_RULES: Dict[str, Type["AcceptanceRule"]] = {}
 
 
 @dataclass
@@ -102,19 +67,41 @@ class AcceptanceRule:
     """The exact rule: a candidate ``x`` claims ``p(x)``; accept with ``min(1, p(x) / q(x))``, on rejection draw
     from ``norm(max(p - q, 0))``. Subclasses claim more (`LanternAcceptance`) and report ``is_exact = False``.
 
+    A subclass is a new rule: it sets ``name`` (its registry key), ``parameters`` (the keyword arguments of its
+    ``__init__`` that its config holds, each stored on the object under the same name), ``is_exact``, and
+    overrides `relax`. Its ``__init__`` checks its arguments and raises `ValueError` naming the bad one.
+
     Attributes:
         name (`str`): the config value that resolves to the rule.
+        parameters (`tuple[str]`): the rule's settings, as keyword arguments of ``__init__``.
         is_exact (`bool`): committed codes follow ``p`` exactly.
         num_neighbours (`int`): codebook neighbours per code the rule reads (0: none; then no table is built).
+        tvd_budget (`float`, *optional*): a TVD bound the siblings of one step share (LANTERN's delta).
     """
 
     name = "exact"
+    parameters: Tuple[str, ...] = ()
     is_exact = True
     num_neighbours = 0
-    tvd_budget: Optional[float] = None  # a TVD bound the siblings of one step share (LANTERN's delta)
+    tvd_budget: Optional[float] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:  # a helper base class: not a rule of its own
+            return
+        known = ACCEPTANCE_RULES.get(cls.name)
+        if known is not None and known.__qualname__ != cls.__qualname__:
+            raise ValueError(f"An acceptance rule named {cls.name!r} exists already ({known.__qualname__}); give "
+                             f"{cls.__qualname__} another `name`.")
+        ACCEPTANCE_RULES[cls.name] = cls
+
+    @property
+    def relaxes(self) -> bool:
+        """Whether the rule claims more than ``p(x)`` (it overrides `relax`): the walks then use ``p~_x``."""
+        return type(self).relax is not AcceptanceRule.relax
 
     def relax(self, probs: torch.Tensor, codes: torch.Tensor, neighbours: Optional[torch.Tensor] = None,
-              budget: Optional[torch.Tensor] = None) -> Relaxation:
+              budget: Optional[torch.Tensor] = None) -> "Relaxation":
         """The claim of ``codes`` ``(...)`` on ``probs`` ``(..., V)``.
 
         Args:
@@ -125,35 +112,68 @@ class AcceptanceRule:
         px = probs.gather(-1, codes[..., None]).squeeze(-1)
         return Relaxation(px, torch.zeros_like(px))
 
+    def to_config(self) -> Union[str, Dict[str, Any]]:
+        """What a decoder config stores: the name alone for a rule without settings, else ``{"name": ..., **settings}``
+        (a keyword-named setting such as ``lambda_`` is stored as ``lambda``)."""
+        if not self.parameters:
+            return self.name
+        return {"name": self.name, **{p.rstrip("_"): getattr(self, p) for p in self.parameters}}
+
+    @classmethod
+    def from_config(cls, settings: Dict[str, Any]) -> "AcceptanceRule":
+        """The rule with ``settings`` (config keys: ``lambda`` is passed as ``lambda_``); unknown keys are a `ValueError`."""
+        allowed = {p.rstrip("_"): p for p in cls.parameters}
+        unknown = sorted(set(settings) - set(allowed))
+        if unknown:
+            raise ValueError(f"`acceptance` rule {cls.name!r} takes {sorted(allowed) or 'no settings'}, got {unknown}.")
+        return cls(**{allowed[k]: v for k, v in settings.items()})
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.to_config() == self.to_config()
+
+    def __hash__(self) -> int:
+        return hash((type(self), repr(self.to_config())))
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        settings = ", ".join(f"{p}={getattr(self, p)!r}" for p in self.parameters)
+        return f"{type(self).__name__}({settings})"
+
+
+ACCEPTANCE_RULES["exact"] = AcceptanceRule
+EXACT = AcceptanceRule()
 
 
 class LanternAcceptance(AcceptanceRule):
-    """LANTERN (``lambda_ is None``) or LANTERN++ relaxed acceptance (lossy by design; DESIGN.md section 5).
+    """LANTERN relaxed acceptance (lossy by design; docs/design.md, "Acceptance rules").
 
     The neighbour set ``A_k(x)`` holds the ``k`` codes nearest to ``x`` in the VQ codebook (at most ``V - 1``),
-    nearest first. It is trimmed in distance order while the moved mass stays within the bound: LANTERN
-    ``sum p(kept) <= delta`` (that sum is the TVD between ``p`` and ``p~_x``; siblings verified in one step share
-    the budget, so the step's TVD stays within ``delta``), LANTERN++ ``sum p(kept) <= (lambda - 1) p(x)``. The kept
-    mass moves onto ``x``: accept with ``min(1, (p(x) + sum p(kept)) / q(x))``; on rejection draw from
-    ``norm(max(p~_x - q, 0))``, which for a point-mass candidate is ``p`` less ``x`` and the kept neighbours only.
+    nearest first. It is trimmed in distance order while the moved mass stays within the bound ``sum p(kept) <=
+    delta`` (that sum is the TVD between ``p`` and ``p~_x``; siblings verified in one step share the budget, so the
+    step's TVD stays within ``delta``). The kept mass moves onto ``x``: accept with ``min(1, (p(x) + sum p(kept)) /
+    q(x))``; on rejection draw from ``norm(max(p~_x - q, 0))``, which for a point-mass candidate is ``p`` less ``x``
+    and the kept neighbours only.
 
     Args:
         k (`int`): neighbours considered per code (``0``: the exact rule's behaviour).
-        delta (`float`): LANTERN's TVD bound (``0``: the exact rule's behaviour).
-        lambda_ (`float`, *optional*): LANTERN++'s ratio bound ``p~_x(x) <= lambda * p(x)``.
+        delta (`float`): the TVD bound per step, in ``[0, 1]`` (``0``: the exact rule's behaviour).
     """
 
+    name = "lantern"
+    parameters = ("k", "delta")
     is_exact = False
 
-    def __init__(self, k: int, delta: float = 0.1, lambda_: Optional[float] = None):
-        self.k, self.delta, self.lambda_ = k, delta, lambda_
-        self.name = "lantern" if lambda_ is None else "lantern++"
+    def __init__(self, k: int = 1000, delta: float = 0.1):
+        check_number('acceptance["k"]', k, 0, integer=True)
+        check_number('acceptance["delta"]', delta, 0.0, 1.0)
+        self.k, self.delta = k, delta
         self.num_neighbours = k
-        self.tvd_budget = delta if lambda_ is None else None
+        self.tvd_budget = delta
 
-    def relax(self, probs, codes, neighbours=None, budget=None) -> Relaxation:
+    def _bound(self, px: torch.Tensor, budget: Optional[torch.Tensor]) -> torch.Tensor:
+        """The most mass the kept neighbours of each candidate may move onto it."""
+        return torch.full_like(px, self.delta) if budget is None else budget
+
+    def relax(self, probs, codes, neighbours=None, budget=None) -> "Relaxation":
         px = probs.gather(-1, codes[..., None]).squeeze(-1)  # (...)
         if self.k == 0:
             return Relaxation(px, torch.zeros_like(px))
@@ -161,38 +181,91 @@ class LanternAcceptance(AcceptanceRule):
             raise ValueError(f"{self!r} needs the codebook neighbour table (`codebook_neighbours`).")
         nb = neighbours[codes, : self.k].long()  # (..., k) nearest first
         pn = probs.gather(-1, nb)  # (..., k) their probabilities
-        if self.lambda_ is not None:
-            bound = (self.lambda_ - 1.0) * px
-        else:
-            bound = torch.full_like(px, self.delta) if budget is None else budget
-        kept = pn.cumsum(-1) <= bound[..., None]  # a prefix in distance order (the cumulative sum only grows)
+        kept = pn.cumsum(-1) <= self._bound(px, budget)[..., None]  # a prefix in distance order (the sum only grows)
         moved = (pn * kept).sum(-1)
         return Relaxation(px + moved, moved, nb, kept)
 
-    def __repr__(self) -> str:
-        bound = f"delta={self.delta}" if self.lambda_ is None else f"lambda={self.lambda_}"
-        return f"LanternAcceptance(k={self.k}, {bound})"
+
+class LanternPlusPlusAcceptance(LanternAcceptance):
+    """LANTERN++: as `LanternAcceptance`, with the neighbours' claim bounded by the candidate's own probability,
+    ``sum p(kept) <= (lambda - 1) p(x)``, instead of a TVD budget per step (lossy by design).
+
+    Args:
+        k (`int`): neighbours considered per code.
+        lambda_ (`float`): the ratio bound ``p~_x(x) <= lambda * p(x)``, ``>= 1`` (config key ``"lambda"``).
+    """
+
+    name = "lantern++"
+    parameters = ("k", "lambda_")
+
+    def __init__(self, k: int = 10, lambda_: float = 2.0):
+        check_number('acceptance["k"]', k, 0, integer=True)
+        check_number('acceptance["lambda"]', lambda_, 1.0)
+        self.k, self.lambda_ = k, lambda_
+        self.num_neighbours = k
+        self.tvd_budget = None
+
+    def _bound(self, px, budget):
+        return (self.lambda_ - 1.0) * px
 
 
-EXACT = AcceptanceRule()
+#: Paper settings, to pass as decoder kwargs: ``MedusaDecoder(**LANTERN_PRESETS["llamagen"])``.
+LANTERN_PRESETS: Dict[str, Dict] = {
+    "llamagen": {"acceptance": {"name": "lantern", "k": 1000, "delta": 0.1}},
+    "llamagen-strong": {"acceptance": {"name": "lantern", "k": 1000, "delta": 0.2}},
+    "anole": {"acceptance": {"name": "lantern", "k": 100, "delta": 0.5}},
+    "lantern++": {"acceptance": {"name": "lantern++", "k": 10, "lambda": 5.0}},
+    "lantern++-strong": {"acceptance": {"name": "lantern++", "k": 10, "lambda": 20.0}},
+}
+
+AcceptanceLike = Union[str, Dict[str, Any], AcceptanceRule]
 
 
-def check_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda) -> None:
-    """Raise `ValueError` naming the argument unless the acceptance config is valid."""
-    if acceptance not in ACCEPTANCE:
-        raise ValueError(f"`acceptance` must be one of {ACCEPTANCE}, got {acceptance!r}.")
-    check_number("lantern_k", lantern_k, 0, integer=True)
-    check_number("lantern_delta", lantern_delta, 0.0, 1.0)
-    check_number("lantern_lambda", lantern_lambda, 1.0)
+def resolve_acceptance(acceptance: AcceptanceLike = "exact") -> AcceptanceRule:
+    """The rule ``acceptance`` names: a rule name, ``{"name": ..., **settings}`` or a rule object (returned as is).
+    Anything else, an unknown name or a bad setting is a `ValueError` naming the registered rules or the setting."""
+    if isinstance(acceptance, AcceptanceRule):
+        return acceptance
+    if isinstance(acceptance, dict):
+        settings = dict(acceptance)
+        name = settings.pop("name", None)
+    elif isinstance(acceptance, str):
+        name, settings = acceptance, {}
+    else:
+        raise ValueError("`acceptance` must be a rule name, a dict {\"name\": ..., **settings} or an AcceptanceRule, "
+                         f"got {acceptance!r}.")
+    if name not in ACCEPTANCE_RULES:
+        raise ValueError(f"`acceptance` must name one of the registered rules {sorted(ACCEPTANCE_RULES)}, got {name!r}.")
+    if name == "exact" and not settings:
+        return EXACT  # one object: the walks take their vectorised exact path on sight of it
+    return ACCEPTANCE_RULES[name].from_config(settings)
 
 
-def resolve_acceptance(acceptance: str = "exact", lantern_k: int = 1000, lantern_delta: float = 0.1,
-                       lantern_lambda: float = 2.0) -> AcceptanceRule:
-    """The rule a decoder config names (arguments checked first)."""
-    check_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
-    if acceptance == "exact":
-        return EXACT
-    return LanternAcceptance(lantern_k, lantern_delta, lantern_lambda if acceptance == "lantern++" else None)
+#: Decoder arguments of earlier versions, folded into ``acceptance`` (`fold_legacy_acceptance`).
+LEGACY_ACCEPTANCE_ARGS = {"lantern_k": "k", "lantern_delta": "delta", "lantern_lambda": "lambda"}
+
+
+def fold_legacy_acceptance(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``kwargs`` with the earlier ``lantern_k``, ``lantern_delta`` and ``lantern_lambda`` folded into
+    ``acceptance`` (a `FutureWarning` says how to write them now); settings that the named rule does not take are
+    dropped with that warning (the exact rule took them all and read none)."""
+    legacy = {k: kwargs[k] for k in LEGACY_ACCEPTANCE_ARGS if k in kwargs}
+    if not legacy:
+        return kwargs
+    out = {k: v for k, v in kwargs.items() if k not in legacy}
+    acceptance = out.get("acceptance", "exact")
+    if isinstance(acceptance, str) and acceptance in ACCEPTANCE_RULES:
+        rule = ACCEPTANCE_RULES[acceptance]
+        taken = {p.rstrip("_") for p in rule.parameters}
+        settings = {LEGACY_ACCEPTANCE_ARGS[k]: v for k, v in legacy.items() if LEGACY_ACCEPTANCE_ARGS[k] in taken}
+        out["acceptance"] = {"name": acceptance, **settings} if settings else acceptance
+    warnings.warn(
+        f"{sorted(legacy)} are deprecated: pass `acceptance={out.get('acceptance', acceptance)!r}` instead (a rule name, "
+        "a dict of its settings, or a rule object). They will be removed in spatial_pipelines 1.0.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return out
 
 
 def codebook_neighbours(codebook: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
@@ -213,270 +286,3 @@ def codebook_neighbours(codebook: torch.Tensor, k: int, chunk: int = 1024) -> to
     return out
 
 
-def verify_tree(
-    tree: DraftTree,
-    tokens: torch.Tensor,
-    probs: torch.Tensor,
-    random: RandomSource,
-    q: Optional[torch.Tensor] = None,
-    distinct_siblings: bool = False,
-    rule: AcceptanceRule = EXACT,
-    neighbours: Optional[torch.Tensor] = None,
-) -> TreeAcceptance:
-    """Walk every row's tree from the root, accepting candidates by ``rule`` (exactly, by default).
-
-    Vectorised over every node at once (no loop over depths or siblings) when the candidates are point masses
-    (``q is None``: top-k, copied or cached drafts) or the tree is a chain (each node has at most one child);
-    other trees with a known ``q`` per node, or with a relaxed rule, fall back to `verify_tree_sequential`, whose
-    residuals chain from sibling to sibling.
-
-    Args:
-        tree (`DraftTree` or `RowTrees`): the shared tree shape, or one tree per row.
-        tokens (`torch.LongTensor` `(B, T)`): the code at every node (node 0: the root, not verified); ``-1``
-            marks a node that this row does not offer (an empty or duplicate pool slot): it is skipped.
-        probs (`torch.Tensor` `(B, T, V)`): target distribution after each node (fp32).
-        random (`RandomSource`): draws ``(B, T - 1 + V)`` uniforms per call (fixed shape): one per node, and the
-            exponentials of the bonus draw.
-        q (`torch.Tensor` `(B, T, V)`, *optional*): each node's proposal distribution; ``None`` means point masses.
-        distinct_siblings (`bool`): the caller guarantees that no two offered siblings carry the same code (top-k
-            candidates, de-duplicated pools), which skips the duplicate check.
-        rule (`AcceptanceRule`): how much of ``p`` a candidate claims (`resolve_acceptance`).
-        neighbours (`torch.Tensor` `(V, k)`, *optional*): `codebook_neighbours`, for rules that read them.
-    """
-    if (q is not None or rule is not EXACT) and (tree.max_children > 1 or tree.parents.dim() == 2):
-        return verify_tree_sequential(tree, tokens, probs, random, q, rule, neighbours)
-    b, t, v = probs.shape
-    if t == 1:  # nothing drafted: the bonus is a plain draw from the root's p
-        noise = -torch.log(random.uniform(v))  # (B, V) Exp(1); u = 0 gives inf: that code scores 0, never NaN
-        bonus = (probs[:, 0] / noise).argmax(-1)
-        zero = torch.zeros(b, dtype=torch.long, device=probs.device)
-        return TreeAcceptance(path=zero[:, None], num_accepted=zero, bonus=bonus, last_node=zero)
-    rows = torch.arange(b, device=probs.device)
-    draws = random.uniform(t - 1 + v)  # (B, T - 1 + V): one random call per round
-    u, noise = draws[:, : t - 1], -torch.log(draws[:, t - 1 :])  # (B, T-1) uniforms, (B, V) Exp(1)
-    batched = tree.parents.dim() == 2  # `RowTrees`: one tree per row; the tables gain a leading batch dimension
-    if tree.max_children == 1 and not batched:
-        return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours)
-    x = tokens[:, 1:]  # (B, T-1) candidate of every node
-    valid = x >= 0
-    # point masses (q is None here): sums over earlier siblings and over ancestors are matmuls with the tree's tables
-    tables = _walk_tables(tree, v)
-    if batched:
-        valid = valid & tree.valid[:, 1:]  # padding offers nothing
-    if not distinct_siblings:  # a repeat of an earlier sibling's code is offered nothing (its p(x) is 0 by then)
-        valid = valid & ~((x[:, :, None] == x[:, None, :]) & tables.siblings & (x[:, None, :] >= 0)).any(-1)
-    # p(x) under the parent's distribution, read straight from the flat (B, T*V) view: no (B, T-1, V) copy
-    px = probs.reshape(b, t * v).gather(1, tables.offsets + x.clamp_min(0)) * valid  # (B, T-1)
-    # after rejecting earlier siblings s, p is renormalised over 1 - sum p(s): accept when u < p(x) / left
-    accept = valid & (u * (1.0 - _summed(px, tables.siblings_t)) < px)  # (B, T-1)
-    # a node is taken when it is the first accepted sibling and every ancestor was taken too
-    first = accept & (_summed(accept.float(), tables.siblings_t) == 0)
-    taken = _summed((~first).float(), tables.ancestors_t) == 0  # (B, T-1)
-    depth = torch.where(taken, tables.depths, 0)  # (B, T-1)
-    num_accepted, deepest = depth.max(-1)  # taken nodes form one path: its deepest node ends it
-    last = torch.where(num_accepted > 0, deepest + 1, 0)  # (B,)
-    path = tree.node_paths[rows, last] if batched else tree.node_paths[last]  # (B, D + 1)
-    # the bonus: from the last node's p, less what its children (all tried and rejected) took
-    p_last = probs[rows, last]  # (B, V)
-    kids = tree.children[rows, last] if batched else tree.children[last]  # (B, K) -1 where there is no such child
-    node_valid = torch.cat([valid.new_zeros(b, 1), valid], 1)  # (B, T) the root is never a child
-    kid_valid = (kids >= 0) & node_valid.gather(1, kids.clamp_min(0))
-    kid_codes = torch.where(kid_valid, tokens.gather(1, kids.clamp_min(0)), 0)  # (B, K)
-    removed = torch.zeros_like(p_last).scatter_add_(1, kid_codes, kid_valid.to(p_last.dtype)) > 0  # (B, V)
-    p_left = p_last.masked_fill(removed, 0.0)
-    p_left = torch.where(p_left.sum(-1, keepdim=True) > 0, p_left, p_last)  # nothing left: cannot happen exactly
-    bonus = (p_left / noise).argmax(-1)  # exponential race: a draw from p_left (no normalising needed)
-    return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=last)
-
-
-@dataclass
-class _WalkTables:
-    """A shared tree's index tables for the vectorised walk, built once per tree and codebook size (not per round).
-
-    Args:
-        offsets (`torch.LongTensor` `(T-1,)`): ``parent * V``: where each node's parent distribution starts in the flat
-            ``(B, T * V)`` view of ``probs``.
-        siblings (`torch.BoolTensor` `(T-1, T-1)`): earlier siblings below the root (all tables gain a leading
-            ``(B,)`` for `RowTrees`).
-        siblings_t (`torch.Tensor` `(T-1, T-1)`), ancestors_t (`torch.Tensor` `(T-1, T-1)`): earlier siblings and
-            ancestors-or-self, transposed, as floats: a sum over them is one matmul.
-        depths (`torch.LongTensor` `(T-1,)`): node depths below the root.
-    """
-
-    offsets: torch.Tensor
-    siblings: torch.Tensor
-    siblings_t: torch.Tensor
-    ancestors_t: torch.Tensor
-    depths: torch.Tensor
-
-
-def _walk_tables(tree, v: int) -> _WalkTables:
-    """The tables of a `DraftTree` (built once, kept on the tree) or of `RowTrees` (built every call: they change every
-    round), with a leading batch dimension for the latter."""
-    cache = None if tree.parents.dim() == 2 else tree.__dict__.setdefault("_walk_tables", {})  # a frozen dataclass keeps a __dict__
-    if cache is not None and v in cache:
-        return cache[v]
-    siblings = tree.earlier_siblings[..., 1:, 1:]
-    tables = _WalkTables(
-        offsets=tree.parents[..., 1:].clamp_min(0) * v,  # padding (-1) reads the root, never used
-        siblings=siblings,
-        siblings_t=siblings.transpose(-1, -2).float().contiguous(),
-        ancestors_t=tree.attention_mask[..., 1:, 1:].transpose(-1, -2).float().contiguous(),
-        depths=tree.depths[..., 1:],
-    )
-    if cache is not None:
-        cache[v] = tables
-    return tables
-
-
-def _summed(values: torch.Tensor, table_t: torch.Tensor) -> torch.Tensor:
-    """``out[b, i] = sum_j values[b, j] * table[(b,) i, j]`` for a transposed table ``(T', T')`` or ``(B, T', T')``."""
-    if table_t.dim() == 2:  # a shared tree: one plain matmul (the batched form costs a bmm and two views per call)
-        return values @ table_t
-    return torch.matmul(values.unsqueeze(-2), table_t).squeeze(-2)
-
-
-def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None) -> TreeAcceptance:
-    """`verify_tree` for a chain (node ``i`` at depth ``i``): the same rule with no siblings, in a third of the ops
-    (an SJD window pays this every round)."""
-    b, t, v = probs.shape
-    x = tokens[:, 1:]  # (B, T-1)
-    valid = x >= 0
-    xs = x.clamp_min(0)
-    if rule is EXACT:
-        px = probs[:, :-1].gather(-1, xs[..., None]).squeeze(-1)  # (B, T-1) p of each draft after the node before it
-    else:
-        relaxed = rule.relax(probs[:, :-1], xs, neighbours)  # claims of every draft at once
-        px = relaxed.mass  # (B, T-1)
-    qx = 1.0 if q is None else q[:, 1:].gather(-1, xs[..., None]).squeeze(-1)
-    accept = valid & (u * qx < px)  # u < min(1, p/q) without dividing
-    num_accepted = accept.long().cumprod(-1).sum(-1)  # (B,) the accepted run from the root
-    last = num_accepted  # a chain's node index is its depth
-    path = torch.arange(t, device=probs.device).expand(b, t)
-    path = torch.where(path <= last[:, None], path, -1)  # (B, T)
-    p_last = probs[rows, last]  # (B, V)
-    rejected = last < t - 1  # a draft after the last node was tried and rejected (or not offered)
-    nxt = (last + 1).clamp_max(t - 1)
-    code = xs[rows, nxt - 1]  # (B,) the rejected draft (if any)
-    hit = (rejected & valid[rows, nxt - 1])[:, None]
-    if rule is not EXACT:  # p~ of the rejected draft: its kept neighbours' mass moved onto it
-        sel = relaxed.select((rows, nxt - 1))
-        p_left = sel.removed(p_last, code) if q is None else (sel.target(p_last, code) - q[rows, nxt]).clamp_min(0)
-        p_left = torch.where(hit, p_left, p_last)
-    elif q is None:
-        p_left = torch.where(hit & (torch.arange(v, device=probs.device) == code[:, None]), 0.0, p_last)
-    else:
-        p_left = torch.where(hit, (p_last - q[rows, nxt]).clamp_min(0), p_last)
-    p_left = torch.where(p_left.sum(-1, keepdim=True) > 0, p_left, p_last)  # nothing left: cannot happen exactly
-    bonus = (p_left / noise).argmax(-1)  # exponential race: a draw from p_left
-    return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=last)
-
-
-def verify_tree_sequential(
-    tree: DraftTree,
-    tokens: torch.Tensor,
-    probs: torch.Tensor,
-    random: RandomSource,
-    q: Optional[torch.Tensor] = None,
-    rule: AcceptanceRule = EXACT,
-    neighbours: Optional[torch.Tensor] = None,
-) -> TreeAcceptance:
-    """`verify_tree` by walking the tree depth by depth and sibling by sibling, applying each rejected sibling's
-    residual ``norm(max(p~ - q, 0))`` before the next is tried: the general rule for siblings drawn from
-    different proposals or claiming under a relaxed rule, and the reference the vectorised walk is tested against.
-
-    Under LANTERN the siblings of one step share its TVD budget ``delta`` (tracked in the units of the step's
-    original ``p``): the step's output is ``p`` with every tried sibling's kept mass moved onto it, at TVD
-    ``sum moved <= delta`` from ``p``.
-
-    Where the tree ends in a chain (`DraftTree.chain_from`: an SJD-PAC window, a small head tree), the walk goes
-    level by level only down to the chain's head and takes the chain in one vectorised step (`_verify_chain`):
-    one candidate per level has no sibling residual to carry.
-
-    ``random`` draws ``(B, D, K)`` uniforms and ``(B, V)`` exponentials per call.
-    """
-    b, t, v = probs.shape
-    depth, k = tree.max_depth, tree.children.shape[-1]
-    batched = tree.parents.dim() == 2  # `RowTrees`
-    levels = depth if batched else tree.chain_from  # walked sibling by sibling; the chain below is vectorised
-    rows = torch.arange(b, device=probs.device)
-    uniforms = random.uniform(max(depth, 1), k)  # (B, D, K)
-    cur = torch.zeros(b, dtype=torch.long, device=probs.device)  # (B,) current node
-    alive = torch.ones(b, dtype=torch.bool, device=probs.device)  # still walking
-    path = torch.full((b, depth + 1), -1, dtype=torch.long, device=probs.device)
-    path[:, 0] = 0
-    p_left = probs[:, 0]  # (B, V) what the bonus is drawn from
-    budget = rule.tvd_budget
-    for d in range(levels):
-        p = probs[rows, cur]  # (B, V)
-        moved = torch.zeros(b, dtype=torch.bool, device=probs.device)
-        nxt = cur.clone()
-        spent = torch.zeros(b, dtype=probs.dtype, device=probs.device)  # TVD used by this step's rejected siblings
-        scale = torch.ones(b, dtype=probs.dtype, device=probs.device)  # mass of the step's p that p now stands for
-        for j in range(k):
-            node = tree.children[rows, cur, j] if batched else tree.children[cur, j]  # (B,) -1 where there is no such sibling
-            safe = node.clamp_min(0)
-            valid = alive & ~moved & (node >= 0) & (tokens[rows, safe] >= 0)
-            x = torch.where(valid, tokens[rows, safe], 0)  # (B,) code 0 stands in where there is no candidate
-            left = None if budget is None else ((budget - spent) / scale).clamp_min(0)  # in p's own units
-            relaxed = rule.relax(p, x, neighbours, left)
-            px = relaxed.mass
-            qx = torch.ones_like(px) if q is None else q[rows, safe].gather(1, x[:, None]).squeeze(1)
-            accept = valid & (uniforms[:, d, j] * qx < px)  # u < min(1, p~/q) without dividing
-            nxt = torch.where(accept, safe, nxt)
-            moved |= accept
-            reject = valid & ~accept
-            rest = relaxed.removed(p, x) if q is None else (relaxed.target(p, x) - q[rows, safe]).clamp_min(0)  # (B, V)
-            total = rest.sum(-1)  # (B,)
-            spent = torch.where(reject, spent + relaxed.moved * scale, spent)
-            scale = torch.where(reject, scale * total, scale)
-            p = torch.where(reject[:, None] & (total[:, None] > 0), rest / total.clamp_min(1e-30)[:, None], p)
-        # rows that stop here draw the bonus from their residual; rows that moved go one level down
-        stop = alive & ~moved
-        p_left = torch.where(stop[:, None], p, p_left)
-        cur = torch.where(moved, nxt, cur)
-        path[:, d + 1] = torch.where(moved, nxt, torch.full_like(nxt, -1))
-        alive &= moved
-    p_left = torch.where(alive[:, None], probs[rows, cur], p_left)  # reached the last walked level (a leaf or the chain head)
-    noise = random.exponential(v)  # (B, V) Exp(1)
-    bonus = (p_left / noise).argmax(-1)  # exponential race: a draw from p_left
-    if levels < depth:  # rows at the chain's head go down the chain in one step
-        index = tree.chain_index  # (m + 1,) the head, then one node per depth
-        chain = _verify_chain(tokens[:, index], probs[:, index], uniforms[:, levels:, 0], noise,
-                              None if q is None else q[:, index], rows, rule, neighbours)
-        on = alive & (cur == index[0])  # (B,)
-        below = torch.where(chain.path >= 0, index[chain.path.clamp_min(0)], -1)  # (B, m + 1) tree nodes
-        path[:, levels:] = torch.where(on[:, None], below, path[:, levels:])
-        cur = torch.where(on, index[chain.last_node], cur)
-        bonus = torch.where(on, chain.bonus, bonus)
-    num_accepted = (path[:, 1:] >= 0).sum(-1)
-    return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=cur)
-
-
-def accept_independently(
-    tokens: torch.Tensor, probs: torch.Tensor, random: RandomSource, q: Optional[torch.Tensor] = None
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Test every drafted position on its own (SSD's "verification as auto-correction"): accept ``x`` with
-    ``min(1, p(x) / q(x))``, otherwise replace it by a draw from ``norm(max(p - q, 0))``.
-
-    Each position's result follows its ``p`` exactly *given the context it was evaluated in*; positions do not
-    wait for their left neighbours, which is what makes the rule lossy for the joint distribution.
-
-    Args:
-        tokens (`torch.LongTensor` `(B, n)`): drafted codes.
-        probs (`torch.Tensor` `(B, n, V)`): target distribution at each position (fp32).
-        random (`RandomSource`): draws ``(B, n)`` uniforms and ``(B, n, V)`` exponentials per call.
-        q (`torch.Tensor` `(B, n, V)`, *optional*): the distribution each code was drawn from; ``None`` means
-            point masses (argmax or copied drafts).
-
-    Returns:
-        ``(codes (B, n), accepted (B, n) bool)``.
-    """
-    uniforms = random.uniform(tokens.shape[1])  # (B, n)
-    px = probs.gather(-1, tokens[..., None]).squeeze(-1)  # (B, n)
-    qx = torch.ones_like(px) if q is None else q.gather(-1, tokens[..., None]).squeeze(-1)
-    accepted = uniforms * qx < px  # u < min(1, p/q) without dividing
-    q_full = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs.dtype) if q is None else q
-    left = residual(probs, q_full)  # (B, n, V)
-    redrawn = (left / random.exponential(*left.shape[1:])).argmax(-1)  # (B, n) exponential race
-    return torch.where(accepted, tokens, redrawn), accepted

@@ -1,5 +1,5 @@
 """EAGLE-2: a one-layer drafter reads the target's features and grows a dynamic draft tree where it is confident;
-the tree (one per batch row) is verified in one target pass with exact acceptance (DESIGN.md section 5).
+the tree (one per batch row) is verified in one target pass with exact acceptance (docs/design.md, "Acceptance rules").
 
 A round, for ``B`` images (``R = 2B`` drafter rows with CFG: the drafter drafts the unconditional rows too, and
 their logits are mixed like the target's):
@@ -21,6 +21,7 @@ from typing import Any, List, Optional, Union
 import torch
 from diffusers.configuration_utils import register_to_config
 
+from ..core.acceptance import AcceptanceLike
 from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
 from ..utils import check_number
@@ -61,8 +62,9 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_draft_tokens (`int` or `"auto"`): nodes kept in the tree (root excluded). ``"auto"`` (default) keeps the
             count that maximises expected codes per second from the target pass cost measured on the device (the
             prior of `TreeDecoderMixin` on a ``top_k``-ary tree of ``depth``), up to `MAX_DRAFT_TOKENS`.
-        acceptance (`str`): ``"exact"`` (default), or the lossy ``"lantern"`` / ``"lantern++"``.
-        lantern_k (`int`), lantern_delta (`float`), lantern_lambda (`float`): the relaxed rules' settings.
+        acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
+            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
+            settings in `LANTERN_PRESETS`).
     """
 
     draft_heads_class = "EagleDraftHead"
@@ -80,16 +82,13 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         depth: int = 5,
         top_k: int = 8,
         num_draft_tokens: Union[int, str] = AUTO,
-        acceptance: str = "exact",
-        lantern_k: int = 1000,
-        lantern_delta: float = 0.1,
-        lantern_lambda: float = 2.0,
+        acceptance: AcceptanceLike = "exact",
     ):
         super().__init__()
         check_int("depth", depth)
         check_int("top_k", top_k)
         check_draft_size("num_draft_tokens", num_draft_tokens)
-        self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
+        self._set_acceptance(acceptance)
         # the prior's stand-in for a dynamic tree: the top_k-ary tree of this depth, best nodes first
         paths, frontier = [], [()]
         for _ in range(depth):
@@ -288,7 +287,7 @@ class ADTTreeDecoder(EagleDecoder):
         depth_step (`int`), width_step (`int`): adaptation steps ``l_d``, ``l_k``.
         depth_range (`tuple[int, int]`), width_range (`tuple[int, int]`): inclusive bounds (``ADT_PRESETS`` has the
             paper's per family; its depth range ``(0, 10)`` starts at 1 here: a tree of depth 0 drafts nothing).
-        acceptance (`str`), lantern_k (`int`), lantern_delta (`float`), lantern_lambda (`float`): as `EagleDecoder`.
+        acceptance: as `EagleDecoder`.
     """
 
     @register_to_config
@@ -303,10 +302,7 @@ class ADTTreeDecoder(EagleDecoder):
         width_step: int = 10,
         depth_range: tuple = (1, 10),
         width_range: tuple = (3, 40),
-        acceptance: str = "exact",
-        lantern_k: int = 1000,
-        lantern_delta: float = 0.1,
-        lantern_lambda: float = 2.0,
+        acceptance: AcceptanceLike = "exact",
     ):
         if tree_init not in ADT_INITS:
             raise ValueError(f"`tree_init` must be one of {ADT_INITS}, got {tree_init!r}.")
@@ -317,8 +313,7 @@ class ADTTreeDecoder(EagleDecoder):
             if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in pair)
                     or not 1 <= pair[0] <= pair[1]):
                 raise ValueError(f"`{name}` must be two ints (low, high) with 1 <= low <= high, got {pair!r}.")
-        super().__init__(depth=depth, top_k=top_k, num_draft_tokens=num_draft_tokens, acceptance=acceptance,
-                         lantern_k=lantern_k, lantern_delta=lantern_delta, lantern_lambda=lantern_lambda)
+        super().__init__(depth=depth, top_k=top_k, num_draft_tokens=num_draft_tokens, acceptance=acceptance)
         self.register_to_config(depth_range=list(depth_range), width_range=list(width_range))  # as JSON saves them
 
     def _max_tree_slots(self) -> int:

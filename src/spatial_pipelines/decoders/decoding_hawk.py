@@ -8,6 +8,7 @@ from typing import List, Optional, Union
 import torch
 from diffusers.configuration_utils import register_to_config
 
+from ..core.acceptance import AcceptanceLike
 from ..core.tree import DraftTree, tree_from_paths
 from .decoding_utils import AUTO, Draft, check_draft_size, check_int, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
 
@@ -55,11 +56,9 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_draft_tokens (`int` or `"auto"`): bound on the tree's draft nodes (root excluded). ``"auto"`` (default)
             picks the bound that maximises expected codes per second from the target pass cost measured on the
             device (see `TreeDecoderMixin`), up to `MAX_DRAFT_TOKENS`.
-        acceptance (`str`): ``"exact"`` (default), or the lossy ``"lantern"`` / ``"lantern++"`` (DESIGN.md section 5;
-            paper settings in `LANTERN_PRESETS`).
-        lantern_k (`int`): codebook neighbours a candidate may claim (relaxed rules only).
-        lantern_delta (`float`): LANTERN's total-variation bound per step, in ``[0, 1]``.
-        lantern_lambda (`float`): LANTERN++'s bound ``p~(x) <= lambda * p(x)``, ``>= 1``.
+        acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
+            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
+            settings in `LANTERN_PRESETS`).
     """
 
     draft_heads_class = "SpatialDraftHeads"
@@ -73,13 +72,10 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         vertical_speculation_depth: int = 2,
         top_k: int = 2,
         num_draft_tokens: Union[int, str] = AUTO,
-        acceptance: str = "exact",
-        lantern_k: int = 1000,
-        lantern_delta: float = 0.1,
-        lantern_lambda: float = 2.0,
+        acceptance: AcceptanceLike = "exact",
     ):
         super().__init__()
-        self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
+        self._set_acceptance(acceptance)
         for name, value, low in (("num_horizontal_heads", num_horizontal_heads, 1), ("vertical_speculation_depth", vertical_speculation_depth, 0),
                                  ("top_k", top_k, 1)):
             check_int(name, value, low)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.configuration_utils import register_to_config
 
+from ..core.acceptance import AcceptanceLike
 from ..core.sampling import logits_to_probs
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
 from .decoding_utils import (
@@ -145,9 +146,9 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             underrates. ``"none"``: the draft is kept (the SJD paper's).
         Every option above is exact: a redraw follows ``p`` given everything the next verification sees, and
             becomes its own ``q``.
-        acceptance (`str`): ``"exact"`` (``min(1, p/q)`` with the residual ``norm(max(p - q, 0))``), or the lossy
-            ``"lantern"`` / ``"lantern++"`` (DESIGN.md section 5; settings in `LANTERN_PRESETS`).
-        lantern_k (`int`), lantern_delta (`float`), lantern_lambda (`float`): the relaxed rules' settings.
+        acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
+            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
+            settings in `LANTERN_PRESETS`).
     """
 
     state_class = JacobiState
@@ -167,10 +168,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         proactive_width: int = 1,
         proactive_depth: int = 2,
         anchor: str = "left",
-        acceptance: str = "exact",
-        lantern_k: int = 1000,
-        lantern_delta: float = 0.1,
-        lantern_lambda: float = 2.0,
+        acceptance: AcceptanceLike = "exact",
     ):
         super().__init__()
         check_draft_size("window_size", window_size)
@@ -184,7 +182,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             raise ValueError(f"`continuation` must be True or False, got {continuation!r}.")
         check_int("proactive_width", proactive_width)
         check_int("proactive_depth", proactive_depth)
-        self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
+        self._set_acceptance(acceptance)
         window = MAX_WINDOW if window_size == AUTO else window_size
         self._set_tree(proactive_tree(window, proactive_width, proactive_depth), window_size if window_size == AUTO else None)
 

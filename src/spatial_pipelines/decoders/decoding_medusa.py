@@ -6,6 +6,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from diffusers.configuration_utils import register_to_config
 
+from ..core.acceptance import AcceptanceLike
 from ..core.tree import tree_from_paths
 from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState, check_draft_size, check_int
 
@@ -51,11 +52,9 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_draft_tokens (`int`, `"auto"` or `None`): draft nodes fed per pass: the likeliest nodes of that tree.
             ``"auto"`` (default) picks the count that maximises expected codes per second from the target pass cost
             measured on the device (see `TreeDecoderMixin`); ``None`` feeds the whole tree.
-        acceptance (`str`): ``"exact"`` (default), or the lossy ``"lantern"`` / ``"lantern++"`` (DESIGN.md section 5;
-            paper settings in `LANTERN_PRESETS`).
-        lantern_k (`int`): codebook neighbours a candidate may claim (relaxed rules only).
-        lantern_delta (`float`): LANTERN's total-variation bound per step, in ``[0, 1]``.
-        lantern_lambda (`float`): LANTERN++'s bound ``p~(x) <= lambda * p(x)``, ``>= 1``.
+        acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
+            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
+            settings in `LANTERN_PRESETS`).
     """
 
     draft_heads_class = "SpatialDraftHeads"
@@ -68,13 +67,10 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         top_k: int = 4,
         tree_paths: Optional[Sequence[Sequence[int]]] = None,
         num_draft_tokens: Union[int, str, None] = AUTO,
-        acceptance: str = "exact",
-        lantern_k: int = 1000,
-        lantern_delta: float = 0.1,
-        lantern_lambda: float = 2.0,
+        acceptance: AcceptanceLike = "exact",
     ):
         super().__init__()
-        self._set_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
+        self._set_acceptance(acceptance)
         if num_draft_tokens is not None:
             check_draft_size("num_draft_tokens", num_draft_tokens)
         check_int("num_heads", num_heads)

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 import torch
 from diffusers.configuration_utils import register_to_config
 
-from ..core.acceptance import accept_independently
+from ..core.verification import accept_independently
 from ..core.sampling import logits_to_probs, sample_from_probs
 from ..utils import check_number
 from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput

@@ -6,13 +6,16 @@ commits them to the `DecodingState` and says which fed positions stay in the KV 
 """
 
 import abc
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from diffusers import ConfigMixin, SchedulerMixin
 
-from ..core.acceptance import EXACT, AcceptanceRule, resolve_acceptance, verify_tree
+from ..core.acceptance import EXACT, AcceptanceLike, AcceptanceRule, fold_legacy_acceptance, resolve_acceptance
+from ..core.verification import verify_tree
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig, logits_to_probs, sample_from_probs
 from ..core.tree import DraftTree, tree_from_parents
@@ -24,6 +27,17 @@ AUTO = "auto"
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 #: ``"auto"`` keeps the smallest draft whose predicted codes per second are within this share of the best size's.
 AUTO_RATE_TOLERANCE = 0.03
+
+
+def _folding_legacy_acceptance(init):
+    """``init`` taking the earlier ``lantern_k`` / ``lantern_delta`` / ``lantern_lambda`` keywords too: they are folded
+    into ``acceptance`` (`fold_legacy_acceptance`) before the config is registered."""
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        return init(self, *args, **fold_legacy_acceptance(kwargs))
+
+    return wrapped
 
 
 def check_int(name: str, value, low: int = 1) -> None:
@@ -210,9 +224,24 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     @property
     def is_exact(self) -> bool:
         """Output follows the model's own distribution exactly (greedy: token for token): a lossless method with an
-        exact acceptance rule. ``False`` for SSD and for any decoder configured with ``acceptance="lantern"`` or
-        ``"lantern++"``; the benchmark labels such rows lossy."""
+        exact acceptance rule. ``False`` for SSD and for any decoder configured with a relaxed rule
+        (``acceptance="lantern"``, ``"lantern++"``, ...); the benchmark labels such rows lossy."""
         return self.lossless and self.acceptance_rule.is_exact
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and "acceptance" in inspect.signature(init).parameters:
+            cls.__init__ = _folding_legacy_acceptance(init)  # earlier `lantern_*` arguments still construct
+
+    @classmethod
+    def extract_init_dict(cls, config_dict, **kwargs):
+        """diffusers' config reading, after folding the earlier ``lantern_*`` keys of a saved config into
+        ``acceptance`` (with a `FutureWarning`): configs saved by earlier versions load the same rule."""
+        folded = fold_legacy_acceptance(dict(config_dict))
+        if folded.get("acceptance") != config_dict.get("acceptance"):  # now set by the folded keys, not a default
+            folded["_use_default_values"] = [k for k in folded.get("_use_default_values", []) if k != "acceptance"]
+        return super().extract_init_dict(folded, **fold_legacy_acceptance(kwargs))
 
     @classmethod
     def _get_compatibles(cls) -> list:
@@ -247,7 +276,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         """Raise `ValueError` if this decoder cannot serve ``layout`` with ``draft_heads``."""
         if self.draft_heads_class is not None and (
             draft_heads is None or self.draft_heads_class not in {c.__name__ for c in type(draft_heads).__mro__}
-        ):  # by name: decoders never import heads (DESIGN.md section 2); subclasses of the class qualify
+        ):  # by name: decoders never import heads (docs/design.md, "Architecture"); subclasses of the class qualify
             found = "none" if draft_heads is None else type(draft_heads).__name__
             raise ValueError(
                 f"`decoder` {type(self).__name__} needs `draft_heads` of class {self.draft_heads_class}, found {found}. "
@@ -347,9 +376,11 @@ class TreeDecoderMixin:
     acceptance_prior: Tuple[float, float] = (0.5, 0.5)
     distinct_siblings: bool = False  # True when the decoder never offers one code twice among siblings
 
-    def _set_acceptance(self, acceptance: str, lantern_k: int, lantern_delta: float, lantern_lambda: float) -> None:
-        """Resolve the config's acceptance rule (checked: a `ValueError` names a bad argument)."""
-        self.acceptance_rule = resolve_acceptance(acceptance, lantern_k, lantern_delta, lantern_lambda)
+    def _set_acceptance(self, acceptance: AcceptanceLike) -> None:
+        """Resolve the config's acceptance rule (checked: a `ValueError` names a bad argument) and store it in the
+        config as JSON (`AcceptanceRule.to_config`): a rule object saves and loads like its dict."""
+        self.acceptance_rule = resolve_acceptance(acceptance)
+        self.register_to_config(acceptance=self.acceptance_rule.to_config())
 
     def _set_tree(self, full_tree: DraftTree, size) -> None:
         self._full_tree, self._size = full_tree, size

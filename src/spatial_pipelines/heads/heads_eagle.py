@@ -1,4 +1,4 @@
-"""EAGLE's drafter: one decoder layer that reads the target's own features (DESIGN.md section 5, EAGLE-2).
+"""EAGLE's drafter: one decoder layer that reads the target's own features (docs/design.md, "The methods in one line each").
 
 At image position ``j`` the drafter reads ``fc([e(x_j); f_j])``: the embedding of code ``j`` and the target's
 pre-norm last hidden state ``f_j`` that predicted it, and predicts ``f_{j+1}``, the state that will predict code

@@ -9,13 +9,19 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
 from ..core.sampling import RandomSource, cfg_mix
 from .static_shapes import eager_target
+
+
+#: Timed sweeps per cost measurement (after 2 untimed ones): enough for "auto" sizes that repeat from process to
+#: process on a noisy 2-core VM (docs/performance.md). The test suite lowers it: its tiny models' sizes are not
+#: what most tests check.
+SWEEPS = 15
 
 
 def sweep_estimate(times: Dict[int, List[float]]) -> Dict[int, float]:
@@ -39,14 +45,16 @@ class PassCost:
     Args:
         backbone: the pipeline's `SpatialBackbone`.
         rows (`int`): batch rows of a pass (2 with CFG at batch 1).
-        repeats (`int`), warmup (`int`): timed and untimed sweeps over the sizes (`sweep_estimate`).
+        repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed sweeps over the sizes (`sweep_estimate`).
         compiled (`bool`): time the compiled target when the pipeline has one (otherwise the eager forward, which
             compiles nothing per measured ``T``).
         fixed_shape (`bool`): on a fixed-shape cache (every pass attends to the whole cache), as static-shape rounds run.
     """
 
-    def __init__(self, backbone, rows: int, repeats: int = 15, warmup: int = 2, compiled: bool = False, fixed_shape: bool = False):
-        self.backbone, self.rows, self.repeats, self.warmup = backbone, rows, repeats, warmup
+    def __init__(self, backbone, rows: int, repeats: Optional[int] = None, warmup: int = 2, compiled: bool = False,
+                 fixed_shape: bool = False):
+        self.backbone, self.rows, self.warmup = backbone, rows, warmup
+        self.repeats = SWEEPS if repeats is None else repeats
         self.compiled, self.fixed_shape = compiled, fixed_shape
         self.seconds: Dict[int, float] = {}
         self._cache = None
@@ -217,13 +225,14 @@ class RoundOverhead:
         sampling (`SamplingConfig`): the call's sampling settings.
         batch_size (`int`): images per pass.
         prefix_length (`int`): prompt positions before the first code.
-        repeats (`int`), warmup (`int`): timed and untimed rounds per tree.
+        repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed rounds per tree.
     """
 
-    def __init__(self, decoder, backbone, draft_heads, sampling, batch_size: int, prefix_length: int, repeats: int = 15, warmup: int = 2):
+    def __init__(self, decoder, backbone, draft_heads, sampling, batch_size: int, prefix_length: int,
+                 repeats: Optional[int] = None, warmup: int = 2):
         self.decoder, self.backbone, self.draft_heads = decoder, backbone, draft_heads
         self.sampling, self.batch_size, self.prefix_length = sampling, batch_size, prefix_length
-        self.repeats, self.warmup = repeats, warmup
+        self.repeats, self.warmup = SWEEPS if repeats is None else repeats, warmup
         self.seconds: Dict[int, float] = {}  # per number of tree nodes (the root included)
 
     def __call__(self, tree) -> float:
@@ -237,13 +246,13 @@ class RoundOverhead:
         todo = list({tree.num_nodes: tree for tree in trees if tree.num_nodes not in self.seconds}.values())
         decoder, kept_tree = self.decoder, self.decoder.tree
         device = self.backbone.pipe._execution_device
-        width = self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=device)).shape[-1]
+        embedding = self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=device))  # (1, 1, D)
         generator = torch.Generator(device="cpu").manual_seed(0)
         try:
             runs = {}
             for tree in todo:
                 decoder.tree = tree
-                runs[tree.num_nodes] = _DryRound(self, width, device, generator)
+                runs[tree.num_nodes] = _DryRound(self, embedding, device, generator)
             times = {n: [] for n in runs}
             order = random.Random(0)  # a fixed shuffle per repeat: the same in every process, no size always first
             for i in range(self.warmup + self.repeats):
@@ -264,15 +273,15 @@ class RoundOverhead:
 class _DryRound:
     """One dry generation of `RoundOverhead`: a state, and random logits and hidden states sized for its tree."""
 
-    def __init__(self, owner: RoundOverhead, width: int, device: torch.device, generator: torch.Generator):
+    def __init__(self, owner: RoundOverhead, embedding: torch.Tensor, device: torch.device, generator: torch.Generator):
         self.owner, self.tree, self.device = owner, owner.decoder.tree, device
         self.rows = owner.batch_size * (2 if owner.sampling.do_cfg else 1)
         self.hidden_rows = self.rows if owner.decoder.uses_all_rows else owner.batch_size
-        fed = owner.decoder.max_draft_tokens
-        weight = owner.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=device))
-        vocab = owner.backbone.image_logits(torch.zeros_like(weight)).shape[-1]
-        self.logits = torch.randn(self.rows, fed, vocab, generator=generator).to(device)  # (R, T, V)
-        self.hidden = torch.randn(self.hidden_rows, fed, width, generator=generator).to(device)  # (B or R, T, D)
+        fed, width = owner.decoder.max_draft_tokens, embedding.shape[-1]
+        vocab = owner.backbone.image_logits(torch.zeros_like(embedding)).shape[-1]
+        self.logits = torch.randn(self.rows, fed, vocab, generator=generator).to(device)  # (R, T, V) fp32, as the loop's
+        # (B or R, T, D) in the backbone's dtype, as the forward returns them
+        self.hidden = torch.randn(self.hidden_rows, fed, width, generator=generator).to(device, embedding.dtype)
         self.random = RandomSource(torch.Generator(device="cpu").manual_seed(0), owner.batch_size, device)
         self.state = None
 

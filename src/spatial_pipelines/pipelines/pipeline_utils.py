@@ -4,6 +4,7 @@ import abc
 import contextlib
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -729,11 +730,13 @@ class SpatialARPipeline(StaticShapesMixin, DiffusionPipeline):
 
     def round_overhead(self, rows: int, sampling: SamplingConfig, prefix_length: int) -> RoundOverhead:
         """The measured cost of the current decoder's own work in a round (`RoundOverhead`) with ``rows`` target rows,
-        kept per pipeline, decoder and heads (measured with the first call's sampling settings)."""
+        kept per pipeline, decoder object and heads (measured with the first call's sampling settings), so that
+        decoders swapped back and forth (a benchmark's interleaved rows) are timed once each."""
+        per_decoder = self.__dict__.setdefault("_round_overheads", weakref.WeakKeyDictionary())
+        costs = per_decoder.setdefault(self.decoder, {})
         key = (rows, str(self._execution_device))  # the decoder's work: the same with static shapes or compiled
-        costs = self.__dict__.setdefault("_round_overheads", {})
         kept = costs.get(key)
-        if kept is None or kept.decoder is not self.decoder or kept.draft_heads is not self.draft_heads:
+        if kept is None or kept.draft_heads is not self.draft_heads:
             batch = rows // (2 if sampling.do_cfg else 1)
             costs[key] = RoundOverhead(self.decoder, self.backbone, self.draft_heads, sampling, batch, prefix_length)
         return costs[key]

@@ -1,0 +1,195 @@
+"""Invariants every decoder must keep (docs/design.md, "Invariants"). A new decoder adds a row to `DECODER_CASES`."""
+
+import pytest
+import torch
+
+import spatial_pipelines
+from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SSDDecoder
+from spatial_pipelines.core import SamplingConfig
+from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
+from spatial_pipelines.testing import FAMILIES, dummy_pipeline
+
+from helpers import (
+    DECODER_CASES,
+    DISTRIBUTION_SAMPLES,
+    EXACT_CASES,
+    FAMILY_CASES,
+    chi_square_pvalue,
+    exact_joint_distribution,
+    gen,
+    grid_index,
+    make,
+)
+
+
+def test_every_exported_decoder_and_family_has_rows():
+    """The tables are the coverage: a decoder the package exports without a `DECODER_CASES` row, or a family without
+    a `FAMILY_CASES` row, would skip every invariant below."""
+    exported = {obj for name in spatial_pipelines.__all__ for obj in [getattr(spatial_pipelines, name)]
+                if isinstance(obj, type) and issubclass(obj, SpatialDecoderMixin) and obj is not SpatialDecoderMixin}
+    assert exported == set(DECODERS.values())  # the short names cover the package too
+    assert exported - {case.values[0] for case in DECODER_CASES} == set()
+    assert set(FAMILIES) - {case.values[0] for case in FAMILY_CASES} == set()
+
+
+@pytest.mark.parametrize("family,dummy,prompts", FAMILY_CASES)
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", EXACT_CASES)
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_autoregressive(decoder_cls, kwargs, heads, family, dummy, prompts, guidance_scale, batch):
+    """Invariant 1: token for token the grid of `AutoregressiveDecoder`."""
+    pipe = make(decoder_cls, kwargs, heads, family, grid=(4, 5), **dummy)
+    out = pipe(prompts[:batch], guidance_scale=guidance_scale, temperature=0, output_type="latent")
+    pipe.decoder = AutoregressiveDecoder()
+    ref = pipe(prompts[:batch], guidance_scale=guidance_scale, temperature=0, output_type="latent")
+    assert torch.equal(out.tokens, ref.tokens)
+    assert out.stats.num_forward_passes <= ref.stats.num_forward_passes
+
+
+def _empirical_counts(pipe, prompt, sampling: SamplingConfig, seed: int) -> torch.Tensor:
+    out = pipe(
+        prompt, guidance_scale=sampling.guidance_scale, temperature=sampling.temperature, top_k=sampling.top_k,
+        num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(seed), output_type="latent",
+    )
+    v = pipe.backbone.num_image_codes
+    return torch.bincount(grid_index(out.tokens, v), minlength=v ** pipe.backbone.layout.num_tokens)
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", EXACT_CASES)
+@pytest.mark.parametrize(
+    "sampling,end_of_row",
+    [(SamplingConfig(2.0, 1.0), False), (SamplingConfig(1.0, 0.8, top_k=3), False), (SamplingConfig(2.0, 1.0), True)],
+    ids=["cfg", "topk", "cfg-eol"],
+)
+def test_sampling_distribution_equals_model(decoder_cls, kwargs, heads, sampling, end_of_row):
+    """Invariant 2: samples follow the model's own joint distribution over all 4**4 grids (with an end-of-row
+    token after each row for ``cfg-eol``: the reference enumerates sequences with the EOL written in).
+
+    Pearson chi-square against the enumerated joint (bins with expected count < 5 pooled),
+    ``DISTRIBUTION_SAMPLES`` samples, fixed seed; the test fails when p < 1e-4 (a correct decoder fails it with probability 1e-4).
+    """
+    pipe = make(decoder_cls, kwargs, heads, grid=(2, 2), num_codes=4, end_of_row=end_of_row)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    assert torch.isclose(exact.sum(), torch.tensor(1.0), atol=1e-5)
+    counts = _empirical_counts(pipe, "a fox", sampling, seed=1)
+    assert chi_square_pvalue(counts, exact) > 1e-4
+
+
+OTHER_FAMILY_DISTRIBUTION_CASES = [  # (family, decoder case id): one static tree and the dynamic trees per family
+    (family, case) for family in ("janus", "emu3", "anole", "lumina_mgpt") for case in EXACT_CASES if case.id in ("medusa", "eagle", "adt")
+]
+
+
+@pytest.mark.parametrize("family,case", OTHER_FAMILY_DISTRIBUTION_CASES,
+                         ids=[f"{f}-{c.id}" for f, c in OTHER_FAMILY_DISTRIBUTION_CASES])
+def test_sampling_distribution_equals_model_on_transformers_families(family, case):
+    """Invariant 2 on the transformers families (Janus-Pro: its own image head, embeddings and CFG rows; Emu3: the
+    visual columns of its text head and its forced end-of-row tokens): the same chi-square test as above, CFG 2, over
+    all 4**4 grids of a 2x2 grid with 4 codes. Anole and Lumina-mGPT (the image columns of Chameleon's head; Lumina's
+    resolution tokens and EOLs) run Medusa only, to keep time. (SJD on Emu3: ``test_pipeline_emu3.py``.)"""
+    decoder_cls, kwargs, heads = case.values
+    pipe = make(decoder_cls, kwargs, heads, family, grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    assert torch.isclose(exact.sum(), torch.tensor(1.0), atol=1e-5)
+    counts = _empirical_counts(pipe, "a fox", sampling, seed=1)
+    assert chi_square_pvalue(counts, exact) > 1e-4
+
+
+def test_distribution_test_detects_a_wrong_sampler():
+    """The statistical test has power at ``DISTRIBUTION_SAMPLES``: AR samples at temperature 1.1 are rejected
+    against the T=1 joint (measured p ~ 1e-41 for three seeds)."""
+    pipe = dummy_pipeline("llamagen", grid=(2, 2), num_codes=4)
+    exact = exact_joint_distribution(pipe, "a fox", SamplingConfig(2.0, 1.0))
+    counts = _empirical_counts(pipe, "a fox", SamplingConfig(2.0, 1.1), seed=1)
+    assert chi_square_pvalue(counts, exact) < 1e-4
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", DECODER_CASES)
+def test_same_seed_same_output(decoder_cls, kwargs, heads):
+    pipe = make(decoder_cls, kwargs, heads)
+    a = pipe("a fox", generator=gen(5), output_type="latent").tokens
+    b = pipe("a fox", generator=gen(5), output_type="latent").tokens
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", DECODER_CASES)
+def test_config_roundtrip_and_swap(decoder_cls, kwargs, heads, tmp_path):
+    decoder = decoder_cls(**kwargs)
+    decoder.save_pretrained(tmp_path)
+    loaded = decoder_cls.from_pretrained(tmp_path)
+    public = lambda c: {k: v for k, v in dict(c).items() if not k.startswith("_")}  # noqa: E731
+    assert public(loaded.config) == public(decoder.config)
+    for other in DECODERS.values():  # every decoder builds from every other decoder's config
+        assert isinstance(other.from_config(decoder.config), other)
+    assert isinstance(decoder, SpatialDecoderMixin)
+
+
+def test_decoder_short_names_are_decoders():
+    assert DECODERS["ar"] is AutoregressiveDecoder
+    assert all(issubclass(c, SpatialDecoderMixin) for c in DECODERS.values())
+
+
+def test_decoder_that_needs_heads_refuses_to_run_without_them():
+    class NeedsHeads(AutoregressiveDecoder):
+        draft_heads_class = "SpatialDraftHeads"
+
+    pipe = dummy_pipeline("llamagen", NeedsHeads())
+    with pytest.raises(ValueError, match="draft_heads"):
+        pipe("a fox")
+
+
+def test_distribution_test_detects_a_biased_acceptance_rule(monkeypatch):
+    """A tree decoder whose acceptance over-accepts (q = 0.5 instead of the candidates' point masses) is
+    rejected by the same chi-square test the exact decoders pass."""
+    from spatial_pipelines.decoders import decoding_utils
+
+    exact_verify = decoding_utils.verify_tree
+    monkeypatch.setattr(
+        decoding_utils, "verify_tree",
+        lambda tree, tokens, probs, random, q=None, **kw: exact_verify(tree, tokens, probs, random, torch.full_like(probs, 0.5)),
+    )
+    pipe = make(MedusaDecoder, {}, "random", grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    assert chi_square_pvalue(_empirical_counts(pipe, "a fox", sampling, seed=1), exact) < 1e-4
+
+
+BAD_CONFIGS = [
+    (MedusaDecoder, {"num_heads": 0}, "num_heads"),
+    (MedusaDecoder, {"top_k": 0}, "top_k"),
+    (MedusaDecoder, {"num_heads": 2, "tree_paths": [[0, 0, 0]]}, "tree_paths"),
+    (HawkDecoder, {"vertical_speculation_depth": -1}, "vertical_speculation_depth"),
+    (HawkDecoder, {"num_draft_tokens": 0}, "num_draft_tokens"),
+    (JacobiDecoder, {"window_size": 0}, "window_size"),
+    (JacobiDecoder, {"init": "middle"}, "init"),
+    (JacobiDecoder, {"acceptance": "greedy"}, "acceptance"),
+    (JacobiDecoder, {"coupling": "gauss"}, "coupling"),
+    (JacobiDecoder, {"coupling": "maximal"}, "coupling"),
+    (JacobiDecoder, {"continuation": 1}, "continuation"),
+    (JacobiDecoder, {"proactive_width": 0}, "proactive_width"),
+    (JacobiDecoder, {"proactive_depth": 1.0}, "proactive_depth"),
+    (SSDDecoder, {"num_horizontal": 0}, "num_horizontal"),
+    (SSDDecoder, {"vertical_rounds": -1}, "vertical_rounds"),
+    (SSDDecoder, {"horizontal_rounds": 1.5}, "horizontal_rounds"),
+    (SSDDecoder, {"num_vertical_rows": 0}, "num_vertical_rows"),
+    (SSDDecoder, {"staged_base_rounds": -2}, "staged_base_rounds"),
+    (SSDDecoder, {"staged_incremental_rounds": -1}, "staged_incremental_rounds"),
+    (SSDDecoder, {"draft": "top1"}, "draft"),
+]
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,name", BAD_CONFIGS, ids=[f"{c.__name__}-{n}" for c, _, n in BAD_CONFIGS])
+def test_bad_decoder_config_raises(decoder_cls, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        decoder_cls(**kwargs)
+
+
+def test_heads_without_the_offsets_a_decoder_needs_are_refused():
+    pipe = dummy_pipeline("llamagen", MedusaDecoder(num_heads=2), "random")
+    pipe.decoder = HawkDecoder(num_horizontal_heads=2, vertical_speculation_depth=1)
+    with pytest.raises(ValueError, match="vertical"):
+        pipe("a fox")
+    pipe.decoder = MedusaDecoder(num_heads=3)
+    with pytest.raises(ValueError, match="horizontal"):
+        pipe("a fox")

@@ -1,0 +1,172 @@
+"""`JacobiDecoder` options beyond the invariant tables of `test_decoders.py`: the spatial first draft from either
+kind of heads, coupled redraws, and the errors a wrong setup raises."""
+
+import pytest
+import torch
+
+from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, LatentDraftHeads, SpatialDraftHeads
+from spatial_pipelines.core import RandomSource, SamplingConfig
+from spatial_pipelines.testing import dummy_pipeline
+
+from helpers import DISTRIBUTION_SAMPLES, chi_square_pvalue, exact_joint_distribution, gen, grid_index
+
+
+def _latent_pipe(decoder, **dummy):
+    pipe = dummy_pipeline("llamagen", decoder, None, **dummy)
+    heads = LatentDraftHeads.for_backbone(pipe.backbone, decoder)
+    pipe.set_draft_heads(heads)
+    return pipe
+
+
+def test_heads_init_reads_latent_heads_greedy_exact():
+    decoder = JacobiDecoder(window_size=4, init="heads")
+    pipe = _latent_pipe(decoder, grid=(4, 5))
+    out = pipe(["a fox", "b"], temperature=0, output_type="latent")
+    assert out.stats.num_draft_passes > 0  # the heads ran
+    pipe.decoder = AutoregressiveDecoder()
+    assert torch.equal(out.tokens, pipe(["a fox", "b"], temperature=0, output_type="latent").tokens)
+
+
+def test_heads_init_with_latent_heads_keeps_the_distribution():
+    pipe = _latent_pipe(JacobiDecoder(window_size=3, init="heads", coupling="gumbel"), grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(2), output_type="latent")
+    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) > 1e-4
+
+
+def test_heads_init_uses_the_prediction_for_the_position():
+    """With heads whose vertical guess is the code above (what a copy would give on a vertically uniform image),
+    `init="heads"` drafts exactly what `init="above"` drafts: same tokens, same passes, for the same seed."""
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="above"), None, grid=(4, 4))
+    ref = pipe("a fox", generator=gen(3), output_type="latent")
+
+    class CopyAbove(JacobiDecoder):  # the heads' prediction for a position = the committed code one row above
+        def _predict_above(self, state, hidden, first, draft_heads):
+            n, w = hidden.shape[1], state.layout.width
+            end = min(first + n + w, state.layout.num_tokens)
+            if first + w < end:
+                state.above[:, first + w : end] = state.tokens[:, first : end - w]
+
+    decoder = CopyAbove(window_size=4, init="heads")
+    pipe.set_draft_heads(SpatialDraftHeads.for_backbone(pipe.backbone, decoder))
+    pipe.decoder = decoder
+    out = pipe("a fox", generator=gen(3), output_type="latent")
+    assert torch.equal(out.tokens, ref.tokens)
+    assert out.stats.num_forward_passes == ref.stats.num_forward_passes
+
+
+def test_heads_init_refuses_missing_or_wrong_heads():
+    decoder = JacobiDecoder(window_size=4, init="heads")
+    pipe = dummy_pipeline("llamagen", decoder, None)
+    with pytest.raises(ValueError, match="draft_heads"):
+        pipe("a fox")
+    heads = SpatialDraftHeads(**pipe.backbone.facts(), horizontal_offsets=[1], vertical_offsets=[2])
+    pipe.set_draft_heads(heads)
+    with pytest.raises(ValueError, match="vertical offset 1"):
+        pipe("a fox")
+    assert JacobiDecoder(init="heads").draft_heads_class == "SpatialDraftHeads"
+    assert JacobiDecoder().draft_heads_class is None
+
+
+@pytest.mark.parametrize(
+    "options,low,high",
+    [({"coupling": "gumbel"}, 0.95, 1.0), ({"coupling": "none", "continuation": True}, 0.95, 1.0),
+     ({"coupling": "gumbel", "continuation": True}, 0.95, 1.0), ({"coupling": "none"}, 0.0, 0.1)],
+    ids=["gumbel", "continuation", "both", "none"],
+)
+def test_coupling_keeps_drafts_whose_distribution_did_not_move(options, low, high):
+    """A redraw from an unchanged distribution keeps its code under either coupling; with fresh randomness it
+    changes most of the time on a flat distribution of 64 codes."""
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="random", anchor="none", **options), None, grid=(2, 2), num_codes=64)
+    decoder = pipe.decoder
+    state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), 64, "cpu"), 64, 1,
+                               torch.device("cpu"), pipe.backbone)
+    state.tokens[:, 0] = 0
+    state.num_committed = 1
+    draft = decoder.propose(state)
+    v = pipe.backbone.num_image_codes
+    flat = torch.zeros(64, 5, v)  # logits: uniform p at every slot; q of the random drafts is uniform too
+    before = state.drafts.clone()
+    # reject the first draft for sure: p(x) = 0 at slot 0 for the first draft's code
+    flat[:, 0].scatter_(-1, before[:, :1], -float("inf"))
+    decoder.step(flat, torch.zeros(64, 5, pipe.backbone.hidden_size), draft, state)
+    kept = (state.drafts[:, :3] == before[:, 1:4]).float().mean().item()
+    assert low <= kept <= high, kept  # p did not move: a coupled redraw is the same code
+
+
+def test_proactive_window_is_a_product_tree_then_a_chain():
+    from spatial_pipelines.decoders.decoding_jacobi import descent_table, proactive_tree
+
+    tree = proactive_tree(5, 2, 2)  # 2 + 4 candidate nodes on positions 1-2, then positions 3-5 after the first ones
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 2, 3, 7, 8]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 2, 3, 4, 5]
+    table = descent_table(tree)
+    assert table[2].tolist() == [0, 2, 5, 7, 8, 9]  # second candidate, its first child, then the main chain
+    assert table[4].tolist() == [0, 1, 4, 7, 8, 9]
+    assert torch.equal(proactive_tree(4, 1, 2).parents, torch.tensor([-1, 0, 1, 2, 3]))  # width 1: the chain
+    assert JacobiDecoder(window_size=5, proactive_width=2).window == 5
+
+
+def test_proactive_verification_needs_the_without_replacement_proposal(monkeypatch):
+    """The distribution test has power here: verifying the extra candidates against their position's ``q`` as it
+    is (as if drawn with replacement) instead of ``q`` less the earlier candidates is caught."""
+    from spatial_pipelines.decoders import decoding_jacobi
+
+    original = decoding_jacobi.JacobiDecoder.init_state
+
+    def wrong(self, *args, **kwargs):
+        state = original(self, *args, **kwargs)
+        state.earlier_rank = torch.zeros_like(state.earlier_rank)  # nothing excluded
+        return state
+
+    monkeypatch.setattr(decoding_jacobi.JacobiDecoder, "init_state", wrong)
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", anchor="none", proactive_width=3, proactive_depth=3), None,
+                           grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=12000, generator=gen(1), output_type="latent")  # p ~ 1e-8 at 8,000: a margin
+    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
+
+
+def _first_draft_state(decoder, pipe, rows, q, left):
+    """A state whose first window position holds drafts drawn from ``q`` ``(V,)`` after the committed code ``left``."""
+    state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), rows, "cpu"), rows, 1,
+                               torch.device("cpu"), pipe.backbone)
+    state.tokens[:, 0] = left
+    state.num_committed = 1
+    state.q[:, 1] = q
+    state.drafts[:, 0] = torch.multinomial(q, rows, replacement=True, generator=gen(1))
+    return state
+
+
+def test_left_anchor_draft_follows_its_adjusted_proposal():
+    """``anchor="left"`` turns a draft ``x ~ q`` into the committed code ``c`` where ``q(x) <= q(c)``; the drafts then
+    follow ``q'`` (``q`` above ``q(c)``, the rest of the mass on ``c``), the proposal the next verification uses."""
+    decoder = JacobiDecoder(window_size=3, init="random", coupling="none", anchor="left")
+    pipe = dummy_pipeline("llamagen", decoder, None, grid=(2, 2), num_codes=6)
+    q = torch.tensor([0.05, 0.30, 0.10, 0.20, 0.25, 0.10])
+    state = _first_draft_state(decoder, pipe, 40000, q, left=3)
+    decoder._anchor_left(state)
+    expected = torch.tensor([0.0, 0.30, 0.0, 0.45, 0.25, 0.0])  # 0.05 + 0.10 + 0.10 moved onto code 3 (q = 0.20)
+    assert torch.allclose(state.q[:, 1], expected.expand(40000, 6))
+    assert chi_square_pvalue(torch.bincount(state.drafts[:, 0], minlength=6), expected) > 1e-3
+    state = _first_draft_state(decoder, pipe, 8, q, left=1)  # the likeliest code: every draft becomes the copy
+    decoder._anchor_left(state)
+    assert (state.drafts[:, 0] == 1).all() and torch.allclose(state.q[:, 1, 1], torch.ones(8))
+
+
+def test_left_anchor_needs_its_adjusted_proposal(monkeypatch):
+    """The distribution test has power here: anchoring the draft but verifying it against the unchanged ``q`` is
+    caught."""
+    def wrong(state):
+        left, q, x = state.last_token[:, None], state.q[:, 1], state.drafts[:, :1]
+        state.drafts[:, :1] = torch.where(q.gather(-1, x) > q.gather(-1, left), x, left)  # q left as it was
+
+    monkeypatch.setattr(JacobiDecoder, "_anchor_left", staticmethod(wrong))
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", anchor="left"), None,
+                          grid=(2, 2), num_codes=4)
+    sampling = SamplingConfig(2.0, 1.0)
+    exact = exact_joint_distribution(pipe, "a fox", sampling)
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent")
+    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4  # p ~ 1e-191

@@ -1,0 +1,105 @@
+"""Smoke test of scripts/benchmark.py on a tiny saved pipeline: decoder variants, heads picked per decoder,
+quality columns and the side-by-side picture (the real run and its command are in docs/benchmarks.md)."""
+
+import json
+
+from spatial_pipelines import HawkDecoder, LatentDraftHeads, SpatialDraftHeads, SSDDecoder
+from spatial_pipelines.testing import dummy_pipeline
+
+from helpers import run_script
+
+
+def test_benchmark_rows_quality_and_picture(tmp_path):
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    SpatialDraftHeads.for_backbone(pipe.backbone, HawkDecoder()).save_pretrained(tmp_path / "spatial")
+    LatentDraftHeads.for_backbone(pipe.backbone, SSDDecoder()).save_pretrained(tmp_path / "latent")
+    out = tmp_path / "bench"
+    cmd = ["benchmark.py", "--model", str(tmp_path / "model"),
+           "--decoders", "ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
+           "medusa:acceptance=lantern,acceptance.k=3,acceptance.delta=0.2", "--heads", str(tmp_path / "spatial"), str(tmp_path / "latent"), "--num-prompts", "3", "--limit", "40", "--quality", "--top-k", "2",
+           "--diversity-prompts", "1", "--diversity-samples", "2", "--picture", "2", "--out", str(out)]
+    run_script(*cmd)
+    report = json.loads((out / "benchmark.json").read_text())
+    rows = report["decoders"]
+    assert list(rows) == ["ar", "minimal-ar", "hawk", "ssd:vertical_rounds=0", "ssd:vertical_rounds=2,draft=sample", "sjd:init=left",
+                          "medusa:acceptance=lantern,acceptance.k=3,acceptance.delta=0.2"]
+    minimal = rows.pop("minimal-ar")  # the independent AR loop: a timing row, no quality columns
+    assert minimal["warmup_s"] > 0  # warmed up like every other row
+    assert minimal["exact"] and minimal["target_forward_passes_per_image"] == 16 and minimal["speedup_vs_ar"] > 0
+    assert rows["ar"]["target_forward_passes_per_image"] == 16 and rows["ar"]["speedup_vs_ar"] == 1.0
+    assert all(r["warmup_s"] > 0 for r in rows.values())  # every decoder row generated one untimed image first
+    # 4x4 grid, k_h = 5: prefill + one chunk of 2 drafts and the code after them (2 passes); 3 rows x (r + 1)
+    assert rows["ssd:vertical_rounds=0"]["target_forward_passes_per_image"] == 1 + 2 + 3 * 1
+    assert rows["ssd:vertical_rounds=2,draft=sample"]["target_forward_passes_per_image"] == 1 + 2 + 3 * 3
+    assert rows["ssd:vertical_rounds=2,draft=sample"]["decoder_config"]["draft"] == "sample"
+    assert rows["hawk"]["heads"].endswith("spatial") and rows["ssd:vertical_rounds=0"]["heads"].endswith("latent")
+    assert not rows["ssd:vertical_rounds=0"]["exact"] and rows["sjd:init=left"]["exact"]
+    assert not rows["medusa:acceptance=lantern,acceptance.k=3,acceptance.delta=0.2"]["exact"]  # a relaxed rule: labelled lossy
+    for r in rows.values():
+        assert r["fd_effnet"] >= 0 and 0 <= r["retrieval"]["top5"] <= 1 and r["lpips_diversity"] >= 0
+        assert r["target_nll_per_code"] > 0 and 0 <= r["outside_target_support"] <= 1
+    for exact in ("ar", "hawk", "sjd:init=left"):  # exact decoders draw only what the target could draw
+        assert rows[exact]["outside_target_support"] == 0
+    # random heads, no repair: many codes the target's top-2 would never give
+    assert rows["ssd:vertical_rounds=0"]["outside_target_support"] > 0.2
+    table = (out / "benchmark.md").read_text()
+    assert "FD-EffNet" in table and "`ssd:vertical_rounds=0`" in table
+    assert (out / "decoders_side_by_side.png").stat().st_size > 0
+    assert (out / "speed_quality.png").stat().st_size > 0
+
+
+def test_bench_cost_tables_breakdown_and_plot(tmp_path):
+    """scripts/bench_cost.py: c(T) per size, the round split per decoder (sections add up to at most the round),
+    and the cost model's prediction next to the measured speed-up."""
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    SpatialDraftHeads.for_backbone(pipe.backbone, HawkDecoder()).save_pretrained(tmp_path / "spatial")
+    out = tmp_path / "cost"
+    cmd = ["bench_cost.py", "--model", str(tmp_path / "model"),
+           "--decoders", "ar", "medusa", "sjd:window_size=3", "--heads", str(tmp_path / "spatial"),
+           "--num-prompts", "2", "--limit", "20", "--sizes", "1", "4", "--repeats", "2", "--out", str(out)]
+    run_script(*cmd)
+    report = json.loads((out / "cost.json").read_text())
+    assert set(report["pass_cost_ms"]) == {"1", "4"} and all(v > 0 for v in report["pass_cost_ms"].values())
+    rows = report["decoders"]
+    assert list(rows) == ["ar", "medusa", "sjd:window_size=3"]
+    assert rows["sjd:window_size=3"]["fed_tokens_per_round"] == 4 and rows["ar"]["codes_per_pass"] == 1.0
+    for r in rows.values():
+        parts = r["breakdown_ms"]
+        assert parts["forward"] > 0 and parts["other"] >= -1e-6  # the named sections never exceed the round
+        assert 0 <= r["outside_forward_share"] < 1 and r["predicted_speedup"] > 0
+    assert (out / "cost.png").stat().st_size > 0 and "c(T) / c(1)" in (out / "cost.md").read_text()
+    # where codes are lost: one acceptance rate per drafted depth (a 3-draft window), none for AR
+    assert rows["ar"]["acceptance_by_depth"] is None
+    rates = rows["sjd:window_size=3"]["acceptance_by_depth"]
+    assert len(rates) == 3 and all(r is None or 0 <= r <= 1 for r in rates)
+    assert "| `sjd:window_size=3` |" in (out / "cost.md").read_text().split("draft 1")[-1]
+
+
+def test_benchmark_compiled_rows_and_batches(tmp_path):
+    """``--compile`` adds every row run on a compiled copy of the pipeline (speed-ups against eager and compiled AR,
+    graphs compiled while timed); ``--num-images-per-prompt`` runs every row at each batch (speed-ups against AR at
+    the same batch)."""
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    out = tmp_path / "bench"
+    run_script("benchmark.py", "--model", str(tmp_path / "model"), "--decoders", "ar", "sjd:window_size=3", "--compile",
+               "--compile-backend", "eager", "--num-images-per-prompt", "1", "2", "--num-prompts", "2", "--limit", "40",
+               "--out", str(out))
+    report = json.loads((out / "benchmark.json").read_text())
+    rows = report["decoders"]
+    assert list(rows) == ["ar", "sjd:window_size=3", "ar [compiled]", "sjd:window_size=3 [compiled]",
+                          "ar x2", "sjd:window_size=3 x2", "ar x2 [compiled]", "sjd:window_size=3 x2 [compiled]"]
+    assert report["num_images_per_prompt"] == [1, 2] and report["compile"]["enabled"]
+    for name, r in rows.items():
+        assert r["images_per_prompt"] == (2 if " x2" in name else 1) and r["compiled"] == name.endswith("[compiled]")
+        assert r["target_forward_passes_per_image"] > 0 and r["images_per_s"] > 0
+        if r["compiled"]:
+            assert r["graphs_compiled_while_timed"] == 0 and r["speedup_vs_compiled_ar"] > 0 and 0 <= r["padded_fraction"] < 1
+        else:
+            assert r["speedup_vs_compiled_ar"] is None and "padded_fraction" not in r
+    assert rows["ar x2"]["speedup_vs_ar"] == 1.0 and rows["ar [compiled]"]["speedup_vs_compiled_ar"] == 1.0
+    assert rows["ar"]["target_forward_passes_per_image"] == rows["ar x2 [compiled]"]["target_forward_passes_per_image"] == 16
+    assert "speed-up vs compiled AR" in (out / "benchmark.md").read_text()
+    assert (out / "batches.png").stat().st_size > 0
