@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import spatial_pipelines
-from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SSDDecoder
+from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SSDDecoder
 from spatial_pipelines.core import SamplingConfig
 from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
 from spatial_pipelines.testing import FAMILIES, dummy_pipeline
@@ -193,3 +193,19 @@ def test_heads_without_the_offsets_a_decoder_needs_are_refused():
     pipe.decoder = MedusaDecoder(num_heads=3)
     with pytest.raises(ValueError, match="horizontal"):
         pipe("a fox")
+
+
+def test_swapping_decoders_starts_from_the_new_decoders_defaults(tmp_path):
+    """`from_config` of another decoder's config carries none of its settings (``top_k``, ``num_draft_tokens`` and
+    ``acceptance`` mean other things there); keyword arguments apply; the same class keeps every setting."""
+    public = lambda config: {k: v for k, v in config.items() if not k.startswith("_")}  # noqa: E731
+    medusa = MedusaDecoder(top_k=2, num_draft_tokens=5, acceptance="lantern")
+    for cls in (EagleDecoder, ADTTreeDecoder, HawkDecoder, JacobiDecoder, SSDDecoder, AutoregressiveDecoder):
+        swapped = cls.from_config(medusa.config)
+        assert public(swapped.config) == public(cls().config) and swapped.is_exact == cls().is_exact
+    assert EagleDecoder.from_config(medusa.config, top_k=3).config.top_k == 3
+    kept = MedusaDecoder.from_config(medusa.config)
+    assert public(kept.config) == public(medusa.config) and not kept.is_exact
+    medusa.save_config(tmp_path)  # a saved config file swaps the same way
+    assert public(EagleDecoder.from_pretrained(tmp_path).config) == public(EagleDecoder().config)
+

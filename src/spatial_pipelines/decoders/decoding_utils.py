@@ -29,13 +29,16 @@ DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 AUTO_RATE_TOLERANCE = 0.03
 
 
-def _folding_legacy_acceptance(init):
-    """``init`` taking the earlier ``lantern_k`` / ``lantern_delta`` / ``lantern_lambda`` keywords too: they are folded
-    into ``acceptance`` (`fold_legacy_acceptance`) before the config is registered."""
+def _decoder_init(init, takes_acceptance: bool):
+    """A decoder's ``__init__`` that records its class in the config (``_class_name``: a swap to another decoder starts
+    from that decoder's defaults, `SpatialDecoderMixin.extract_init_dict`) and, for decoders that take ``acceptance``,
+    folds the earlier ``lantern_k`` / ``lantern_delta`` / ``lantern_lambda`` keywords into it (`fold_legacy_acceptance`)
+    before the config is registered."""
 
     @functools.wraps(init)
     def wrapped(self, *args, **kwargs):
-        return init(self, *args, **fold_legacy_acceptance(kwargs))
+        init(self, *args, **(fold_legacy_acceptance(kwargs) if takes_acceptance else kwargs))
+        self.register_to_config(_class_name=type(self).__name__)
 
     return wrapped
 
@@ -231,13 +234,23 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
-        if init is not None and "acceptance" in inspect.signature(init).parameters:
-            cls.__init__ = _folding_legacy_acceptance(init)  # earlier `lantern_*` arguments still construct
+        if init is not None:
+            cls.__init__ = _decoder_init(init, takes_acceptance="acceptance" in inspect.signature(init).parameters)
 
     @classmethod
     def extract_init_dict(cls, config_dict, **kwargs):
-        """diffusers' config reading, after folding the earlier ``lantern_*`` keys of a saved config into
-        ``acceptance`` (with a `FutureWarning`): configs saved by earlier versions load the same rule."""
+        """diffusers' config reading, with two rules of ours:
+
+        - **A swap starts from the new decoder's defaults.** The config of *another* decoder (its ``_class_name``
+          names another `SpatialDecoderMixin` subclass) contributes none of its settings: ``top_k``,
+          ``num_draft_tokens`` or ``acceptance`` mean different things in different decoders, so
+          ``EagleDecoder.from_config(pipe.decoder.config, top_k=4)`` is ``EagleDecoder(top_k=4)``.
+        - **Earlier configs load.** The earlier ``lantern_*`` keys of a saved config fold into ``acceptance`` (with a
+          `FutureWarning`): configs saved by earlier versions load the same rule.
+        """
+        source = config_dict.get("_class_name")
+        if source not in (None, cls.__name__) and source in {c.__name__ for c in subclasses(SpatialDecoderMixin)}:
+            config_dict = {k: v for k, v in config_dict.items() if k.startswith("_") and k != "_use_default_values"}
         folded = fold_legacy_acceptance(dict(config_dict))
         if folded.get("acceptance") != config_dict.get("acceptance"):  # now set by the folded keys, not a default
             folded["_use_default_values"] = [k for k in folded.get("_use_default_values", []) if k != "acceptance"]
