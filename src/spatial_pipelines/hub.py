@@ -76,6 +76,32 @@ def upload_to_hub(obj, folder: Union[str, os.PathLike], repo_id: str, token: Opt
                               create_pr=create_pr, subfolder=subfolder)
 
 
+def save_with_card(obj, save_directory: Union[str, os.PathLike], kwargs: Dict[str, Any], write, card=None):
+    """What heads' and pipelines' ``save_pretrained`` share: ``write(folder)`` and the card into ``save_directory``
+    all at once (a failed save leaves the folder as it was), then, with ``push_to_hub=True`` in ``kwargs``, upload it.
+
+    Pops ``push_to_hub`` and the Hub arguments (`HUB_KWARGS`) from ``kwargs`` before ``write`` runs. ``card`` maps the
+    repo id (created first when pushing: default the folder's name) to the `ModelCard` written as ``README.md``.
+    """
+    from .utils import atomic_directory
+
+    push = kwargs.pop("push_to_hub", False)
+    hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+    repo_id = hub.get("repo_id")
+    if push:
+        repo_id = create_hub_repo(repo_id or os.path.basename(os.path.abspath(save_directory)),
+                                  private=hub.get("private"), token=hub.get("token"))
+    model_card = card(repo_id) if card is not None else None
+    with atomic_directory(save_directory) as tmp:
+        write(tmp)
+        if model_card is not None:  # ours, never diffusers' generic card
+            model_card.save(os.path.join(tmp, "README.md"))
+    if push:
+        return upload_to_hub(obj, save_directory, repo_id, token=hub.get("token"), commit_message=hub.get("commit_message"),
+                             create_pr=hub.get("create_pr", False))
+    return None
+
+
 def push_with_card(obj, repo_id: str, save, private: Optional[bool] = None, token: Optional[str] = None,
                    commit_message: Optional[str] = None, create_pr: bool = False, subfolder: Optional[str] = None,
                    safe_serialization: bool = True) -> str:

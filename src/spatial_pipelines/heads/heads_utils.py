@@ -12,8 +12,8 @@ from diffusers import ConfigMixin, ModelMixin
 from huggingface_hub import ModelCard
 from torch import nn
 
-from ..hub import HUB_KWARGS, create_hub_repo, heads_card, push_with_card, upload_to_hub
-from ..utils import atomic_directory, check_path_or_repo_id, check_safetensors_file, find_subclass, subclasses
+from ..hub import heads_card, push_with_card, save_with_card
+from ..utils import check_path_or_repo_id, check_safetensors_file, find_subclass, subclasses
 
 #: The weights file of a heads folder (diffusers' name; safetensors only).
 SAFETENSORS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -149,19 +149,9 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         `model_card`.
         """
         kwargs["safe_serialization"] = True
-        push = kwargs.pop("push_to_hub", False)
-        hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
         card = {k: kwargs.pop(k) for k in ("benchmark", "training_command") if k in kwargs}
-        repo_id = hub.get("repo_id")
-        if push:
-            repo_id = create_hub_repo(repo_id or os.path.basename(os.path.abspath(save_directory)),
-                                      private=hub.get("private"), token=hub.get("token"))
-        with atomic_directory(save_directory) as tmp:
-            super().save_pretrained(tmp, *args, **kwargs)
-            self.model_card(repo_id=repo_id, **card).save(os.path.join(tmp, "README.md"))
-        if push:
-            return upload_to_hub(self, save_directory, repo_id, token=hub.get("token"), commit_message=hub.get("commit_message"),
-                                 create_pr=hub.get("create_pr", False))
+        return save_with_card(self, save_directory, kwargs, lambda tmp: super(DraftHeadsMixin, self).save_pretrained(tmp, *args, **kwargs),
+                              lambda repo_id: self.model_card(repo_id=repo_id, **card))
 
     def push_to_hub(
         self,

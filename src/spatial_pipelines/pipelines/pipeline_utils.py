@@ -24,7 +24,7 @@ from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .pass_cost import DraftPassCost, PassCost, RoundOverhead
 from .static_shapes import StaticShapesMixin, eager_target
-from ..utils import NULL_TIMER, RoundTimer, atomic_directory, check_number, check_weights_folder
+from ..utils import NULL_TIMER, RoundTimer, check_number, check_weights_folder
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 PromptInput = Union[str, int, Sequence[Union[str, int]]]
@@ -363,32 +363,24 @@ class SpatialARPipeline(StaticShapesMixin, DiffusionPipeline):
         it, ``repo_id`` only names the repo in the card's load snippet. ``model_card=False`` writes no card;
         ``card_fields`` (a dict) go to `pipeline_card` (``description``, ``sections``, ``license``, ...).
         """
-        from ..hub import HUB_KWARGS, create_hub_repo, pipeline_card, upload_to_hub
+        from ..hub import pipeline_card, save_with_card
 
         if not safe_serialization:
             raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
-        push = kwargs.pop("push_to_hub", False)
         write_card = kwargs.pop("model_card", True)
         card_fields = kwargs.pop("card_fields", None) or {}
-        hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
-        repo_id = hub.get("repo_id")
-        if push:
-            repo_id = create_hub_repo(repo_id or os.path.basename(os.path.abspath(save_directory)),
-                                      private=hub.get("private"), token=hub.get("token"))
-        card = pipeline_card(self, repo_id=repo_id, **card_fields) if write_card else None
         packaged = {name: getattr(self.config, name) for name in self._packaged_components()}
-        try:
+
+        def write(folder):
             # components that come from an installed package are recorded as absent and never written
             self.register_to_config(**{name: (None, None) for name in packaged})
-            with atomic_directory(save_directory) as tmp:
-                super().save_pretrained(tmp, safe_serialization=True, **kwargs)
-                if card is not None:  # ours, never diffusers' generic card
-                    card.save(os.path.join(tmp, "README.md"))
-        finally:
-            self.register_to_config(**packaged)
-        if push:
-            return upload_to_hub(self, save_directory, repo_id, token=hub.get("token"), commit_message=hub.get("commit_message"),
-                                 create_pr=hub.get("create_pr", False))
+            try:
+                super(SpatialARPipeline, self).save_pretrained(folder, safe_serialization=True, **kwargs)
+            finally:
+                self.register_to_config(**packaged)
+
+        return save_with_card(self, save_directory, kwargs, write,
+                              (lambda repo_id: pipeline_card(self, repo_id=repo_id, **card_fields)) if write_card else None)
 
     def push_to_hub(
         self,
