@@ -1,12 +1,14 @@
 """The generation loop (pipeline_utils) and one file per backbone family."""
 
+from .backbone import PromptEmbeddings, SpatialBackbone
+from .pass_cost import DraftPassCost, PassCost
 from .pipeline_chameleon import AnoleBackbone, AnolePipeline, ChameleonARPipeline, ChameleonBackbone
 from .pipeline_emu3 import Emu3Backbone, Emu3Pipeline
 from .pipeline_janus import JanusProBackbone, JanusProPipeline
 from .pipeline_llamagen import LlamaGenBackbone, LlamaGenPipeline
 from .pipeline_lumina_mgpt import LuminaMGPTBackbone, LuminaMGPTPipeline
-from .pass_cost import DraftPassCost, PassCost
-from .pipeline_utils import DecodingStats, PromptEmbeddings, SpatialARPipeline, SpatialBackbone, SpatialPipelineOutput
+from .pipeline_output import DecodingStats, SpatialPipelineOutput
+from .pipeline_utils import SpatialARPipeline
 
 __all__ = [
     "AnoleBackbone",

@@ -8,13 +8,14 @@ import contextlib
 import random
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
-from ..core.sampling import RandomSource, cfg_mix
+from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from .static_shapes import eager_target
 
 
@@ -306,3 +307,67 @@ class _DryRound:
             self._step(self.logits[:, :fed], self.hidden[:, :fed], draft)
 
         return PassCost._timed(one_round, 1, self.device)
+
+
+class DraftSizingMixin:
+    """The pipeline side of ``"auto"`` draft sizes: the measured costs, kept per pipeline, and `resolve_draft_sizes`.
+    `SpatialARPipeline` inherits it; it reads the pipeline's ``backbone``, ``decoder``, ``draft_heads``,
+    ``static_shapes`` and ``_execution_device``."""
+
+    def pass_cost(self, rows: int) -> PassCost:
+        """The measured cost ``c(T)`` of a target pass with ``rows`` batch rows on this pipeline's device and dtype,
+        kept per pipeline (measured on first use of each ``T``): what ``"auto"`` draft sizes are chosen from."""
+        device, dtype = self._execution_device, self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._execution_device)).dtype
+        key = (rows, str(device), str(dtype), self.static_shapes)
+        costs = self.__dict__.setdefault("_pass_costs", {})
+        if key not in costs:  # measured eagerly (one graph per measured T would be minutes of compiling)
+            costs[key] = PassCost(self.backbone, rows, fixed_shape=self.static_shapes)
+        return costs[key]
+
+    def resolve_draft_sizes(self, num_images: int = 1, sampling: Optional[SamplingConfig] = None, prefix_length: int = 16) -> None:
+        """Fix the decoder's ``"auto"`` draft sizes for calls of ``num_images`` images (a call does this itself before
+        its first round; nothing happens for fixed sizes or sizes already chosen for this cost model).
+
+        The target pass cost ``c(T)`` is measured at up to 4 images (a big batch would take long to time) and fitted
+        (`PassCost.fitted`); the decoder's own work per round is measured on dry rounds (`RoundOverhead`), or for a
+        drafter model (EAGLE-2, ADT-Tree) its passes (`DraftPassCost`).
+
+        Args:
+            num_images (`int`): images per call.
+            sampling (`SamplingConfig`, *optional*): the calls' sampling settings (default: the backbone's defaults).
+            prefix_length (`int`): prompt positions before the first code (where dry rounds place their codes).
+        """
+        if not self.decoder.sizes_from_pass_cost:
+            return
+        if sampling is None:
+            sampling = SamplingConfig(self.backbone.default_guidance_scale, 1.0, self.backbone.default_top_k)
+        rows = min(num_images, 4) * (2 if sampling.do_cfg else 1)
+        if self.decoder.uses_drafter_passes:  # a dry round's random features make a drafter grow unlike a real one
+            self.decoder.resolve_draft_size(self.pass_cost(rows), self.draft_pass_cost(rows))
+        else:
+            self.decoder.resolve_draft_size(self.pass_cost(rows), round_overhead=self.round_overhead(rows, sampling, prefix_length))
+
+    def round_overhead(self, rows: int, sampling: SamplingConfig, prefix_length: int) -> RoundOverhead:
+        """The measured cost of the current decoder's own work in a round (`RoundOverhead`) with ``rows`` target rows,
+        kept per pipeline, decoder object and heads (measured with the first call's sampling settings), so that
+        decoders swapped back and forth (a benchmark's interleaved rows) are timed once each."""
+        per_decoder = self.__dict__.setdefault("_round_overheads", weakref.WeakKeyDictionary())
+        costs = per_decoder.setdefault(self.decoder, {})
+        key = (rows, str(self._execution_device))  # the decoder's work: the same with static shapes or compiled
+        kept = costs.get(key)
+        if kept is None or kept.draft_heads is not self.draft_heads:
+            batch = rows // (2 if sampling.do_cfg else 1)
+            costs[key] = RoundOverhead(self.decoder, self.backbone, self.draft_heads, sampling, batch, prefix_length)
+        return costs[key]
+
+    def draft_pass_cost(self, rows: int) -> Optional[DraftPassCost]:
+        """The measured cost of a drafter pass of the loaded `EagleDraftHead` with ``rows`` rows (``None`` without one),
+        kept per pipeline and heads: what EAGLE-2's ``"auto"`` tree size weighs against the target pass cost."""
+        heads = self.draft_heads
+        if heads is None or not hasattr(heads, "make_cache"):
+            return None
+        key = (rows, str(self._execution_device), str(next(heads.parameters()).dtype))
+        costs = self.__dict__.setdefault("_draft_pass_costs", {})
+        if key not in costs or costs[key].draft_heads is not heads:
+            costs[key] = DraftPassCost(heads, self.backbone, rows)
+        return costs[key]

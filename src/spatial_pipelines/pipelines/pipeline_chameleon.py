@@ -33,7 +33,8 @@ from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
-from .pipeline_utils import PromptEmbeddings, SpatialARPipeline
+from .backbone import PromptEmbeddings
+from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, configure_generation, onload
 
 logger = logging.get_logger(__name__)

@@ -22,7 +22,8 @@ from transformers import Emu3ForConditionalGeneration, Emu3Processor
 from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from .pipeline_utils import PromptEmbeddings, SpatialARPipeline
+from .backbone import PromptEmbeddings
+from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone
 from .transformers_utils import configure_generation as configure_shared
 

@@ -24,7 +24,8 @@ from transformers import PreTrainedModel, ProcessorMixin
 from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from .pipeline_utils import PromptEmbeddings, SpatialARPipeline
+from .backbone import PromptEmbeddings
+from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import TransformersBackbone
 
 logger = logging.get_logger(__name__)

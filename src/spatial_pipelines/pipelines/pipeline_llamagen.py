@@ -14,7 +14,8 @@ from ..models.transformer_llamagen import LlamaGenTransformer, check_sampling_de
 from ..models.vq_llamagen import LlamaGenVQModel
 from ..models.vq_patch import PatchVQModel
 from ..text_encoders import PACKAGE_ATTRIBUTE, load_packaged_text_encoder
-from .pipeline_utils import PromptEmbeddings, SpatialARPipeline, SpatialBackbone
+from .backbone import PromptEmbeddings, SpatialBackbone
+from .pipeline_utils import SpatialARPipeline
 
 #: LlamaGen's GPT sizes: (layers, heads, width).
 LLAMAGEN_GPT_SIZES = {

@@ -1,257 +1,33 @@
-"""The one generation loop every family shares, its output types, and the backbone adapter contract."""
+"""The one generation loop every family shares (`SpatialARPipeline`). Its output types live in `pipeline_output.py`,
+the backbone contract in `backbone.py`, compile in `static_shapes.py`, the costs behind "auto" sizes in
+`pass_cost.py`, Hub saving in `spatial_pipelines.hub`."""
 
-import abc
 import contextlib
 import os
 import time
-import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-import numpy as np
-import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.utils import BaseOutput
 
-from ..core.acceptance import codebook_neighbours
 from ..core.kv_cache import StaticKVCache
-from ..core.layout import EndOfRowInsertion, ImageTokenLayout, RowEndOfRowInsertion
+from ..core.layout import EndOfRowInsertion, RowEndOfRowInsertion
 from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from .pass_cost import DraftPassCost, PassCost, RoundOverhead
-from .static_shapes import StaticShapesMixin, eager_target
 from ..utils import NULL_TIMER, RoundTimer, check_number, check_weights_folder
+from .backbone import PromptEmbeddings, SpatialBackbone
+from .pass_cost import DraftSizingMixin
+from .pipeline_output import DecodingStats, SpatialPipelineOutput
+from .static_shapes import StaticShapesMixin, eager_target
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 PromptInput = Union[str, int, Sequence[Union[str, int]]]
 
 
-@dataclass
-class DecodingStats:
-    """What one generation cost.
-
-    Args:
-        num_forward_passes (`int`): target forward passes, prefill included.
-        num_draft_passes (`int`): forward passes of draft heads or draft models.
-        num_tokens (`int`): image codes generated over the whole batch.
-        mean_accepted_length (`float`): codes committed per target pass, averaged over passes and rows.
-        accepted_lengths (`torch.LongTensor` `(num_forward_passes, B)`): codes committed by each pass.
-        acceptance_map (`torch.LongTensor` `(B, H, W)`): accepted length of the pass that committed each code.
-        wall_time_s (`float`): wall-clock seconds of the whole call.
-        mean_tree_depth (`float`, *optional*): dynamic-tree decoders (EAGLE-2, ADT-Tree): mean depth of the trees
-            verified, over passes and rows.
-        mean_tree_width (`float`, *optional*): the same for the ``top_k`` the trees were grown with.
-        padded_fraction (`float`, *optional*): with static shapes (`SpatialARPipeline.static_shapes`), the share of
-            the slots the rounds fed to the target that were padding (the price of one fixed-shape step).
-        batch_wait_fraction (`float`, *optional*): in a batch of several images, the share of the codes the rows had
-            accepted that they did not commit because the rows advance together by the shortest row's run (tree and
-            window decoders; 0: no row waited).
-    """
-
-    num_forward_passes: int
-    num_draft_passes: int
-    num_tokens: int
-    mean_accepted_length: float
-    accepted_lengths: torch.Tensor
-    acceptance_map: torch.Tensor
-    wall_time_s: float
-    mean_tree_depth: Optional[float] = None
-    mean_tree_width: Optional[float] = None
-    padded_fraction: Optional[float] = None
-    batch_wait_fraction: Optional[float] = None
-
-
-@dataclass
-class SpatialPipelineOutput(BaseOutput):
-    """
-    Args:
-        images (`list[PIL.Image.Image]`, `np.ndarray` or `torch.Tensor`): the images; with
-            ``output_type="latent"`` the token grids.
-        tokens (`torch.LongTensor` `(B, H, W)`): codebook indices.
-        stats (`DecodingStats`): passes, acceptance and time.
-    """
-
-    images: Union[List[PIL.Image.Image], np.ndarray, torch.Tensor]
-    tokens: torch.Tensor
-    stats: DecodingStats
-
-
-@dataclass
-class PromptEmbeddings:
-    """The prefix the target is prefilled with: conditional rows first, then (with CFG) unconditional rows.
-
-    Args:
-        embeds (`torch.Tensor` `(R, P, D)`): prefix embeddings.
-        valid (`torch.BoolTensor` `(R, P)`): ``False`` marks padding.
-    """
-
-    embeds: torch.Tensor
-    valid: torch.Tensor
-
-
-class SpatialBackbone(abc.ABC):
-    """What the loop needs from a backbone family. One subclass per family, built from the pipeline's components.
-
-    Hidden states passed around are the last hidden state **before** the final norm; `image_logits` applies the
-    norm and the head restricted to image-code columns.
-    """
-
-    def __init__(self, pipe: "SpatialARPipeline"):
-        self.pipe = pipe
-
-    @property
-    @abc.abstractmethod
-    def layout(self) -> ImageTokenLayout:
-        """The image-code grid."""
-
-    @property
-    @abc.abstractmethod
-    def hidden_size(self) -> int:
-        """Width of the trunk's hidden states."""
-
-    @property
-    @abc.abstractmethod
-    def num_image_codes(self) -> int:
-        """Codes in the VQ codebook."""
-
-    @property
-    @abc.abstractmethod
-    def vae_scale_factor(self) -> int:
-        """Pixels per code along each side."""
-
-    @property
-    @abc.abstractmethod
-    def codebook(self) -> torch.Tensor:
-        """VQ code vectors ``(V, d)`` as the VQ decoder sees them."""
-
-    def code_neighbours(self, k: int) -> torch.Tensor:
-        """The ``k`` nearest codes of every code in `codebook` (`codebook_neighbours`: ``(V, min(k, V - 1))``, nearest
-        first), for relaxed acceptance (LANTERN). Computed once per codebook and ``k`` and cached on the pipeline; a
-        table for a larger ``k`` serves smaller ones."""
-        book = self.codebook  # (V, d), L2-normalised when the tokenizer normalises
-        cache = self.pipe.__dict__.setdefault("_code_neighbours", {})
-        key = (str(book.device), tuple(book.shape), float(book.detach().double().sum()), float((book.detach().double() ** 2).sum()))
-        table = cache.get(key)
-        if table is None or table.shape[1] < min(k, book.shape[0] - 1):
-            table = codebook_neighbours(book, k)
-            cache.clear()  # one codebook at a time: another one's table is stale
-            cache[key] = table
-        return table
-
-    @property
-    def default_guidance_scale(self) -> float:
-        return 1.0
-
-    @property
-    def default_top_k(self) -> Optional[int]:
-        return None
-
-    def facts(self) -> Dict[str, Any]:
-        """Backbone facts draft heads must match."""
-        return {
-            "hidden_size": self.hidden_size,
-            "num_image_codes": self.num_image_codes,
-            "grid_height": self.layout.height,
-            "grid_width": self.layout.width,
-        }
-
-    def prompt_from_text(self, text: str) -> Any:
-        """A prompt typed as text (the CLI) -> what this family's ``prompt`` takes."""
-        return text
-
-    @abc.abstractmethod
-    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
-        """Raise `ValueError` (naming ``name``) if a prompt list is not valid for this family."""
-
-    @abc.abstractmethod
-    def encode_prompt(
-        self, prompts: List[Any], negative_prompts: Optional[List[Any]], do_cfg: bool, device: torch.device
-    ) -> PromptEmbeddings:
-        """One row per image; with CFG the unconditional rows follow the conditional ones."""
-
-    @abc.abstractmethod
-    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
-        """Codes ``(R, T)`` -> input embeddings ``(R, T, D)``."""
-
-    @property
-    def eol_embedding(self) -> torch.Tensor:
-        """Input embedding ``(D,)`` of the end-of-row token; families whose layout has one must provide it."""
-        raise ValueError(
-            f"{type(self).__name__} has no end-of-row token, but its layout sets `eol_token_id`: a family whose "
-            "layout has EOLs must give its backbone an `eol_embedding`."
-        )
-
-    @abc.abstractmethod
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        token_valid: Optional[torch.Tensor],
-        cache: Optional[StaticKVCache],
-    ) -> torch.Tensor:
-        """Target forward -> pre-norm hidden states ``(R, T, D)``; appends the new keys/values to ``cache``."""
-
-    @abc.abstractmethod
-    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The trunk's final norm: pre-norm -> post-norm hidden states."""
-
-    @abc.abstractmethod
-    def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Post-norm hidden states -> image-code logits (fp32); draft heads share it."""
-
-    def image_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden states ``(R, T, D)`` -> image-code logits ``(R, T, V)`` in fp32."""
-        return self.output_head(self.final_norm(hidden_states))
-
-    @torch.no_grad()
-    def teacher_forced_hidden_states(self, prefix: PromptEmbeddings, codes: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden states ``(B, N, D)`` over whole code grids ``(B, N)`` after the prefix rows ``prefix``
-        ``(B, P, D)``: ``[:, j]`` is the state that predicts code ``j`` (what draft heads train on). One forward over
-        ``[prefix, codes]`` (EOLs written in for EOL layouts) on a cache of its own, at the positions the loop uses."""
-        layout = self.layout
-        b, n = codes.shape
-        p = prefix.embeds.shape[1]
-        image = layout.image_sequence(self.embed_image_tokens(codes), self.eol_embedding if layout.has_eol else None)  # (B, S, D)
-        x = torch.cat([prefix.embeds, image.to(prefix.embeds.dtype)], 1)[:, : p + layout.sequence_offset(n - 1)]  # nothing after the last input
-        valid = torch.cat([prefix.valid, torch.ones(b, x.shape[1] - p, dtype=torch.bool, device=x.device)], 1)
-        cache = self.make_cache(b, x.shape[1])
-        hidden = self.forward(x, torch.arange(x.shape[1], device=x.device), None, valid, cache)  # (B, T, D)
-        # the input that precedes code j sits at p - 1 + offset(j): code j - 1, or the EOL ending the row above
-        return hidden[:, p - 1 + layout.sequence_offset(torch.arange(n, device=x.device))]
-
-    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Images ``(B, 3, h, w)`` in [-1, 1] -> their code grids ``(B, H*W)`` (families with a VQ encoder)."""
-        raise ValueError(f"{type(self).__name__} cannot encode images into codes; train on generated grids instead.")
-
-    @property
-    @abc.abstractmethod
-    def target_module(self) -> torch.nn.Module:
-        """The module whose forward `forward` runs: what `SpatialARPipeline.enable_compile` compiles, and whose dtype
-        draft heads take (`dtype`)."""
-
-    #: Whether `target_module` compiles with ``fullgraph=True`` (no graph break in a round's step).
-    supports_fullgraph: bool = True
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the hidden states `forward` returns: the target module's (draft heads are cast to it)."""
-        return next(self.target_module.parameters()).dtype
-
-    @abc.abstractmethod
-    def make_cache(self, rows: int, max_length: int) -> StaticKVCache:
-        """A KV cache for ``rows`` sequences of up to ``max_length`` positions."""
-
-    @abc.abstractmethod
-    def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Code grids ``(B, H, W)`` -> images ``(B, 3, h, w)`` in [-1, 1]."""
-
-
-class SpatialARPipeline(StaticShapesMixin, DiffusionPipeline):
+class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
     r"""Base of the AR image pipelines: the generation loop, written once for every family and decoder.
 
     Components of a family pipeline: the backbone's modules, a ``decoder`` (a `SpatialDecoderMixin`: the
@@ -686,64 +462,6 @@ class SpatialARPipeline(StaticShapesMixin, DiffusionPipeline):
                 cache.crop(slot + keep_length)  # a prefix stays where it is: no copy
             elif cache.length > slot + fed:  # every fed slot stays, the padding does not
                 cache.crop(slot + fed)
-
-    def pass_cost(self, rows: int) -> PassCost:
-        """The measured cost ``c(T)`` of a target pass with ``rows`` batch rows on this pipeline's device and dtype,
-        kept per pipeline (measured on first use of each ``T``): what ``"auto"`` draft sizes are chosen from."""
-        device, dtype = self._execution_device, self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._execution_device)).dtype
-        key = (rows, str(device), str(dtype), self.static_shapes)
-        costs = self.__dict__.setdefault("_pass_costs", {})
-        if key not in costs:  # measured eagerly (one graph per measured T would be minutes of compiling)
-            costs[key] = PassCost(self.backbone, rows, fixed_shape=self.static_shapes)
-        return costs[key]
-
-    def resolve_draft_sizes(self, num_images: int = 1, sampling: Optional[SamplingConfig] = None, prefix_length: int = 16) -> None:
-        """Fix the decoder's ``"auto"`` draft sizes for calls of ``num_images`` images (a call does this itself before
-        its first round; nothing happens for fixed sizes or sizes already chosen for this cost model).
-
-        The target pass cost ``c(T)`` is measured at up to 4 images (a big batch would take long to time) and fitted
-        (`PassCost.fitted`); the decoder's own work per round is measured on dry rounds (`RoundOverhead`), or for a
-        drafter model (EAGLE-2, ADT-Tree) its passes (`DraftPassCost`).
-
-        Args:
-            num_images (`int`): images per call.
-            sampling (`SamplingConfig`, *optional*): the calls' sampling settings (default: the backbone's defaults).
-            prefix_length (`int`): prompt positions before the first code (where dry rounds place their codes).
-        """
-        if not self.decoder.sizes_from_pass_cost:
-            return
-        if sampling is None:
-            sampling = SamplingConfig(self.backbone.default_guidance_scale, 1.0, self.backbone.default_top_k)
-        rows = min(num_images, 4) * (2 if sampling.do_cfg else 1)
-        if self.decoder.uses_drafter_passes:  # a dry round's random features make a drafter grow unlike a real one
-            self.decoder.resolve_draft_size(self.pass_cost(rows), self.draft_pass_cost(rows))
-        else:
-            self.decoder.resolve_draft_size(self.pass_cost(rows), round_overhead=self.round_overhead(rows, sampling, prefix_length))
-
-    def round_overhead(self, rows: int, sampling: SamplingConfig, prefix_length: int) -> RoundOverhead:
-        """The measured cost of the current decoder's own work in a round (`RoundOverhead`) with ``rows`` target rows,
-        kept per pipeline, decoder object and heads (measured with the first call's sampling settings), so that
-        decoders swapped back and forth (a benchmark's interleaved rows) are timed once each."""
-        per_decoder = self.__dict__.setdefault("_round_overheads", weakref.WeakKeyDictionary())
-        costs = per_decoder.setdefault(self.decoder, {})
-        key = (rows, str(self._execution_device))  # the decoder's work: the same with static shapes or compiled
-        kept = costs.get(key)
-        if kept is None or kept.draft_heads is not self.draft_heads:
-            batch = rows // (2 if sampling.do_cfg else 1)
-            costs[key] = RoundOverhead(self.decoder, self.backbone, self.draft_heads, sampling, batch, prefix_length)
-        return costs[key]
-
-    def draft_pass_cost(self, rows: int) -> Optional[DraftPassCost]:
-        """The measured cost of a drafter pass of the loaded `EagleDraftHead` with ``rows`` rows (``None`` without one),
-        kept per pipeline and heads: what EAGLE-2's ``"auto"`` tree size weighs against the target pass cost."""
-        heads = self.draft_heads
-        if heads is None or not hasattr(heads, "make_cache"):
-            return None
-        key = (rows, str(self._execution_device), str(next(heads.parameters()).dtype))
-        costs = self.__dict__.setdefault("_draft_pass_costs", {})
-        if key not in costs or costs[key].draft_heads is not heads:
-            costs[key] = DraftPassCost(heads, self.backbone, rows)
-        return costs[key]
 
     @contextlib.contextmanager
     def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):

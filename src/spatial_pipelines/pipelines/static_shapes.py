@@ -24,7 +24,7 @@ from ..core.kv_cache import StaticKVCache
 
 if TYPE_CHECKING:
     from ..decoders.decoding_utils import DecodingState
-    from .pipeline_utils import SpatialBackbone
+    from .backbone import SpatialBackbone
 
 #: Fixed-shape caches are allocated in multiples of this many slots (one graph serves every prompt length that
 #: rounds up to the same size).

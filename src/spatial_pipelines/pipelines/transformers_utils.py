@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..core.kv_cache import StaticKVCache, TransformersCacheView, additive_mask
 from ..utils import check_number
-from .pipeline_utils import SpatialBackbone
+from .backbone import SpatialBackbone
 
 
 @torch.no_grad()

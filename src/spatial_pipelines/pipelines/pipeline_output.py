@@ -1,0 +1,60 @@
+"""What a generation returns: the images and code grids (`SpatialPipelineOutput`) and what it cost (`DecodingStats`)."""
+
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers.utils import BaseOutput
+
+
+
+@dataclass
+class DecodingStats:
+    """What one generation cost.
+
+    Args:
+        num_forward_passes (`int`): target forward passes, prefill included.
+        num_draft_passes (`int`): forward passes of draft heads or draft models.
+        num_tokens (`int`): image codes generated over the whole batch.
+        mean_accepted_length (`float`): codes committed per target pass, averaged over passes and rows.
+        accepted_lengths (`torch.LongTensor` `(num_forward_passes, B)`): codes committed by each pass.
+        acceptance_map (`torch.LongTensor` `(B, H, W)`): accepted length of the pass that committed each code.
+        wall_time_s (`float`): wall-clock seconds of the whole call.
+        mean_tree_depth (`float`, *optional*): dynamic-tree decoders (EAGLE-2, ADT-Tree): mean depth of the trees
+            verified, over passes and rows.
+        mean_tree_width (`float`, *optional*): the same for the ``top_k`` the trees were grown with.
+        padded_fraction (`float`, *optional*): with static shapes (`SpatialARPipeline.static_shapes`), the share of
+            the slots the rounds fed to the target that were padding (the price of one fixed-shape step).
+        batch_wait_fraction (`float`, *optional*): in a batch of several images, the share of the codes the rows had
+            accepted that they did not commit because the rows advance together by the shortest row's run (tree and
+            window decoders; 0: no row waited).
+    """
+
+    num_forward_passes: int
+    num_draft_passes: int
+    num_tokens: int
+    mean_accepted_length: float
+    accepted_lengths: torch.Tensor
+    acceptance_map: torch.Tensor
+    wall_time_s: float
+    mean_tree_depth: Optional[float] = None
+    mean_tree_width: Optional[float] = None
+    padded_fraction: Optional[float] = None
+    batch_wait_fraction: Optional[float] = None
+
+
+@dataclass
+class SpatialPipelineOutput(BaseOutput):
+    """
+    Args:
+        images (`list[PIL.Image.Image]`, `np.ndarray` or `torch.Tensor`): the images; with
+            ``output_type="latent"`` the token grids.
+        tokens (`torch.LongTensor` `(B, H, W)`): codebook indices.
+        stats (`DecodingStats`): passes, acceptance and time.
+    """
+
+    images: Union[List[PIL.Image.Image], np.ndarray, torch.Tensor]
+    tokens: torch.Tensor
+    stats: DecodingStats
