@@ -18,7 +18,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from ..core.kv_cache import StaticKVCache
-from ..models.transformer_llamagen import TransformerBlock, llamagen_intermediate_size, rope_2d_table
+from ..models.blocks import TransformerBlock, llamagen_intermediate_size, rope_2d_table
 from .heads_utils import DraftHeadsMixin, check_heads_args
 
 
