@@ -11,7 +11,7 @@ from spatial_pipelines import ADTTreeDecoder, EagleDecoder, HawkDecoder, JacobiD
 from spatial_pipelines.core import RandomSource
 from spatial_pipelines.core.tree import tree_from_paths
 from spatial_pipelines.core.verification import verify_tree, verify_tree_sequential
-from spatial_pipelines.decoders.decoding_utils import AUTO_RATE_TOLERANCE, best_subtree, node_priors
+from spatial_pipelines.decoders.decoding_tree import AUTO_RATE_TOLERANCE, best_subtree, node_priors
 from spatial_pipelines.pipelines.pass_cost import RoundOverhead, fit_pass_cost
 from spatial_pipelines.testing import dummy_pipeline
 

@@ -6,7 +6,8 @@ from .decoding_hawk import HawkDecoder
 from .decoding_jacobi import JacobiDecoder
 from .decoding_medusa import MedusaDecoder
 from .decoding_ssd import SSD_PRESETS, SSDDecoder
-from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin
+from .decoding_tree import TreeDecoderMixin, TreeState
+from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput
 
 #: Short names used by the CLI and benchmarks.
 DECODERS = {
@@ -19,4 +20,4 @@ DECODERS = {
     "adt": ADTTreeDecoder,
 }
 
-__all__ = ["ADT_PRESETS", "ADTTreeDecoder", "DECODERS", "SSD_PRESETS", "SSDDecoder", "AutoregressiveDecoder", "EagleDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]
+__all__ = ["ADT_PRESETS", "ADTTreeDecoder", "DECODERS", "SSD_PRESETS", "SSDDecoder", "AutoregressiveDecoder", "EagleDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "TreeState", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]

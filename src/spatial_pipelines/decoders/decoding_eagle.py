@@ -25,7 +25,8 @@ from ..core.acceptance import AcceptanceLike
 from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
 from ..utils import check_number
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState, check_draft_size, check_int
+from .decoding_tree import TreeDecoderMixin, TreeState
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_size, check_int
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
 

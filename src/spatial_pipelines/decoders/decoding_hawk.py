@@ -10,7 +10,8 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..core.tree import DraftTree, tree_from_paths
-from .decoding_utils import AUTO, Draft, check_draft_size, check_int, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState
+from .decoding_tree import TreeDecoderMixin, TreeState
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_size, check_int
 
 
 @dataclass

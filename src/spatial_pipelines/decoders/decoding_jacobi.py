@@ -20,9 +20,8 @@ from diffusers.configuration_utils import register_to_config
 from ..core.acceptance import AcceptanceLike
 from ..core.sampling import logits_to_probs
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
-from .decoding_utils import (
-    AUTO, DRAFT_SIZE_CANDIDATES, Draft, check_draft_size, check_int, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState,
-)
+from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin, TreeState
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_size, check_int
 
 INITS = ("random", "left", "above", "heads")
 COUPLINGS = ("none", "gumbel")

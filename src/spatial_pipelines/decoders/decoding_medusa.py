@@ -8,7 +8,8 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..core.tree import tree_from_paths
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, TreeDecoderMixin, TreeState, check_draft_size, check_int
+from .decoding_tree import TreeDecoderMixin, TreeState
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_size, check_int
 
 
 def check_tree_paths(tree_paths, num_heads: int) -> List[Tuple[int, ...]]:

@@ -1,0 +1,261 @@
+"""What tree decoders share (Medusa, Hawk, SJD's window, EAGLE-2 and ADT-Tree): the typed `TreeState`, drafting a
+static tree of candidates and verifying it exactly (`TreeDecoderMixin`), and ``"auto"`` tree sizes from the
+measured round cost."""
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from ..core.acceptance import AcceptanceLike, resolve_acceptance
+from ..core.sampling import logits_to_probs, sample_from_probs
+from ..core.tree import DraftTree, tree_from_parents
+from ..core.verification import verify_tree
+from .decoding_utils import AUTO, DecodingState, Draft, StepOutput
+
+#: Draft sizes ``"auto"`` chooses from (nodes after the root).
+DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+#: ``"auto"`` keeps the smallest draft whose predicted codes per second are within this share of the best size's.
+AUTO_RATE_TOLERANCE = 0.03
+
+
+def _fit_affine(seconds: dict) -> Callable[[int], float]:
+    """``a + b * n`` (``b >= 0``) through ``{n: seconds}`` by least squares: a decoder's walk grows about linearly with
+    its tree, and the fit spreads one size's timing noise over all of them."""
+    n = torch.tensor(sorted(seconds), dtype=torch.float64)
+    y = torch.tensor([seconds[k] for k in sorted(seconds)], dtype=torch.float64)
+    slope = 0.0 if len(n) < 2 else max(0.0, float(((n - n.mean()) * (y - y.mean())).sum() / ((n - n.mean()) ** 2).sum()))
+    base = float(y.mean() - slope * n.mean())
+    return lambda k: base + slope * k
+
+
+def node_priors(tree: DraftTree, first_rate: float, sibling_decay: float) -> List[float]:
+    """Prior probability that each node lies on the accepted path: the sibling tried ``r``-th is accepted with
+    ``first_rate * sibling_decay**r`` once its parent is reached and its earlier siblings failed (root: 1)."""
+    parents = tree.parents.tolist()
+    prior, tried, seen = [1.0] * len(parents), {}, {}
+    for i in range(1, len(parents)):
+        p = parents[i]
+        r = seen.get(p, 0)
+        seen[p] = r + 1
+        rate = first_rate * sibling_decay**r
+        prior[i] = prior[p] * tried.get(p, 1.0) * rate
+        tried[p] = tried.get(p, 1.0) * (1.0 - rate)
+    return prior
+
+
+def best_subtree(tree: DraftTree, num_nodes: int, first_rate: float, sibling_decay: float) -> Tuple[DraftTree, float]:
+    """The ``num_nodes`` draft nodes of ``tree`` most likely to be accepted (prefix-closed: a child is never likelier
+    than its parent) and the expected number of accepted drafts under the prior of `node_priors`."""
+    prior = node_priors(tree, first_rate, sibling_decay)
+    keep = sorted(sorted(range(1, len(prior)), key=lambda i: (-prior[i], i))[:num_nodes])
+    index = {0: 0, **{old: new + 1 for new, old in enumerate(keep)}}
+    parents = [-1] + [index[tree.parents[i].item()] for i in keep]
+    ranks = [-1] + [tree.ranks[i].item() for i in keep]
+    return tree_from_parents(parents, ranks), sum(prior[i] for i in keep)
+
+
+@dataclass
+class TreeState(DecodingState):
+    """The state of tree decoders.
+
+    Args:
+        tree (`DraftTree`): the decoder's static tree on the generation's device (copied once per generation).
+        host_depths (`tuple[int]`): its node depths on the host (`Draft.depths`).
+        hidden (`torch.Tensor` `(B, D)`): pre-norm hidden state that predicted the newest committed code.
+        node_tokens (`torch.LongTensor` `(B, T)`): the tree fed this round (``-1``: slot not offered).
+        accepted_path (`torch.LongTensor` `(B, n)`): the fed nodes whose outputs predicted the ``n`` codes the last
+            round committed (the root first).
+        rows (`torch.LongTensor` `(B,)`): row indices, built once.
+        slots (`torch.LongTensor` `(max_draft_tokens,)`): ``0, 1, 2, ...``, built once: a path through the first slots.
+        node_depth (`torch.LongTensor` `(T - 1,)`), node_rank (`torch.LongTensor` `(T - 1,)`): the head (or pool) and
+            candidate rank (or slot) of every draft node, built once.
+        neighbours (`torch.Tensor` `(V, k)`, *optional*): the codebook neighbour table of a relaxed acceptance rule
+            (built once per backbone and cached there).
+        head_indices (`tuple`, *optional*): ``(horizontal, vertical)``: the indices of the heads the decoder runs,
+            looked up on the first round.
+    """
+
+    tree: Optional[DraftTree] = None
+    host_depths: Optional[Tuple[int, ...]] = None
+    hidden: Optional[torch.Tensor] = None
+    node_tokens: Optional[torch.Tensor] = None
+    accepted_path: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
+    slots: Optional[torch.Tensor] = None
+    node_depth: Optional[torch.Tensor] = None
+    node_rank: Optional[torch.Tensor] = None
+    neighbours: Optional[torch.Tensor] = None
+    head_indices: Optional[Tuple[List[int], List[int]]] = None
+
+
+class TreeDecoderMixin:
+    """What tree decoders share: drafting a static tree of head candidates and exact verification.
+
+    A subclass calls ``self._set_tree(full_tree, size)`` in ``__init__``: ``full_tree`` is the largest tree it drafts,
+    ``size`` an int (keep the ``size`` likeliest nodes, or all of them with ``None``) or ``"auto"``: the pipeline then
+    measures the pass cost ``c(T)`` on its device and `resolve_draft_size` keeps the node count that maximises the
+    expected codes per second, ``(1 + E[accepted]) / c(1 + nodes)``, under the prior `node_priors` with the class's
+    ``acceptance_prior`` ``(first_rate, sibling_decay)``. Its ``state_class`` must be a `TreeState`.
+    """
+
+    state_class = TreeState
+    acceptance_prior: Tuple[float, float] = (0.5, 0.5)
+    distinct_siblings: bool = False  # True when the decoder never offers one code twice among siblings
+
+    def _set_acceptance(self, acceptance: AcceptanceLike) -> None:
+        """Resolve the config's acceptance rule (checked: a `ValueError` names a bad argument) and store it in the
+        config as JSON (`AcceptanceRule.to_config`): a rule object saves and loads like its dict."""
+        self.acceptance_rule = resolve_acceptance(acceptance)
+        self.register_to_config(acceptance=self.acceptance_rule.to_config())
+
+    def _set_tree(self, full_tree: DraftTree, size) -> None:
+        self._full_tree, self._size = full_tree, size
+        self._resolved_for = None
+        nodes = full_tree.num_nodes - 1
+        self.tree = self._subtree(nodes if size in (None, AUTO) else min(size, nodes))
+
+    def _subtree(self, num_nodes: int) -> DraftTree:
+        if num_nodes >= self._full_tree.num_nodes - 1:
+            return self._full_tree
+        return self._sized_tree(num_nodes)[0]
+
+    def _sized_tree(self, num_nodes: int) -> Tuple[DraftTree, float]:
+        """The tree of ``num_nodes`` draft nodes this decoder feeds, and its expected accepted drafts under the prior."""
+        if num_nodes >= self._full_tree.num_nodes - 1:
+            return self._full_tree, sum(node_priors(self._full_tree, *self.acceptance_prior)[1:])
+        return best_subtree(self._full_tree, num_nodes, *self.acceptance_prior)
+
+    @property
+    def sizes_from_pass_cost(self) -> bool:
+        return self._size == AUTO
+
+    def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None,
+                           round_overhead: Optional[Callable[[DraftTree], float]] = None) -> None:
+        resolved = self._resolved_for
+        if self._size != AUTO or (resolved is not None and all(a is b for a, b in zip(resolved, (pass_cost, draft_pass_cost, round_overhead)))):
+            return  # once per pipeline cost model
+        candidates = [self._sized_tree(n) for n in self._draft_sizes()]  # (tree, expected accepted drafts)
+        target = pass_cost
+        if hasattr(pass_cost, "measure"):  # a PassCost: measure every size interleaved, in one go, and fit a curve
+            sizes = sorted({tree.num_nodes for tree, _ in candidates})
+            pass_cost.measure(sizes)
+            target = pass_cost.fitted(sizes)  # through these sizes only: what another decoder measured changes nothing
+        if round_overhead is not None:  # measured per tree: the decoder's drafting and walk
+            trees = [tree for tree, _ in candidates]
+            measured = round_overhead.measure(trees) if hasattr(round_overhead, "measure") else {t.num_nodes: round_overhead(t) for t in trees}
+            outside = _fit_affine(measured)
+            cost = [target(tree.num_nodes) + outside(tree.num_nodes) for tree in trees]
+        else:
+            cost = [target(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost) for tree, _ in candidates]
+        rates = [(tree, (1.0 + accepted) / seconds) for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
+        best = max(rate for _, rate in rates)
+        # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so
+        # the argmax would follow what timing noise is left in the fitted curves from run to run
+        self.tree = next(tree for tree, rate in rates if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
+        self._resolved_for = (pass_cost, draft_pass_cost, round_overhead)
+
+    def _drafting_seconds(self, tree: DraftTree, draft_pass_cost: Optional[Callable[[int], float]]) -> float:
+        """Seconds of drafter passes a round with ``tree`` adds to the target pass (none here: head passes are a few
+        small matmuls; decoders that ``uses_drafter_passes`` override this)."""
+        return 0.0
+
+    def _draft_sizes(self) -> List[int]:
+        """The sizes ``"auto"`` weighs (arguments of `_sized_tree`)."""
+        full = self._full_tree.num_nodes - 1
+        return [c for c in DRAFT_SIZE_CANDIDATES if c < full] + [full]
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.tree.num_nodes
+
+    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> TreeState:
+        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
+        if not isinstance(state, TreeState):
+            raise TypeError(f"{type(self).__name__}.state_class must subclass TreeState, got {type(state).__name__}.")
+        state.tree = self.tree.to(device)  # once per generation, not once per round
+        state.host_depths = tuple(self.tree.depths.tolist())  # host copy, read once per generation (EOL placement)
+        state.rows = torch.arange(batch_size, device=device)
+        state.slots = torch.arange(self.max_draft_tokens, device=device)  # a path is at most this many nodes long
+        state.node_depth, state.node_rank = state.tree.depths[1:] - 1, state.tree.ranks[1:]
+        if self.acceptance_rule.num_neighbours:
+            if backbone is None:
+                raise ValueError(f"`acceptance={self.acceptance_rule.name!r}` needs the backbone's VQ codebook.")
+            state.neighbours = backbone.code_neighbours(self.acceptance_rule.num_neighbours)
+        return state
+
+    def _heads_logits(self, state: TreeState, draft_heads):
+        """Logits of the heads this decoder uses (``required_horizontal_offsets`` / ``required_vertical_offsets``,
+        in that order) from the hidden state that predicted the newest committed code. Horizontal head ``i`` drafts
+        depth ``i + 1``, so only the first ``tree.max_depth`` run: a shallower ("auto"-sized) tree drafts nothing
+        from the others, and their weights are not read every round."""
+        if state.head_indices is None:  # looked up on the first round, not every round
+            h = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()][: state.tree.max_depth]
+            v = [draft_heads.vertical_index(o) for o in self.required_vertical_offsets()]
+            state.head_indices = (h, v)
+        h, v = state.head_indices
+        feats_h, feats_v = draft_heads(state.backbone.final_norm(state.hidden), h, v)  # (B, Hh, D), (B, Hv, D)
+        state.num_draft_passes += 1
+        feats = torch.cat([feats_h, feats_v], 1) if v else feats_h  # one output-head pass for both kinds (per-op cost)
+        logits = state.backbone.output_head(feats)  # (B, Hh + Hv, V)
+        return logits[:, : len(h)], logits[:, len(h) :]  # (B, Hh, V), (B, Hv, V)
+
+    def _tree_draft(self, state: TreeState, node_tokens: torch.Tensor) -> Draft:
+        """Feed ``node_tokens`` ``(B, T)`` (root first; ``-1`` for slots a row does not offer) at their positions
+        with the tree mask."""
+        tree = state.tree
+        first = state.prefix_length + state.layout.sequence_offset(state.num_committed - 1)  # host int
+        if state.layout.has_eol or state.num_committed - 1 + tree.max_depth >= state.layout.num_tokens:
+            last = state.layout.num_tokens - 1
+            index = (state.num_committed - 1 + tree.depths).clamp_max(last)  # nodes past the grid are never committed
+            position_ids = state.positions[index]
+        else:  # no EOL and inside the grid: positions are the root's plus the depths (one add, no gather)
+            position_ids = tree.depths + first
+        state.node_tokens = node_tokens
+        return Draft(
+            input_ids=node_tokens.clamp_min(0),  # an empty slot is fed as code 0 and never accepted
+            position_ids=position_ids,
+            attention_mask=tree.attention_mask,
+            depths=state.host_depths if position_ids.dim() == 1 else None,
+        )
+
+    def _prefill_step(self, logits, hidden_states, state: TreeState) -> StepOutput:
+        token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
+        state.hidden = hidden_states[:, -1]
+        state.commit(token[:, None], torch.ones_like(token))
+        return StepOutput(num_accepted=1)
+
+    def _verify_step(self, logits, hidden_states, draft, state: TreeState, q=None, probs=None) -> StepOutput:
+        tokens = state.node_tokens
+        probs = logits_to_probs(logits, state.sampling) if probs is None else probs  # (B, T, V)
+        acc = verify_tree(state.tree, tokens, probs, state.random, q, distinct_siblings=self.distinct_siblings,
+                          rule=self.acceptance_rule, neighbours=state.neighbours)
+        # rows advance together: commit the shortest row's accepted run plus its bonus (a prefix of every
+        # row's exact sample is exact), and never past the end of the grid
+        chain = state.tree.max_children == 1
+        if chain:
+            shortest, prefix = int(acc.num_accepted.min()), True  # the one host read per round
+        else:  # is every row's path nodes 0, 1, 2, ...? Then the KV cache is cropped, not compacted (no copy)
+            if acc.path.shape[1] > state.slots.shape[0]:  # a tree grown deeper than it keeps nodes (host shapes)
+                state.slots = torch.arange(acc.path.shape[1], device=acc.path.device)
+            nodes = state.slots[: acc.path.shape[1]]  # (D + 1,) 0, 1, 2, ...: a view, built once
+            prefix_path = ((acc.path == nodes) | (acc.path < 0)).all()
+            shortest, prefix = torch.stack([acc.num_accepted.min(), prefix_path.long()]).tolist()  # the one host read
+        n = min(shortest + 1, state.num_remaining)
+        if state.batch_size > 1:  # what rows that accepted more drop by advancing with the shortest (no host read)
+            potential = (acc.num_accepted + 1).clamp_max(state.num_remaining).sum()
+            state.row_potential = potential if state.row_potential is None else state.row_potential + potential
+            state.batch_committed += n * state.batch_size
+        path = acc.path[:, :n]  # (B, n) root + the n - 1 accepted nodes whose KV stays
+        drafted = tokens.gather(1, path)  # (B, n): column j is the code of accepted node j (all offered: >= 0)
+        codes = torch.cat([drafted[:, 1:], acc.bonus[:, None]], 1)  # (B, n)
+        if (state.batch_size > 1 or n <= shortest) and n <= state.tree.max_depth:
+            # a row that accepted n or more drafts commits its n-th accepted node, not its bonus
+            longer = acc.num_accepted[:, None] >= n
+            codes[:, -1:] = torch.where(longer, tokens.gather(1, acc.path[:, n : n + 1].clamp_min(0)), codes[:, -1:])
+        state.hidden = hidden_states[state.rows, path[:, -1]]  # the node that predicted the newest code
+        state.accepted_path = path
+        state.commit(codes, acc.bonus.new_full(acc.bonus.shape, n))
+        if prefix:  # a chain, or a tree path through its first n slots: a crop (no copy)
+            return StepOutput(num_accepted=n, keep_length=n)
+        return StepOutput(num_accepted=n, keep_indices=path)
