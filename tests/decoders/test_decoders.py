@@ -142,11 +142,11 @@ def test_decoder_that_needs_heads_refuses_to_run_without_them():
 def test_distribution_test_detects_a_biased_acceptance_rule(monkeypatch):
     """A tree decoder whose acceptance over-accepts (q = 0.5 instead of the candidates' point masses) is
     rejected by the same chi-square test the exact decoders pass."""
-    from spatial_pipelines.decoders import decoding_utils
+    from spatial_pipelines.decoders import decoding_tree
 
-    exact_verify = decoding_utils.verify_tree
+    exact_verify = decoding_tree.verify_tree
     monkeypatch.setattr(
-        decoding_utils, "verify_tree",
+        decoding_tree, "verify_tree",
         lambda tree, tokens, probs, random, q=None, **kw: exact_verify(tree, tokens, probs, random, torch.full_like(probs, 0.5)),
     )
     pipe = make(MedusaDecoder, {}, "random", grid=(2, 2), num_codes=4)

@@ -5,7 +5,7 @@ the backbone contract in `backbone.py`, compile in `static_shapes.py`, the costs
 import contextlib
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from diffusers import DiffusionPipeline
@@ -302,22 +302,49 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
             prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt, generator,
             output_type, callback_on_step_end_tensor_inputs, callback_on_step_end,
         )
-        layout = backbone.layout
-        self.decoder.check_compatibility(layout, self.draft_heads)
+        self.decoder.check_compatibility(backbone.layout, self.draft_heads)
         batch_size = len(prompts) * num_images_per_prompt
         sampling = SamplingConfig(guidance_scale, temperature, top_k, top_p)
         device = self._execution_device
 
         # 2. Encode prompts: one row per image, then (with CFG) the unconditional rows
+        prefix = self._encode_prompts(prompts, negative_prompt, num_images_per_prompt, sampling, device)  # (R, P, D)
+
+        # 3. Prepare the decoding state, the random numbers and the KV cache ("auto" draft sizes: from c(T))
+        state, cache = self._prepare(prefix, sampling, generator, batch_size, device)
+
+        # 4. Prefill: the prompt pass predicts the first code
+        self._prefill(backbone, prefix, state, cache)
+
+        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`)
+        num_forward_passes = 1 + self._rounds(backbone, state, cache, callback_on_step_end, callback_on_step_end_tensor_inputs)
+
+        # 6. VQ decode, 7. post-process
+        tokens = backbone.layout.grid(state.tokens)  # (B, H, W)
+        images = tokens if output_type == "latent" else self._decode(tokens, output_type)
+        self.maybe_free_model_hooks()
+
+        stats = self._stats(state, num_forward_passes, batch_size, start_time)
+        if not return_dict:
+            return images, tokens, stats
+        return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats)
+
+    # -- the loop's steps -------------------------------------------------------------------------------
+    def _encode_prompts(self, prompts, negative_prompt, num_images_per_prompt: int, sampling: SamplingConfig,
+                        device: torch.device) -> PromptEmbeddings:
+        """Step 2: one conditional row per image, then (with CFG) one unconditional row per image."""
         prompt_rows = [p for p in prompts for _ in range(num_images_per_prompt)]
         negative_rows = None
         if negative_prompt is not None:
             negatives = _as_list(negative_prompt) * (len(prompts) if len(_as_list(negative_prompt)) == 1 else 1)
             negative_rows = [n for n in negatives for _ in range(num_images_per_prompt)]
-        prefix = backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)  # (R, P, D)
-        prefix_length = prefix.embeds.shape[1]
+        return self.backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)
 
-        # 3. Prepare the decoding state, the random numbers and the KV cache ("auto" draft sizes: from c(T))
+    def _prepare(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int,
+                 device: torch.device) -> Tuple[DecodingState, StaticKVCache]:
+        """Step 3: ``"auto"`` draft sizes, the decoder's typed state with its random numbers, and the KV cache."""
+        backbone, layout = self.backbone, self.backbone.layout
+        prefix_length = prefix.embeds.shape[1]
         self.resolve_draft_sizes(batch_size, sampling, prefix_length)
         state = self.decoder.init_state(
             layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device, backbone
@@ -325,39 +352,39 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
         max_fed = self.decoder.max_fed_tokens(layout) * (2 if layout.has_eol else 1)  # an EOL may follow every fed code
         cache = self._make_cache(backbone, prefix.embeds.shape[0], prefix_length + layout.sequence_length + max_fed)
         state.fed_size = max_fed if cache.fixed_shape else None  # every round feeds this many slots (static shapes)
+        return state, cache
 
-        # 4. Prefill: the prompt pass predicts the first code
-        self._prefill(backbone, prefix, state, cache)
-        num_forward_passes = 1
-
-        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`)
+    def _rounds(self, backbone: SpatialBackbone, state: DecodingState, cache: StaticKVCache, callback,
+                callback_tensor_inputs: Sequence[str]) -> int:
+        """Step 5: rounds until the grid is full, with the progress bar and ``callback_on_step_end``; returns how many."""
         timer = self._round_timer or NULL_TIMER
-        with self.progress_bar(total=layout.num_tokens) as progress_bar:
+        rounds = 0
+        with self.progress_bar(total=backbone.layout.num_tokens) as progress_bar:
             progress_bar.update(state.num_committed)
             while not state.finished:
                 committed_before = state.num_committed
                 with timer.section("round"):
                     self._round(backbone, state, cache, timer)
                 timer.rounds += 1
-                num_forward_passes += 1
+                rounds += 1
                 progress_bar.update(state.num_committed - committed_before)
-                if callback_on_step_end is not None:
-                    self._run_callback(callback_on_step_end, callback_on_step_end_tensor_inputs, num_forward_passes - 1, state)
+                if callback is not None:
+                    self._run_callback(callback, callback_tensor_inputs, rounds, state)
+        return rounds
 
-        # 6. VQ decode
-        tokens = layout.grid(state.tokens)  # (B, H, W)
-        if output_type == "latent":
-            images = tokens
-        else:
-            pixels = backbone.decode_image(tokens)  # (B, 3, h, w) in [-1, 1]
-            # 7. Post-process
-            images = self.image_processor.postprocess(pixels.float(), output_type=output_type)
-        self.maybe_free_model_hooks()
+    def _decode(self, tokens: torch.Tensor, output_type: str):
+        """Steps 6-7: VQ-decode the grids ``(B, H, W)`` and post-process the pixels with `VaeImageProcessor`."""
+        pixels = self.backbone.decode_image(tokens)  # (B, 3, h, w) in [-1, 1]
+        return self.image_processor.postprocess(pixels.float(), output_type=output_type)
 
+    def _stats(self, state: DecodingState, num_forward_passes: int, batch_size: int, start_time: float) -> DecodingStats:
+        """What the generation cost (one host read of the per-pass accepted lengths, after the last round)."""
+        device = self._execution_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        layout = state.layout
         accepted = torch.stack(state.accepted_lengths)  # (passes, B)
-        stats = DecodingStats(
+        return DecodingStats(
             num_forward_passes=num_forward_passes,
             num_draft_passes=state.num_draft_passes,
             num_tokens=batch_size * layout.num_tokens,
@@ -370,9 +397,6 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
             padded_fraction=state.padded_slots / state.fed_slots if state.fed_size and state.fed_slots else None,
             batch_wait_fraction=1.0 - state.batch_committed / state.row_potential.item() if state.row_potential is not None else None,
         )
-        if not return_dict:
-            return images, tokens, stats
-        return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats)
 
     # -- the loop's parts ---------------------------------------------------------------------------------
     def _run_callback(self, callback, tensor_inputs: Sequence[str], step_index: int, state: DecodingState) -> None:
