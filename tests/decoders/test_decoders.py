@@ -209,3 +209,13 @@ def test_swapping_decoders_starts_from_the_new_decoders_defaults(tmp_path):
     medusa.save_config(tmp_path)  # a saved config file swaps the same way
     assert public(EagleDecoder.from_pretrained(tmp_path).config) == public(EagleDecoder().config)
 
+
+
+def test_decoders_report_their_own_statistics():
+    """A decoder's state reports what is particular to it (`DecodingState.report`) into `DecodingStats.decoder_stats`;
+    EAGLE-2's tree shape keeps its named fields too."""
+    eagle = make(EagleDecoder, {"depth": 3, "top_k": 2, "num_draft_tokens": 5}, "random")("a fox", generator=gen(0), output_type="latent").stats
+    assert set(eagle.decoder_stats) == {"mean_tree_depth", "mean_tree_width"}
+    assert eagle.mean_tree_depth == eagle.decoder_stats["mean_tree_depth"] > 0 and eagle.mean_tree_width == 2
+    ar = make(AutoregressiveDecoder, {}, None)("a fox", generator=gen(0), output_type="latent").stats
+    assert ar.decoder_stats == {} and ar.mean_tree_depth is None

@@ -16,7 +16,7 @@ their logits are mixed like the target's):
 
 import random as pyrandom
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from diffusers.configuration_utils import register_to_config
@@ -52,6 +52,12 @@ class EagleState(TreeState):
     cfg: bool = False
     tree_depths: List[torch.Tensor] = field(default_factory=list)
     tree_widths: List[int] = field(default_factory=list)
+
+    def report(self) -> Dict[str, float]:
+        if not self.tree_depths:
+            return {}
+        return {"mean_tree_depth": torch.stack(self.tree_depths).float().mean().item(),
+                "mean_tree_width": sum(self.tree_widths) / len(self.tree_widths)}
 
 
 class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):

@@ -9,7 +9,7 @@ import abc
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from diffusers import ConfigMixin, SchedulerMixin
@@ -121,6 +121,11 @@ class DecodingState:
         self.acceptance_map[:, self.num_committed : end] = accepted[:, None]
         self.accepted_lengths.append(accepted)
         self.num_committed = end
+
+    def report(self) -> Dict[str, float]:
+        """Statistics of the generation particular to the decoder (`DecodingStats.decoder_stats`), read once after
+        the last round. A decoder's state class overrides it; the base reports nothing."""
+        return {}
 
     def commit_nothing(self) -> None:
         """Record a target pass that committed no code (a verification round of a lossy decoder)."""

@@ -1,7 +1,7 @@
 """What a generation returns: the images and code grids (`SpatialPipelineOutput`) and what it cost (`DecodingStats`)."""
 
-from dataclasses import dataclass
-from typing import List, Optional, Union
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
 
 import numpy as np
 import PIL.Image
@@ -30,6 +30,8 @@ class DecodingStats:
         batch_wait_fraction (`float`, *optional*): in a batch of several images, the share of the codes the rows had
             accepted that they did not commit because the rows advance together by the shortest row's run (tree and
             window decoders; 0: no row waited).
+        decoder_stats (`dict`): what the decoder reports about its own rounds (`DecodingState.report`; EAGLE-2 and
+            ADT-Tree: ``mean_tree_depth``, ``mean_tree_width``). A new decoder reports here without a new field.
     """
 
     num_forward_passes: int
@@ -43,6 +45,12 @@ class DecodingStats:
     mean_tree_width: Optional[float] = None
     padded_fraction: Optional[float] = None
     batch_wait_fraction: Optional[float] = None
+    decoder_stats: Dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("mean_tree_depth", "mean_tree_width"):  # fields of their own before decoders reported them
+            if getattr(self, name) is None and name in self.decoder_stats:
+                setattr(self, name, self.decoder_stats[name])
 
 
 @dataclass

@@ -392,10 +392,9 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
             accepted_lengths=accepted.cpu(),
             acceptance_map=layout.grid(state.acceptance_map).cpu(),
             wall_time_s=time.perf_counter() - start_time,
-            mean_tree_depth=torch.stack(state.tree_depths).float().mean().item() if getattr(state, "tree_depths", None) else None,
-            mean_tree_width=sum(state.tree_widths) / len(state.tree_widths) if getattr(state, "tree_widths", None) else None,
             padded_fraction=state.padded_slots / state.fed_slots if state.fed_size and state.fed_slots else None,
             batch_wait_fraction=1.0 - state.batch_committed / state.row_potential.item() if state.row_potential is not None else None,
+            decoder_stats=state.report(),
         )
 
     # -- the loop's parts ---------------------------------------------------------------------------------
