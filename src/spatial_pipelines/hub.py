@@ -19,6 +19,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 from huggingface_hub import ModelCard, ModelCardData, create_repo
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from .utils import atomic_directory
+
 #: Folder of the card templates (package data).
 TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hub_cards", "templates")
 #: The template of each draft-heads kind; subclasses of a kind use their kind's template.
@@ -83,8 +85,6 @@ def save_with_card(obj, save_directory: Union[str, os.PathLike], kwargs: Dict[st
     Pops ``push_to_hub`` and the Hub arguments (`HUB_KWARGS`) from ``kwargs`` before ``write`` runs. ``card`` maps the
     repo id (created first when pushing: default the folder's name) to the `ModelCard` written as ``README.md``.
     """
-    from .utils import atomic_directory
-
     push = kwargs.pop("push_to_hub", False)
     hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
     repo_id = hub.get("repo_id")

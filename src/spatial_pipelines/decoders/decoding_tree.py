@@ -19,16 +19,6 @@ DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 AUTO_RATE_TOLERANCE = 0.03
 
 
-def _fit_affine(seconds: dict) -> Callable[[int], float]:
-    """``a + b * n`` (``b >= 0``) through ``{n: seconds}`` by least squares: a decoder's walk grows about linearly with
-    its tree, and the fit spreads one size's timing noise over all of them."""
-    n = torch.tensor(sorted(seconds), dtype=torch.float64)
-    y = torch.tensor([seconds[k] for k in sorted(seconds)], dtype=torch.float64)
-    slope = 0.0 if len(n) < 2 else max(0.0, float(((n - n.mean()) * (y - y.mean())).sum() / ((n - n.mean()) ** 2).sum()))
-    base = float(y.mean() - slope * n.mean())
-    return lambda k: base + slope * k
-
-
 def node_priors(tree: DraftTree, first_rate: float, sibling_decay: float) -> List[float]:
     """Prior probability that each node lies on the accepted path: the sibling tried ``r``-th is accepted with
     ``first_rate * sibling_decay**r`` once its parent is reached and its earlier siblings failed (root: 1)."""
@@ -94,8 +84,9 @@ class TreeDecoderMixin:
 
     A subclass calls ``self._set_tree(full_tree, size)`` in ``__init__``: ``full_tree`` is the largest tree it drafts,
     ``size`` an int (keep the ``size`` likeliest nodes, or all of them with ``None``) or ``"auto"``: the pipeline then
-    measures the pass cost ``c(T)`` on its device and `resolve_draft_size` keeps the node count that maximises the
-    expected codes per second, ``(1 + E[accepted]) / c(1 + nodes)``, under the prior `node_priors` with the class's
+    measures the pass cost ``c(T)`` and the decoder's own work per round on its device, and `resolve_draft_size` keeps
+    the node count that maximises the expected codes per second, ``(1 + E[accepted]) / (c(1 + nodes) + overhead)``,
+    under the prior `node_priors` with the class's
     ``acceptance_prior`` ``(first_rate, sibling_decay)``. Its ``state_class`` must be a `TreeState`.
     """
 
@@ -136,18 +127,14 @@ class TreeDecoderMixin:
         if self._size != AUTO or (resolved is not None and all(a is b for a, b in zip(resolved, (pass_cost, draft_pass_cost, round_overhead)))):
             return  # once per pipeline cost model
         candidates = [self._sized_tree(n) for n in self._draft_sizes()]  # (tree, expected accepted drafts)
-        target = pass_cost
-        if hasattr(pass_cost, "measure"):  # a PassCost: measure every size interleaved, in one go, and fit a curve
-            sizes = sorted({tree.num_nodes for tree, _ in candidates})
-            pass_cost.measure(sizes)
-            target = pass_cost.fitted(sizes)  # through these sizes only: what another decoder measured changes nothing
-        if round_overhead is not None:  # measured per tree: the decoder's drafting and walk
-            trees = [tree for tree, _ in candidates]
-            measured = round_overhead.measure(trees) if hasattr(round_overhead, "measure") else {t.num_nodes: round_overhead(t) for t in trees}
-            outside = _fit_affine(measured)
-            cost = [target(tree.num_nodes) + outside(tree.num_nodes) for tree in trees]
+        trees = [tree for tree, _ in candidates]
+        # a PassCost / RoundOverhead measures what it has not yet and returns a fitted curve (through these sizes only)
+        target = pass_cost.fitted(sorted({t.num_nodes for t in trees})) if hasattr(pass_cost, "fitted") else pass_cost
+        if round_overhead is not None:  # the decoder's own drafting and walk, per tree
+            outside = round_overhead.fitted(trees) if hasattr(round_overhead, "fitted") else round_overhead
+            cost = [target(tree.num_nodes) + outside(tree) for tree in trees]
         else:
-            cost = [target(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost) for tree, _ in candidates]
+            cost = [target(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost) for tree in trees]
         rates = [(tree, (1.0 + accepted) / seconds) for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
         best = max(rate for _, rate in rates)
         # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so

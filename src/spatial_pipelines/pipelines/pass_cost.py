@@ -10,7 +10,7 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -211,6 +211,16 @@ def fit_pass_cost(seconds: Dict[int, float]) -> FittedCost:
     return best
 
 
+def fit_line(seconds: Dict[int, float]) -> Callable[[int], float]:
+    """``a + b * n`` (``b >= 0``) through ``{n: seconds}`` by least squares: a decoder's walk grows about linearly with
+    its tree, and the fit spreads one size's timing noise over all of them."""
+    n = np.asarray(sorted(seconds), dtype=np.float64)
+    y = np.asarray([seconds[k] for k in sorted(seconds)], dtype=np.float64)
+    slope = 0.0 if len(n) < 2 else max(0.0, float(((n - n.mean()) * (y - y.mean())).sum() / ((n - n.mean()) ** 2).sum()))
+    base = float(y.mean() - slope * n.mean())
+    return lambda k: base + slope * k
+
+
 class RoundOverhead:
     """Seconds of a decoder's own work in one round, outside the target pass: `propose` (drafting, head passes,
     drafter passes), the CFG mix and `step` (verification, the tree walk, commits), per candidate draft tree. Timed on
@@ -241,6 +251,11 @@ class RoundOverhead:
             self.measure([tree])
         return self.seconds[tree.num_nodes]
 
+    def fitted(self, trees) -> Callable[[Any], float]:
+        """Seconds per round of a tree, on the line `fit_line` draws through ``trees`` (timed first where needed)."""
+        line = fit_line(self.measure(trees))
+        return lambda tree: line(tree.num_nodes)
+
     @torch.no_grad()
     def measure(self, trees) -> Dict[int, float]:
         """Time every tree of ``trees`` not timed yet; returns ``{num_nodes: seconds}`` of all of them."""
@@ -248,12 +263,13 @@ class RoundOverhead:
         decoder, kept_tree = self.decoder, self.decoder.tree
         device = self.backbone.pipe._execution_device
         embedding = self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=device))  # (1, 1, D)
+        vocab = self.backbone.image_logits(torch.zeros_like(embedding)).shape[-1]
         generator = torch.Generator(device="cpu").manual_seed(0)
         try:
             runs = {}
             for tree in todo:
                 decoder.tree = tree
-                runs[tree.num_nodes] = _DryRound(self, embedding, device, generator)
+                runs[tree.num_nodes] = _DryRound(self, embedding, vocab, device, generator)
             times = {n: [] for n in runs}
             order = random.Random(0)  # a fixed shuffle per repeat: the same in every process, no size always first
             for i in range(self.warmup + self.repeats):
@@ -274,12 +290,12 @@ class RoundOverhead:
 class _DryRound:
     """One dry generation of `RoundOverhead`: a state, and random logits and hidden states sized for its tree."""
 
-    def __init__(self, owner: RoundOverhead, embedding: torch.Tensor, device: torch.device, generator: torch.Generator):
+    def __init__(self, owner: RoundOverhead, embedding: torch.Tensor, vocab: int, device: torch.device,
+                 generator: torch.Generator):
         self.owner, self.tree, self.device = owner, owner.decoder.tree, device
         self.rows = owner.batch_size * (2 if owner.sampling.do_cfg else 1)
         self.hidden_rows = self.rows if owner.decoder.uses_all_rows else owner.batch_size
         fed, width = owner.decoder.max_draft_tokens, embedding.shape[-1]
-        vocab = owner.backbone.image_logits(torch.zeros_like(embedding)).shape[-1]
         self.logits = torch.randn(self.rows, fed, vocab, generator=generator).to(device)  # (R, T, V) fp32, as the loop's
         # (B or R, T, D) in the backbone's dtype, as the forward returns them
         self.hidden = torch.randn(self.hidden_rows, fed, width, generator=generator).to(device, embedding.dtype)
