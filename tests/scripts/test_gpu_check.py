@@ -22,3 +22,28 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
                 assert r["graphs_compiled_while_timed"] == 0 and r["padded_fraction"] is not None
         assert rows["ar x2 [compiled]"]["speedup_vs_same_ar"] == 1.0
     assert "janus-pro-1b-layout" in (out / "gpu_check.md").read_text()
+
+
+def test_saved_captions_stand_in_for_the_text_encoder(tmp_path):
+    """`--save-captions` then `--captions`: the embedded pipeline built on the stored caption features encodes the
+    check's prompts exactly as MiniLM does, and refuses a prompt it holds no caption for."""
+    import importlib.util
+
+    import pytest
+    import torch
+
+    from spatial_pipelines.embedded import load_default_pipeline
+
+    run_script("gpu_check.py", "--save-captions", str(tmp_path / "captions"))
+    assert sum(p.stat().st_size for p in (tmp_path / "captions").iterdir()) < 2**20
+    spec = importlib.util.spec_from_file_location("gpu_check", "scripts/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    stored = gpu_check.embedded_pipeline(torch.device("cpu"), torch.float32, str(tmp_path / "captions"))
+    real = load_default_pipeline()
+    prompts = gpu_check.PROMPTS[::3]
+    a = real.backbone.encode_prompt(prompts, None, True, torch.device("cpu"))
+    b = stored.backbone.encode_prompt(prompts, None, True, torch.device("cpu"))
+    assert torch.equal(a.embeds, b.embeds) and torch.equal(a.valid, b.valid)
+    with pytest.raises(KeyError, match="no caption"):
+        stored.backbone.encode_prompt(["a prompt it never saw"], None, True, torch.device("cpu"))
