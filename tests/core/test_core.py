@@ -11,7 +11,7 @@ from spatial_pipelines.core import (
     logits_to_probs,
     sample_from_probs,
 )
-from spatial_pipelines.core.layout import EndOfRowInsertion, RowEndOfRowInsertion
+from spatial_pipelines.core.layout import EndOfRowInsertion
 from spatial_pipelines.core.tree import tree_from_parents
 from spatial_pipelines.models import LlamaGenTransformer
 
@@ -152,13 +152,13 @@ def test_kv_cache_keep_accepted_path_equals_recompute(per_row):
     model(model.embed_image_tokens(tree_ids), 1 + depth, attention_mask=mask, past_key_values=cache)
     paths = torch.tensor([[0, 1, 3], [0, 2, 2]]) if per_row else torch.tensor([0, 1, 3])
     n = 2 if per_row else 3
-    keep = paths[:, :n] if per_row else paths
+    keep = paths[:, :n] if per_row else paths.expand(b, -1)  # (B, n): a shared path is every row's
     cache.keep(1, keep)
     assert cache.length == 1 + n
     # feed one more token and compare with recomputing [prefix, path, next] from scratch
     nxt = torch.randint(0, 16, (b, 1))
     got = model(model.embed_image_tokens(nxt), torch.tensor([1 + n]), past_key_values=cache).hidden_states
-    path_ids = tree_ids.gather(1, keep if per_row else keep.expand(b, -1))
+    path_ids = tree_ids.gather(1, keep)
     seq = torch.cat([prefix, model.embed_image_tokens(torch.cat([path_ids, nxt], 1))], 1)
     want = model(seq, torch.arange(seq.shape[1])).hidden_states[:, -1:]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -210,25 +210,31 @@ EOL_LAYOUT = ImageTokenLayout(3, 3, eol_token_id=16)  # rows 4 positions apart; 
 def test_end_of_row_insertion_in_a_chain_is_a_longer_chain():
     positions = EOL_LAYOUT.sequence_position(torch.arange(1, 5), 1)  # codes 1..4 after a 1-token prefix
     assert positions.tolist() == [2, 3, 5, 6]
-    ins = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions, 1)
-    assert ins.row_end == (False, True, False, False)
-    assert ins.source.tolist() == [0, 1, 1, 2, 3] and ins.is_eol.tolist() == [False, False, True, False, False]
-    assert ins.position_ids(positions).tolist() == [2, 3, 4, 5, 6]  # the EOL fills the gap
-    assert ins.view.tolist() == [0, 2, 3, 4]  # code 2's output is its EOL's
+    ins = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions[None], 1)  # one tree (N = 1) every row shares
+    assert ins.row_end.tolist() == [[False, True, False, False]]
+    assert ins.source.tolist() == [[0, 1, 1, 2, 3]] and ins.is_eol.tolist() == [[False, False, True, False, False]]
+    assert ins.position_ids(positions).tolist() == [2, 3, 4, 5, 6]  # the EOL fills the gap; a shared draft stays (T',)
+    assert ins.view.tolist() == [[0, 2, 3, 4]]  # code 2's output is its EOL's
     mask = ins.attention_mask(torch.ones(4, 4, dtype=torch.bool).tril())
     assert torch.equal(mask, torch.ones(5, 5, dtype=torch.bool).tril())
     assert [ins.keep_length(k) for k in range(5)] == [0, 1, 3, 4, 5]
-    assert ins.keep_indices(torch.tensor([0, 1, 2])).tolist() == [0, 1, 2, 3]
+    assert ins.keep_indices(torch.tensor([[0, 1, 2], [0, 1, 2]])).tolist() == [[0, 1, 2, 3]] * 2
+    # from the host-side depths (what the loop uses for shared drafts): the same tables, no device read
+    hosted = EndOfRowInsertion.for_depths(EOL_LAYOUT, (0, 1, 2, 3), 1, torch.device("cpu"))
+    for name in ("source", "is_eol", "is_pad", "slot", "view", "row_end"):
+        assert torch.equal(getattr(hosted, name), getattr(ins, name)), name
+    assert hosted.depth_ends is not None and [hosted.keep_length(k) for k in range(5)] == [0, 1, 3, 4, 5]
     # the last row's end is followed by nothing; a draft without row ends needs no insertion
-    assert EndOfRowInsertion.for_positions(EOL_LAYOUT, EOL_LAYOUT.sequence_position(torch.tensor([7, 8]), 1), 1) is None
+    assert EndOfRowInsertion.for_positions(EOL_LAYOUT, EOL_LAYOUT.sequence_position(torch.tensor([[7, 8]]), 1), 1) is None
+    assert EndOfRowInsertion.for_depths(EOL_LAYOUT, (0, 1), 7, torch.device("cpu")) is None
 
 
 def test_end_of_row_insertion_gives_every_row_end_candidate_its_own_eol():
     # root = code 1; candidates a, b for code 2 (the row end); c under a and d under b for code 3
     tree = tree_from_parents([-1, 0, 0, 1, 2])
     positions = EOL_LAYOUT.sequence_position(1 + tree.depths, 1)
-    ins = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions, 1)
-    assert ins.source.tolist() == [0, 1, 1, 2, 2, 3, 4]  # root, a, EOL(a), b, EOL(b), c, d
+    ins = EndOfRowInsertion.for_depths(EOL_LAYOUT, tuple(tree.depths.tolist()), 1, torch.device("cpu"))
+    assert ins.source.tolist() == [[0, 1, 1, 2, 2, 3, 4]]  # root, a, EOL(a), b, EOL(b), c, d
     mask = ins.attention_mask(tree.attention_mask)
     a, eol_a, b, eol_b, c, d = 1, 2, 3, 4, 5, 6
     assert mask[c, eol_a] and mask[c, a] and not mask[c, eol_b] and not mask[c, b]
@@ -236,8 +242,10 @@ def test_end_of_row_insertion_gives_every_row_end_candidate_its_own_eol():
     assert mask[eol_a, a] and not mask[a, eol_a] and not mask[eol_a, b]
     assert ins.position_ids(positions).tolist() == [2, 3, 4, 3, 4, 5, 5]
     assert ins.keep_indices(torch.tensor([[0, 2, 4], [0, 1, 3]])).tolist() == [[0, 3, 4, 6], [0, 1, 2, 5]]
+    unplaced = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions[None], 1)  # no host depths: the kept slots are read
+    assert torch.equal(unplaced.source, ins.source) and unplaced.depth_ends is None
     with pytest.raises(ValueError, match="advance together"):
-        ins.keep_indices(torch.tensor([[0, 2], [0, 0]]))
+        unplaced.keep_indices(torch.tensor([[0, 2], [0, 0]]))
 
 
 def test_per_row_end_of_row_insertion_matches_each_row_alone():
@@ -251,9 +259,9 @@ def test_per_row_end_of_row_insertion_matches_each_row_alone():
     assert ins.source.shape == (2, 7) and ins.is_pad.sum(1).tolist() == [0, 1]
     fed_mask, fed_pos, fed_ids = ins.attention_mask(masks), ins.position_ids(positions), ins.input_ids(ids)
     for r, tree in enumerate(trees):
-        alone = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions[r], 1)
-        n = alone.source.shape[0]
-        assert ins.source[r, :n].tolist() == alone.source.tolist() and ins.view[r].tolist() == alone.view.tolist()
+        alone = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions[r : r + 1], 1)  # the row's tree alone (N = 1)
+        n = alone.source.shape[1]
+        assert ins.source[r, :n].tolist() == alone.source[0].tolist() and ins.view[r].tolist() == alone.view[0].tolist()
         assert torch.equal(fed_mask[r, :n, :n], alone.attention_mask(tree.attention_mask))
         assert fed_pos[r, :n].tolist() == alone.position_ids(positions[r]).tolist()
         assert fed_ids[r, :n].tolist() == alone.input_ids(ids[r : r + 1])[0].tolist()
@@ -262,7 +270,14 @@ def test_per_row_end_of_row_insertion_matches_each_row_alone():
     assert ins.keep_indices(torch.tensor([[0, 2, 4], [0, 1, 3]])).tolist() == [[0, 3, 4, 6], [0, 1, 2, 4]]
     hidden = torch.arange(7.0).expand(4, 7)  # CFG: 2B fed rows read the B rows' tables
     assert ins.outputs(hidden)[2].tolist() == ins.view[0].float().tolist()
-    assert RowEndOfRowInsertion.for_positions(EOL_LAYOUT, EOL_LAYOUT.sequence_position(torch.tensor([[7, 8]]), 1), 1) is None
+    assert EndOfRowInsertion.for_positions(EOL_LAYOUT, EOL_LAYOUT.sequence_position(torch.tensor([[7, 8]]), 1), 1) is None
+
+
+def test_row_end_of_row_insertion_is_the_general_form_under_its_old_name():
+    import spatial_pipelines.core.layout as layout_module
+
+    with pytest.warns(FutureWarning, match="EndOfRowInsertion"):
+        assert layout_module.RowEndOfRowInsertion is EndOfRowInsertion
 
 
 @torch.no_grad()
@@ -280,7 +295,7 @@ def test_kv_after_a_tree_through_a_row_end_equals_recompute():
     tree = tree_from_parents([-1, 0, 0, 1, 2])
     ids = torch.cat([committed[:, 1:], torch.randint(0, 16, (b, 4))], 1)  # (B, 5)
     positions = layout.sequence_position(1 + tree.depths, 1)
-    ins = EndOfRowInsertion.for_positions(layout, positions, 1)
+    ins = EndOfRowInsertion.for_positions(layout, positions[None], 1)
     embeds = ins.embeds(model.embed_image_tokens(ins.input_ids(ids)), model.eol_embedding)
     start = cache.length
     model(embeds, ins.position_ids(positions), attention_mask=ins.attention_mask(tree.attention_mask), past_key_values=cache)

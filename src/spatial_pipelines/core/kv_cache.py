@@ -185,15 +185,12 @@ class StaticKVCache:
 
         Args:
             start (`int`): first slot of the segment that was verified.
-            indices: ``(n,)`` or ``(B, n)`` slot offsets inside the segment, in the order to keep.
+            indices (`torch.LongTensor` `(B, n)`): per row, slot offsets inside the segment, in the order to keep.
         """
         n = indices.shape[-1]
-        slots = start + indices  # (n,) or (B, n)
-        if indices.dim() == 1:
-            picked = self.storage.index_select(4, slots)  # (L, 2, B, H_kv, n, D)
-        else:
-            layers, two, b, h, _, d = self.storage.shape
-            picked = self.storage.gather(4, slots[None, None, :, None, :, None].expand(layers, two, b, h, n, d))
+        slots = start + indices  # (B, n)
+        layers, two, b, h, _, d = self.storage.shape
+        picked = self.storage.gather(4, slots[None, None, :, None, :, None].expand(layers, two, b, h, n, d))  # (L, 2, B, H_kv, n, D)
         self.storage[:, :, :, :, start : start + n] = picked
         compact_positions_(self.key_valid[:, None, :, None], start, indices)
         self.crop(start + n)
@@ -202,14 +199,11 @@ class StaticKVCache:
 def compact_positions_(cache: torch.Tensor, start: int, indices: torch.Tensor) -> None:
     """In place: ``cache[:, :, start + j] = cache[:, :, start + indices[..., j]]`` for a ``(B, H, S, D)`` tensor.
 
-    ``indices`` is ``(n,)`` (same path for every row) or ``(B, n)`` (one path per row).
+    ``indices`` is ``(B, n)``: one path per row.
     """
     b, h, _, d = cache.shape
-    if indices.dim() == 1:
-        picked = cache.index_select(2, start + indices)  # (B, H, n, D)
-    else:
-        gather = (start + indices)[:, None, :, None].expand(b, h, indices.shape[-1], d)
-        picked = cache.gather(2, gather)  # (B, H, n, D)
+    gather = (start + indices)[:, None, :, None].expand(b, h, indices.shape[-1], d)
+    picked = cache.gather(2, gather)  # (B, H, n, D)
     cache[:, :, start : start + indices.shape[-1]] = picked
 
 

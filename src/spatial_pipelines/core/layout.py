@@ -107,125 +107,22 @@ class EndOfRowInsertion:
     last row: no code follows it), as a child of that node: the node's descendants see it, nothing else does.
     The EOL's output predicts the first code of the next row, so it stands in for its parent's output.
 
-    Args:
-        source (`torch.LongTensor` `(T',)`): the draft node each fed slot comes from (an EOL: its parent).
-        is_eol (`torch.BoolTensor` `(T',)`): which fed slots are end-of-row tokens.
-        view (`torch.LongTensor` `(T,)`): per draft node, the fed slot whose output predicts the code after it.
-        row_end (`tuple[bool]`): per draft node, whether it ends a row that an EOL follows (host-side).
-        slot (`torch.LongTensor` `(T,)`): the fed slot of each draft node.
-        depth_ends (`tuple[bool]`, *optional*): per depth, whether the nodes at that depth end a row (host-side;
-            set by `for_depths`). A kept path has one node per depth, so its EOLs are known without a device read.
-    """
-
-    source: torch.Tensor
-    is_eol: torch.Tensor
-    view: torch.Tensor
-    row_end: Tuple[bool, ...]
-    slot: torch.Tensor
-    depth_ends: Optional[Tuple[bool, ...]] = None
-
-    @classmethod
-    def for_positions(
-        cls, layout: ImageTokenLayout, position_ids: torch.Tensor, prefix_length: int
-    ) -> Optional["EndOfRowInsertion"]:
-        """The insertion for a draft fed at ``position_ids`` ``(T,)``; ``None`` when no fed node ends a row.
-        Per-row positions ``(B, T)`` (one tree per row) give a `RowEndOfRowInsertion`.
-
-        Reads the positions on the host: one small device-to-host copy per round. The loop uses it only for drafts
-        without host-side depths (`for_depths` needs none).
-        """
-        if position_ids.dim() == 2:
-            return RowEndOfRowInsertion.for_positions(layout, position_ids, prefix_length)
-        if position_ids.dim() != 1:
-            raise ValueError(f"End-of-row insertion needs positions `(T,)` or `(B, T)`, got shape {tuple(position_ids.shape)}.")
-        row_end = tuple(bool(layout.ends_row(p - prefix_length)) for p in position_ids.tolist())
-        if not any(row_end):
-            return None
-        return _insertion(row_end, None, position_ids.device)
-
-    @classmethod
-    def for_depths(
-        cls, layout: ImageTokenLayout, depths: Tuple[int, ...], root: int, device: torch.device
-    ) -> Optional["EndOfRowInsertion"]:
-        """The insertion for a draft whose node ``i`` sits at raster index ``root + depths[i]`` (clamped to the last
-        code: nodes past the grid are never committed), ``root`` being the newest committed code. Host-side only: no
-        device read, here or in `keep_indices`. ``None`` when no fed node ends a row."""
-        depth_ends = layout.row_ends_after(root, max(depths) + 1)
-        if not any(depth_ends):
-            return None
-        return _insertion(tuple(depth_ends[d] for d in depths), depth_ends, device)
-
-    def input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``(B, T)`` codes -> ``(B, T')``; EOL slots carry their parent's code (the caller embeds them as EOL)."""
-        return input_ids[:, self.source]
-
-    def position_ids(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """``(T,)`` -> ``(T',)``: an EOL sits one position after the row's last code."""
-        return position_ids[self.source] + self.is_eol.long()
-
-    def attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``(T, T)`` or ``(B, T, T)`` -> ``(T', T')`` or ``(B, T', T')``: a slot sees what its node sees, except
-        that a node does not see its own EOL (which comes after it) while the node's descendants and the EOL do."""
-        mask = attention_mask[..., self.source, :][..., :, self.source]
-        own = self.source[:, None] == self.source[None, :]  # (T', T') slots of the same draft node
-        own_eol = own & self.is_eol[None, :] & ~self.is_eol[:, None]  # a node's own EOL comes after it
-        return mask & ~own_eol
-
-    def embeds(self, embeds: torch.Tensor, eol_embedding: torch.Tensor) -> torch.Tensor:
-        """Put the EOL embedding ``(D,)`` into the EOL slots of ``(R, T', D)``."""
-        return torch.where(self.is_eol[None, :, None], eol_embedding.to(embeds.dtype), embeds)
-
-    def outputs(self, fed: torch.Tensor) -> torch.Tensor:
-        """``(R, T', ...)`` outputs over the fed slots -> ``(R, T, ...)``: per draft node, the output predicting
-        the code after it."""
-        return fed[:, self.view]
-
-    def keep_length(self, length: int) -> int:
-        """A kept prefix of ``length`` draft nodes -> the fed slots to keep (their EOLs included)."""
-        return length + sum(self.row_end[:length])
-
-    def keep_indices(self, keep: torch.Tensor) -> torch.Tensor:
-        """Kept draft nodes ``(n,)`` or ``(B, n)`` -> kept fed slots, each row-ending node followed by its EOL.
-
-        Rows keep paths at the same positions (rows advance together), so every row keeps as many EOLs. Built by
-        `for_depths`, the path's EOLs follow from its length alone (node ``j`` of a path is at depth ``j``): index
-        ops, no device read. Otherwise the indices are read on the host.
-        """
-        if self.depth_ends is not None:
-            pairs = torch.stack([self.slot[keep], self.slot[keep] + 1], -1).flatten(-2)  # (..., 2n): a node, the slot after it
-            return pairs[..., _path_slots(self.depth_ends[: keep.shape[-1]], keep.device)]
-        first = self.keep_length  # node i's slots are [first(i), first(i + 1)): itself, then its EOL if any
-        rows = [
-            [s for i in row for s in range(first(i), first(i + 1))] for row in (keep[None] if keep.dim() == 1 else keep).tolist()
-        ]
-        if len({len(r) for r in rows}) != 1:
-            raise ValueError("Rows keep paths that end different numbers of rows; rows must advance together.")
-        out = torch.tensor(rows, device=keep.device)
-        return out[0] if keep.dim() == 1 else out
-
-
-def _per_row(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """A ``(B, ...)`` table for ``rows`` fed rows (``2B`` with CFG: the unconditional rows verify the same drafts)."""
-    return x if rows == x.shape[0] else x.repeat(rows // x.shape[0], *([1] * (x.dim() - 1)))
-
-
-@dataclass(frozen=True)
-class RowEndOfRowInsertion:
-    """`EndOfRowInsertion` for drafts whose rows feed different trees (EAGLE-2, ADT-Tree): each row has its own
-    row-ending nodes, so each row gets its own slot tables, padded to the row with the most EOLs.
-
-    A pad slot re-feeds the root at the root's position, sees the root and the cache only, is seen by no slot and is
-    never kept. Rows still commit the same raster positions, so every row keeps the same number of EOLs.
+    One form serves every draft: the tables have a leading dimension ``N``, one row of tables per fed tree. A draft
+    that every batch row shares (a tree or a window, `for_depths`) has ``N = 1``, and its one row serves every batch
+    row by broadcasting; a draft with one tree per batch row (EAGLE-2, ADT-Tree, `for_positions`) has ``N = B``, each
+    row with its own row-ending nodes, padded to the row with the most EOLs. A pad slot re-feeds the root at the
+    root's position, sees the root and the cache only, is seen by no slot and is never kept. Rows still commit the
+    same raster positions, so every row keeps the same number of EOLs.
 
     Args:
-        source (`torch.LongTensor` `(B, T')`): the draft node each fed slot comes from (an EOL: its parent; a pad: 0).
-        is_eol (`torch.BoolTensor` `(B, T')`): end-of-row slots.
-        is_pad (`torch.BoolTensor` `(B, T')`): padding slots.
-        slot (`torch.LongTensor` `(B, T)`): the fed slot of each draft node.
-        view (`torch.LongTensor` `(B, T)`): per draft node, the fed slot whose output predicts the code after it.
-        row_end (`torch.BoolTensor` `(B, T)`): draft nodes an EOL follows.
-        depth_ends (`tuple[bool]`, *optional*): per depth, whether the nodes at that depth end a row (host-side; see
-            `for_positions`).
+        source (`torch.LongTensor` `(N, T')`): the draft node each fed slot comes from (an EOL: its parent; a pad: 0).
+        is_eol (`torch.BoolTensor` `(N, T')`): end-of-row slots.
+        is_pad (`torch.BoolTensor` `(N, T')`): padding slots.
+        slot (`torch.LongTensor` `(N, T)`): the fed slot of each draft node.
+        view (`torch.LongTensor` `(N, T)`): per draft node, the fed slot whose output predicts the code after it.
+        row_end (`torch.BoolTensor` `(N, T)`): draft nodes an EOL follows.
+        depth_ends (`tuple[bool]`, *optional*): per depth, whether the nodes at that depth end a row (host-side). A
+            kept path has one node per depth, so with it the kept slots are known without a device read.
     """
 
     source: torch.Tensor
@@ -237,65 +134,79 @@ class RowEndOfRowInsertion:
     depth_ends: Optional[Tuple[bool, ...]] = None
 
     @classmethod
+    def for_depths(
+        cls, layout: ImageTokenLayout, depths: Tuple[int, ...], root: int, device: torch.device
+    ) -> Optional["EndOfRowInsertion"]:
+        """The insertion for a draft every batch row shares, whose node ``i`` sits at raster index
+        ``root + depths[i]`` (clamped to the last code: nodes past the grid are never committed), ``root`` being the
+        newest committed code. Host-side only: no device read, here or in `keep_indices`. ``None`` when no fed node
+        ends a row."""
+        depth_ends = layout.row_ends_after(root, max(depths) + 1)
+        if not any(depth_ends):
+            return None
+        return _insertion(tuple(depth_ends[d] for d in depths), depth_ends, device)
+
+    @classmethod
     def for_positions(
         cls, layout: ImageTokenLayout, position_ids: torch.Tensor, prefix_length: int, root: Optional[int] = None
-    ) -> Optional["RowEndOfRowInsertion"]:
-        """The insertion for per-row positions ``(B, T)``; ``None`` when no row's fed node ends a row. Built with
-        tensor ops; one host read (the most EOLs of a row, which sizes the fed length).
+    ) -> Optional["EndOfRowInsertion"]:
+        """The insertion for drafts fed at ``position_ids`` ``(N, T)``, one tree per row (``N = 1``: one tree every
+        row shares); ``None`` when no row's fed node ends a row. Built with tensor ops; one host read (the most EOLs
+        of a row, which sizes the fed length).
 
         With ``root``, the newest committed code's raster index (the nodes at depth ``d`` of every row's tree sit at
-        ``root + d``), the rows whose trees cannot reach a row end (most rounds) are told on the host, with no read,
+        ``root + d``), the rounds whose trees cannot reach a row end (most rounds) are told on the host, with no read,
         and `keep_indices` / `keep_length` need no read either.
         """
-        b, t = position_ids.shape
+        n, t = position_ids.shape
         depth_ends = None
         if root is not None:  # a node's depth is below T: row ends the trees could reach, known on the host
             depth_ends = layout.row_ends_after(root, t)
             if not any(depth_ends):
                 return None
-        row_end = layout.ends_row(position_ids - prefix_length)  # (B, T)
+        row_end = layout.ends_row(position_ids - prefix_length)  # (N, T)
         extra = int(row_end.sum(1).max())  # the host read
         if extra == 0:
             return None
-        ends = row_end.long()
-        slot = torch.arange(t, device=row_end.device) + ends.cumsum(1) - ends  # (B, T) EOLs before a node shift it
-        width = t + extra
-        nodes = torch.arange(t, device=row_end.device).expand(b, t)
-        # one spare column takes the writes of nodes without an EOL, then is dropped
-        eol_slot = torch.where(row_end, slot + 1, width)  # (B, T)
-        source = torch.zeros(b, width + 1, dtype=torch.long, device=row_end.device)
-        source.scatter_(1, slot, nodes).scatter_(1, eol_slot, nodes)
-        is_eol = torch.zeros(b, width + 1, dtype=torch.bool, device=row_end.device).scatter_(1, eol_slot, True)
-        used = torch.zeros(b, width + 1, dtype=torch.bool, device=row_end.device)
-        used.scatter_(1, slot, True).scatter_(1, eol_slot, True)
-        return cls(source=source[:, :width], is_eol=is_eol[:, :width], is_pad=~used[:, :width], slot=slot,
-                   view=slot + ends, row_end=row_end, depth_ends=depth_ends)
+        return _tables(row_end, extra, depth_ends)
+
+    def _rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """A ``(N, ...)`` table for ``rows`` rows: as it is for ``N = 1`` (it broadcasts) or ``N = rows``, repeated
+        for ``2B`` CFG rows (the unconditional rows verify the same drafts)."""
+        n = x.shape[0]
+        return x if n in (1, rows) else x.repeat(rows // n, *([1] * (x.dim() - 1)))
 
     def input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` -> ``(B, T')``; EOL slots carry their parent's code, pads the root's."""
-        return input_ids.gather(1, self.source)
+        return input_ids.gather(1, self.source.expand(input_ids.shape[0], -1))
 
     def position_ids(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """``(B, T)`` -> ``(B, T')``: an EOL sits one position after the row's last code; a pad at the root's."""
-        return position_ids.gather(1, self.source) + self.is_eol.long()
+        """``(T,)`` (a shared draft) or ``(B, T)`` -> ``(T',)`` or ``(B, T')``: an EOL sits one position after the
+        row's last code; a pad at the root's."""
+        per_tree = position_ids.reshape(self.source.shape[0], -1)  # (N, T)
+        fed = per_tree.gather(1, self.source) + self.is_eol.long()  # (N, T')
+        return fed.reshape(*position_ids.shape[:-1], -1)
 
     def attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``(T, T)`` or ``(B, T, T)`` -> ``(B, T', T')``: as `EndOfRowInsertion.attention_mask`, and no slot sees a pad."""
-        b, width = self.source.shape
-        mask = attention_mask.expand(b, *attention_mask.shape[-2:])
-        t = mask.shape[-1]
-        mask = mask.gather(1, self.source[:, :, None].expand(b, width, t)).gather(2, self.source[:, None, :].expand(b, width, width))
-        own = self.source[:, :, None] == self.source[:, None, :]  # (B, T', T') slots of the same draft node
+        """``(T, T)`` (a shared draft) or ``(B, T, T)`` -> ``(T', T')`` or ``(B, T', T')``: a slot sees what its node
+        sees, except that a node does not see its own EOL (which comes after it) while the node's descendants and the
+        EOL do; no slot sees a pad."""
+        n, width = self.source.shape
+        t = attention_mask.shape[-1]
+        mask = attention_mask.expand(n, t, t)
+        mask = mask.gather(1, self.source[:, :, None].expand(n, width, t)).gather(2, self.source[:, None, :].expand(n, width, width))
+        own = self.source[:, :, None] == self.source[:, None, :]  # (N, T', T') slots of the same draft node
         own_eol = own & self.is_eol[:, None, :] & ~self.is_eol[:, :, None]  # a node's own EOL comes after it
-        return mask & ~own_eol & ~self.is_pad[:, None, :]
+        return (mask & ~own_eol & ~self.is_pad[:, None, :]).reshape(*attention_mask.shape[:-2], width, width)
 
     def embeds(self, embeds: torch.Tensor, eol_embedding: torch.Tensor) -> torch.Tensor:
         """Put the EOL embedding ``(D,)`` into the EOL slots of ``(R, T', D)``."""
-        return torch.where(_per_row(self.is_eol, embeds.shape[0])[..., None], eol_embedding.to(embeds.dtype), embeds)
+        return torch.where(self._rows(self.is_eol, embeds.shape[0])[..., None], eol_embedding.to(embeds.dtype), embeds)
 
     def outputs(self, fed: torch.Tensor) -> torch.Tensor:
-        """``(R, T', ...)`` -> ``(R, T, ...)``: per draft node, the output predicting the code after it."""
-        view = _per_row(self.view, fed.shape[0])
+        """``(R, T', ...)`` outputs over the fed slots -> ``(R, T, ...)``: per draft node, the output predicting the
+        code after it."""
+        view = self._rows(self.view, fed.shape[0])  # (1 or R, T): broadcasts against the row index
         return fed[torch.arange(fed.shape[0], device=fed.device)[:, None], view]
 
     def keep_length(self, length: int) -> int:
@@ -305,41 +216,59 @@ class RowEndOfRowInsertion:
         return length + int(self.row_end[0, :length].sum())
 
     def keep_indices(self, keep: torch.Tensor) -> torch.Tensor:
-        """Kept draft nodes ``(n,)`` or ``(B, n)`` -> kept fed slots ``(B, n')``, each row-ending node followed by
-        its EOL (one host read, unless built with ``root``: rows must keep as many EOLs)."""
-        keep = keep.expand(self.slot.shape[0], -1) if keep.dim() == 1 else keep
-        slots = self.slot.gather(1, keep)  # (B, n)
+        """Kept draft nodes ``(B, n)`` -> kept fed slots ``(B, n')``, each row-ending node followed by its EOL.
+
+        Rows keep paths at the same positions (rows advance together), so every row keeps as many EOLs. With
+        `depth_ends` the path's EOLs follow from its length alone (node ``j`` of a path is at depth ``j``): index
+        ops, no device read. Otherwise the indices are read on the host.
+        """
+        b = keep.shape[0]
+        slots = self.slot.expand(b, -1).gather(1, keep)  # (B, n)
         pairs = torch.stack([slots, slots + 1], -1).flatten(1)  # (B, 2n): a node, then the slot after it
-        if self.depth_ends is not None:  # node j of a kept path is at depth j: its EOLs are known on the host
+        if self.depth_ends is not None:
             return pairs[:, _path_slots(self.depth_ends[: keep.shape[1]], keep.device)]
-        wanted = torch.stack([torch.ones_like(slots, dtype=torch.bool), self.row_end.gather(1, keep)], -1).flatten(1)
+        wanted = torch.stack([torch.ones_like(slots, dtype=torch.bool), self.row_end.expand(b, -1).gather(1, keep)], -1).flatten(1)
         counts = wanted.sum(1).tolist()
         if len(set(counts)) != 1:
             raise ValueError("Rows keep paths that end different numbers of rows; rows must advance together.")
-        return pairs[wanted].reshape(keep.shape[0], counts[0])
+        return pairs[wanted].reshape(b, counts[0])
+
+
+def _tables(row_end: torch.Tensor, extra: int, depth_ends: Optional[Tuple[bool, ...]]) -> EndOfRowInsertion:
+    """The slot tables of `EndOfRowInsertion` from the row-ending nodes ``(N, T)`` of each tree, ``extra`` being the
+    most EOLs of one tree (host int: it sizes the fed length ``T' = T + extra``)."""
+    n, t = row_end.shape
+    device = row_end.device
+    ends = row_end.long()
+    slot = torch.arange(t, device=device) + ends.cumsum(1) - ends  # (N, T) EOLs before a node shift it
+    width = t + extra
+    nodes = torch.arange(t, device=device).expand(n, t)
+    # one spare column takes the writes of nodes without an EOL, then is dropped
+    eol_slot = torch.where(row_end, slot + 1, width)  # (N, T)
+    source = torch.zeros(n, width + 1, dtype=torch.long, device=device)
+    source.scatter_(1, slot, nodes).scatter_(1, eol_slot, nodes)
+    is_eol = torch.zeros(n, width + 1, dtype=torch.bool, device=device).scatter_(1, eol_slot, True)
+    used = torch.zeros(n, width + 1, dtype=torch.bool, device=device)
+    used.scatter_(1, slot, True).scatter_(1, eol_slot, True)
+    return EndOfRowInsertion(source=source[:, :width], is_eol=is_eol[:, :width], is_pad=~used[:, :width], slot=slot,
+                             view=slot + ends, row_end=row_end, depth_ends=depth_ends)
 
 
 @functools.lru_cache(maxsize=256)
-def _insertion(row_end: Tuple[bool, ...], depth_ends: Optional[Tuple[bool, ...]], device: torch.device) -> EndOfRowInsertion:
-    """Built once per row-end pattern and device: a static tree meets the same few patterns every row, so the
-    index tensors are not copied to the device every round."""
-    source, is_eol, view, slot = [], [], [], []
-    for i, end in enumerate(row_end):
-        slot.append(len(source))
-        source.append(i)
-        is_eol.append(False)
-        if end:
-            source.append(i)
-            is_eol.append(True)
-        view.append(len(source) - 1)  # the EOL when there is one, else the node itself
-    return EndOfRowInsertion(
-        source=torch.tensor(source, device=device),
-        is_eol=torch.tensor(is_eol, device=device),
-        view=torch.tensor(view, device=device),
-        row_end=row_end,
-        slot=torch.tensor(slot, device=device),
-        depth_ends=depth_ends,
-    )
+def _insertion(row_end: Tuple[bool, ...], depth_ends: Tuple[bool, ...], device: torch.device) -> EndOfRowInsertion:
+    """The insertion of a shared draft (``N = 1``), built once per row-end pattern and device: a static tree meets the
+    same few patterns every row, so the index tensors are not built and copied to the device every round."""
+    return _tables(torch.tensor([row_end], device=device), sum(row_end), depth_ends)
+
+
+def __getattr__(name: str):
+    if name == "RowEndOfRowInsertion":  # the per-row case is the general form of `EndOfRowInsertion` now
+        import warnings
+
+        warnings.warn("`RowEndOfRowInsertion` is `EndOfRowInsertion` (its per-row form); use `EndOfRowInsertion`.",
+                      FutureWarning, stacklevel=2)
+        return EndOfRowInsertion
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=256)

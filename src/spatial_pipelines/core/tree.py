@@ -6,7 +6,7 @@ positions after the root. Candidates of one parent are siblings, tried in node o
 """
 
 from dataclasses import dataclass, fields
-from typing import Sequence, Tuple
+from typing import ClassVar, Sequence, Tuple
 
 import torch
 
@@ -43,6 +43,7 @@ class DraftTree:
     earlier_siblings: torch.Tensor
     chain_from: int = 0
     chain_index: torch.Tensor = None
+    per_row: ClassVar[bool] = False  # one tree for every batch row (`RowTrees`: one per row)
 
     @property
     def num_nodes(self) -> int:
@@ -149,6 +150,7 @@ class RowTrees:
     node_paths: torch.Tensor
     earlier_siblings: torch.Tensor
     children: torch.Tensor
+    per_row: ClassVar[bool] = True  # tables with a leading batch dimension
 
     @property
     def num_nodes(self) -> int:

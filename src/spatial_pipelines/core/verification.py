@@ -74,7 +74,7 @@ def verify_tree(
         rule (`AcceptanceRule`): how much of ``p`` a candidate claims (`resolve_acceptance`).
         neighbours (`torch.Tensor` `(V, k)`, *optional*): `codebook_neighbours`, for rules that read them.
     """
-    if (q is not None or rule.relaxes) and (tree.max_children > 1 or tree.parents.dim() == 2):
+    if (q is not None or rule.relaxes) and (tree.max_children > 1 or tree.per_row):
         return verify_tree_sequential(tree, tokens, probs, random, q, rule, neighbours)
     b, t, v = probs.shape
     if t == 1:  # nothing drafted: the bonus is a plain draw from the root's p
@@ -85,7 +85,7 @@ def verify_tree(
     rows = torch.arange(b, device=probs.device)
     draws = random.uniform(t - 1 + v)  # (B, T - 1 + V): one random call per round
     u, noise = draws[:, : t - 1], -torch.log(draws[:, t - 1 :])  # (B, T-1) uniforms, (B, V) Exp(1)
-    batched = tree.parents.dim() == 2  # `RowTrees`: one tree per row; the tables gain a leading batch dimension
+    batched = tree.per_row  # `RowTrees`: one tree per row; the tables gain a leading batch dimension
     if tree.max_children == 1 and not batched:
         return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours)
     x = tokens[:, 1:]  # (B, T-1) candidate of every node
@@ -99,10 +99,10 @@ def verify_tree(
     # p(x) under the parent's distribution, read straight from the flat (B, T*V) view: no (B, T-1, V) copy
     px = probs.reshape(b, t * v).gather(1, tables.offsets + x.clamp_min(0)) * valid  # (B, T-1)
     # after rejecting earlier siblings s, p is renormalised over 1 - sum p(s): accept when u < p(x) / left
-    accept = valid & (u * (1.0 - _summed(px, tables.siblings_t)) < px)  # (B, T-1)
+    accept = valid & (u * (1.0 - tables.summed(px, tables.siblings_t)) < px)  # (B, T-1)
     # a node is taken when it is the first accepted sibling and every ancestor was taken too
-    first = accept & (_summed(accept.float(), tables.siblings_t) == 0)
-    taken = _summed((~first).float(), tables.ancestors_t) == 0  # (B, T-1)
+    first = accept & (tables.summed(accept.float(), tables.siblings_t) == 0)
+    taken = tables.summed((~first).float(), tables.ancestors_t) == 0  # (B, T-1)
     depth = torch.where(taken, tables.depths, 0)  # (B, T-1)
     num_accepted, deepest = depth.max(-1)  # taken nodes form one path: its deepest node ends it
     last = torch.where(num_accepted > 0, deepest + 1, 0)  # (B,)
@@ -132,6 +132,7 @@ class _WalkTables:
         siblings_t (`torch.Tensor` `(T-1, T-1)`), ancestors_t (`torch.Tensor` `(T-1, T-1)`): earlier siblings and
             ancestors-or-self, transposed, as floats: a sum over them is one matmul.
         depths (`torch.LongTensor` `(T-1,)`): node depths below the root.
+        per_row (`bool`): the tables are `RowTrees`' (a leading ``(B,)``).
     """
 
     offsets: torch.Tensor
@@ -139,12 +140,19 @@ class _WalkTables:
     siblings_t: torch.Tensor
     ancestors_t: torch.Tensor
     depths: torch.Tensor
+    per_row: bool
+
+    def summed(self, values: torch.Tensor, table_t: torch.Tensor) -> torch.Tensor:
+        """``out[b, i] = sum_j values[b, j] * table[(b,) i, j]`` for one of these transposed tables."""
+        if not self.per_row:  # a shared tree: one plain matmul (the batched form costs a bmm and two views per call)
+            return values @ table_t
+        return torch.matmul(values.unsqueeze(-2), table_t).squeeze(-2)
 
 
 def _walk_tables(tree, v: int) -> _WalkTables:
     """The tables of a `DraftTree` (built once, kept on the tree) or of `RowTrees` (built every call: they change every
     round), with a leading batch dimension for the latter."""
-    cache = None if tree.parents.dim() == 2 else tree.__dict__.setdefault("_walk_tables", {})  # a frozen dataclass keeps a __dict__
+    cache = None if tree.per_row else tree.__dict__.setdefault("_walk_tables", {})  # a frozen dataclass keeps a __dict__
     if cache is not None and v in cache:
         return cache[v]
     siblings = tree.earlier_siblings[..., 1:, 1:]
@@ -154,17 +162,11 @@ def _walk_tables(tree, v: int) -> _WalkTables:
         siblings_t=siblings.transpose(-1, -2).float().contiguous(),
         ancestors_t=tree.attention_mask[..., 1:, 1:].transpose(-1, -2).float().contiguous(),
         depths=tree.depths[..., 1:],
+        per_row=tree.per_row,
     )
     if cache is not None:
         cache[v] = tables
     return tables
-
-
-def _summed(values: torch.Tensor, table_t: torch.Tensor) -> torch.Tensor:
-    """``out[b, i] = sum_j values[b, j] * table[(b,) i, j]`` for a transposed table ``(T', T')`` or ``(B, T', T')``."""
-    if table_t.dim() == 2:  # a shared tree: one plain matmul (the batched form costs a bmm and two views per call)
-        return values @ table_t
-    return torch.matmul(values.unsqueeze(-2), table_t).squeeze(-2)
 
 
 def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None) -> TreeAcceptance:
@@ -228,7 +230,7 @@ def verify_tree_sequential(
     """
     b, t, v = probs.shape
     depth, k = tree.max_depth, tree.children.shape[-1]
-    batched = tree.parents.dim() == 2  # `RowTrees`
+    batched = tree.per_row  # `RowTrees`
     levels = depth if batched else tree.chain_from  # walked sibling by sibling; the chain below is vectorised
     rows = torch.arange(b, device=probs.device)
     uniforms = random.uniform(max(depth, 1), k)  # (B, D, K)

@@ -7,7 +7,7 @@ from .decoding_jacobi import JacobiDecoder
 from .decoding_medusa import MedusaDecoder
 from .decoding_ssd import SSD_PRESETS, SSDDecoder
 from .decoding_tree import TreeDecoderMixin, TreeState
-from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput
+from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput
 
 #: Short names used by the CLI and benchmarks.
 DECODERS = {
@@ -20,4 +20,4 @@ DECODERS = {
     "adt": ADTTreeDecoder,
 }
 
-__all__ = ["ADT_PRESETS", "ADTTreeDecoder", "DECODERS", "SSD_PRESETS", "SSDDecoder", "AutoregressiveDecoder", "EagleDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "TreeState", "DecodingState", "Draft", "SpatialDecoderMixin", "StepOutput"]
+__all__ = ["ADT_PRESETS", "ADTTreeDecoder", "DECODERS", "SSD_PRESETS", "SSDDecoder", "AutoregressiveDecoder", "EagleDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "TreeState", "DecodingState", "Draft", "DraftKind", "SpatialDecoderMixin", "StepOutput"]

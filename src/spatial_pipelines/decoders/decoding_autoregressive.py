@@ -7,7 +7,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.sampling import logits_to_probs, sample_from_probs
-from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput
+from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput
 
 
 @dataclass
@@ -40,6 +40,7 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
             input_ids=state.tokens[:, index : index + 1],  # (B, 1) a view
             position_ids=state.positions[index : index + 1],  # (1,) a view: no host-to-device copy per round
             attention_mask=state.mask,
+            kind=DraftKind.CHAIN,
             depths=(0,),  # the newest committed code alone
         )
 

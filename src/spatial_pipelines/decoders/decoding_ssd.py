@@ -30,7 +30,7 @@ from diffusers.configuration_utils import register_to_config
 from ..core.verification import accept_independently
 from ..core.sampling import logits_to_probs, sample_from_probs
 from ..utils import check_number
-from .decoding_utils import DecodingState, Draft, SpatialDecoderMixin, StepOutput
+from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput
 
 DRAFT_MODES = ("argmax", "sample")
 
@@ -207,6 +207,7 @@ class SSDDecoder(SpatialDecoderMixin):
             input_ids=torch.cat([state.last_token[:, None], block.tokens[:, :n]], 1),  # (B, 1 + n)
             position_ids=state.positions[c - 1 : c + n],
             attention_mask=self._causal_mask(state, n + 1),
+            kind=DraftKind.CHAIN,
             depths=tuple(range(n + 1)),  # a chain: the newest code, then the block
         )
 

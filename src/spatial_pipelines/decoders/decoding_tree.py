@@ -11,7 +11,7 @@ from ..core.acceptance import AcceptanceLike, resolve_acceptance
 from ..core.sampling import logits_to_probs, sample_from_probs
 from ..core.tree import DraftTree, tree_from_parents
 from ..core.verification import verify_tree
-from .decoding_utils import AUTO, DecodingState, Draft, StepOutput
+from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, StepOutput
 
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
@@ -199,11 +199,16 @@ class TreeDecoderMixin:
         else:  # no EOL and inside the grid: positions are the root's plus the depths (one add, no gather)
             position_ids = tree.depths + first
         state.node_tokens = node_tokens
+        if tree.per_row:
+            kind, depths = DraftKind.ROW_TREES, None
+        else:
+            kind, depths = (DraftKind.CHAIN if tree.max_children == 1 else DraftKind.TREE), state.host_depths
         return Draft(
             input_ids=node_tokens.clamp_min(0),  # an empty slot is fed as code 0 and never accepted
             position_ids=position_ids,
             attention_mask=tree.attention_mask,
-            depths=state.host_depths if position_ids.dim() == 1 else None,
+            kind=kind,
+            depths=depths,
         )
 
     def _prefill_step(self, logits, hidden_states, state: TreeState) -> StepOutput:

@@ -6,6 +6,7 @@ commits them to the `DecodingState` and says which fed positions stay in the KV 
 """
 
 import abc
+import enum
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -132,24 +133,53 @@ class DecodingState:
         self.accepted_lengths.append(torch.zeros_like(self.tokens[:, 0]))
 
 
+class DraftKind(enum.Enum):
+    """What shape a round's draft has; the loop reads it once per round (`Draft.per_row`), never a tensor's rank.
+
+    - ``CHAIN``: a window of drafts one after another, node ``i`` at depth ``i`` (AR's single code, SJD's window,
+      SSD's block), the same positions for every batch row.
+    - ``TREE``: one tree shape shared by every batch row (Medusa, Hawk, SJD-PAC's candidates).
+    - ``ROW_TREES``: one tree per batch row (EAGLE-2, ADT-Tree), grown on the device.
+    """
+
+    CHAIN = "chain"
+    TREE = "tree"
+    ROW_TREES = "row_trees"
+
+
 @dataclass
 class Draft:
     """What the target verifies in one round.
 
     Args:
         input_ids (`torch.LongTensor` `(B, T)`): codes fed to the target (the last committed code first).
-        position_ids (`torch.LongTensor` `(T,)` or `(B, T)`): their absolute sequence positions.
-        attention_mask (`torch.BoolTensor` `(T, T)` or `(B, T, T)`): which fed tokens see which (causal for a
-            chain, the tree mask for a tree).
-        depths (`tuple[int]`, *optional*): host-side depth of each fed node when every row feeds the same nodes
-            (node ``i`` is the code ``depths[i]`` raster positions after the newest committed one, which is depth 0).
-            With it the loop places end-of-row tokens without reading ``position_ids`` from the device.
+        position_ids (`torch.LongTensor`): their absolute sequence positions, `(T,)` for a shared draft (``CHAIN``,
+            ``TREE``), `(B, T)` for ``ROW_TREES``.
+        attention_mask (`torch.BoolTensor`): which fed tokens see which (causal for a chain, the tree mask for a
+            tree): `(T, T)` for a shared draft, `(B, T, T)` for ``ROW_TREES``.
+        kind (`DraftKind`): the draft's shape.
+        depths (`tuple[int]`): host-side depth of each fed node of a shared draft (node ``i`` is the code
+            ``depths[i]`` raster positions after the newest committed one, which is depth 0), required for
+            ``CHAIN`` and ``TREE``: with it the loop places end-of-row tokens without reading ``position_ids``
+            from the device. ``None`` for ``ROW_TREES``.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
+    kind: DraftKind
     depths: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if not isinstance(self.kind, DraftKind):
+            raise TypeError(f"`Draft.kind` must be a DraftKind, got {self.kind!r}.")
+        if (self.depths is None) != self.per_row:
+            raise ValueError(f"A {self.kind.value} draft {'has no' if self.per_row else 'needs its'} host-side `depths`.")
+
+    @property
+    def per_row(self) -> bool:
+        """Each batch row feeds its own tree: positions ``(B, T)`` and mask ``(B, T, T)``."""
+        return self.kind is DraftKind.ROW_TREES
 
 
 @dataclass
@@ -158,7 +188,7 @@ class StepOutput:
 
     Args:
         num_accepted (`int`): codes committed this round (per row; rows advance together).
-        keep_indices (`torch.LongTensor` `(n,)` or `(B, n)`, *optional*): fed positions whose KV stays in the
+        keep_indices (`torch.LongTensor` `(B, n)`, *optional*): per row, the fed positions whose KV stays in the
             cache, in order (an accepted tree path). ``None`` keeps every fed position.
         keep_length (`int`, *optional*): keep only the first ``keep_length`` fed positions (a prefix: the cache
             is cropped, nothing is copied); ``0`` rolls the whole pass back. Exclusive with ``keep_indices``.

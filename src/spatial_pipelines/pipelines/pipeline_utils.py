@@ -12,7 +12,7 @@ from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
 
 from ..core.kv_cache import StaticKVCache
-from ..core.layout import EndOfRowInsertion, RowEndOfRowInsertion
+from ..core.layout import EndOfRowInsertion
 from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
@@ -445,12 +445,10 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
         with timer.section("eol"):
             input_ids, position_ids, mask = draft.input_ids, draft.position_ids, draft.attention_mask  # (B, T)
             eol = None
-            if layout.has_eol and draft.depths is not None:  # placed on the host: no device read
+            if layout.has_eol and draft.per_row:  # one tree per row (EAGLE-2, ADT-Tree): tables per row
+                eol = EndOfRowInsertion.for_positions(layout, position_ids, state.prefix_length, root=state.num_committed - 1)
+            elif layout.has_eol:  # a shared draft: placed from its host-side depths, no device read
                 eol = EndOfRowInsertion.for_depths(layout, draft.depths, state.num_committed - 1, input_ids.device)
-            elif layout.has_eol and position_ids.dim() == 2:  # one tree per row (EAGLE-2, ADT-Tree)
-                eol = RowEndOfRowInsertion.for_positions(layout, position_ids, state.prefix_length, root=state.num_committed - 1)
-            elif layout.has_eol:  # a decoder that gives no depths: read from the positions
-                eol = EndOfRowInsertion.for_positions(layout, position_ids, state.prefix_length)
             if eol is not None:
                 input_ids, position_ids, mask = eol.input_ids(input_ids), eol.position_ids(position_ids), eol.attention_mask(mask)
         # 5c. one target forward over the draft (CFG rows as one batch), logits over image codes
@@ -458,7 +456,7 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
             fed = input_ids.shape[1]  # T': the real fed slots (EOLs included)
             if sampling.do_cfg:  # the unconditional rows verify the same drafts
                 input_ids = input_ids.repeat(2, 1)  # (R, T')
-                if position_ids.dim() == 2:  # one tree per row
+                if draft.per_row:  # positions (B, T') and masks (B, T', T') per row
                     position_ids, mask = position_ids.repeat(2, 1), mask.repeat(2, 1, 1)
             embeds = backbone.embed_image_tokens(input_ids)  # (R, T', D)
             if eol is not None:
@@ -478,8 +476,8 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
         # 5f. keep only the accepted path in the KV cache (with the EOLs that follow its row ends)
         with timer.section("kv"):
             if result.keep_indices is not None:
-                keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (n,) or (B, n)
-                cache.keep(slot, keep.repeat(2, 1) if sampling.do_cfg and keep.dim() == 2 else keep)
+                keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (B, n)
+                cache.keep(slot, keep.repeat(2, 1) if sampling.do_cfg else keep)  # (R, n)
             elif result.keep_length is not None:
                 keep_length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
                 cache.crop(slot + keep_length)  # a prefix stays where it is: no copy
