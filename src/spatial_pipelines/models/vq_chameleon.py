@@ -49,7 +49,8 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from .vq_llamagen import AttnBlock, Downsample, ResnetBlock, Upsample, VQEncoderOutput
+from .vq_blocks import AttnBlock, ResnetBlock, VQAutoencoderMixin, code_distances, decoder_stages, encoder_stages, vq_norm
+from .vq_llamagen import VQEncoderOutput
 
 #: Prefixes of training-only entries a taming-transformers checkpoint may carry (discriminator, LPIPS): dropped.
 ORIGINAL_TRAINING_PREFIXES = ("loss.",)
@@ -71,104 +72,58 @@ _HF_FIELDS = {
 }
 
 
-def _level(in_ch: int, out_ch: int, num_blocks: int, with_attn: bool, groups: int, dropout: float) -> nn.Module:
-    """One resolution level: ``block[j]`` resnet blocks, each followed by ``attn[j]`` when the level has attention."""
-    level = nn.Module()
-    level.block = nn.ModuleList()
-    level.attn = nn.ModuleList()
-    for _ in range(num_blocks):
-        level.block.append(ResnetBlock(in_ch, out_ch, groups, dropout))
-        in_ch = out_ch
-        if with_attn:
-            level.attn.append(AttnBlock(out_ch, groups))
-    return level
+class ChameleonVQMiddle(nn.Module):
+    """The middle block: ``block_1``, ``attn_1``, ``block_2``."""
 
+    def __init__(self, channels: int, groups: int, dropout: float):
+        super().__init__()
+        self.block_1 = ResnetBlock(channels, channels, groups, dropout)
+        self.attn_1 = AttnBlock(channels, groups)
+        self.block_2 = ResnetBlock(channels, channels, groups, dropout)
 
-def _run_level(level: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    for j, block in enumerate(level.block):
-        h = block(h)
-        if len(level.attn) > 0:
-            h = level.attn[j](h)
-    return h
-
-
-def _middle(channels: int, groups: int, dropout: float) -> nn.Module:
-    mid = nn.Module()
-    mid.block_1 = ResnetBlock(channels, channels, groups, dropout)
-    mid.attn_1 = AttnBlock(channels, groups)
-    mid.block_2 = ResnetBlock(channels, channels, groups, dropout)
-    return mid
-
-
-def _run_middle(mid: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    return mid.block_2(mid.attn_1(mid.block_1(h)))
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.block_2(self.attn_1(self.block_1(h)))
 
 
 class ChameleonVQEncoder(nn.Module):
     def __init__(self, in_channels, ch, ch_mult, num_res_blocks, z_channels, attn_resolutions, resolution, groups, dropout):
         super().__init__()
         self.conv_in = nn.Conv2d(in_channels, ch, 3, padding=1)
-        in_mult = (1,) + tuple(ch_mult)
-        self.down = nn.ModuleList()
-        res = resolution
-        for i, mult in enumerate(ch_mult):
-            level = _level(ch * in_mult[i], ch * mult, num_res_blocks, res in attn_resolutions, groups, dropout)
-            if i != len(ch_mult) - 1:
-                level.downsample = Downsample(ch * mult)
-                res //= 2
-            self.down.append(level)
+        attn = [resolution // 2**i in attn_resolutions for i in range(len(ch_mult))]  # level i works at resolution / 2^i
+        self.down = encoder_stages(ch, ch_mult, num_res_blocks, attn, groups, dropout, "block")
         width = ch * ch_mult[-1]
-        self.mid = _middle(width, groups, dropout)
-        self.norm_out = nn.GroupNorm(groups, width, eps=1e-6)
+        self.mid = ChameleonVQMiddle(width, groups, dropout)
+        self.norm_out = vq_norm(width, groups)
         self.conv_out = nn.Conv2d(width, z_channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv_in(x)
         for level in self.down:
-            h = _run_level(level, h)
-            if hasattr(level, "downsample"):
-                h = level.downsample(h)
-        h = _run_middle(self.mid, h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+            h = level(h)
+        return self.conv_out(F.silu(self.norm_out(self.mid(h))))
 
 
 class ChameleonVQDecoder(nn.Module):
     def __init__(self, z_channels, ch, ch_mult, num_res_blocks, out_channels, attn_resolutions, resolution, groups, dropout):
         super().__init__()
         width = ch * ch_mult[-1]
-        res = resolution // 2 ** (len(ch_mult) - 1)
         self.conv_in = nn.Conv2d(z_channels, width, 3, padding=1)
-        self.mid = _middle(width, groups, dropout)
-        levels = {}
-        for i in reversed(range(len(ch_mult))):  # coarsest first, as the data flows
-            levels[i] = _level(width, ch * ch_mult[i], num_res_blocks + 1, res in attn_resolutions, groups, dropout)
-            width = ch * ch_mult[i]
-            if i != 0:
-                levels[i].upsample = Upsample(width)
-                res *= 2
-        self.up = nn.ModuleList([levels[i] for i in range(len(ch_mult))])  # indexed by level: up[0] is full resolution
-        self.norm_out = nn.GroupNorm(groups, width, eps=1e-6)
-        self.conv_out = nn.Conv2d(width, out_channels, 3, padding=1)
+        self.mid = ChameleonVQMiddle(width, groups, dropout)
+        coarsest = resolution // 2 ** (len(ch_mult) - 1)
+        attn = [coarsest * 2 ** (len(ch_mult) - 1 - i) in attn_resolutions for i in range(len(ch_mult))]
+        levels = decoder_stages(ch, ch_mult, num_res_blocks + 1, attn, groups, dropout, "block")  # coarsest first
+        self.up = nn.ModuleList(levels[::-1])  # indexed by level: up[0] is full resolution
+        self.norm_out = vq_norm(ch * ch_mult[0], groups)
+        self.conv_out = nn.Conv2d(ch * ch_mult[0], out_channels, 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        h = _run_middle(self.mid, self.conv_in(z))
-        for i in reversed(range(len(self.up))):
-            h = _run_level(self.up[i], h)
-            if i != 0:
-                h = self.up[i].upsample(h)
+        h = self.mid(self.conv_in(z))
+        for level in reversed(self.up):
+            h = level(h)
         return self.conv_out(F.silu(self.norm_out(h)))
 
 
-class ChameleonVQQuantizer(nn.Module):
-    """The codebook (``embedding``); Euclidean nearest code, no normalisation."""
-
-    def __init__(self, codebook_size: int, embed_dim: int):
-        super().__init__()
-        self.embedding = nn.Embedding(codebook_size, embed_dim)
-        nn.init.uniform_(self.embedding.weight, -1.0 / codebook_size, 1.0 / codebook_size)
-
-
-class ChameleonVQModel(ModelMixin, ConfigMixin):
+class ChameleonVQModel(ModelMixin, ConfigMixin, VQAutoencoderMixin):
     r"""Chameleon's VQGAN image tokenizer (Anole, Lumina-mGPT): 8192 codes of width 256, 16x downsampling.
 
     Module and parameter names are those of the original ``vqgan.ckpt`` (see the module docstring); load real weights
@@ -216,19 +171,12 @@ class ChameleonVQModel(ModelMixin, ConfigMixin):
         g = norm_num_groups
         self.encoder = ChameleonVQEncoder(in_channels, base_channels, ch_mult, num_res_blocks, z_channels, attn, resolution, g, dropout)
         self.decoder = ChameleonVQDecoder(z_channels, base_channels, ch_mult, num_res_blocks, out_channels, attn, resolution, g, dropout)
-        self.quantize = ChameleonVQQuantizer(codebook_size, embed_dim)
-        self.quant_conv = nn.Conv2d(z_channels, embed_dim, 1)
-        self.post_quant_conv = nn.Conv2d(embed_dim, z_channels, 1)
+        self.add_quantizer(codebook_size, embed_dim, z_channels, l2_norm=False)  # Euclidean nearest code, no normalisation
 
     @property
     def downsample_factor(self) -> int:
         """Pixels per code along each side (16 for Chameleon)."""
         return 2 ** (len(self.config.channel_multiplier) - 1)
-
-    @property
-    def codebook(self) -> torch.Tensor:
-        """The code vectors ``(V, embed_dim)`` as the decoder sees them (not normalised)."""
-        return self.quantize.embedding.weight
 
     def encode(self, pixels: torch.Tensor) -> VQEncoderOutput:
         """Images ``(B, C, h, w)`` in [-1, 1] (``h, w`` multiples of `downsample_factor`) -> ``quant`` ``(B, d, H, W)``
@@ -241,15 +189,11 @@ class ChameleonVQModel(ModelMixin, ConfigMixin):
         z = self.quant_conv(self.encoder(pixels)).permute(0, 2, 3, 1)  # (B, H, W, d)
         flat = z.reshape(-1, z.shape[-1]).float()
         codebook = self.codebook.float()
-        dist = flat.pow(2).sum(1, keepdim=True) + codebook.pow(2).sum(1) - 2 * flat @ codebook.t()  # (N, V)
+        dist = code_distances(flat, codebook)  # (N, V)
         indices = dist.argmin(dim=1).view(z.shape[:3])
         z_q = self.codebook[indices]
         z_q = z + (z_q - z).detach()
         return VQEncoderOutput(quant=z_q.permute(0, 3, 1, 2), indices=indices)
-
-    def decode(self, quant: torch.Tensor) -> torch.Tensor:
-        """Code vectors ``(B, d, H, W)`` -> images ``(B, C, H * f, W * f)``, unclamped."""
-        return self.decoder(self.post_quant_conv(quant))
 
     def decode_code(self, codes: torch.Tensor) -> torch.Tensor:
         """Code grid ``(B, H, W)`` -> images ``(B, C, H * f, W * f)`` clamped to [-1, 1], in the model's dtype."""

@@ -14,119 +14,32 @@ from diffusers.configuration_utils import register_to_config
 from diffusers.utils import BaseOutput
 from torch import nn
 
-
-def _norm(channels: int, groups: int) -> nn.GroupNorm:
-    return nn.GroupNorm(num_groups=groups, num_channels=channels, eps=1e-6, affine=True)
+from .vq_blocks import AttnBlock, ResnetBlock, VQAutoencoderMixin, code_distances, decoder_stages, encoder_stages, vq_norm
 
 
-class ResnetBlock(nn.Module):
-    def __init__(self, in_channels: int, out_channels: int, groups: int, dropout: float = 0.0):
-        super().__init__()
-        self.norm1 = _norm(in_channels, groups)
-        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
-        self.norm2 = _norm(out_channels, groups)
-        self.dropout = nn.Dropout(dropout)
-        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
-        if in_channels != out_channels:
-            self.nin_shortcut = nn.Conv2d(in_channels, out_channels, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
-        if hasattr(self, "nin_shortcut"):
-            x = self.nin_shortcut(x)
-        return x + h
-
-
-class AttnBlock(nn.Module):
-    """Single-head self-attention over the spatial positions."""
-
-    def __init__(self, channels: int, groups: int):
-        super().__init__()
-        self.norm = _norm(channels, groups)
-        self.q = nn.Conv2d(channels, channels, 1)
-        self.k = nn.Conv2d(channels, channels, 1)
-        self.v = nn.Conv2d(channels, channels, 1)
-        self.proj_out = nn.Conv2d(channels, channels, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = x.shape
-        n = self.norm(x)
-        q, k, v = (m(n).reshape(b, 1, c, h * w).transpose(-1, -2) for m in (self.q, self.k, self.v))  # (B, 1, HW, C)
-        out = F.scaled_dot_product_attention(q, k, v).transpose(-1, -2).reshape(b, c, h, w)
-        return x + self.proj_out(out)
-
-
-class Downsample(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, (0, 1, 0, 1)))  # asymmetric padding, as taming-transformers
-
-
-class Upsample(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-
-
-def _stage(num_blocks: int, block_in: int, block_out: int, with_attn: bool, groups: int, dropout: float):
-    stage = nn.Module()
-    stage.res = nn.ModuleList()
-    stage.attn = nn.ModuleList()
-    for _ in range(num_blocks):
-        stage.res.append(ResnetBlock(block_in, block_out, groups, dropout))
-        block_in = block_out
-        if with_attn:
-            stage.attn.append(AttnBlock(block_in, groups))
-    return stage
-
-
-def _mid(channels: int, groups: int, dropout: float) -> nn.ModuleList:
-    return nn.ModuleList(
-        [ResnetBlock(channels, channels, groups, dropout), AttnBlock(channels, groups), ResnetBlock(channels, channels, groups, dropout)]
+def _mid(channels: int, groups: int, dropout: float) -> nn.Sequential:
+    """The middle block, ``mid.0`` / ``mid.1`` / ``mid.2`` as in the original."""
+    return nn.Sequential(
+        ResnetBlock(channels, channels, groups, dropout), AttnBlock(channels, groups), ResnetBlock(channels, channels, groups, dropout)
     )
-
-
-def _run_stage(stage: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    for i, res in enumerate(stage.res):
-        h = res(h)
-        if len(stage.attn) > 0:
-            h = stage.attn[i](h)
-    return h
 
 
 class Encoder(nn.Module):
     def __init__(self, in_channels, ch, ch_mult, num_res_blocks, z_channels, groups, dropout):
         super().__init__()
         self.conv_in = nn.Conv2d(in_channels, ch, 3, padding=1)
-        in_mult = (1,) + tuple(ch_mult)
-        self.conv_blocks = nn.ModuleList()
-        for level, mult in enumerate(ch_mult):
-            last = level == len(ch_mult) - 1
-            stage = _stage(num_res_blocks, ch * in_mult[level], ch * mult, last, groups, dropout)
-            if not last:
-                stage.downsample = Downsample(ch * mult)
-            self.conv_blocks.append(stage)
+        attn = [level == len(ch_mult) - 1 for level in range(len(ch_mult))]  # attention at the coarsest level only
+        self.conv_blocks = encoder_stages(ch, ch_mult, num_res_blocks, attn, groups, dropout, "res")
         block_in = ch * ch_mult[-1]
         self.mid = _mid(block_in, groups, dropout)
-        self.norm_out = _norm(block_in, groups)
+        self.norm_out = vq_norm(block_in, groups)
         self.conv_out = nn.Conv2d(block_in, z_channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv_in(x)
         for stage in self.conv_blocks:
-            h = _run_stage(stage, h)
-            if hasattr(stage, "downsample"):
-                h = stage.downsample(h)
-        for block in self.mid:
-            h = block(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+            h = stage(h)
+        return self.conv_out(F.silu(self.norm_out(self.mid(h))))
 
 
 class Decoder(nn.Module):
@@ -135,41 +48,16 @@ class Decoder(nn.Module):
         block_in = ch * ch_mult[-1]
         self.conv_in = nn.Conv2d(z_channels, block_in, 3, padding=1)
         self.mid = _mid(block_in, groups, dropout)
-        self.conv_blocks = nn.ModuleList()
-        for level in reversed(range(len(ch_mult))):
-            stage = _stage(num_res_blocks + 1, block_in, ch * ch_mult[level], level == len(ch_mult) - 1, groups, dropout)
-            block_in = ch * ch_mult[level]
-            if level != 0:
-                stage.upsample = Upsample(block_in)
-            self.conv_blocks.append(stage)
-        self.norm_out = _norm(block_in, groups)
-        self.conv_out = nn.Conv2d(block_in, out_channels, 3, padding=1)
+        attn = [level == len(ch_mult) - 1 for level in range(len(ch_mult))]
+        self.conv_blocks = nn.ModuleList(decoder_stages(ch, ch_mult, num_res_blocks + 1, attn, groups, dropout, "res"))
+        self.norm_out = vq_norm(ch * ch_mult[0], groups)
+        self.conv_out = nn.Conv2d(ch * ch_mult[0], out_channels, 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        h = self.conv_in(z)
-        for block in self.mid:
-            h = block(h)
-        for stage in self.conv_blocks:
-            h = _run_stage(stage, h)
-            if hasattr(stage, "upsample"):
-                h = stage.upsample(h)
+        h = self.mid(self.conv_in(z))
+        for stage in self.conv_blocks:  # coarsest first
+            h = stage(h)
         return self.conv_out(F.silu(self.norm_out(h)))
-
-
-class VectorQuantizer(nn.Module):
-    def __init__(self, codebook_size: int, embed_dim: int, l2_norm: bool):
-        super().__init__()
-        self.l2_norm = l2_norm
-        self.embedding = nn.Embedding(codebook_size, embed_dim)
-        nn.init.uniform_(self.embedding.weight, -1.0 / codebook_size, 1.0 / codebook_size)
-        if l2_norm:
-            self.embedding.weight.data = F.normalize(self.embedding.weight.data, dim=-1)
-
-    @property
-    def codebook(self) -> torch.Tensor:
-        """Code vectors as the decoder sees them ``(V, d)`` (L2-normalised when the tokenizer is)."""
-        w = self.embedding.weight
-        return F.normalize(w, dim=-1) if self.l2_norm else w
 
 
 @dataclass
@@ -196,7 +84,7 @@ def _entropy_loss(affinity: torch.Tensor, temperature: float = 0.01) -> torch.Te
     return -(probs * logits.log_softmax(-1)).sum(-1).mean() + (avg * torch.log(avg + 1e-5)).sum()
 
 
-class LlamaGenVQModel(ModelMixin, ConfigMixin):
+class LlamaGenVQModel(ModelMixin, ConfigMixin, VQAutoencoderMixin):
     r"""LlamaGen's VQ image tokenizer.
 
     Args:
@@ -232,17 +120,11 @@ class LlamaGenVQModel(ModelMixin, ConfigMixin):
         g = norm_num_groups
         self.encoder = Encoder(in_channels, base_channels, encoder_ch_mult, num_res_blocks, z_channels, g, dropout)
         self.decoder = Decoder(z_channels, base_channels, decoder_ch_mult, num_res_blocks, out_channels, g, dropout)
-        self.quantize = VectorQuantizer(codebook_size, codebook_embed_dim, codebook_l2_norm)
-        self.quant_conv = nn.Conv2d(z_channels, codebook_embed_dim, 1)
-        self.post_quant_conv = nn.Conv2d(codebook_embed_dim, z_channels, 1)
+        self.add_quantizer(codebook_size, codebook_embed_dim, z_channels, codebook_l2_norm)
 
     @property
     def downsample_factor(self) -> int:
         return 2 ** (len(self.config.encoder_ch_mult) - 1)
-
-    @property
-    def codebook(self) -> torch.Tensor:
-        return self.quantize.codebook
 
     def encode(self, pixels: torch.Tensor) -> VQEncoderOutput:
         """Images in [-1, 1] ``(B, 3, H, W)`` -> nearest codes and losses."""
@@ -251,7 +133,7 @@ class LlamaGenVQModel(ModelMixin, ConfigMixin):
         if self.config.codebook_l2_norm:
             z = F.normalize(z, dim=-1)
         flat = z.reshape(-1, z.shape[-1])  # (N, d)
-        dist = flat.pow(2).sum(1, keepdim=True) + codebook.pow(2).sum(1) - 2 * flat @ codebook.t()  # (N, V)
+        dist = code_distances(flat, codebook)  # (N, V)
         indices = dist.argmin(dim=1)
         z_q = codebook[indices].view(z.shape)
         vq_loss = torch.mean((z_q - z.detach()) ** 2)
@@ -265,10 +147,6 @@ class LlamaGenVQModel(ModelMixin, ConfigMixin):
             commit_loss=commit_loss,
             entropy_loss=entropy,
         )
-
-    def decode(self, quant: torch.Tensor) -> torch.Tensor:
-        """Latents ``(B, d, h, w)`` -> images in about [-1, 1]."""
-        return self.decoder(self.post_quant_conv(quant))
 
     def decode_code(self, codes: torch.Tensor) -> torch.Tensor:
         """Code grid ``(B, h, w)`` -> images ``(B, 3, h * f, w * f)``."""

@@ -23,10 +23,9 @@ Chameleon facts the adapter relies on (transformers 5.x):
 
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
-from diffusers.utils import logging
 from transformers import ChameleonForConditionalGeneration
 
 from ..core.layout import ImageTokenLayout
@@ -35,16 +34,15 @@ from ..heads.heads_utils import DraftHeadsMixin
 from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
 from .backbone import PromptEmbeddings
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, configure_generation, onload
-
-logger = logging.get_logger(__name__)
+from .transformers_utils import (
+    GRID_KEY, CodeIndex, TransformersBackbone, check_load_arguments, configure_generation, left_padded, onload,
+    use_tree_attention,
+)
 
 #: Chameleon's structural tokens (names in the model's ``vocabulary_map``).
 BEGIN_IMAGE_TOKEN = "<racm3:break>"
 END_IMAGE_TOKEN = "<eoss>"
 END_OF_TURN_TOKEN = "<reserved08706>"
-#: Attention implementations that take the 4-D float masks tree decoding needs.
-TREE_MASK_ATTENTION = ("sdpa", "eager")
 #: Anole's published setting: 32x32 codes (512 px), text CFG 3.0 (Chameleon's ``guidance_scale_text``; the scale
 #: the LANTERN and ADT-Tree papers use on Anole).
 ANOLE_IMAGE_GRID = (32, 32)
@@ -64,6 +62,7 @@ class ChameleonBackbone(TransformersBackbone):
     #: whether the default unconditional row starts with BOS (Chameleon: ``BOS <racm3:break>``)
     unconditional_has_bos: bool = True
     family_name = "Chameleon"
+    processor_kind = "a ChameleonProcessor or the checkpoint's tokenizer"
 
     # -- modules ----------------------------------------------------------------------------------------------
     @property
@@ -116,21 +115,15 @@ class ChameleonBackbone(TransformersBackbone):
         return saved if saved is not None else self.family_top_k
 
     def _index(self) -> CodeIndex:
-        """Built once per model and device (kept on the pipeline), never per call."""
-        t = self.transformer
-        device = t.lm_head.weight.device
-        mapping = t.model.vocabulary_mapping
-        cache = self.pipe.__dict__.setdefault("_chameleon_code_index", {})
-        key = (id(t), id(mapping), str(device))
-        index = cache.get(key)
-        if index is None:
-            index = CodeIndex.from_img2bpe(mapping.img2bpe, device, f"{self.family_name}'s `IMGIMG...Z`")
-            codebook_size = self.vqgan.config.codebook_size
-            if index.ids.shape[0] != codebook_size:
-                raise ValueError(f"The {self.family_name} vocabulary has {index.ids.shape[0]} image tokens but the VQ "
-                                 f"codebook (`vqgan`) has {codebook_size} codes.")
-            cache.clear()  # one model and device at a time
-            cache[key] = index
+        return self.cached_code_index(self.transformer.model.vocabulary_mapping, self._build_index)
+
+    def _build_index(self, device: torch.device) -> CodeIndex:
+        mapping = self.transformer.model.vocabulary_mapping
+        index = CodeIndex.from_img2bpe(mapping.img2bpe, device, f"{self.family_name}'s `IMGIMG...Z`")
+        codebook_size = self.vqgan.config.codebook_size
+        if index.ids.shape[0] != codebook_size:
+            raise ValueError(f"The {self.family_name} vocabulary has {index.ids.shape[0]} image tokens but the VQ "
+                             f"codebook (`vqgan`) has {codebook_size} codes.")
         return index
 
     def token_id(self, name: str) -> int:
@@ -156,13 +149,6 @@ class ChameleonBackbone(TransformersBackbone):
         return int(value)
 
     # -- prompts ----------------------------------------------------------------------------------------------
-    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
-        if not all(isinstance(p, str) for p in prompt):
-            raise ValueError(f"`{name}` must be a string or a list of strings for {self.family_name}.")
-        if self.tokenizer is None:
-            raise ValueError(f"`{name}` is text, but this pipeline has no `processor` (a ChameleonProcessor or the "
-                             "checkpoint's tokenizer); pass it to the pipeline.")
-
     def prompt_text(self, text: str) -> str:
         """The text the model reads for an image prompt (Anole: the prompt itself)."""
         return text
@@ -193,19 +179,13 @@ class ChameleonBackbone(TransformersBackbone):
                 rows += [encoded[t] for t in negative_prompts]
             else:
                 rows += [self.unconditional_ids()] * len(prompts)
-        length = max(len(r) for r in rows)
         pad = getattr(self.tokenizer, "pad_token_id", None)
-        pad = pad if pad is not None else (self.transformer.config.pad_token_id or 0)
-        ids = torch.tensor([[pad] * (length - len(r)) + r for r in rows], dtype=torch.long)
-        valid = torch.tensor([[False] * (length - len(r)) + [True] * len(r) for r in rows])
+        ids, valid = left_padded(rows, pad if pad is not None else (self.transformer.config.pad_token_id or 0))
         return ids.to(device), valid.to(device)
 
     def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
         self._onload()
-        attention = self.transformer.config._attn_implementation
-        if attention not in TREE_MASK_ATTENTION:
-            raise ValueError(f"{self.family_name} runs with `attn_implementation` 'sdpa' or 'eager' (draft trees need an "
-                             f"arbitrary attention mask), got {attention!r}.")
+        self.check_tree_attention(self.transformer.config._attn_implementation)
         ids, valid = self.prompt_ids(prompts, negative_prompts, do_cfg, device)
         return PromptEmbeddings(self.text_model.embed_tokens(ids), valid)
 
@@ -274,10 +254,7 @@ class ChameleonARPipeline(SpatialARPipeline):
         if not isinstance(vqgan, ChameleonVQModel):
             raise ValueError(f"`vqgan` must be a ChameleonVQModel (Chameleon's VQGAN decoder), got {type(vqgan).__name__}; "
                              "convert the released weights with `load_chameleon_vq` or scripts/convert_chameleon_vqgan.py.")
-        impl = transformer.config._attn_implementation
-        if impl not in TREE_MASK_ATTENTION:
-            logger.warning(f"Chameleon attention implementation {impl!r} cannot take tree masks; switching to 'sdpa'.")
-            transformer.set_attn_implementation("sdpa")
+        use_tree_attention(transformer, transformer.config._attn_implementation, "Chameleon")
         self.register_modules(transformer=transformer.eval(), processor=processor, vqgan=vqgan.eval(), decoder=decoder)
         self._prepare_draft_heads(draft_heads)
         self.register_modules(draft_heads=draft_heads)
@@ -320,12 +297,7 @@ class ChameleonARPipeline(SpatialARPipeline):
         """
         from transformers import AutoConfig, AutoTokenizer, ChameleonProcessor
 
-        if attn_implementation not in TREE_MASK_ATTENTION:
-            raise ValueError(f"`attn_implementation` must be one of {TREE_MASK_ATTENTION} (tree masks), got "
-                             f"{attn_implementation!r}.")
-        if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
-            raise ValueError(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; pass one.")
-        weights_dtype = dtype if dtype is not None else torch_dtype
+        weights_dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
         config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
         if config.model_type != "chameleon":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a "

@@ -14,7 +14,7 @@ Emu3 facts the adapter relies on (transformers 5.x):
 """
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from transformers import Emu3ForConditionalGeneration, Emu3Processor
@@ -24,7 +24,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone
+from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, check_load_arguments, left_padded
 from .transformers_utils import configure_generation as configure_shared
 
 #: Emu3's published sampling settings (its image-generation example: CFG 3.0 with this negative prompt; top-k 2048
@@ -45,6 +45,9 @@ NEGATIVE_PROMPT_KEY = "default_negative_prompt"
 
 class Emu3Backbone(TransformersBackbone):
     """Adapter over `Emu3ForConditionalGeneration` (its text trunk, head and VQ model) and `Emu3Processor`."""
+
+    family_name = "Emu3"
+    processor_kind = "Emu3Processor"
 
     @property
     def text_model(self) -> torch.nn.Module:
@@ -98,23 +101,17 @@ class Emu3Backbone(TransformersBackbone):
         return saved if saved is not None else EMU3_NEGATIVE_PROMPT
 
     def _index(self) -> CodeIndex:
-        """Built once per model and device (kept on the pipeline), never per call."""
-        t = self.transformer
-        device = t.lm_head.weight.device
-        cache = self.pipe.__dict__.setdefault("_emu3_code_index", {})
-        key = (id(t), id(t.vocabulary_mapping), str(device))
-        index = cache.get(key)
-        if index is None:
-            mapping = t.vocabulary_mapping
-            if mapping.eol_token_id is None:
-                raise ValueError("The Emu3 `vocabulary_map` has no end-of-row token `<|extra_200|>`.")
-            index = CodeIndex.from_img2bpe(mapping.img2bpe, device, "`<|visual token 000000|>` ...", int(mapping.eol_token_id))
-            codebook_size = t.config.vq_config.codebook_size
-            if index.ids.shape[0] != codebook_size:
-                raise ValueError(f"The Emu3 vocabulary has {index.ids.shape[0]} visual tokens but the VQ codebook has "
-                                 f"{codebook_size} codes.")
-            cache.clear()  # one model and device at a time
-            cache[key] = index
+        return self.cached_code_index(self.transformer.vocabulary_mapping, self._build_index)
+
+    def _build_index(self, device: torch.device) -> CodeIndex:
+        mapping = self.transformer.vocabulary_mapping
+        if mapping.eol_token_id is None:
+            raise ValueError("The Emu3 `vocabulary_map` has no end-of-row token `<|extra_200|>`.")
+        index = CodeIndex.from_img2bpe(mapping.img2bpe, device, "`<|visual token 000000|>` ...", int(mapping.eol_token_id))
+        codebook_size = self.transformer.config.vq_config.codebook_size
+        if index.ids.shape[0] != codebook_size:
+            raise ValueError(f"The Emu3 vocabulary has {index.ids.shape[0]} visual tokens but the VQ codebook has "
+                             f"{codebook_size} codes.")
         return index
 
     def _token(self, name: str) -> str:
@@ -125,12 +122,6 @@ class Emu3Backbone(TransformersBackbone):
         return token
 
     # -- prompts -----------------------------------------------------------------------------------------------
-    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
-        if not all(isinstance(p, str) for p in prompt):
-            raise ValueError(f"`{name}` must be a string or a list of strings for Emu3.")
-        if self.tokenizer is None:
-            raise ValueError(f"`{name}` is text, but this pipeline has no `processor` (Emu3Processor); pass it to the pipeline.")
-
     def image_prompt(self, text: str) -> str:
         """The text Emu3 reads before the image (its processor's ``return_for_image_generation`` format):
         ``BOS text <|image start|>{h}*{w}<|image token|>``."""
@@ -144,19 +135,14 @@ class Emu3Backbone(TransformersBackbone):
         position = {t: i for i, t in enumerate(dict.fromkeys(texts))}  # images per prompt repeat texts: tokenize each once
         unique = list(position)
         encoded = [tokenizer(self.image_prompt(t), add_special_tokens=False).input_ids for t in unique]
-        length = max(len(r) for r in encoded)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        table = torch.tensor([[pad] * (length - len(r)) + r for r in encoded], dtype=torch.long)  # (U, P)
-        table_valid = torch.tensor([[False] * (length - len(r)) + [True] * len(r) for r in encoded])
+        table, table_valid = left_padded(encoded, pad)  # (U, P)
         rows = torch.tensor([position[t] for t in texts])
         return table[rows].to(device), table_valid[rows].to(device)
 
     def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
         self._onload()
-        attention = self.transformer.config.text_config._attn_implementation
-        if attention not in ("sdpa", "eager"):
-            raise ValueError(f"Emu3 runs with `attn_implementation` 'sdpa' or 'eager' (draft trees need an arbitrary "
-                             f"attention mask), got {attention!r}.")
+        self.check_tree_attention(self.transformer.config.text_config._attn_implementation)
         texts = list(prompts)
         if do_cfg:
             texts += list(negative_prompts) if negative_prompts is not None else [self.default_negative_prompt] * len(prompts)
@@ -252,12 +238,7 @@ class Emu3Pipeline(SpatialARPipeline):
             attn_implementation (`str`): ``"sdpa"`` or ``"eager"`` (draft trees need an arbitrary attention mask).
             kwargs: to transformers' ``from_pretrained`` (``revision``, ``cache_dir``, ``token``, ``local_files_only``).
         """
-        if attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"`attn_implementation` must be 'sdpa' or 'eager' (draft trees need an arbitrary attention "
-                             f"mask), got {attn_implementation!r}.")
-        if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
-            raise ValueError(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; pass one.")
-        dtype = dtype if dtype is not None else torch_dtype
+        dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
         transformer = Emu3ForConditionalGeneration.from_pretrained(
             repo_or_path, dtype=dtype if dtype is not None else "auto", attn_implementation=attn_implementation, **kwargs
         ).eval()

@@ -14,11 +14,10 @@ What image generation uses of the model (transformers 5.x, ``generate(..., gener
 """
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from diffusers.utils import logging
 from transformers import PreTrainedModel, ProcessorMixin
 
 from ..core.layout import ImageTokenLayout
@@ -26,18 +25,17 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import TransformersBackbone
-
-logger = logging.get_logger(__name__)
+from .transformers_utils import TransformersBackbone, check_load_arguments, use_tree_attention
 
 #: Janus-Pro's CFG scale (the checkpoints' generation config and the paper's sampling setting).
 JANUS_DEFAULT_GUIDANCE_SCALE = 5.0
-#: Attention implementations that take the 4-D float masks tree decoding needs.
-TREE_MASK_ATTENTION = ("sdpa", "eager")
 
 
 class JanusProBackbone(TransformersBackbone):
     """Adapter over `JanusForConditionalGeneration` + `JanusProcessor` for the generation loop."""
+
+    family_name = "Janus-Pro"
+    processor_kind = "the model's JanusProcessor"
 
     # -- modules ----------------------------------------------------------------------------------------
     @property
@@ -103,12 +101,6 @@ class JanusProBackbone(TransformersBackbone):
         return int(value)
 
     # -- prompts ----------------------------------------------------------------------------------------
-    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
-        if not all(isinstance(p, str) for p in prompt):
-            raise ValueError(f"`{name}` must be a string or a list of strings for Janus-Pro.")
-        if self.pipe.processor is None:
-            raise ValueError(f"`{name}` is text, but this pipeline has no `processor`; pass the model's JanusProcessor.")
-
     def prompt_text(self, prompt: str) -> str:
         """The text Janus-Pro reads for an image prompt: the chat template's user turn and assistant prefix (the
         processor appends ``<begin_of_image>``)."""
@@ -226,10 +218,8 @@ class JanusProPipeline(SpatialARPipeline):
 
         if not isinstance(transformer, JanusForConditionalGeneration):
             raise ValueError(f"`transformer` must be a JanusForConditionalGeneration, got {type(transformer).__name__}.")
-        impl = transformer.model.language_model.config._attn_implementation  # the trunk's: what tree masks reach
-        if impl not in TREE_MASK_ATTENTION:
-            logger.warning(f"Janus attention implementation {impl!r} cannot take tree masks; switching to 'sdpa'.")
-            transformer.set_attn_implementation("sdpa")
+        # the trunk's implementation: what tree masks reach
+        use_tree_attention(transformer, transformer.model.language_model.config._attn_implementation, "Janus")
         self.register_modules(transformer=transformer.eval(), processor=processor, decoder=decoder)
         self._prepare_draft_heads(draft_heads)
         self.register_modules(draft_heads=draft_heads)
@@ -256,14 +246,10 @@ class JanusProPipeline(SpatialARPipeline):
         """
         from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
 
-        if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
-            raise ValueError(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; pass one.")
-        if attn_implementation not in TREE_MASK_ATTENTION:
-            raise ValueError(f"`attn_implementation` must be one of {TREE_MASK_ATTENTION} (tree masks), got {attn_implementation!r}.")
+        weights_dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
         config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
         if config.model_type != "janus":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a Janus checkpoint.")
-        weights_dtype = dtype if dtype is not None else torch_dtype
         model = JanusForConditionalGeneration.from_pretrained(
             repo_or_path, attn_implementation=attn_implementation,
             **({"dtype": weights_dtype} if weights_dtype is not None else {}), **hub_kwargs,

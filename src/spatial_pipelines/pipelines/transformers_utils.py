@@ -1,16 +1,18 @@
 """What the transformers-backed families (Janus-Pro, Emu3, Anole, Lumina-mGPT) share: one target forward of a
 transformers language model over the library's static KV cache (returning the pre-norm last hidden state the loop and
 the heads use), the `TransformersBackbone` base adapter, code <-> token-id tables for image codes that live in a text
-vocabulary, onloading under model CPU offload, and sampling defaults kept in the generation config."""
+vocabulary, left-padded prompt rows, onloading under model CPU offload, and sampling defaults kept in the generation
+config."""
 
 import abc
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from diffusers.utils import logging
 
 from ..core.kv_cache import StaticKVCache, TransformersCacheView, additive_mask
 from ..utils import check_number
@@ -104,6 +106,42 @@ def onload(module: Optional[torch.nn.Module], probe: torch.Tensor) -> None:
         hook.pre_forward(module)
 
 
+logger = logging.get_logger(__name__)
+
+#: Attention implementations that take the 4-D float masks tree decoding needs.
+TREE_MASK_ATTENTION = ("sdpa", "eager")
+
+
+def check_load_arguments(
+    attn_implementation: str, torch_dtype: Optional[torch.dtype], dtype: Optional[torch.dtype]
+) -> Optional[torch.dtype]:
+    """The weights' dtype a family's ``load_backbone_components`` asks transformers for (``None``: as transformers
+    loads it); a `ValueError` unless ``attn_implementation`` takes tree masks and ``torch_dtype`` / ``dtype`` agree."""
+    if attn_implementation not in TREE_MASK_ATTENTION:
+        raise ValueError(f"`attn_implementation` must be one of {TREE_MASK_ATTENTION} (draft trees need an arbitrary "
+                         f"attention mask), got {attn_implementation!r}.")
+    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+        raise ValueError(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; pass one.")
+    return dtype if dtype is not None else torch_dtype
+
+
+def use_tree_attention(transformer: torch.nn.Module, attention: str, family: str) -> None:
+    """Switch ``transformer`` to ``sdpa`` (with a warning) when its trunk's ``attention`` implementation cannot take
+    tree masks."""
+    if attention not in TREE_MASK_ATTENTION:
+        logger.warning(f"{family} attention implementation {attention!r} cannot take tree masks; switching to 'sdpa'.")
+        transformer.set_attn_implementation("sdpa")
+
+
+def left_padded(rows: Sequence[List[int]], pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows of any lengths -> ids ``(R, P)`` left-padded with ``pad`` to the longest, and which are real
+    ``(R, P)``."""
+    length = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (length - len(r)) + list(r) for r in rows], dtype=torch.long)  # (R, P)
+    valid = torch.tensor([[False] * (length - len(r)) + [True] * len(r) for r in rows])  # (R, P)
+    return ids, valid
+
+
 @dataclass(frozen=True)
 class CodeIndex:
     """Image codes that live in a text vocabulary (Emu3, Chameleon): code -> token id, and the ``lm_head`` rows of the
@@ -141,8 +179,14 @@ class CodeIndex:
 class TransformersBackbone(SpatialBackbone):
     """What the transformers-backed families share: the pipeline's ``transformer`` component, its decoder stack
     (``text_model``: ``embed_tokens``, ``layers``, final ``norm``) run on the library's static KV cache, the sampling
-    defaults in its ``generation_config``, and onloading under model CPU offload. A family sets ``text_model`` and
-    the rest of the `SpatialBackbone` contract (prompt, image embeddings, head, VQ)."""
+    defaults in its ``generation_config``, onloading under model CPU offload, the text-prompt check and the cached
+    `CodeIndex`. A family sets ``text_model``, ``family_name``, ``processor_kind`` and the rest of the `SpatialBackbone`
+    contract (prompt, image embeddings, head, VQ)."""
+
+    #: the family's name in messages
+    family_name: str = "transformers"
+    #: what the pipeline's ``processor`` component is, in the message when it is missing
+    processor_kind: str = "the model's processor"
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -164,6 +208,33 @@ class TransformersBackbone(SpatialBackbone):
 
     def _onload(self) -> None:
         onload(self.transformer, self.text_model.embed_tokens.weight)
+
+    def check_prompt(self, prompt: Sequence[Any], name: str) -> None:
+        if not all(isinstance(p, str) for p in prompt):
+            raise ValueError(f"`{name}` must be a string or a list of strings for {self.family_name}.")
+        if self.pipe.processor is None:
+            raise ValueError(f"`{name}` is text, but this pipeline has no `processor` ({self.processor_kind}); pass it "
+                             "to the pipeline.")
+
+    def check_tree_attention(self, attention: str) -> None:
+        """A `ValueError` unless the trunk's attention implementation takes the arbitrary masks of draft trees."""
+        if attention not in TREE_MASK_ATTENTION:
+            raise ValueError(f"{self.family_name} runs with `attn_implementation` 'sdpa' or 'eager' (draft trees need an "
+                             f"arbitrary attention mask), got {attention!r}.")
+
+    def cached_code_index(self, mapping: Any, build: Callable[[torch.device], CodeIndex]) -> CodeIndex:
+        """The family's `CodeIndex`, built by ``build(device)`` once per model, vocabulary ``mapping`` and ``lm_head``
+        device and kept on the pipeline (one at a time), never per call."""
+        t = self.transformer
+        device = t.lm_head.weight.device
+        cache = self.pipe.__dict__.setdefault("_code_index", {})
+        key = (id(t), id(mapping), str(device))
+        index = cache.get(key)
+        if index is None:
+            index = build(device)
+            cache.clear()
+            cache[key] = index
+        return index
 
     @property
     def hidden_size(self) -> int:
