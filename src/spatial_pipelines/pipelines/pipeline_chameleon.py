@@ -256,8 +256,7 @@ class ChameleonARPipeline(SpatialARPipeline):
                              "convert the released weights with `load_chameleon_vq` or scripts/convert_chameleon_vqgan.py.")
         use_tree_attention(transformer, transformer.config._attn_implementation, "Chameleon")
         self.register_modules(transformer=transformer.eval(), processor=processor, vqgan=vqgan.eval(), decoder=decoder)
-        self._prepare_draft_heads(draft_heads)
-        self.register_modules(draft_heads=draft_heads)
+        self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
 
     @classmethod
     def default_image_grid_for(cls, repo_or_path, vae_scale_factor: int) -> Tuple[int, int]:

@@ -211,8 +211,7 @@ class Emu3Pipeline(SpatialARPipeline):
         if not isinstance(transformer, Emu3ForConditionalGeneration):
             raise ValueError(f"`transformer` must be an Emu3ForConditionalGeneration (text model + VQ model), got {type(transformer).__name__}.")
         self.register_modules(transformer=transformer, processor=processor, decoder=decoder)
-        self._prepare_draft_heads(draft_heads)
-        self.register_modules(draft_heads=draft_heads)
+        self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
 
     @classmethod
     def load_backbone_components(

@@ -221,8 +221,7 @@ class JanusProPipeline(SpatialARPipeline):
         # the trunk's implementation: what tree masks reach
         use_tree_attention(transformer, transformer.model.language_model.config._attn_implementation, "Janus")
         self.register_modules(transformer=transformer.eval(), processor=processor, decoder=decoder)
-        self._prepare_draft_heads(draft_heads)
-        self.register_modules(draft_heads=draft_heads)
+        self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
 
     @classmethod
     def load_backbone_components(

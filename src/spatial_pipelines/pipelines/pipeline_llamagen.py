@@ -226,8 +226,7 @@ class LlamaGenPipeline(SpatialARPipeline):
         self.register_modules(
             transformer=transformer, vqvae=vqvae, decoder=decoder, text_encoder=text_encoder, tokenizer=tokenizer
         )
-        self._prepare_draft_heads(draft_heads)
-        self.register_modules(draft_heads=draft_heads)
+        self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
 
     def _packaged_components(self) -> List[str]:
         return ["text_encoder", "tokenizer"] if self.config.text_encoder_package else []
