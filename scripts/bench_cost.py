@@ -81,7 +81,7 @@ def main(argv=None):
     heads = {}
     for path in args.heads:
         loaded = pipe.load_draft_heads(path)
-        heads[type(loaded).__name__] = loaded
+        heads[loaded.provides.kind] = loaded
     pipe.set_draft_heads(None)
     backbone = pipe.backbone
     rows = 2 if backbone.default_guidance_scale != 1.0 else 1
@@ -95,9 +95,11 @@ def main(argv=None):
         if decoder_cls is None:
             continue
         decoder = decoder_cls(**kwargs)
-        need = decoder.draft_heads_class
-        if need is not None and need not in heads:
-            raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
+        needed, need = decoder.heads_needed(), None  # need: the kind of loaded heads the decoder runs with
+        if needed is not None:
+            need = next((k for k in needed.kinds if k in heads), None)
+            if need is None:
+                raise SystemExit(f"decoder {spec!r} needs {needed.describe()}: pass their folder with --heads")
         decoders[spec] = (decoder, heads.get(need))
     totals = {spec: {"seconds": {}, "rounds": 0, "passes": 0, "wall": 0.0, "accepted": []} for spec in decoders}
     for spec, (decoder, h) in decoders.items():  # warm-up (and "auto" size resolution)

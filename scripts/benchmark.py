@@ -258,7 +258,7 @@ def main(argv=None):
     for compiled_pipe, p in pipes.items():
         for path in args.heads:
             loaded = p.load_draft_heads(path)
-            heads[compiled_pipe, type(loaded).__name__] = (loaded, path)
+            heads[compiled_pipe, loaded.provides.kind] = (loaded, path)
         p.set_draft_heads(None)
     resolution = pipe.backbone.layout.height * pipe.backbone.vae_scale_factor
     real = TwemojiDataset(args.split, resolution, limit=args.limit)
@@ -290,9 +290,11 @@ def main(argv=None):
                         setups.append((name, spec, None, None, None, False, 1))
                     continue
                 decoder = decoder_cls(**kwargs)  # a fresh config: no option leaks from another row
-                need = decoder.draft_heads_class
-                if need is not None and (compiled_row, need) not in heads:
-                    raise SystemExit(f"decoder {spec!r} needs {need} heads: pass their folder with --heads")
+                needed, need = decoder.heads_needed(), None  # need: the kind of loaded heads the row runs with
+                if needed is not None:
+                    need = next((k for k in needed.kinds if (compiled_row, k) in heads), None)
+                    if need is None:
+                        raise SystemExit(f"decoder {spec!r} needs {needed.describe()}: pass their folder with --heads")
                 setups.append((name, spec, decoder_cls, decoder, need, compiled_row, n))
     output_type = "pt" if args.quality or args.picture else "latent"
 

@@ -58,8 +58,9 @@ def worker(args) -> dict:
     for name in args.decoders:
         decoder = DECODERS[name]()
         pipe.decoder = decoder
-        if decoder.draft_heads_class is not None:
-            pipe.load_draft_heads(args.heads or embedded_heads_path(decoder.draft_heads_class))
+        need = decoder.heads_needed()
+        if need is not None:
+            pipe.load_draft_heads(args.heads or embedded_heads_path(need.kinds[0]))
         pipe.resolve_draft_sizes(args.images)
         chosen[name] = decoder.tree.num_nodes - 1
         for kept in pipe.__dict__["_round_overheads"].get(decoder, {}).values():

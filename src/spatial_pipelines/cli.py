@@ -86,15 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def embedded_heads_path(heads_class: str) -> str:
-    """The heads shipped with the embedded model for a decoder's heads class."""
+def embedded_heads_path(kind: str) -> str:
+    """The heads of ``kind`` (one of `HEADS_KINDS`: ``"offset_logits"``, ``"latent"``, ``"drafter"``) shipped with the
+    embedded model: the ``kinds[0]`` of a decoder's ``heads_needed()``.
+
+    Args:
+        kind (`str`): the kind of heads.
+    """
+    from .core.contracts import DRAFTER, LATENT, OFFSET_LOGITS
     from .embedded import default_eagle_head_path, default_heads_path, default_ssd_heads_path
 
-    paths = {"SpatialDraftHeads": default_heads_path(), "LatentDraftHeads": default_ssd_heads_path(),
-             "EagleDraftHead": default_eagle_head_path()}
-    if heads_class not in paths:
-        raise ValueError(f"`--decoder` needs {heads_class} heads; the embedded model ships none: pass `--heads`.")
-    return paths[heads_class]
+    paths = {OFFSET_LOGITS: default_heads_path, LATENT: default_ssd_heads_path, DRAFTER: default_eagle_head_path}
+    if kind not in paths:
+        raise ValueError(f"`kind` must be one of {tuple(paths)}, got {kind!r}.")
+    return paths[kind]()
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -141,8 +146,9 @@ def generate(args: argparse.Namespace) -> int:
     pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype], args.revision).to(args.device)
     pipe.decoder = DECODERS[args.decoder].from_config(pipe.decoder.config)
     heads = args.heads
-    if heads is None and args.model is None and pipe.decoder.draft_heads_class is not None:
-        heads = embedded_heads_path(pipe.decoder.draft_heads_class)
+    need = pipe.decoder.heads_needed()
+    if heads is None and args.model is None and need is not None:
+        heads = embedded_heads_path(need.kinds[0])
     if heads is not None:
         if os.path.exists(heads) and args.heads_revision is not None:
             raise ValueError(f"`--heads-revision` applies to Hub repo ids; `--heads` {heads!r} is a local folder.")

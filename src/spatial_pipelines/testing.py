@@ -8,10 +8,9 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 from .decoders import DECODERS, AutoregressiveDecoder, SpatialDecoderMixin
-from .heads import DraftHeadsMixin
+from .heads import DraftHeadsMixin, heads_class_for
 from .models import LlamaGenTransformer, LlamaGenVQModel
 from .pipelines import LlamaGenPipeline, SpatialARPipeline
-from .utils import find_subclass
 
 FAMILIES = ("llamagen", "janus", "emu3", "anole", "lumina_mgpt")
 
@@ -362,10 +361,9 @@ FAMILY_BUILDERS.update({"anole": _anole, "lumina_mgpt": _lumina_mgpt})
 
 
 def random_draft_heads(pipe: SpatialARPipeline, decoder: SpatialDecoderMixin) -> DraftHeadsMixin:
-    """Randomly initialised heads of the kind ``decoder`` needs, sized for ``pipe``'s backbone."""
-    if decoder.draft_heads_class is None:
+    """Randomly initialised heads of the kind ``decoder`` needs (the first of its ``heads_needed().kinds``), sized for
+    ``pipe``'s backbone."""
+    need = decoder.heads_needed()
+    if need is None:
         raise ValueError(f"`draft_heads='random'`: {type(decoder).__name__} uses no draft heads.")
-    heads_cls = find_subclass(DraftHeadsMixin, decoder.draft_heads_class)
-    if heads_cls is None or not hasattr(heads_cls, "for_backbone"):
-        raise ValueError(f"`draft_heads='random'`: no heads class {decoder.draft_heads_class!r} is available.")
-    return heads_cls.for_backbone(pipe.backbone, decoder)
+    return heads_class_for(need.kinds[0]).for_backbone(pipe.backbone, decoder)

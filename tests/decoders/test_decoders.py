@@ -5,7 +5,7 @@ import torch
 
 import spatial_pipelines
 from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SSDDecoder
-from spatial_pipelines.core import SamplingConfig
+from spatial_pipelines.core import OFFSET_LOGITS, HeadsNeed, SamplingConfig
 from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
 from spatial_pipelines.testing import FAMILIES, dummy_pipeline
 
@@ -132,11 +132,18 @@ def test_decoder_short_names_are_decoders():
 
 def test_decoder_that_needs_heads_refuses_to_run_without_them():
     class NeedsHeads(AutoregressiveDecoder):
-        draft_heads_class = "SpatialDraftHeads"
+        def heads_needed(self):
+            return HeadsNeed((OFFSET_LOGITS,), (1,), who="NeedsHeads")
 
     pipe = dummy_pipeline("llamagen", NeedsHeads())
-    with pytest.raises(ValueError, match="draft_heads"):
+    with pytest.raises(ValueError, match=r"NeedsHeads needs token-logit heads .*; found none\. .*pipe\.load_draft_heads"):
         pipe("a fox")
+
+
+def test_decoder_declaring_a_heads_class_by_name_fails_at_definition():
+    with pytest.raises(TypeError, match="heads_needed"):
+        class ByName(AutoregressiveDecoder):  # noqa: F841
+            draft_heads_class = "SpatialDraftHeads"
 
 
 def test_distribution_test_detects_a_biased_acceptance_rule(monkeypatch):

@@ -59,14 +59,15 @@ def test_heads_init_uses_the_prediction_for_the_position():
 def test_heads_init_refuses_missing_or_wrong_heads():
     decoder = JacobiDecoder(window_size=4, init="heads")
     pipe = dummy_pipeline("llamagen", decoder, None)
-    with pytest.raises(ValueError, match="draft_heads"):
+    with pytest.raises(ValueError, match=r"JacobiDecoder\(init='heads'\) needs .* with vertical offsets \[1\]; found none"):
         pipe("a fox")
     heads = SpatialDraftHeads(**pipe.backbone.facts(), horizontal_offsets=[1], vertical_offsets=[2])
     pipe.set_draft_heads(heads)
-    with pytest.raises(ValueError, match="vertical offset 1"):
+    with pytest.raises(ValueError, match=r"lack the vertical offsets \[1\]"):
         pipe("a fox")
-    assert JacobiDecoder(init="heads").draft_heads_class == "SpatialDraftHeads"
-    assert JacobiDecoder().draft_heads_class is None
+    need = JacobiDecoder(init="heads").heads_needed()
+    assert (need.kinds, need.horizontal_offsets, need.vertical_offsets) == (("offset_logits", "latent"), (), (1,))
+    assert JacobiDecoder().heads_needed() is None
 
 
 @pytest.mark.parametrize(

@@ -164,10 +164,10 @@ def test_presets_are_the_papers_table_9():
 def test_heads_without_enough_vertical_offsets_are_refused():
     pipe = ssd_pipeline((4, 5), num_vertical_rows=2)
     pipe.decoder = SSDDecoder(num_vertical_rows=3)
-    with pytest.raises(ValueError, match="vertical offsets"):
+    with pytest.raises(ValueError, match=r"SSDDecoder\(num_horizontal=5, num_vertical_rows=3\) needs latent heads.*lack the vertical offsets \[3\]"):
         pipe("a fox")
     pipe.decoder = SSDDecoder(num_horizontal=6)
-    with pytest.raises(ValueError, match="horizontal offsets"):
+    with pytest.raises(ValueError, match=r"lack the horizontal offsets \[6\].*--kind ssd --num-horizontal 6"):
         pipe("a fox")
 
 

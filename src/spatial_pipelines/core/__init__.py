@@ -1,5 +1,6 @@
 """Pure tensor code shared by decoders, heads and pipelines (depends on torch only)."""
 
+from .contracts import DRAFTER, HEADS_KINDS, LATENT, OFFSET_LOGITS, HeadsNeed, HeadsProvide, check_heads
 from .kv_cache import KVCache, StaticKVCache, compact_positions_
 from .layout import ImageTokenLayout
 from .sampling import (
@@ -13,6 +14,13 @@ from .sampling import (
 )
 
 __all__ = [
+    "DRAFTER",
+    "HEADS_KINDS",
+    "HeadsNeed",
+    "HeadsProvide",
+    "LATENT",
+    "OFFSET_LOGITS",
+    "check_heads",
     "ImageTokenLayout",
     "RandomSource",
     "SamplingConfig",

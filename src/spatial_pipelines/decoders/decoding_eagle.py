@@ -22,6 +22,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
+from ..core.contracts import DRAFTER, HeadsNeed
 from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
 from ..utils import check_number
@@ -74,7 +75,6 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             settings in `LANTERN_PRESETS`).
     """
 
-    draft_heads_class = "EagleDraftHead"
     state_class = EagleState
     distinct_siblings = True  # top-k children are distinct
     uses_all_rows = True  # the drafter reads the unconditional rows' features too
@@ -103,6 +103,10 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             paths += frontier
         full = tree_from_paths(paths[:MAX_DRAFT_TOKENS] if num_draft_tokens == AUTO else paths)
         self._set_tree(full, num_draft_tokens if num_draft_tokens == AUTO else min(num_draft_tokens, full.num_nodes - 1))
+
+    def heads_needed(self) -> HeadsNeed:
+        """A drafter (`EagleDraftHead`)."""
+        return HeadsNeed((DRAFTER,), who=type(self).__name__)
 
     @property
     def num_nodes(self) -> int:

@@ -9,6 +9,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
+from ..core.contracts import OFFSET_LOGITS, HeadsNeed
 from ..core.tree import DraftTree, tree_from_paths
 from .decoding_tree import TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_size, check_int
@@ -62,7 +63,6 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             settings in `LANTERN_PRESETS`).
     """
 
-    draft_heads_class = "SpatialDraftHeads"
     state_class = HawkState
     distinct_siblings = True  # duplicate pool slots are offered as -1
 
@@ -86,19 +86,15 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         full: DraftTree = tree_from_paths(bounded_product_paths(num_horizontal_heads, self.pool_size, bound))
         self._set_tree(full, num_draft_tokens if num_draft_tokens == AUTO else None)
 
-    def required_horizontal_offsets(self) -> List[int]:
-        return list(range(1, self.config.num_horizontal_heads + 1))
-
-    def required_vertical_offsets(self) -> List[int]:
-        return list(range(1, self.config.vertical_speculation_depth + 1))
+    def heads_needed(self) -> HeadsNeed:
+        """Token-logit heads at the horizontal offsets ``1..num_horizontal_heads`` and the vertical offsets
+        ``1..vertical_speculation_depth``."""
+        c = self.config
+        return HeadsNeed((OFFSET_LOGITS,), tuple(range(1, c.num_horizontal_heads + 1)), tuple(range(1, c.vertical_speculation_depth + 1)),
+                         self._who("num_horizontal_heads", "vertical_speculation_depth"))
 
     def check_compatibility(self, layout, draft_heads=None) -> None:
         super().check_compatibility(layout, draft_heads)
-        for kind, need, have in (("horizontal", self.required_horizontal_offsets(), draft_heads.config.horizontal_offsets),
-                                 ("vertical", self.required_vertical_offsets(), draft_heads.config.vertical_offsets)):
-            missing = set(need) - set(have)
-            if missing:
-                raise ValueError(f"`draft_heads` lack the {kind} offsets {sorted(missing)} this HawkDecoder needs.")
         if self.config.top_k > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k` ({self.config.top_k}) exceeds the {draft_heads.config.num_image_codes} image codes.")
 

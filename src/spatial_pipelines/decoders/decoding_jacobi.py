@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
+from ..core.contracts import LATENT, OFFSET_LOGITS, HeadsNeed
 from ..core.sampling import logits_to_probs
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
 from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin, TreeState
@@ -26,7 +27,6 @@ from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_
 INITS = ("random", "left", "above", "heads")
 COUPLINGS = ("none", "gumbel")
 ANCHORS = ("none", "left")
-HEADS_CLASSES = ("SpatialDraftHeads", "LatentDraftHeads")  # heads `init="heads"` can read a vertical offset 1 from
 MAX_WINDOW = 32  # the largest window "auto" considers
 
 
@@ -205,30 +205,11 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         """The window in use (``window_size``, or what ``"auto"`` resolved to): drafted positions."""
         return self.tree.max_depth
 
-    @property
-    def draft_heads_class(self) -> Optional[str]:
-        """``init="heads"`` reads `SpatialDraftHeads` (or `LatentDraftHeads`) with a vertical offset 1."""
-        return HEADS_CLASSES[0] if self.config.init == "heads" else None
-
-    def required_horizontal_offsets(self) -> List[int]:
-        return []
-
-    def required_vertical_offsets(self) -> List[int]:
-        return [1] if self.config.init == "heads" else []
-
-    def check_compatibility(self, layout, draft_heads=None) -> None:
+    def heads_needed(self) -> Optional[HeadsNeed]:
+        """``init="heads"``: token-logit or latent heads with the vertical offset 1 (one row down); otherwise none."""
         if self.config.init != "heads":
-            return
-        names = set() if draft_heads is None else {c.__name__ for c in type(draft_heads).__mro__}
-        if not names & set(HEADS_CLASSES):
-            found = "none" if draft_heads is None else type(draft_heads).__name__
-            raise ValueError(
-                f"`init='heads'` needs `draft_heads` of class {' or '.join(HEADS_CLASSES)} with a vertical offset 1, found "
-                f"{found}. Load them with `pipe.load_draft_heads(path_or_repo)`."
-            )
-        if 1 not in list(draft_heads.config.vertical_offsets):
-            raise ValueError("`init='heads'` needs `draft_heads` with the vertical offset 1 (one row down); they have "
-                             f"{list(draft_heads.config.vertical_offsets)}.")
+            return None
+        return HeadsNeed((OFFSET_LOGITS, LATENT), (), (1,), self._who("init"))
 
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> JacobiState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
@@ -330,7 +311,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if first + state.layout.width >= end:  # nothing lands in the grid
             return
         backbone = state.backbone
-        if hasattr(draft_heads, "draft_logits"):  # latent heads: predict the hidden state one row down
+        if draft_heads.provides.kind == LATENT:  # predict the hidden state one row down
             codes = state.tokens[:, first : first + n]
             logits = draft_heads.draft_logits(backbone, hidden, codes, "vertical", 1)[:, :, 0]  # (B, n, V)
         else:

@@ -7,6 +7,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
+from ..core.contracts import OFFSET_LOGITS, HeadsNeed
 from ..core.tree import tree_from_paths
 from .decoding_tree import TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_size, check_int
@@ -58,7 +59,6 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             settings in `LANTERN_PRESETS`).
     """
 
-    draft_heads_class = "SpatialDraftHeads"
     distinct_siblings = True  # top-k candidates are distinct
 
     @register_to_config
@@ -80,17 +80,12 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         self._set_tree(tree_from_paths(paths), num_draft_tokens)
         self._num_ranks = 1 + max(r for p in paths for r in p)  # candidates needed per head (host int)
 
-    def required_horizontal_offsets(self) -> List[int]:
-        return list(range(1, self.config.num_heads + 1))
-
-    def required_vertical_offsets(self) -> List[int]:
-        return []
+    def heads_needed(self) -> HeadsNeed:
+        """Token-logit heads at the horizontal offsets ``1..num_heads``."""
+        return HeadsNeed((OFFSET_LOGITS,), tuple(range(1, self.config.num_heads + 1)), (), self._who("num_heads"))
 
     def check_compatibility(self, layout, draft_heads=None) -> None:
         super().check_compatibility(layout, draft_heads)
-        missing = set(self.required_horizontal_offsets()) - set(draft_heads.config.horizontal_offsets)
-        if missing:
-            raise ValueError(f"`draft_heads` lack the horizontal offsets {sorted(missing)} that `num_heads` needs.")
         if self._num_ranks > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 

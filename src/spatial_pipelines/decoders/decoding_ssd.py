@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 from diffusers.configuration_utils import register_to_config
 
+from ..core.contracts import LATENT, HeadsNeed
 from ..core.verification import accept_independently
 from ..core.sampling import logits_to_probs, sample_from_probs
 from ..utils import check_number
@@ -94,7 +95,6 @@ class SSDDecoder(SpatialDecoderMixin):
     """
 
     lossless = False  # verification as auto-correction: positions do not wait for their left neighbours
-    draft_heads_class = "LatentDraftHeads"
     state_class = SSDState
 
     @register_to_config
@@ -147,20 +147,11 @@ class SSDDecoder(SpatialDecoderMixin):
         c = self.config
         return 1 + max(c.num_horizontal, min(c.num_vertical_rows, layout.height) * layout.width)
 
-    def required_horizontal_offsets(self) -> List[int]:
-        return list(range(1, self.config.num_horizontal + 1))
-
-    def required_vertical_offsets(self) -> List[int]:
-        return list(range(1, self.config.num_vertical_rows + 1))
-
-    def check_compatibility(self, layout, draft_heads=None) -> None:
-        super().check_compatibility(layout, draft_heads)
-        for direction, need in (("horizontal", self.required_horizontal_offsets()), ("vertical", self.required_vertical_offsets())):
-            have = draft_heads.offsets(direction)
-            if have[: len(need)] != need:
-                raise ValueError(
-                    f"`draft_heads` must start with the {direction} offsets {need} this SSDDecoder uses, found {have}."
-                )
+    def heads_needed(self) -> HeadsNeed:
+        """Latent heads whose offsets begin with ``1..num_horizontal`` and ``1..num_vertical_rows``."""
+        c = self.config
+        return HeadsNeed((LATENT,), tuple(range(1, c.num_horizontal + 1)), tuple(range(1, c.num_vertical_rows + 1)),
+                         self._who("num_horizontal", "num_vertical_rows"))
 
     # -- drafting --------------------------------------------------------------------------------------
     def _draft(self, logits: torch.Tensor, state: SSDState):

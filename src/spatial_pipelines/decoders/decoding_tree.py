@@ -172,13 +172,13 @@ class TreeDecoderMixin:
         return state
 
     def _heads_logits(self, state: TreeState, draft_heads):
-        """Logits of the heads this decoder uses (``required_horizontal_offsets`` / ``required_vertical_offsets``,
-        in that order) from the hidden state that predicted the newest committed code. Horizontal head ``i`` drafts
+        """Logits of the heads this decoder uses (the horizontal, then the vertical offsets of `heads_needed`) from the hidden state that predicted the newest committed code. Horizontal head ``i`` drafts
         depth ``i + 1``, so only the first ``tree.max_depth`` run: a shallower ("auto"-sized) tree drafts nothing
         from the others, and their weights are not read every round."""
         if state.head_indices is None:  # looked up on the first round, not every round
-            h = [draft_heads.horizontal_index(o) for o in self.required_horizontal_offsets()][: state.tree.max_depth]
-            v = [draft_heads.vertical_index(o) for o in self.required_vertical_offsets()]
+            need = self.heads_needed()
+            h = [draft_heads.horizontal_index(o) for o in need.horizontal_offsets][: state.tree.max_depth]
+            v = [draft_heads.vertical_index(o) for o in need.vertical_offsets]
             state.head_indices = (h, v)
         h, v = state.head_indices
         feats_h, feats_v = draft_heads(state.backbone.final_norm(state.hidden), h, v)  # (B, Hh, D), (B, Hv, D)

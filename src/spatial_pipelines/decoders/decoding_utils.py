@@ -16,6 +16,7 @@ import torch
 from diffusers import ConfigMixin, SchedulerMixin
 
 from ..core.acceptance import EXACT, AcceptanceRule, fold_legacy_acceptance
+from ..core.contracts import HeadsNeed, check_heads
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig
 from ..utils import check_number, subclasses
@@ -200,11 +201,11 @@ class StepOutput:
 
 
 class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
-    """Base class of the decoders. Subclasses implement `propose` and `step`, and may extend `init_state`.
+    """Base class of the decoders. Subclasses implement `propose` and `step`, and may extend `init_state`; a decoder
+    that drafts with heads says which in `heads_needed`.
 
     Class attributes:
         lossless (`bool`): the method keeps the model's own distribution under exact acceptance (SSD: ``False``).
-        draft_heads_class (`str`, *optional*): name of the draft-head class the decoder needs.
         acceptance_rule (`AcceptanceRule`): the rule candidates are accepted by; decoders that take
             ``acceptance=...`` set their own from the config (`resolve_acceptance`).
     """
@@ -214,7 +215,6 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     lossless: bool = True
     acceptance_rule: AcceptanceRule = EXACT
     uses_all_rows: bool = False  # `step` gets the hidden states of every row, CFG's unconditional ones included
-    draft_heads_class: Optional[str] = None
     order = 1  # diffusers scheduler attribute; unused here
 
     @property
@@ -226,6 +226,9 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if "draft_heads_class" in cls.__dict__:  # the earlier declaration by class name, which nothing checks now
+            raise TypeError(f"{cls.__name__} declares `draft_heads_class`, which decoders no longer read: implement "
+                            "`heads_needed()` (a `spatial_pipelines.core.HeadsNeed`) instead.")
         init = cls.__dict__.get("__init__")
         if init is not None:
             cls.__init__ = _decoder_init(init, takes_acceptance="acceptance" in inspect.signature(init).parameters)
@@ -278,16 +281,19 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         candidate tree) or ``draft_pass_cost(T)`` (decoders that ``uses_drafter_passes``: a drafter pass over ``T``
         nodes)."""
 
+    def heads_needed(self) -> Optional[HeadsNeed]:
+        """What draft heads this decoder, as configured, drafts with (`HeadsNeed`: their kinds and offsets), or
+        ``None`` when it needs none (the default)."""
+        return None
+
+    def _who(self, *names: str) -> str:
+        """This decoder and the config values ``names``, for messages: ``"MedusaDecoder(num_heads=4)"``."""
+        return f"{type(self).__name__}({', '.join(f'{n}={self.config[n]!r}' for n in names)})"
+
     def check_compatibility(self, layout: ImageTokenLayout, draft_heads=None) -> None:
-        """Raise `ValueError` if this decoder cannot serve ``layout`` with ``draft_heads``."""
-        if self.draft_heads_class is not None and (
-            draft_heads is None or self.draft_heads_class not in {c.__name__ for c in type(draft_heads).__mro__}
-        ):  # by name: decoders never import heads (docs/design.md, "Architecture"); subclasses of the class qualify
-            found = "none" if draft_heads is None else type(draft_heads).__name__
-            raise ValueError(
-                f"`decoder` {type(self).__name__} needs `draft_heads` of class {self.draft_heads_class}, found {found}. "
-                "Load them with `pipe.load_draft_heads(path_or_repo)`."
-            )
+        """Raise `ValueError` if this decoder cannot serve ``layout`` with ``draft_heads``: heads that do not provide
+        what `heads_needed` asks for (`check_heads`). A decoder with more conditions extends it."""
+        check_heads(self.heads_needed(), draft_heads)
 
     def init_state(
         self,

@@ -3,6 +3,7 @@
 from .heads_eagle import EagleDraftHead
 from .heads_latent import LatentDraftHeads
 from .heads_medusa import SpatialDraftHeads
-from .heads_utils import BACKBONE_FACTS, DraftHeadsMixin, check_backbone_facts
+from .heads_utils import BACKBONE_FACTS, DraftHeadsMixin, check_backbone_facts, heads_class_for
 
-__all__ = ["BACKBONE_FACTS", "DraftHeadsMixin", "EagleDraftHead", "LatentDraftHeads", "SpatialDraftHeads", "check_backbone_facts"]
+__all__ = ["BACKBONE_FACTS", "DraftHeadsMixin", "EagleDraftHead", "LatentDraftHeads", "SpatialDraftHeads", "check_backbone_facts",
+           "heads_class_for"]

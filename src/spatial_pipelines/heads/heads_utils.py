@@ -12,6 +12,7 @@ from diffusers import ConfigMixin, ModelMixin
 from huggingface_hub import ModelCard
 from torch import nn
 
+from ..core.contracts import HEADS_KINDS, HeadsProvide, as_offsets
 from ..hub import heads_card, push_with_card, save_with_card
 from ..utils import check_path_or_repo_id, check_safetensors_file, find_subclass, subclasses
 
@@ -40,12 +41,8 @@ def check_backbone_facts(heads_config: Dict[str, Any], backbone_facts: Dict[str,
 
 def check_offsets(horizontal_offsets, vertical_offsets) -> None:
     """Raise `ValueError` unless each offset list is a list of distinct ints >= 1."""
-    for name, offsets in (("horizontal_offsets", horizontal_offsets), ("vertical_offsets", vertical_offsets)):
-        if isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__iter__"):
-            raise ValueError(f"`{name}` must be a list of distinct ints >= 1, got {offsets!r}.")
-        offsets = list(offsets)
-        if any(not isinstance(o, int) or isinstance(o, bool) or o < 1 for o in offsets) or len(set(offsets)) != len(offsets):
-            raise ValueError(f"`{name}` must hold distinct ints >= 1, got {offsets!r}.")
+    as_offsets("horizontal_offsets", horizontal_offsets)
+    as_offsets("vertical_offsets", vertical_offsets)
 
 
 def check_heads_args(base_model_name_or_path=None, base_model_revision=None, ints=(), optional_ints=(), positives=()) -> None:
@@ -65,21 +62,48 @@ def check_heads_args(base_model_name_or_path=None, base_model_revision=None, int
         check_number(name, value, 0, low_open=True)
 
 
+def heads_class_for(kind: str) -> type:
+    """The heads class that provides ``kind`` (one of `HEADS_KINDS`): the loaded `DraftHeadsMixin` subclass that
+    declares it in its own ``kind`` attribute, the classes of spatial_pipelines first.
+
+    Args:
+        kind (`str`): ``"offset_logits"``, ``"latent"`` or ``"drafter"``.
+    """
+    if kind not in HEADS_KINDS:
+        raise ValueError(f"`kind` must be one of {HEADS_KINDS}, got {kind!r}.")
+    declared = [c for c in subclasses(DraftHeadsMixin) if c.__dict__.get("kind") == kind]
+    declared.sort(key=lambda c: not c.__module__.startswith(__package__.rsplit(".", 1)[0] + "."))
+    if not declared:
+        raise ValueError(f"`kind` {kind!r}: no loaded heads class declares it.")
+    return declared[0]
+
+
 class DraftHeadsMixin(ModelMixin, ConfigMixin):
     """Base of `SpatialDraftHeads`, `LatentDraftHeads` and `EagleDraftHead`.
 
     Subclasses register (with ``@register_to_config``) at least ``base_model_name_or_path``,
-    ``base_model_revision`` and the `BACKBONE_FACTS`.
+    ``base_model_revision`` and the `BACKBONE_FACTS`, declare their ``kind`` (one of `HEADS_KINDS`) and implement
+    `provides`, what decoders check them against (`spatial_pipelines.core.contracts.check_heads`).
     """
+
+    kind: Optional[str] = None  # the kind of heads a class provides (`HEADS_KINDS`); `heads_class_for` finds it
+
+    @property
+    def provides(self) -> HeadsProvide:
+        """What these heads give a decoder: their kind and offsets (`HeadsProvide`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what it provides: a DraftHeadsMixin subclass "
+                                  "implements the `provides` property (a HeadsProvide) before a decoder can use it.")
 
     @classmethod
     def for_backbone(cls, backbone, decoder, random_init: bool = True, **kwargs) -> "DraftHeadsMixin":
-        """Heads sized for ``backbone`` with the horizontal and vertical offsets ``decoder`` uses;
-        ``random_init`` redraws every projection (tests: drafts that differ from the backbone's own prediction)."""
+        """Heads sized for ``backbone`` with the horizontal and vertical offsets ``decoder`` needs
+        (``decoder.heads_needed()``); ``random_init`` redraws every projection (tests: drafts that differ from the
+        backbone's own prediction)."""
+        need = decoder.heads_needed()
         heads = cls(
             base_model_name_or_path=kwargs.pop("base_model_name_or_path", None),
-            horizontal_offsets=decoder.required_horizontal_offsets(),
-            vertical_offsets=decoder.required_vertical_offsets(),
+            horizontal_offsets=list(need.horizontal_offsets) if need is not None else [],
+            vertical_offsets=list(need.vertical_offsets) if need is not None else [],
             **{**backbone.facts(), **kwargs},
         )
         if random_init:
