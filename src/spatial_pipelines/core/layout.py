@@ -206,7 +206,9 @@ class EndOfRowInsertion:
     def outputs(self, fed: torch.Tensor) -> torch.Tensor:
         """``(R, T', ...)`` outputs over the fed slots -> ``(R, T, ...)``: per draft node, the output predicting the
         code after it."""
-        view = self._rows(self.view, fed.shape[0])  # (1 or R, T): broadcasts against the row index
+        if self.view.shape[0] == 1:  # one tree for every row: a plain column index, no row index built per round
+            return fed[:, self.view[0]]
+        view = self._rows(self.view, fed.shape[0])  # (R, T)
         return fed[torch.arange(fed.shape[0], device=fed.device)[:, None], view]
 
     def keep_length(self, length: int) -> int:

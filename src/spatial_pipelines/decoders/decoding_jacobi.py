@@ -93,7 +93,6 @@ class JacobiState(TreeState):
             position's candidates, every node's ``q``, and which ranks come before each node's.
         above (`torch.LongTensor` `(B, N)`, *optional*): ``init="heads"``: the code the vertical head predicted for
             each raster position when the row above was committed (``-1``: none yet).
-        heads_kind (`str`, *optional*): ``init="heads"``: the loaded heads' kind (`HeadsProvide.kind`), read once.
     """
 
     drafts: Optional[torch.Tensor] = None
@@ -107,7 +106,6 @@ class JacobiState(TreeState):
     candidates: Optional[torch.Tensor] = None
     node_q: Optional[torch.Tensor] = None
     earlier_rank: Optional[torch.Tensor] = None
-    heads_kind: Optional[str] = None
 
 
 class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
@@ -313,9 +311,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if first + state.layout.width >= end:  # nothing lands in the grid
             return
         backbone = state.backbone
-        if state.heads_kind is None:  # read once per generation, not every round
-            state.heads_kind = draft_heads.provides.kind
-        if state.heads_kind == LATENT:  # predict the hidden state one row down
+        if draft_heads.kind == LATENT:  # predict the hidden state one row down
             codes = state.tokens[:, first : first + n]
             logits = draft_heads.draft_logits(backbone, hidden, codes, "vertical", 1)[:, :, 0]  # (B, n, V)
         else:

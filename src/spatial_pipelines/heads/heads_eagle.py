@@ -17,7 +17,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from ..core.contracts import DRAFTER, HeadsProvide
+from ..core.contracts import DRAFTER
 from ..core.kv_cache import StaticKVCache
 from ..models.blocks import TransformerBlock, llamagen_intermediate_size, rope_2d_table
 from .heads_utils import DraftHeadsMixin, check_heads_args
@@ -82,11 +82,6 @@ class EagleDraftHead(DraftHeadsMixin):
                 if isinstance(module, nn.Linear):
                     nn.init.normal_(module.weight, std=1.0 / module.in_features**0.5)
         return head
-
-    @property
-    def provides(self) -> HeadsProvide:
-        """A drafter: it predicts the next feature from the target's own, at no fixed offsets."""
-        return HeadsProvide(DRAFTER)
 
     @property
     def head_dim(self) -> int:

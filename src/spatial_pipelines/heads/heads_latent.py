@@ -17,7 +17,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from ..core.contracts import LATENT, HeadsProvide
+from ..core.contracts import LATENT
 from .heads_utils import DraftHeadsMixin, check_heads_args, check_offsets
 
 DIRECTIONS = ("horizontal", "vertical")
@@ -85,11 +85,6 @@ class LatentDraftHeads(DraftHeadsMixin):
         m = intermediate_size or 2 * hidden_size
         self.horizontal = nn.ModuleList(LatentPredictor(hidden_size, m, rms_norm_eps) for _ in horizontal_offsets)
         self.vertical = nn.ModuleList(LatentPredictor(hidden_size, m, rms_norm_eps) for _ in vertical_offsets)
-
-    @property
-    def provides(self) -> HeadsProvide:
-        """Predicted hidden states (and their logits) at the configured offsets, run by position (`draft_logits`)."""
-        return HeadsProvide(LATENT, tuple(self.config.horizontal_offsets), tuple(self.config.vertical_offsets))
 
     def predictors(self, direction: str) -> nn.ModuleList:
         if direction not in DIRECTIONS:

@@ -12,7 +12,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from ..core.contracts import OFFSET_LOGITS, HeadsProvide
+from ..core.contracts import OFFSET_LOGITS
 from .heads_utils import DraftHeadsMixin, check_heads_args, check_offsets
 
 
@@ -99,11 +99,6 @@ class SpatialDraftHeads(DraftHeadsMixin):
                 cached = (key, torch.cat([l.weight for l in linears]), torch.cat([l.bias for l in linears]))
             self.__dict__["_stacked_cache"] = cached
         return cached[1], cached[2]
-
-    @property
-    def provides(self) -> HeadsProvide:
-        """Token logits (through the backbone's head) at the configured horizontal and vertical offsets."""
-        return HeadsProvide(OFFSET_LOGITS, tuple(self.config.horizontal_offsets), tuple(self.config.vertical_offsets))
 
     def horizontal_index(self, offset: int) -> int:
         return list(self.config.horizontal_offsets).index(offset)

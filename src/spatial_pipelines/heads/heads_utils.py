@@ -90,9 +90,13 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
 
     @property
     def provides(self) -> HeadsProvide:
-        """What these heads give a decoder: their kind and offsets (`HeadsProvide`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not say what it provides: a DraftHeadsMixin subclass "
-                                  "implements the `provides` property (a HeadsProvide) before a decoder can use it.")
+        """What these heads give a decoder (`HeadsProvide`): the class's ``kind`` and the offsets in its config (none
+        for a drafter). A subclass that declares no ``kind`` raises `NotImplementedError`."""
+        if self.kind is None:
+            raise NotImplementedError(f"{type(self).__name__} does not say what it provides: a DraftHeadsMixin subclass "
+                                      f"declares its `kind` (one of {HEADS_KINDS}) before a decoder can use it.")
+        config = self.config
+        return HeadsProvide(self.kind, tuple(config.get("horizontal_offsets", ())), tuple(config.get("vertical_offsets", ())))
 
     @classmethod
     def for_backbone(cls, backbone, decoder, random_init: bool = True, **kwargs) -> "DraftHeadsMixin":

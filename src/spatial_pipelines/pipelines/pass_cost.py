@@ -381,7 +381,7 @@ class DraftSizingMixin:
         """The measured cost of a drafter pass of the loaded `EagleDraftHead` with ``rows`` rows (``None`` without one),
         kept per pipeline and heads: what EAGLE-2's ``"auto"`` tree size weighs against the target pass cost."""
         heads = self.draft_heads
-        if heads is None or heads.provides.kind != DRAFTER:
+        if heads is None or heads.kind != DRAFTER:
             return None
         key = (rows, str(self._execution_device), str(next(heads.parameters()).dtype))
         costs = self.__dict__.setdefault("_draft_pass_costs", {})
