@@ -261,7 +261,7 @@ CALL_CASES = [  # (call kwargs, what the message names)
     ({"generator": "seed"}, "`generator`"),
     ({"prompt": ["a", "b"], "negative_prompt": ["x", "y", "z"]}, "`negative_prompt`"),
     ({"callback_on_step_end": "print"}, "`callback_on_step_end`"),
-    ({"callback_on_step_end_tensor_inputs": ["latents"]}, "`callback_on_step_end_tensor_inputs`"),
+    ({"callback_on_step_end_tensor_inputs": ["prompt_embeds"]}, "`callback_on_step_end_tensor_inputs`"),  # ("latents" is the grid)
     ({"callback_on_step_end_tensor_inputs": "tokens"}, "`callback_on_step_end_tensor_inputs`"),
 ]
 

@@ -9,6 +9,8 @@ if they move.
 ``DiffusionPipeline.from_pretrained(folder_or_repo)`` looks the folder's ``_class_name`` up on the ``diffusers``
 module; our pipeline classes are bound there (only names diffusers does not define), so after
 ``import spatial_pipelines`` it returns a `LlamaGenPipeline` as ``LlamaGenPipeline.from_pretrained`` would.
+Every pipeline is also a text-to-image entry of ``AutoPipelineForText2Image`` (its
+``AUTO_TEXT2IMAGE_PIPELINES_MAPPING``, keyed ``spatial-pipelines-<class name>``), so that loads a saved folder too.
 """
 
 LIBRARY = "spatial_pipelines"
@@ -28,6 +30,19 @@ def register_with_diffusers() -> None:
     if LIBRARY not in pipeline_utils.LIBRARIES:
         pipeline_utils.LIBRARIES.append(LIBRARY)
     bind_pipelines_on_diffusers()
+    register_auto_pipelines()
+
+
+def register_auto_pipelines() -> None:
+    """Make ``AutoPipelineForText2Image.from_pretrained`` resolve every `SpatialARPipeline` subclass by the
+    ``_class_name`` of a saved folder (diffusers matches the class name against its text-to-image table)."""
+    from diffusers.pipelines import auto_pipeline
+
+    from .pipelines.pipeline_utils import SpatialARPipeline
+    from .utils import subclasses
+
+    for cls in subclasses(SpatialARPipeline):
+        auto_pipeline.AUTO_TEXT2IMAGE_PIPELINES_MAPPING.setdefault(f"spatial-pipelines-{cls.__name__}", cls)
 
 
 def bind_pipelines_on_diffusers() -> None:

@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from typing import Iterable, Iterator
 
+import torch
+
 SAVED_MARKERS = ("model_index.json", "config.json")
 
 
@@ -132,6 +134,14 @@ class _NullTimer:
 NULL_TIMER = _NullTimer()
 
 
+def check_safe_serialization(safe_serialization) -> None:
+    """Raise `ValueError` unless ``safe_serialization`` is true: weights are written as safetensors only, so a folder
+    this library saves never holds a pickle that loading would have to execute."""
+    if safe_serialization is not True:
+        raise ValueError(f"`safe_serialization` must be True, got {safe_serialization!r}: spatial_pipelines saves weights as "
+                         "safetensors only and never writes or loads pickles.")
+
+
 def check_safetensors_file(path: str, what: str = "weights") -> None:
     """Raise `ValueError` naming ``path`` if it is not a whole safetensors file (truncated, corrupt, not safetensors);
     reads the header only."""
@@ -166,3 +176,15 @@ def check_path_or_repo_id(value, name: str) -> None:
         validate_repo_id(value)
     except HFValidationError:
         raise ValueError(f"`{name}` {value!r} is not an existing folder (and not a Hub repo id like 'org/name').") from None
+
+
+def compute_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype ``module`` computes in: the ``compute_dtype`` of diffusers' layerwise casting when it stores its weights
+    in another dtype (``enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=...)``), else its
+    parameters' dtype."""
+    for sub in module.modules():
+        registry = getattr(sub, "_diffusers_hook", None)
+        hook = registry.get_hook("layerwise_casting") if registry is not None else None
+        if hook is not None:
+            return hook.compute_dtype
+    return next(module.parameters()).dtype

@@ -46,6 +46,14 @@ def test_heads_save_load_roundtrip_with_card(tmp_path):
     assert torch.equal(loaded.proj.weight, heads.proj.weight)
 
 
+def test_pickle_saves_are_refused_never_silently_made_safetensors(tmp_path):
+    """Heads and pipelines answer ``safe_serialization=False`` alike: a `ValueError` before anything is written."""
+    for obj in (ToyHeads(), dummy_pipeline("llamagen")):
+        with pytest.raises(ValueError, match="`safe_serialization` must be True"):
+            obj.save_pretrained(tmp_path / "out", safe_serialization=False)
+        assert not (tmp_path / "out").exists()
+
+
 def test_pipeline_loads_matching_heads(tmp_path):
     pipe = dummy_pipeline("llamagen")
     ToyHeads().save_pretrained(tmp_path / "heads")

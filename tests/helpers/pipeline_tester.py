@@ -238,3 +238,83 @@ class PipelineTesterMixin:
         assert [s[0] for s in seen] == list(range(1, n)) and [s[1] for s in seen] == list(range(2, n + 1))
         assert torch.equal(seen[-1][2], out.tokens)
         assert (seen[0][2].flatten()[2:] == -1).all()  # not yet decoded codes are -1
+
+    def test_callback_latents_is_the_code_grid(self):
+        """diffusers' name for the state a callback reads, ``latents``, is the code grid so far (``tokens``)."""
+        pipe = self.get_pipeline()
+        seen = []
+
+        def callback(p, step, num_committed, kwargs):
+            assert torch.equal(kwargs["latents"], kwargs["tokens"])
+            seen.append(step)
+            return kwargs  # unchanged: accepted
+
+        pipe(self.prompts[0], generator=gen(0), output_type="latent", callback_on_step_end=callback,
+             callback_on_step_end_tensor_inputs=["tokens", "latents"])
+        assert seen == list(range(1, pipe.backbone.layout.num_tokens))
+
+    def test_callback_reads_the_call_attributes_and_changes_guidance(self):
+        """As in diffusers: a callback reads ``guidance_scale``, ``do_classifier_free_guidance`` and ``num_timesteps``
+        (rounds so far), and a ``pipe._guidance_scale`` it sets is the scale of the next rounds (AR, greedy)."""
+        pipe = self.get_pipeline()
+        k = 2
+
+        def run(scale, switch_to=None):
+            seen = []
+
+            def callback(p, step, num_committed, kwargs):
+                seen.append((p.guidance_scale, p.do_classifier_free_guidance, p.num_timesteps))
+                if switch_to is not None and step == k:
+                    p._guidance_scale = switch_to
+                return kwargs
+
+            out = pipe(self.prompts[0], guidance_scale=scale, temperature=0, generator=gen(0), output_type="latent",
+                       callback_on_step_end=callback)
+            return out.tokens.flatten(), seen
+
+        base, seen = run(2.0)
+        assert seen == [(2.0, True, i) for i in range(1, len(seen) + 1)] and pipe.num_timesteps == len(seen)
+        same, _ = run(2.0, switch_to=2.0)
+        assert torch.equal(same, base)
+        switched, seen = run(2.0, switch_to=0.0)  # from round k + 1 on: the unconditional model
+        assert [s[0] for s in seen] == [2.0] * k + [0.0] * (len(seen) - k)
+        assert torch.equal(switched[: k + 1], base[: k + 1]) and not torch.equal(switched, base)
+        unguided, _ = run(1.0)
+        assert not pipe.do_classifier_free_guidance
+        for bad, match in ((2.0, "started with guidance_scale=1"), (float("nan"), "guidance_scale")):
+            with pytest.raises(ValueError, match=match):
+                run(1.0, switch_to=bad)
+
+    def test_layerwise_casting_computes_in_the_compute_dtype(self):
+        """diffusers' layerwise casting on the target (weights stored in fp8, computed in fp32): the pipeline works in
+        the compute dtype (prompt embeddings and draft heads are cast to it, never to fp8) and generates."""
+        from diffusers.hooks import apply_layerwise_casting
+
+        pipe = self.get_pipeline()
+        apply_layerwise_casting(pipe.backbone.target_module, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+        assert any(p.dtype == torch.float8_e4m3fn for p in pipe.backbone.target_module.parameters())
+        assert pipe.backbone.dtype == torch.float32
+        out = pipe(self.prompts[0], generator=gen(0), output_type="latent")
+        assert (out.tokens >= 0).all()
+
+    def test_interrupt_stops_the_call_after_its_round(self):
+        """A callback that sets ``pipe._interrupt`` is not called again; the codes not decoded stay -1 and their pixels
+        are mid-grey; the next call starts afresh."""
+        pipe = self.get_pipeline()
+        calls = []
+
+        def callback(p, step, num_committed, kwargs):
+            calls.append(step)
+            if step == 2:
+                p._interrupt = True
+            return kwargs
+
+        out = pipe(self.prompts[0], generator=gen(0), output_type="np", callback_on_step_end=callback)
+        assert calls == [1, 2] and pipe.interrupt and pipe.num_timesteps == 2 and out.stats.num_forward_passes == 3
+        codes = out.tokens.flatten()
+        assert (codes[:3] >= 0).all() and (codes[3:] == -1).all()
+        f = pipe.backbone.vae_scale_factor
+        assert np.allclose(out.images[0, -f:, -f:], 0.5)  # the last code's pixels
+        assert not np.allclose(out.images[0, :f, :f], 0.5)  # the first code's
+        again = pipe(self.prompts[0], generator=gen(0), output_type="latent")
+        assert not pipe.interrupt and (again.tokens >= 0).all()

@@ -3,6 +3,8 @@ diffusers moves them (then `_registration.py` must follow)."""
 
 import json
 
+import torch
+
 from diffusers.pipelines import pipeline_loading_utils, pipeline_utils
 
 import spatial_pipelines
@@ -38,3 +40,17 @@ def test_registration_is_idempotent():
     spatial_pipelines.register_with_diffusers()
     assert pipeline_loading_utils.LOADABLE_CLASSES["spatial_pipelines"] == before
     assert pipeline_utils.LIBRARIES.count("spatial_pipelines") == 1
+
+
+def test_auto_pipeline_for_text2image_loads_a_saved_pipeline(tmp_path):
+    """diffusers' `AutoPipelineForText2Image` finds our pipelines in its (private) text-to-image table."""
+    from diffusers import AutoPipelineForText2Image
+    from diffusers.pipelines import auto_pipeline
+
+    assert auto_pipeline.AUTO_TEXT2IMAGE_PIPELINES_MAPPING["spatial-pipelines-LlamaGenPipeline"] is spatial_pipelines.LlamaGenPipeline
+    pipe = dummy_pipeline("llamagen")
+    pipe.save_pretrained(tmp_path)
+    loaded = AutoPipelineForText2Image.from_pretrained(tmp_path)
+    assert type(loaded) is spatial_pipelines.LlamaGenPipeline
+    for name, param in pipe.transformer.state_dict().items():
+        assert torch.equal(param, loaded.transformer.state_dict()[name]), name

@@ -22,16 +22,20 @@ class SamplingConfig:
         temperature (`float`): 0 means greedy (``p`` is a point mass on the argmax).
         top_k (`int`, *optional*): keep the ``k`` most likely codes (``None``/0: all).
         top_p (`float`, *optional*): nucleus mass in (0, 1] (``None``/1: all).
+        cfg (`bool`, *optional*): whether unconditional rows run; ``None``: when ``guidance_scale != 1``. A scale
+            changed during a call keeps the rows the call started with (``cfg=True`` with a scale of 1 mixes them to
+            the conditional model).
     """
 
     guidance_scale: float = 1.0
     temperature: float = 1.0
     top_k: Optional[int] = None
     top_p: Optional[float] = None
+    cfg: Optional[bool] = None
 
     @property
     def do_cfg(self) -> bool:
-        return self.guidance_scale != 1.0
+        return self.guidance_scale != 1.0 if self.cfg is None else self.cfg
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..core.contracts import HEADS_KINDS, HeadsProvide, as_offsets
 from ..hub import heads_card, push_with_card, save_with_card
-from ..utils import check_path_or_repo_id, check_safetensors_file, find_subclass, subclasses
+from ..utils import check_path_or_repo_id, check_safe_serialization, check_safetensors_file, find_subclass, subclasses
 
 #: The weights file of a heads folder (diffusers' name; safetensors only).
 SAFETENSORS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -176,6 +176,7 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         it, ``repo_id`` only names the repo in the card's load snippet. ``benchmark`` and ``training_command`` go to
         `model_card`.
         """
+        check_safe_serialization(kwargs.pop("safe_serialization", True))
         kwargs["safe_serialization"] = True
         card = {k: kwargs.pop(k) for k in ("benchmark", "training_command") if k in kwargs}
         return save_with_card(self, save_directory, kwargs, lambda tmp: super(DraftHeadsMixin, self).save_pretrained(tmp, *args, **kwargs),

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
-from ..utils import check_number
+from ..utils import check_number, compute_dtype
 from .blocks import RMSNorm, TransformerBlock, llamagen_intermediate_size, rope_2d_table
 
 CONDITION_TYPES = ("class", "text")
@@ -236,7 +236,7 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
             self.layers[0].attention.num_kv_heads,
             self.head_dim,
             max_length,
-            dtype=p.dtype,
+            dtype=compute_dtype(self),  # not an fp8 storage dtype of diffusers' layerwise casting
             device=p.device,
         )
 

@@ -10,6 +10,7 @@ import torch
 from ..core.acceptance import codebook_neighbours
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
+from ..utils import compute_dtype
 
 if TYPE_CHECKING:
     from .pipeline_utils import SpatialARPipeline
@@ -174,8 +175,9 @@ class SpatialBackbone(abc.ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of the hidden states `forward` returns: the target module's (draft heads are cast to it)."""
-        return next(self.target_module.parameters()).dtype
+        """The dtype of the hidden states `forward` returns: the target module's compute dtype (draft heads are cast
+        to it), not an fp8 storage dtype of diffusers' layerwise casting."""
+        return compute_dtype(self.target_module)
 
     @abc.abstractmethod
     def make_cache(self, rows: int, max_length: int) -> StaticKVCache:

@@ -118,7 +118,7 @@ class LlamaGenBackbone(SpatialBackbone):
 
     def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
         t = self.transformer
-        dtype = t.tok_embeddings.weight.dtype
+        dtype = self.dtype  # the compute dtype (fp8-stored weights under layerwise casting compute in another)
         if not self.is_text:
             labels = torch.tensor([int(p) for p in prompts], device=device)
             if do_cfg:

@@ -17,8 +17,9 @@ from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from ..utils import NULL_TIMER, RoundTimer, check_number, check_weights_folder
+from ..utils import NULL_TIMER, RoundTimer, check_number, check_safe_serialization, check_weights_folder
 from .backbone import PromptEmbeddings, SpatialBackbone
+from .callbacks import CallbackStateMixin
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .static_shapes import StaticShapesMixin, eager_target
@@ -27,7 +28,7 @@ OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 PromptInput = Union[str, int, Sequence[Union[str, int]]]
 
 
-class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
+class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
     r"""Base of the AR image pipelines: the generation loop, written once for every family and decoder.
 
     Components of a family pipeline: the backbone's modules, a ``decoder`` (a `SpatialDecoderMixin`: the
@@ -35,7 +36,6 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
     """
 
     backbone_class: type = None
-    _callback_tensor_inputs = ["tokens", "acceptance_map"]
     _round_timer = None  # a RoundTimer while `profile_rounds` is active
 
     # -- components -------------------------------------------------------------------------------------
@@ -141,8 +141,7 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
         """
         from ..hub import pipeline_card, save_with_card
 
-        if not safe_serialization:
-            raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
+        check_safe_serialization(safe_serialization)
         write_card = kwargs.pop("model_card", True)
         card_fields = kwargs.pop("card_fields", None) or {}
         packaged = {name: getattr(self.config, name) for name in self._packaged_components()}
@@ -281,10 +280,14 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
             return_dict (`bool`): return a `SpatialPipelineOutput` rather than a tuple.
             callback_on_step_end (`Callable`, *optional*): called after every target pass as
                 ``callback(pipe, step_index, num_committed, callback_kwargs)``; ``callback_kwargs`` holds copies of
-                the state tensors named below (``tokens``: the ``(B, H, W)`` grid, ``-1`` where not yet decoded;
-                ``acceptance_map``), so changing them in place changes nothing. Return the dict (diffusers' habit)
-                or ``None``: a returned ``acceptance_map`` replaces the record; a returned ``tokens`` must leave the
-                grid as it was (a `ValueError` otherwise: committed codes cannot be changed mid-generation).
+                the state tensors named below (``tokens``, or diffusers' name ``latents``: the ``(B, H, W)`` grid,
+                ``-1`` where not yet decoded; ``acceptance_map``), so changing them in place changes nothing. Return
+                the dict (diffusers' habit) or ``None``: a returned ``acceptance_map`` replaces the record; a returned
+                grid must be as it was (a `ValueError` otherwise: committed codes cannot be changed mid-generation).
+                As in diffusers, the callback may read ``pipe.guidance_scale``, ``pipe.do_classifier_free_guidance``
+                and ``pipe.num_timesteps`` (rounds so far), set ``pipe._guidance_scale`` (used from the next round;
+                a call with ``guidance_scale=1`` cannot turn guidance on) and set ``pipe._interrupt = True`` (the
+                call stops after this round; undecoded codes stay ``-1`` and are mid-grey in images).
             callback_on_step_end_tensor_inputs (`list[str]`): state tensors put in ``callback_kwargs``.
 
         Returns:
@@ -305,6 +308,7 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
         self.decoder.check_compatibility(backbone.layout, self.draft_heads)
         batch_size = len(prompts) * num_images_per_prompt
         sampling = SamplingConfig(guidance_scale, temperature, top_k, top_p)
+        self._start_call(guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt` (callbacks.py)
         device = self._execution_device
 
         # 2. Encode prompts: one row per image, then (with CFG) the unconditional rows
@@ -361,20 +365,27 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
         rounds = 0
         with self.progress_bar(total=backbone.layout.num_tokens) as progress_bar:
             progress_bar.update(state.num_committed)
-            while not state.finished:
+            while not state.finished and not self.interrupt:
                 committed_before = state.num_committed
                 with timer.section("round"):
                     self._round(backbone, state, cache, timer)
                 timer.rounds += 1
                 rounds += 1
+                self._num_timesteps = rounds
                 progress_bar.update(state.num_committed - committed_before)
                 if callback is not None:
                     self._run_callback(callback, callback_tensor_inputs, rounds, state)
         return rounds
 
     def _decode(self, tokens: torch.Tensor, output_type: str):
-        """Steps 6-7: VQ-decode the grids ``(B, H, W)`` and post-process the pixels with `VaeImageProcessor`."""
-        pixels = self.backbone.decode_image(tokens)  # (B, 3, h, w) in [-1, 1]
+        """Steps 6-7: VQ-decode the grids ``(B, H, W)`` and post-process the pixels with `VaeImageProcessor`. After an
+        `interrupt`, codes not decoded (``-1``) are decoded as code 0 and their pixels painted mid-grey."""
+        if not self.interrupt:
+            pixels = self.backbone.decode_image(tokens)  # (B, 3, h, w) in [-1, 1]
+        else:
+            pixels = self.backbone.decode_image(tokens.clamp_min(0))
+            undecoded = torch.nn.functional.interpolate((tokens < 0)[:, None].float(), size=pixels.shape[-2:]) > 0.5  # (B, 1, h, w)
+            pixels = pixels.masked_fill(undecoded, 0.0)
         return self.image_processor.postprocess(pixels.float(), output_type=output_type)
 
     def _stats(self, state: DecodingState, num_forward_passes: int, batch_size: int, start_time: float) -> DecodingStats:
@@ -398,34 +409,6 @@ class SpatialARPipeline(StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
         )
 
     # -- the loop's parts ---------------------------------------------------------------------------------
-    def _run_callback(self, callback, tensor_inputs: Sequence[str], step_index: int, state: DecodingState) -> None:
-        """diffusers' ``callback_on_step_end`` contract, for an AR loop: the callback gets copies of the state tensors
-        it names (mutating them changes nothing) and may return a dict of some of them. A returned
-        ``acceptance_map`` replaces the record; a returned ``tokens`` may not change committed codes (the KV cache
-        and the decoder hold them): any change there is a `ValueError`, never silently dropped."""
-        layout = state.layout
-        tensors = {"tokens": layout.grid(state.tokens), "acceptance_map": layout.grid(state.acceptance_map)}
-        outputs = callback(self, step_index, state.num_committed, {k: tensors[k].clone() for k in tensor_inputs})
-        if outputs is None:
-            return
-        if not isinstance(outputs, dict):
-            raise ValueError(f"`callback_on_step_end` must return a dict (or None), got {type(outputs).__name__}.")
-        unknown = [k for k in outputs if k not in tensor_inputs]
-        if unknown:
-            raise ValueError(f"`callback_on_step_end` returned {unknown}, which it was not given; it was given {list(tensor_inputs)}.")
-        for name, value in outputs.items():
-            current = tensors[name]
-            if not isinstance(value, torch.Tensor) or value.shape != current.shape:
-                raise ValueError(f"`callback_on_step_end` returned `{name}` of shape "
-                                 f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}; expected {tuple(current.shape)}.")
-            value = value.to(current.device, current.dtype)
-            if name == "tokens" and not torch.equal(value, current):
-                raise ValueError("`callback_on_step_end` returned `tokens` with changed codes; committed codes cannot be "
-                                 "changed during generation (the KV cache holds them) and undecoded ones are -1. Edit the "
-                                 "returned grid after the call instead.")
-            if name == "acceptance_map":
-                state.acceptance_map.copy_(value.flatten(1))
-
     def _prefill(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, state: DecodingState, cache: StaticKVCache) -> None:
         """Step 4: one pass over the prompt fills the cache; its last output gives the first code."""
         positions = torch.arange(prefix.embeds.shape[1], device=prefix.embeds.device)

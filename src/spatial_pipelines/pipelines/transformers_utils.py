@@ -264,7 +264,7 @@ class TransformersBackbone(SpatialBackbone):
         hook = getattr(self.transformer, "_hf_hook", None)  # under offload the weights may still be on the CPU
         device = getattr(hook, "execution_device", None) or weight.device
         return StaticKVCache(config.num_hidden_layers, rows, config.num_key_value_heads or config.num_attention_heads,
-                             head_dim, max_length, dtype=weight.dtype, device=device)
+                             head_dim, max_length, dtype=self.dtype, device=device)  # the compute dtype
 
 
 #: The generation-config key that holds the image grid (codes) of a transformers family.

@@ -1,0 +1,94 @@
+"""What diffusers pipelines show callbacks and users during a call, for an AR loop: ``guidance_scale`` (a callback
+that changes ``pipe._guidance_scale`` changes it from the next round), ``do_classifier_free_guidance``,
+``num_timesteps`` (rounds run so far), ``interrupt`` (a callback that sets ``pipe._interrupt`` stops the loop after
+the round), and the ``callback_on_step_end`` contract itself."""
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from ..decoders.decoding_utils import DecodingState
+from ..utils import check_number
+
+#: State tensors a callback may ask for: ``latents`` is diffusers' name for the code grid so far (``tokens``).
+CALLBACK_TENSOR_INPUTS = ["tokens", "latents", "acceptance_map"]
+
+
+class CallbackStateMixin:
+    """The per-call attributes of a diffusers pipeline, kept by `SpatialARPipeline.__call__`."""
+
+    _callback_tensor_inputs = CALLBACK_TENSOR_INPUTS
+    _guidance_scale = None
+    _do_cfg = False
+    _num_timesteps = 0
+    _interrupt = False
+
+    @property
+    def guidance_scale(self) -> float:
+        """The CFG scale of the current (or last) call; a callback may set ``pipe._guidance_scale``, which the next
+        round uses."""
+        return self._guidance_scale
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        """Whether the current call runs unconditional rows (``guidance_scale != 1`` when it started)."""
+        return self._guidance_scale is not None and self._do_cfg
+
+    @property
+    def num_timesteps(self) -> int:
+        """Rounds (target passes after the prefill) run so far by the current call; after it, by the last call."""
+        return self._num_timesteps
+
+    @property
+    def interrupt(self) -> bool:
+        """Set ``pipe._interrupt = True`` (in a callback) to stop the current call after its round: codes not yet
+        decoded stay ``-1`` in ``out.tokens`` and are mid-grey in images."""
+        return self._interrupt
+
+    def _start_call(self, guidance_scale: float, do_cfg: bool) -> None:
+        self._guidance_scale, self._do_cfg, self._num_timesteps, self._interrupt = guidance_scale, do_cfg, 0, False
+
+    def _follow_guidance(self, state: DecodingState) -> None:
+        """After a callback: a new ``pipe._guidance_scale`` becomes the mixing scale of the next rounds. The rows a
+        call runs are fixed when it starts, so a call without CFG cannot turn it on; with CFG, any finite scale >= 0
+        goes (1 then gives the conditional model)."""
+        scale = self._guidance_scale
+        if scale == state.sampling.guidance_scale:
+            return
+        check_number("guidance_scale", scale, 0, meaning="set by callback_on_step_end through `pipe._guidance_scale`")
+        if not state.sampling.do_cfg:
+            raise ValueError(f"`guidance_scale` was set to {scale} by `callback_on_step_end`, but this call started with "
+                             "guidance_scale=1 (no unconditional rows): pass a guidance_scale other than 1 to the call to "
+                             "change it during generation.")
+        state.sampling = dataclasses.replace(state.sampling, guidance_scale=float(scale), cfg=True)
+
+    def _run_callback(self, callback, tensor_inputs: Sequence[str], step_index: int, state: DecodingState) -> None:
+        """diffusers' ``callback_on_step_end`` contract, for an AR loop: the callback gets copies of the state tensors
+        it names (mutating them changes nothing) and may return a dict of some of them. A returned
+        ``acceptance_map`` replaces the record; a returned ``tokens`` (or ``latents``) may not change committed codes
+        (the KV cache and the decoder hold them): any change there is a `ValueError`, never silently dropped."""
+        layout = state.layout
+        grid = layout.grid(state.tokens)
+        tensors = {"tokens": grid, "latents": grid, "acceptance_map": layout.grid(state.acceptance_map)}
+        outputs = callback(self, step_index, state.num_committed, {k: tensors[k].clone() for k in tensor_inputs})
+        self._follow_guidance(state)
+        if outputs is None:
+            return
+        if not isinstance(outputs, dict):
+            raise ValueError(f"`callback_on_step_end` must return a dict (or None), got {type(outputs).__name__}.")
+        unknown = [k for k in outputs if k not in tensor_inputs]
+        if unknown:
+            raise ValueError(f"`callback_on_step_end` returned {unknown}, which it was not given; it was given {list(tensor_inputs)}.")
+        for name, value in outputs.items():
+            current = tensors[name]
+            if not isinstance(value, torch.Tensor) or value.shape != current.shape:
+                raise ValueError(f"`callback_on_step_end` returned `{name}` of shape "
+                                 f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}; expected {tuple(current.shape)}.")
+            value = value.to(current.device, current.dtype)
+            if name in ("tokens", "latents") and not torch.equal(value, current):
+                raise ValueError(f"`callback_on_step_end` returned `{name}` with changed codes; committed codes cannot be "
+                                 "changed during generation (the KV cache holds them) and undecoded ones are -1. Edit the "
+                                 "returned grid after the call instead.")
+            if name == "acceptance_map":
+                state.acceptance_map.copy_(value.flatten(1))
