@@ -159,7 +159,8 @@ def test_left_anchor_draft_follows_its_adjusted_proposal():
 
 def test_left_anchor_needs_its_adjusted_proposal(monkeypatch):
     """The distribution test has power here: anchoring the draft but verifying it against the unchanged ``q`` is
-    caught."""
+    caught (four times the samples of the other distribution tests: in a batch, rows that accepted more than the
+    shortest row carry their codes into the next window untested, so fewer drafts pass through the anchor)."""
     def wrong(state):
         left, q, x = state.last_token[:, None], state.q[:, 1], state.drafts[:, :1]
         state.drafts[:, :1] = torch.where(q.gather(-1, x) > q.gather(-1, left), x, left)  # q left as it was
@@ -169,5 +170,38 @@ def test_left_anchor_needs_its_adjusted_proposal(monkeypatch):
                           grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
-    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent")
-    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4  # p ~ 1e-191
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=4 * DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent")
+    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
+
+
+def test_batch_rows_carry_what_they_accepted_beyond_the_shortest_run(monkeypatch):
+    """In a batch, a row that accepted more than the shortest row keeps the rest of its run as the first drafts of its
+    next window (`JacobiState.carried`), so the batch needs fewer passes and drops fewer accepted codes than rows that
+    give them back; the output stays AR's token for token (greedy)."""
+    prompts = ["a fox", "b", "a cat on a mat", "d"]
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=6), None, grid=(6, 6))
+    carried = pipe(prompts, temperature=0, output_type="latent")
+    monkeypatch.setattr(JacobiDecoder, "_carry", staticmethod(lambda state, n, left, remaining: None))
+    dropped = pipe(prompts, temperature=0, output_type="latent")
+    assert torch.equal(carried.tokens, dropped.tokens)
+    assert carried.stats.num_forward_passes < dropped.stats.num_forward_passes
+    assert carried.stats.batch_wait_fraction < dropped.stats.batch_wait_fraction
+
+
+def test_auto_window_weighs_what_a_batch_keeps():
+    """`batch_progress`: rows advancing together with carried codes commit fewer codes per round than one row, more
+    so in short windows; the simulation is seeded (every process chooses the same "auto" window), and "auto" picks
+    the window with the most codes per second for the batch it serves."""
+    from spatial_pipelines.decoders.decoding_jacobi import batch_progress
+
+    one = [batch_progress(w, 1, 0.42, 0.9) for w in (2, 8, 16)]
+    four = [batch_progress(w, 4, 0.42, 0.9) for w in (2, 8, 16)]
+    assert all(f < o for f, o in zip(four, one))
+    assert four[0] / one[0] < four[2] / one[2]  # a batch loses a larger share of a short window
+    batch_progress.cache_clear()
+    assert batch_progress(8, 4, 0.42, 0.9) == four[1]
+    cost = lambda t: 1.0 + 0.09 * t  # noqa: E731 a pass over t tokens
+    alone, batched = JacobiDecoder(), JacobiDecoder()
+    alone.resolve_draft_size(cost, round_overhead=lambda tree: 0.0)
+    batched.resolve_draft_size(cost, round_overhead=lambda tree: 0.0, batch_size=4)
+    assert batched.window > alone.window  # carried codes fill a batch's window: a longer one pays

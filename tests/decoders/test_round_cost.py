@@ -119,7 +119,7 @@ def test_auto_tree_size_weighs_the_drafter_passes(decoder_cls):
 def test_pipeline_measures_the_drafter_pass_for_eagle_auto_sizes():
     pipe = dummy_pipeline("llamagen", EagleDecoder(depth=3, top_k=2), "random", grid=(4, 5))
     pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
-    pass_cost, drafter, overhead = pipe.decoder._resolved_for
+    pass_cost, drafter, overhead, _ = pipe.decoder._resolved_for
     assert overhead is None  # a drafter's passes are timed as passes, not on dry rounds
     assert drafter is pipe.draft_pass_cost(2) and drafter.seconds and all(s > 0 for s in drafter.seconds.values())
     assert MedusaDecoder.uses_drafter_passes is False
@@ -200,7 +200,7 @@ def test_pipeline_times_the_decoders_own_work_on_dry_rounds():
     rounds, once per pipeline; the decoder keeps the tree it chose, and greedy output is unchanged by the choice."""
     pipe = dummy_pipeline("llamagen", MedusaDecoder(), "random", grid=(4, 5))
     out = pipe("a fox", temperature=0, output_type="latent")
-    _, drafter, overhead = pipe.decoder._resolved_for
+    _, drafter, overhead, _ = pipe.decoder._resolved_for
     assert drafter is None and isinstance(overhead, RoundOverhead) and overhead.decoder is pipe.decoder
     candidates = {pipe.decoder._sized_tree(n)[0].num_nodes for n in pipe.decoder._draft_sizes()}
     assert set(overhead.seconds) == candidates and all(s > 0 for s in overhead.seconds.values())

@@ -53,6 +53,7 @@ def verify_tree(
     distinct_siblings: bool = False,
     rule: AcceptanceRule = EXACT,
     neighbours: Optional[torch.Tensor] = None,
+    forced: Optional[torch.Tensor] = None,
 ) -> TreeAcceptance:
     """Walk every row's tree from the root, accepting candidates by ``rule`` (exactly, by default).
 
@@ -73,7 +74,13 @@ def verify_tree(
             candidates, de-duplicated pools), which skips the duplicate check.
         rule (`AcceptanceRule`): how much of ``p`` a candidate claims (`resolve_acceptance`).
         neighbours (`torch.Tensor` `(V, k)`, *optional*): `codebook_neighbours`, for rules that read them.
+        forced (`torch.LongTensor` `(B,)`, *optional*): chains only: per row, how many nodes after the root are taken
+            without a test, because they already are that row's exact sample (`TreeState.carried`: codes a row
+            accepted in an earlier round while the batch advanced by a shorter row's run). Their uniforms are drawn
+            and not read, so every row draws the same numbers whatever it carries.
     """
+    if forced is not None and (tree.max_children > 1 or tree.per_row):
+        raise ValueError("`forced` nodes are for a chain (an SJD window), not a tree.")
     if (q is not None or rule.relaxes) and (tree.max_children > 1 or tree.per_row):
         return verify_tree_sequential(tree, tokens, probs, random, q, rule, neighbours)
     b, t, v = probs.shape
@@ -87,7 +94,7 @@ def verify_tree(
     u, noise = draws[:, : t - 1], -torch.log(draws[:, t - 1 :])  # (B, T-1) uniforms, (B, V) Exp(1)
     batched = tree.per_row  # `RowTrees`: one tree per row; the tables gain a leading batch dimension
     if tree.max_children == 1 and not batched:
-        return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours)
+        return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours, forced)
     x = tokens[:, 1:]  # (B, T-1) candidate of every node
     valid = x >= 0
     # point masses (q is None here): sums over earlier siblings and over ancestors are matmuls with the tree's tables
@@ -169,9 +176,9 @@ def _walk_tables(tree, v: int) -> _WalkTables:
     return tables
 
 
-def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None) -> TreeAcceptance:
+def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None, forced=None) -> TreeAcceptance:
     """`verify_tree` for a chain (node ``i`` at depth ``i``): the same rule with no siblings, in a third of the ops
-    (an SJD window pays this every round)."""
+    (an SJD window pays this every round). ``forced`` ``(B,)``: the first nodes of each row taken untested."""
     b, t, v = probs.shape
     x = tokens[:, 1:]  # (B, T-1)
     valid = x >= 0
@@ -183,6 +190,8 @@ def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None)
         px = relaxed.mass  # (B, T-1)
     qx = 1.0 if q is None else q[:, 1:].gather(-1, xs[..., None]).squeeze(-1)
     accept = valid & (u * qx < px)  # u < min(1, p/q) without dividing
+    if forced is not None:  # a row's carried codes: already its exact sample
+        accept = accept | (torch.arange(t - 1, device=probs.device) < forced[:, None])
     num_accepted = accept.long().cumprod(-1).sum(-1)  # (B,) the accepted run from the root
     last = num_accepted  # a chain's node index is its depth
     path = torch.arange(t, device=probs.device).expand(b, t)

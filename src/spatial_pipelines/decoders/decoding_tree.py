@@ -10,7 +10,7 @@ import torch
 from ..core.acceptance import AcceptanceLike, resolve_acceptance
 from ..core.sampling import logits_to_probs, sample_from_probs
 from ..core.tree import DraftTree, tree_from_parents
-from ..core.verification import verify_tree
+from ..core.verification import TreeAcceptance, verify_tree
 from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, StepOutput
 
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
@@ -64,6 +64,11 @@ class TreeState(DecodingState):
             (built once per backbone and cached there).
         head_indices (`tuple`, *optional*): ``(horizontal, vertical)``: the indices of the heads the decoder runs,
             looked up on the first round.
+        carried (`torch.LongTensor` `(B,)`, *optional*): a chain decoder's carried codes (SJD's window in a batch):
+            per row, how many drafts at the start of the window are codes the row already accepted while the batch
+            advanced by a shorter row's run. They are that row's exact sample, so the next round takes them untested
+            (`verify_tree`'s ``forced``). ``None``: nothing carried (one image, trees).
+        acceptance (`TreeAcceptance`, *optional*): the last round's verification, for decoders that carry codes.
     """
 
     tree: Optional[DraftTree] = None
@@ -77,6 +82,8 @@ class TreeState(DecodingState):
     node_rank: Optional[torch.Tensor] = None
     neighbours: Optional[torch.Tensor] = None
     head_indices: Optional[Tuple[List[int], List[int]]] = None
+    carried: Optional[torch.Tensor] = None
+    acceptance: Optional[TreeAcceptance] = None
 
 
 class TreeDecoderMixin:
@@ -122,10 +129,11 @@ class TreeDecoderMixin:
         return self._size == AUTO
 
     def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None,
-                           round_overhead: Optional[Callable[[DraftTree], float]] = None) -> None:
+                           round_overhead: Optional[Callable[[DraftTree], float]] = None, batch_size: int = 1) -> None:
         resolved = self._resolved_for
-        if self._size != AUTO or (resolved is not None and all(a is b for a, b in zip(resolved, (pass_cost, draft_pass_cost, round_overhead)))):
-            return  # once per pipeline cost model
+        if self._size != AUTO or (resolved is not None and resolved[3] == batch_size
+                                  and all(a is b for a, b in zip(resolved, (pass_cost, draft_pass_cost, round_overhead)))):
+            return  # once per pipeline cost model and batch size
         candidates = [self._sized_tree(n) for n in self._draft_sizes()]  # (tree, expected accepted drafts)
         trees = [tree for tree, _ in candidates]
         # a PassCost / RoundOverhead measures what it has not yet and returns a fitted curve (through these sizes only)
@@ -135,12 +143,19 @@ class TreeDecoderMixin:
             cost = [target(tree.num_nodes) + outside(tree) for tree in trees]
         else:
             cost = [target(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost) for tree in trees]
-        rates = [(tree, (1.0 + accepted) / seconds) for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
+        rates = [(tree, self._codes_per_round(tree, accepted, batch_size) / seconds)
+                 for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
         best = max(rate for _, rate in rates)
         # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so
         # the argmax would follow what timing noise is left in the fitted curves from run to run
         self.tree = next(tree for tree, rate in rates if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
-        self._resolved_for = (pass_cost, draft_pass_cost, round_overhead)
+        self._resolved_for = (pass_cost, draft_pass_cost, round_overhead, batch_size)
+
+    def _codes_per_round(self, tree: DraftTree, accepted: float, batch_size: int) -> float:
+        """Expected codes a round commits per row with ``tree`` (``accepted``: expected accepted drafts of one row):
+        the accepted run and its bonus. A decoder whose batch rows lose less (or more) by advancing together
+        overrides it."""
+        return 1.0 + accepted
 
     def _drafting_seconds(self, tree: DraftTree, draft_pass_cost: Optional[Callable[[int], float]]) -> float:
         """Seconds of drafter passes a round with ``tree`` adds to the target pass (none here: head passes are a few
@@ -221,9 +236,11 @@ class TreeDecoderMixin:
         tokens = state.node_tokens
         probs = logits_to_probs(logits, state.sampling) if probs is None else probs  # (B, T, V)
         acc = verify_tree(state.tree, tokens, probs, state.random, q, distinct_siblings=self.distinct_siblings,
-                          rule=self.acceptance_rule, neighbours=state.neighbours)
+                          rule=self.acceptance_rule, neighbours=state.neighbours, forced=state.carried)
+        state.acceptance = acc
         # rows advance together: commit the shortest row's accepted run plus its bonus (a prefix of every
-        # row's exact sample is exact), and never past the end of the grid
+        # row's exact sample is exact), and never past the end of the grid; a chain decoder carries the rest of a
+        # longer row's run into its next window (`TreeState.carried`)
         chain = state.tree.max_children == 1
         if chain:
             shortest, prefix = int(acc.num_accepted.min()), True  # the one host read per round
@@ -235,9 +252,11 @@ class TreeDecoderMixin:
             shortest, prefix = torch.stack([acc.num_accepted.min(), prefix_path.long()]).tolist()  # the one host read
         n = min(shortest + 1, state.num_remaining)
         if state.batch_size > 1:  # what rows that accepted more drop by advancing with the shortest (no host read)
-            potential = (acc.num_accepted + 1).clamp_max(state.num_remaining).sum()
-            state.row_potential = potential if state.row_potential is None else state.row_potential + potential
-            state.batch_committed += n * state.batch_size
+            run = (acc.num_accepted + 1).clamp_max(state.num_remaining)  # (B,) each row's codes, carried ones included
+            new = run if state.carried is None else run - state.carried  # (B,) codes this round's test gave
+            state.row_potential = new.sum() if state.row_potential is None else state.row_potential + new.sum()
+            dropped = (run - n).sum()  # a carrying decoder takes back what it carries (`carry`)
+            state.batch_dropped = dropped if state.batch_dropped is None else state.batch_dropped + dropped
         path = acc.path[:, :n]  # (B, n) root + the n - 1 accepted nodes whose KV stays
         drafted = tokens.gather(1, path)  # (B, n): column j is the code of accepted node j (all offered: >= 0)
         codes = torch.cat([drafted[:, 1:], acc.bonus[:, None]], 1)  # (B, n)

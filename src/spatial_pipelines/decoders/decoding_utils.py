@@ -72,9 +72,10 @@ class DecodingState:
         fed_size (`int`, *optional*): with static shapes, the number of slots every round feeds the target (the loop
             pads drafts to it); ``None``: each round feeds what its draft holds.
         fed_slots (`int`), padded_slots (`int`): slots fed to the target by the rounds, and how many were padding.
-        row_potential (`torch.Tensor`, *optional*): ``()`` codes the rows of a batch would have committed alone, summed
-            over verification rounds (each row's accepted run and its bonus); ``batch_committed`` (`int`): what they
-            committed together (rows advance by the shortest row's run).
+        row_potential (`torch.Tensor`, *optional*): ``()`` codes the rows of a batch accepted (each row's accepted run
+            and its bonus, codes it carried in from an earlier round not counted again), summed over verification
+            rounds; ``batch_dropped`` (`torch.Tensor`, *optional*): ``()`` how many of them were dropped because the
+            rows advance by the shortest row's run (and a chain decoder could not carry them into its window).
 
     A decoder that carries more between rounds subclasses this dataclass (typed fields with defaults, set in its
     ``init_state``) and names it in its ``state_class``.
@@ -95,7 +96,7 @@ class DecodingState:
     fed_slots: int = 0
     padded_slots: int = 0
     row_potential: Optional[torch.Tensor] = None
-    batch_committed: int = 0
+    batch_dropped: Optional[torch.Tensor] = None
 
     @property
     def num_remaining(self) -> int:
@@ -275,11 +276,11 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     uses_drafter_passes: bool = False  # drafts with passes of a drafter model (EAGLE-2): "auto" sizes weigh their cost
 
     def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None,
-                           round_overhead: Optional[Callable[[Any], float]] = None) -> None:
+                           round_overhead: Optional[Callable[[Any], float]] = None, batch_size: int = 1) -> None:
         """Fix ``"auto"`` sizes from ``pass_cost(T)``, the measured seconds of a target pass over ``T`` fed tokens,
         and what a round costs outside it: ``round_overhead(tree)`` (`RoundOverhead`: the decoder's own work per
         candidate tree) or ``draft_pass_cost(T)`` (decoders that ``uses_drafter_passes``: a drafter pass over ``T``
-        nodes)."""
+        nodes), for calls of ``batch_size`` images (the rows of a batch advance together)."""
 
     def heads_needed(self) -> Optional[HeadsNeed]:
         """What draft heads this decoder, as configured, drafts with (`HeadsNeed`: their kinds and offsets), or

@@ -360,9 +360,10 @@ class DraftSizingMixin:
             sampling = SamplingConfig(self.backbone.default_guidance_scale, 1.0, self.backbone.default_top_k)
         rows = min(num_images, 4) * (2 if sampling.do_cfg else 1)
         if self.decoder.uses_drafter_passes:  # a dry round's random features make a drafter grow unlike a real one
-            self.decoder.resolve_draft_size(self.pass_cost(rows), self.draft_pass_cost(rows))
+            self.decoder.resolve_draft_size(self.pass_cost(rows), self.draft_pass_cost(rows), batch_size=num_images)
         else:
-            self.decoder.resolve_draft_size(self.pass_cost(rows), round_overhead=self.round_overhead(rows, sampling, prefix_length))
+            self.decoder.resolve_draft_size(self.pass_cost(rows), round_overhead=self.round_overhead(rows, sampling, prefix_length),
+                                            batch_size=num_images)
 
     def round_overhead(self, rows: int, sampling: SamplingConfig, prefix_length: int) -> RoundOverhead:
         """The measured cost of the current decoder's own work in a round (`RoundOverhead`) with ``rows`` target rows,

@@ -28,8 +28,9 @@ class DecodingStats:
         padded_fraction (`float`, *optional*): with static shapes (`SpatialARPipeline.static_shapes`), the share of
             the slots the rounds fed to the target that were padding (the price of one fixed-shape step).
         batch_wait_fraction (`float`, *optional*): in a batch of several images, the share of the codes the rows had
-            accepted that they did not commit because the rows advance together by the shortest row's run (tree and
-            window decoders; 0: no row waited).
+            accepted that were dropped because the rows advance together by the shortest row's run (tree and window
+            decoders; an SJD window carries a longer row's codes into its next round and drops only what does not
+            fit; 0: nothing dropped).
         decoder_stats (`dict`): what the decoder reports about its own rounds (`DecodingState.report`; EAGLE-2 and
             ADT-Tree: ``mean_tree_depth``, ``mean_tree_width``). A new decoder reports here without a new field.
     """

@@ -404,7 +404,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             acceptance_map=layout.grid(state.acceptance_map).cpu(),
             wall_time_s=time.perf_counter() - start_time,
             padded_fraction=state.padded_slots / state.fed_slots if state.fed_size and state.fed_slots else None,
-            batch_wait_fraction=1.0 - state.batch_committed / state.row_potential.item() if state.row_potential is not None else None,
+            batch_wait_fraction=(state.batch_dropped / state.row_potential).item() if state.row_potential is not None else None,
             decoder_stats=state.report(),
         )
 
