@@ -263,6 +263,27 @@ CALL_CASES = [  # (call kwargs, what the message names)
     ({"callback_on_step_end": "print"}, "`callback_on_step_end`"),
     ({"callback_on_step_end_tensor_inputs": ["prompt_embeds"]}, "`callback_on_step_end_tensor_inputs`"),  # ("latents" is the grid)
     ({"callback_on_step_end_tensor_inputs": "tokens"}, "`callback_on_step_end_tensor_inputs`"),
+    ({"callback_on_step_end_tensor_inputs": None}, "`callback_on_step_end_tensor_inputs`"),
+    ({"callback_on_step_end": lambda pipe, step: {}}, "`callback_on_step_end` must take"),
+    ({"callback_on_step_end": lambda pipe, step, timestep, kwargs, extra: {}}, "`callback_on_step_end` must take"),
+    ({"guidance_scale": 1e300}, "`guidance_scale`"),
+    ({"guidance_scale": 1e5}, "`guidance_scale`"),
+    ({"temperature": INF}, "`temperature`"),
+    ({"top_k": NAN}, "`top_k`"),
+    ({"num_images_per_prompt": 10**9}, "`num_images_per_prompt`"),
+    ({"num_images_per_prompt": -3}, "`num_images_per_prompt`"),
+    ({"prompt": ["a fox"] * 4, "num_images_per_prompt": 10**8}, "`num_images_per_prompt`"),
+    ({"return_dict": "no"}, "`return_dict`"),
+    ({"return_dict": 0}, "`return_dict`"),
+    ({"negative_prompt": "blurry", "guidance_scale": 1.0}, "`negative_prompt`"),
+    ({"negative_prompt": 3}, "`negative_prompt`"),
+    ({"prompt": "a \ud800 fox"}, "`prompt`.*not valid text"),
+    ({"prompt": ["ok", "\udfff"]}, "`prompt`.*not valid text"),
+    ({"negative_prompt": "\ud83d"}, "`negative_prompt`.*not valid text"),
+    ({"prompt": b"a fox"}, "`prompt`"),
+    ({"prompt": {"text": "a fox"}}, "`prompt`"),
+    ({"output_type": None}, "`output_type`"),
+    ({"generator": [torch.Generator(), "x"], "prompt": ["a", "b"]}, "`generator`"),
 ]
 
 
@@ -275,6 +296,22 @@ def test_bad_call_arguments(saved, kwargs, names, monkeypatch):
 
 
 CONSTRUCTOR_CASES = [  # (factory, what the message names)
+    # configs bounded by the draft they would allocate (a clear error, not an allocator crash)
+    (lambda: MedusaDecoder(num_heads=10**6), "`num_heads=1000000`.*draft nodes per round"),
+    (lambda: MedusaDecoder(top_k=10**6), "`top_k=1000000`.*draft nodes per round"),
+    (lambda: MedusaDecoder(num_draft_tokens=10**6), "`num_draft_tokens=1000000`"),
+    (lambda: MedusaDecoder(num_heads=2, tree_paths=[[0]] + [[0, r] for r in range(2000)]), "`tree_paths`.*draft nodes"),
+    (lambda: EagleDecoder(depth=10**6), "`depth=1000000`"),
+    (lambda: EagleDecoder(top_k=10**6), "`top_k=1000000`"),
+    (lambda: ADTTreeDecoder(depth=10**6), "`depth=1000000`"),
+    (lambda: HawkDecoder(num_horizontal_heads=10**6), "`num_horizontal_heads=1000000`"),
+    (lambda: HawkDecoder(top_k=10**5), "`top_k=100000`"),
+    (lambda: HawkDecoder(num_draft_tokens=10**6), "`num_draft_tokens=1000000`"),
+    (lambda: JacobiDecoder(window_size=10**6), "`window_size=1000000`"),
+    (lambda: JacobiDecoder(proactive_width=10**4), "`proactive_width=10000`"),
+    (lambda: JacobiDecoder(proactive_width=3, proactive_depth=20), "`proactive_depth=20`.*draft nodes per round"),
+    (lambda: SSDDecoder(num_horizontal=10**6), "`num_horizontal=1000000`"),
+    (lambda: SSDDecoder(num_vertical_rows=10**6), "`num_vertical_rows=1000000`"),
     (lambda: MedusaDecoder(num_heads="4"), "`num_heads`"),
     (lambda: MedusaDecoder(tree_paths=[[0, 0]]), "`tree_paths` must be prefix-closed"),
     (lambda: MedusaDecoder(tree_paths=[[0], [-1]]), "`tree_paths`"),
@@ -364,6 +401,14 @@ CLI_CASES = [  # (extra CLI arguments, what the message names); checked before t
     (["--revision", "v2"], "`--revision` needs `--model`"),
     (["--model", "/no/such/folder"], "`--model` '/no/such/folder' is not an existing folder"),
     (["--model", "{model}", "--heads", "./no/such/heads"], "`--heads` './no/such/heads' is not an existing folder"),
+    (["--seed", "-1"], "`--seed`"),
+    (["--seed", str(2**63)], "`--seed`"),
+    (["--device", "cpu:5"], "`--device`"),
+    (["--guidance-scale", "1e300"], "`--guidance-scale`"),
+    (["--num-images", "-4"], "`--num-images`"),
+    (["--out", "{file}/x.png"], "which is a file"),
+    (["--out", "{tmp}"], "is a folder"),
+    (["--prompt-is-empty"], "`prompt` is empty"),
 ]
 
 
@@ -371,11 +416,86 @@ CLI_CASES = [  # (extra CLI arguments, what the message names); checked before t
 def test_bad_cli_options_exit_2_before_loading(saved, args, names, tmp_path, capsys, monkeypatch):
     root, _, _ = saved
     monkeypatch.setattr("spatial_pipelines.cli.load_pipeline", lambda *a, **k: pytest.fail("the model loaded before the check"))
-    args = [a.format(model=root / "pipe") for a in args]
+    (tmp_path / "file").write_text("not a folder")
+    args = [a.format(model=root / "pipe", file=tmp_path / "file", tmp=tmp_path) for a in args]
     out = [] if "--out" in args else ["--out", str(tmp_path / "x.png")]
-    assert cli_main(["generate", "a fox", *out, *args]) == 2
+    prompt = "a fox"
+    if args == ["--prompt-is-empty"]:
+        prompt, args = "  ", []
+    assert cli_main(["generate", prompt, *out, *args]) == 2
     assert names in capsys.readouterr().err
 
 
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_cli_out_in_a_read_only_folder(saved, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert cli_main(["generate", "a fox", "--model", str(saved[0] / "pipe"), "--out", str(locked / "x.png")]) == 2
+    finally:
+        locked.chmod(0o700)
+    assert "not writable" in capsys.readouterr().err
+
+
+def test_cli_refuses_more_images_than_memory_holds(saved, tmp_path, capsys):
+    """`--num-images 1000000`: a clear error before a generator per image is made, not a killed process."""
+    assert cli_main(["generate", "a fox", "--model", str(saved[0] / "pipe"), "--out", str(tmp_path / "x.png"),
+                     "--num-images", "100000000"]) == 2
+    assert "`--num-images`" in capsys.readouterr().err
+
+
+def test_cli_warns_about_heads_its_decoder_does_not_use(saved, tmp_path, capfd):
+    root = saved[0]
+    assert cli_main(["generate", "a fox", "--model", str(root / "pipe"), "--decoder", "ar", "--heads", str(root / "heads"),
+                     "--out", str(tmp_path / "x.png")]) == 0
+    assert "--decoder ar drafts without heads: --heads" in capfd.readouterr().err
+
+
+# -- the pipeline's own state: named when it is built or called, before any work --------------------------------
+def _break(kind, pipe):
+    """``pipe`` broken as ``kind`` says (building it may already raise)."""
+    if kind.endswith("-none"):  # built with a required component left out
+        return type(pipe)(**{**pipe.components, kind[: -len("-none")]: None})
+    if kind == "meta-device":
+        return pipe.to("meta")
+    if kind == "heads-emptied":
+        pipe.draft_heads.horizontal = torch.nn.ModuleList()
+        return pipe
+    raise AssertionError(kind)
+
+
+STATE_CASES = {  # kind -> what the message names
+    "decoder-none": "`decoder`",
+    "vqvae-none": "`vqvae`",
+    "transformer-none": "`transformer`",
+    "meta-device": "meta device",
+    "heads-emptied": "horizontal heads but its config lists 2",
+}
+
+
+@pytest.mark.parametrize("kind", list(STATE_CASES))
+def test_a_broken_pipeline_is_named(kind, monkeypatch):
+    pipe = dummy_pipeline("llamagen", MedusaDecoder(num_heads=2, top_k=2), "random")
+    monkeypatch.setattr(type(pipe.backbone), "encode_prompt", lambda *a, **k: pytest.fail("work began before the check"))
+    with pytest.raises(ValueError, match=STATE_CASES[kind]):
+        _break(kind, pipe)("a fox", output_type="latent")
+
+
+def test_unused_heads_are_named_in_a_warning(saved, caplog):
+    from diffusers.utils import logging as diffusers_logging
+
+    pipe = dummy_pipeline("llamagen", None, None)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.draft_heads = saved[1].draft_heads
+    diffusers_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            pipe("a fox", output_type="latent")
+    finally:
+        diffusers_logging.disable_propagation()
+    assert "not used by AutoregressiveDecoder" in caplog.text
+
+
 def test_the_bad_input_table_is_large():
-    assert len(CALL_CASES) + len(CONSTRUCTOR_CASES) + len(FILE_CASES) + len(CLI_CASES) >= 40
+    assert len(CALL_CASES) + len(CONSTRUCTOR_CASES) + len(FILE_CASES) + len(CLI_CASES) + len(STATE_CASES) >= 90

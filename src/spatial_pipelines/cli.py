@@ -102,20 +102,41 @@ def embedded_heads_path(kind: str) -> str:
     return paths[kind]()
 
 
+def check_writable_file(path: str, name: str) -> None:
+    """Raise `ValueError` naming ``name`` unless a file can be written at ``path``: not an existing folder, and its
+    nearest existing parent is a folder this process may write in (the missing folders are made)."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise ValueError(f"`{name}` {path!r} is a folder; give a file name such as {os.path.join(path, 'image.png')!r}.")
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"`{name}` {path!r} lies under {parent!r}, which is a file, not a folder.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"`{name}` {path!r}: the folder {parent!r} is not writable by this user.")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every option that can be checked before the model loads; `ValueError` naming the option."""
     from PIL import Image
 
+    from .pipelines.pipeline_utils import MAX_GUIDANCE_SCALE
     from .utils import check_number, check_path_or_repo_id
 
+    if not args.prompt.strip():
+        raise ValueError("`prompt` is empty: give the text (or class label) of the image to generate.")
     check_number("--num-images", args.num_images, 1, integer=True)
+    check_number("--seed", args.seed, 0, 2**63 - 1 - args.num_images, integer=True,
+                 meaning="image i is generated with seed + i")
     check_number("--temperature", args.temperature, 0, meaning="0 is greedy")
     if args.guidance_scale is not None:  # omitted: the checkpoint's
-        check_number("--guidance-scale", args.guidance_scale, 0, meaning="1 disables guidance")
+        check_number("--guidance-scale", args.guidance_scale, 0, MAX_GUIDANCE_SCALE, meaning="1 disables guidance")
     if args.top_k is not None:
         check_number("--top-k", args.top_k, 0, integer=True, meaning="0 keeps every code")
     if args.top_p is not None:
         check_number("--top-p", args.top_p, 0, 1, low_open=True)
+    check_writable_file(args.out, "--out")
     ext = os.path.splitext(args.out)[1].lower()
     if ext not in Image.registered_extensions() or Image.registered_extensions()[ext] not in Image.SAVE:
         raise ValueError(f"`--out` {args.out!r} must end with an image extension PIL writes (.png, .jpg, .webp, ...).")
@@ -123,6 +144,8 @@ def check_args(args: argparse.Namespace) -> None:
         device = torch.device(args.device)
     except RuntimeError as err:
         raise ValueError(f"`--device` {args.device!r} is not a device: {err}") from None
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise ValueError(f"`--device` {args.device!r}: the CPU is one device, `cpu` (an index other than 0 means nothing).")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"`--device` {args.device!r} asks for CUDA, but torch sees no CUDA device here; use `--device cpu`.")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
@@ -149,6 +172,8 @@ def generate(args: argparse.Namespace) -> int:
     need = pipe.decoder.heads_needed()
     if heads is None and args.model is None and need is not None:
         heads = embedded_heads_path(need.kinds[0])
+    if args.heads is not None and need is None:
+        print(f"warning: --decoder {args.decoder} drafts without heads: --heads {args.heads} is not used.", file=sys.stderr)
     if heads is not None:
         if os.path.exists(heads) and args.heads_revision is not None:
             raise ValueError(f"`--heads-revision` applies to Hub repo ids; `--heads` {heads!r} is a local folder.")
@@ -156,6 +181,8 @@ def generate(args: argparse.Namespace) -> int:
             pipe.load_draft_heads(heads, **({"revision": args.heads_revision} if args.heads_revision else {}))
         except OSError as err:
             raise ValueError(f"`--heads` {heads!r} could not be loaded: {err}") from err
+    guidance = pipe.backbone.default_guidance_scale if args.guidance_scale is None else args.guidance_scale
+    pipe.check_memory(args.num_images, guidance != 1, "--num-images")  # before a generator per image is made
     prompt = pipe.backbone.prompt_from_text(args.prompt)
     negative = pipe.backbone.prompt_from_text(args.negative_prompt) if args.negative_prompt is not None else None
     generators = [torch.Generator().manual_seed(args.seed + i) for i in range(args.num_images)]

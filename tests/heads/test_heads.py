@@ -46,6 +46,22 @@ def test_heads_save_load_roundtrip_with_card(tmp_path):
     assert torch.equal(loaded.proj.weight, heads.proj.weight)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "ssd", "eagle"])
+def test_heads_variant_save_and_load(tmp_path, kind):
+    """``save_pretrained(variant="fp16")`` writes ``diffusion_pytorch_model.fp16.safetensors`` and
+    ``from_pretrained(variant="fp16")`` reads it back (every heads class); asking for a variant that was not saved
+    is an error naming it."""
+    pipe = dummy_pipeline("llamagen", kind, "random")
+    heads = pipe.draft_heads
+    heads.save_pretrained(tmp_path / "heads", variant="fp16")
+    assert (tmp_path / "heads" / "diffusion_pytorch_model.fp16.safetensors").is_file()
+    loaded = type(heads).from_pretrained(tmp_path / "heads", variant="fp16")
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises((ValueError, OSError), match="bf16|variant"):
+        type(heads).from_pretrained(tmp_path / "heads", variant="bf16")
+
+
 def test_pickle_saves_are_refused_never_silently_made_safetensors(tmp_path):
     """Heads and pipelines answer ``safe_serialization=False`` alike: a `ValueError` before anything is written."""
     for obj in (ToyHeads(), dummy_pipeline("llamagen")):

@@ -132,6 +132,19 @@ class PipelineTesterMixin:
         b = loaded(self.prompts[0], generator=gen(3), output_type="np").images
         np.testing.assert_array_equal(a, b)
 
+    def test_variant_save_and_load(self, tmp_path):
+        """``save_pretrained(variant="fp16")`` names every weight file ``*.fp16.safetensors`` and
+        ``from_pretrained(variant="fp16")`` loads the same pipeline (diffusers' variants)."""
+        pipe = self.get_pipeline()
+        pipe.save_pretrained(tmp_path / "pipe", variant="fp16")
+        weights = [f for _, _, fs in os.walk(tmp_path / "pipe") for f in fs if f.endswith(".safetensors")]
+        assert weights and all(".fp16." in f for f in weights), weights
+        loaded = self.pipeline_class.from_pretrained(tmp_path / "pipe", variant="fp16")
+        loaded.set_progress_bar_config(disable=True)
+        a = pipe(self.prompts[0], generator=gen(3), output_type="latent").images
+        b = loaded(self.prompts[0], generator=gen(3), output_type="latent").images
+        assert torch.equal(a, b)
+
     def test_decoder_swap_without_warnings(self, caplog):
         pipe = self.get_pipeline()
         diffusers_logging.enable_propagation()
@@ -199,6 +212,33 @@ class PipelineTesterMixin:
         kwargs = {"prompt": self.prompts[0], **kwargs}
         with pytest.raises(ValueError, match=name):
             pipe(**kwargs)
+
+    def test_a_prompt_longer_than_the_model_reads(self, monkeypatch):
+        """A prompt past the model's context is refused before the prompt pass (naming ``prompt`` and the limit); a
+        family with a fixed caption length (LlamaGen) truncates it with diffusers' warning, saying what was cut."""
+        pipe = self.get_pipeline()
+        backbone = pipe.backbone
+        if not isinstance(self.prompts[0], str):
+            pytest.skip("class-conditional: a prompt is one label, it has no length")
+        limit = backbone.max_sequence_length
+        words = " ".join(["fox"] * (limit or 200) + ["tail"])
+        if limit is not None:
+            monkeypatch.setattr(type(backbone), "forward", lambda *a, **k: pytest.fail("the prompt pass ran"))
+            with pytest.raises(ValueError, match=f"`prompt` takes .* more than the {limit}"):
+                pipe(words, output_type="latent")
+            return
+        diffusers_logging.enable_propagation()
+        logger = logging.getLogger("spatial_pipelines")
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger.addHandler(handler)
+        try:
+            pipe(words, output_type="latent", generator=gen(0))
+        finally:
+            logger.removeHandler(handler)
+            diffusers_logging.disable_propagation()
+        assert any("truncated" in r.getMessage() and "tokens cut" in r.getMessage() for r in records)
 
     def test_bad_family_prompts_raise(self):
         pipe = self.get_pipeline()

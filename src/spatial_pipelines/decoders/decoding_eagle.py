@@ -27,7 +27,7 @@ from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
 from ..utils import check_number
 from .decoding_tree import TreeDecoderMixin, TreeState
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_size, check_int
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
 
@@ -95,6 +95,8 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         check_int("depth", depth)
         check_int("top_k", top_k)
         check_draft_size("num_draft_tokens", num_draft_tokens)
+        check_draft_budget(f"`depth={depth}` (one node per depth at least)", 1 + depth)
+        check_draft_budget(f"`top_k={top_k}` (the children of one node)", 1 + top_k)
         self._set_acceptance(acceptance)
         # the prior's stand-in for a dynamic tree: the top_k-ary tree of this depth, best nodes first
         paths, frontier = [], [()]

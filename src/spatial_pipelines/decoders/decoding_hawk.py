@@ -12,7 +12,7 @@ from ..core.acceptance import AcceptanceLike
 from ..core.contracts import OFFSET_LOGITS, HeadsNeed
 from ..core.tree import DraftTree, tree_from_paths
 from .decoding_tree import TreeDecoderMixin, TreeState
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_size, check_int
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
 
 
 @dataclass
@@ -81,6 +81,9 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
                                  ("top_k", top_k, 1)):
             check_int(name, value, low)
         check_draft_size("num_draft_tokens", num_draft_tokens)
+        check_draft_budget(f"`num_horizontal_heads={num_horizontal_heads}` (the tree depth)", 1 + num_horizontal_heads)
+        check_draft_budget(f"`top_k={top_k}` x (1 + `vertical_speculation_depth={vertical_speculation_depth}`) (the candidates "
+                           "of one depth)", 1 + top_k * (1 + vertical_speculation_depth))
         self.pool_size = top_k * (1 + vertical_speculation_depth)  # slots: rank r of [horizontal, vertical 1..VSD]
         bound = MAX_DRAFT_TOKENS if num_draft_tokens == AUTO else num_draft_tokens
         full: DraftTree = tree_from_paths(bounded_product_paths(num_horizontal_heads, self.pool_size, bound))

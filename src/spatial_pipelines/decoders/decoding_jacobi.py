@@ -24,7 +24,7 @@ from ..core.contracts import LATENT, OFFSET_LOGITS, HeadsNeed
 from ..core.sampling import logits_to_probs
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
 from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin, TreeState
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_size, check_int
+from .decoding_utils import AUTO, MAX_FED_TOKENS, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
 
 INITS = ("random", "left", "above", "heads")
 COUPLINGS = ("none", "gumbel")
@@ -53,6 +53,18 @@ def batch_progress(window: int, batch_size: int, first: float, later: float, rou
         total += n
         carried = np.clip(run - n, 0, max(window - n, 0))
     return total / rounds
+
+
+def proactive_nodes(window: int, width: int, depth: int) -> int:
+    """Fed nodes of `proactive_tree` (the root included), counted without building it: ``width + width^2 + ...`` over
+    the first ``depth`` positions, then one per position (stops counting past `MAX_FED_TOKENS`)."""
+    levels, level, nodes = min(depth, window), 1, 1
+    for _ in range(levels):
+        level *= width
+        nodes += level
+        if nodes > MAX_FED_TOKENS:
+            return nodes
+    return nodes + window - levels
 
 
 def proactive_tree(window: int, width: int, depth: int) -> DraftTree:
@@ -208,6 +220,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         check_int("proactive_depth", proactive_depth)
         self._set_acceptance(acceptance)
         window = MAX_WINDOW if window_size == AUTO else window_size
+        check_draft_budget(f"`proactive_width={proactive_width}`, `proactive_depth={proactive_depth}` (a window of {window})",
+                           proactive_nodes(window, proactive_width, proactive_depth))
         self._set_tree(proactive_tree(window, proactive_width, proactive_depth), window_size if window_size == AUTO else None)
 
     def _prior(self):

@@ -31,7 +31,7 @@ from ..core.contracts import LATENT, HeadsNeed
 from ..core.verification import accept_independently
 from ..core.sampling import logits_to_probs, sample_from_probs
 from ..utils import check_number
-from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput
+from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput, check_draft_budget
 
 DRAFT_MODES = ("argmax", "sample")
 
@@ -120,6 +120,8 @@ class SSDDecoder(SpatialDecoderMixin):
             check_number(name, value, low, integer=True, optional=name.startswith("staged"))
         if draft not in DRAFT_MODES:
             raise ValueError(f"`draft` must be one of {DRAFT_MODES}, got {draft!r}.")
+        check_draft_budget(f"`num_horizontal={num_horizontal}`", 1 + num_horizontal)
+        check_draft_budget(f"`num_vertical_rows={num_vertical_rows}` (rows of a vertical block)", 1 + num_vertical_rows)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SSDDecoder":

@@ -39,17 +39,32 @@ def _decoder_init(init, takes_acceptance: bool):
     return wrapped
 
 
+#: The most nodes one round may feed the target (the root and its drafts; end-of-row tokens not counted). A round's
+#: masks grow as the square of its nodes and its logits and proposals as nodes x codes per row, so a config past this
+#: is refused when the decoder is built, before anything is allocated.
+MAX_FED_TOKENS = 1024
+
+
+def check_draft_budget(what: str, nodes: int) -> None:
+    """Raise `ValueError` when ``what`` (the arguments, as written in the message) implies a round of more than
+    `MAX_FED_TOKENS` nodes."""
+    if nodes > MAX_FED_TOKENS:
+        raise ValueError(f"{what} implies {nodes} draft nodes per round; a round feeds at most {MAX_FED_TOKENS} (its mask "
+                         "grows as nodes^2, its logits as nodes x codes per image): choose a smaller draft.")
+
+
 def check_int(name: str, value, low: int = 1) -> None:
     """Raise `ValueError` naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
     check_number(name, value, low, integer=True)
 
 
 def check_draft_size(name: str, value, low: int = 1) -> None:
-    """Raise `ValueError` naming ``name`` unless ``value`` is ``"auto"`` or an int >= ``low``."""
+    """Raise `ValueError` naming ``name`` unless ``value`` is ``"auto"`` or an int in ``[low, MAX_FED_TOKENS)``."""
     if value == AUTO:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"`{name}` must be \"auto\" or an int >= {low}, got {value!r}.")
+    check_draft_budget(f"`{name}={value}`", value + 1)
 
 
 @dataclass
@@ -267,6 +282,12 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         """Most codes one round feeds the target on ``layout`` (end-of-row tokens not counted): what static-shape
         rounds pad every draft to. Default: `max_draft_tokens`; a decoder whose drafts depend on the grid overrides it."""
         return self.max_draft_tokens
+
+    def state_bytes(self, batch_size: int, vocab_size: int) -> int:
+        """Bytes of the per-row buffers a generation of ``batch_size`` images keeps over ``vocab_size`` codes (the
+        pipeline's memory check, `SpatialARPipeline.memory_estimate`): by default three fp32 distributions per fed
+        node (a window's ``q`` and noise, a tree's node distributions)."""
+        return 3 * batch_size * self.max_draft_tokens * vocab_size * 4
 
     @property
     def sizes_from_pass_cost(self) -> bool:

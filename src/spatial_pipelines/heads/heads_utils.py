@@ -19,6 +19,15 @@ from ..utils import check_path_or_repo_id, check_safe_serialization, check_safet
 #: The weights file of a heads folder (diffusers' name; safetensors only).
 SAFETENSORS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
+
+def _add_variant(name: str, variant: Optional[str]) -> str:
+    """``diffusion_pytorch_model.safetensors`` -> ``diffusion_pytorch_model.fp16.safetensors`` for ``variant="fp16"``
+    (diffusers' variant file names)."""
+    if not variant:
+        return name
+    stem, ext = os.path.splitext(name)
+    return f"{stem}.{variant}{ext}"
+
 #: Backbone facts a heads config records; each must equal the backbone's.
 BACKBONE_FACTS = ("hidden_size", "num_image_codes", "grid_height", "grid_width")
 
@@ -116,6 +125,19 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
                     nn.init.normal_(module.weight, std=1.0 / module.in_features**0.5)
         return heads
 
+    def check_modules(self) -> None:
+        """Raise `ValueError` if the heads' modules no longer match their config (a head list emptied or resized
+        after the heads were attached to a pipeline), or hold no values (``meta`` weights). A pipeline call checks
+        its heads with this before any work."""
+        for direction in ("horizontal", "vertical"):
+            modules, offsets = getattr(self, direction, None), self.config.get(f"{direction}_offsets")
+            if isinstance(modules, nn.ModuleList) and offsets is not None and len(modules) != len(offsets):
+                raise ValueError(f"{type(self).__name__} has {len(modules)} {direction} heads but its config lists "
+                                 f"{len(offsets)} `{direction}_offsets` {list(offsets)}: the heads were changed after they "
+                                 "were built; load them again or attach heads that match their config.")
+        if any(p.is_meta for p in self.parameters()):
+            raise ValueError(f"{type(self).__name__} has weights on the meta device (no values): load them before use.")
+
     def check_backbone(self, backbone_facts: Dict[str, Any]) -> None:
         """Raise `ValueError` if these heads do not fit a backbone with ``backbone_facts``."""
         check_backbone_facts(dict(self.config), backbone_facts)
@@ -149,10 +171,13 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
             check_backbone_facts(config, backbone_facts)
         folder = os.path.join(str(path), kwargs.get("subfolder") or "")
         if os.path.isdir(folder):  # local: say what is wrong with the weights file before diffusers tries it
-            weights = os.path.join(folder, SAFETENSORS_WEIGHTS_NAME)
+            variant = kwargs.get("variant")
+            name = _add_variant(SAFETENSORS_WEIGHTS_NAME, variant)  # diffusion_pytorch_model[.fp16].safetensors
+            weights = os.path.join(folder, name)
             if not os.path.isfile(weights):
                 found = sorted(f for f in os.listdir(folder) if f != "config.json")
-                raise ValueError(f"The draft-heads folder {folder!r} has no weights file {SAFETENSORS_WEIGHTS_NAME!r} "
+                what = f" of variant {variant!r}" if variant else ""
+                raise ValueError(f"The draft-heads folder {folder!r} has no weights file{what} {name!r} "
                                  f"(found: {found or 'nothing else'}); spatial_pipelines reads safetensors only.")
             check_safetensors_file(weights, "draft-heads weights")
         kwargs.setdefault("low_cpu_mem_usage", False)

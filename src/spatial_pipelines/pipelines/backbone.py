@@ -83,6 +83,12 @@ class SpatialBackbone(abc.ABC):
         return 1.0
 
     @property
+    def max_sequence_length(self) -> Optional[int]:
+        """Positions the model was trained for (its context: the prompt, the image codes and their end-of-row tokens);
+        ``None`` where the family's prompt has a fixed length (LlamaGen truncates its caption)."""
+        return None
+
+    @property
     def default_top_k(self) -> Optional[int]:
         return None
 

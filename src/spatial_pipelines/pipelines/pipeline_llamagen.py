@@ -5,6 +5,7 @@ import re
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
+from diffusers.utils import logging
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..core.layout import ImageTokenLayout
@@ -28,6 +29,8 @@ LLAMAGEN_GPT_SIZES = {
     "GPT-3B": (24, 32, 3200),
     "GPT-7B": (32, 32, 4096),
 }
+
+logger = logging.get_logger(__name__)
 
 
 class LlamaGenBackbone(SpatialBackbone):
@@ -106,9 +109,15 @@ class LlamaGenBackbone(SpatialBackbone):
     def encode_text(self, prompts: List[str], device: torch.device):
         """Caption embeddings ``(B, N, C)``, left-padded as LlamaGen does (valid tokens last), padding zeroed."""
         n = self.transformer.config.num_condition_tokens
-        enc = self.pipe.tokenizer(
-            prompts, padding="max_length", max_length=n, truncation=True, return_tensors="pt"
-        )
+        tokenizer = self.pipe.tokenizer
+        enc = tokenizer(prompts, padding="max_length", max_length=n, truncation=True, return_tensors="pt")
+        full = tokenizer(prompts, truncation=False).input_ids  # as diffusers: say what truncation removed
+        for prompt_ids in full:
+            if len(prompt_ids) > n:
+                removed = tokenizer.decode(prompt_ids[n - 1 :], skip_special_tokens=True)
+                shown = removed if len(removed) <= 200 else removed[:200] + " ..."
+                logger.warning(f"The following part of your input was truncated because this LlamaGen model reads "
+                               f"captions of up to {n} tokens ({len(prompt_ids) - n + 1} tokens cut): {shown!r}")
         ids, mask = enc.input_ids.to(device), enc.attention_mask.to(device).bool()
         emb = self.pipe.text_encoder(input_ids=ids, attention_mask=mask.long()).last_hidden_state  # (B, N, C)
         order = torch.argsort(mask.int(), dim=1, stable=True)  # padding first, tokens last, order kept

@@ -3,6 +3,7 @@ the backbone contract in `backbone.py`, compile in `static_shapes.py`, the costs
 `pass_cost.py`, Hub saving in `spatial_pipelines.hub`."""
 
 import contextlib
+import inspect
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -10,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
+from diffusers.utils import logging
 
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import EndOfRowInsertion
@@ -23,6 +25,11 @@ from .callbacks import CallbackStateMixin
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .static_shapes import StaticShapesMixin, eager_target
+
+logger = logging.get_logger(__name__)
+
+#: The largest `guidance_scale` a call takes: beyond it ``uncond + s * (cond - uncond)`` overflows fp32 logits.
+MAX_GUIDANCE_SCALE = 1e4
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 PromptInput = Union[str, int, Sequence[Union[str, int]]]
@@ -207,6 +214,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             raise ValueError("`prompt` must hold at least one prompt, got an empty list.")
         backbone = self.backbone
         backbone.check_prompt(prompts, "prompt")
+        _check_text(prompts, "prompt")
         if negative_prompt is not None:
             negatives = _as_list(negative_prompt, "negative_prompt")
             if len(negatives) not in (1, len(prompts)):
@@ -214,7 +222,12 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                     f"`negative_prompt` must hold 1 or len(prompt)={len(prompts)} prompts, got {len(negatives)}."
                 )
             backbone.check_prompt(negatives, "negative_prompt")
-        check_number("guidance_scale", guidance_scale, 0, meaning="1 disables guidance")
+            _check_text(negatives, "negative_prompt")
+        check_number("guidance_scale", guidance_scale, 0, MAX_GUIDANCE_SCALE, meaning="1 disables guidance; beyond "
+                     f"{MAX_GUIDANCE_SCALE:g} the mixed fp32 logits overflow")
+        if negative_prompt is not None and guidance_scale == 1:
+            raise ValueError("`negative_prompt` is only used by classifier-free guidance, which `guidance_scale=1` turns "
+                             "off: pass a `guidance_scale` other than 1, or no `negative_prompt`.")
         check_number("temperature", temperature, 0, meaning="0 is greedy")
         check_number("top_k", top_k, 0, integer=True, optional=True, meaning="0 keeps every code")
         check_number("top_p", top_p, 0, 1, low_open=True, optional=True)
@@ -234,6 +247,11 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         if callback_on_step_end is not None and not callable(callback_on_step_end):
             raise ValueError(f"`callback_on_step_end` must be callable or None, got {type(callback_on_step_end).__name__}.")
+        if callback_on_step_end is not None:
+            _check_callback_signature(callback_on_step_end)
+        if callback_on_step_end_tensor_inputs is None or not isinstance(callback_on_step_end_tensor_inputs, (list, tuple, str)):
+            raise ValueError(f"`callback_on_step_end_tensor_inputs` must be a list of names (`[]` for none), got "
+                             f"{callback_on_step_end_tensor_inputs!r}; allowed names: {self._callback_tensor_inputs}.")
         if isinstance(callback_on_step_end_tensor_inputs, str):
             raise ValueError(f"`callback_on_step_end_tensor_inputs` must be a list of names, got the string {callback_on_step_end_tensor_inputs!r}.")
         unknown = [k for k in callback_on_step_end_tensor_inputs or () if k not in self._callback_tensor_inputs]
@@ -242,6 +260,61 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                 f"`callback_on_step_end_tensor_inputs` has {unknown}; allowed: {self._callback_tensor_inputs}."
             )
         return prompts
+
+    def check_components(self) -> None:
+        """Raise `ValueError` naming every required component that is ``None`` (a pipeline built with ``vqvae=None``
+        or ``decoder=None``), and a pipeline whose weights are on the ``meta`` device (nothing to compute with)."""
+        missing = [name for name in self.components if name not in self._optional_components and getattr(self, name, None) is None]
+        if missing:
+            raise ValueError(f"This {type(self).__name__} has no {', '.join(f'`{m}`' for m in missing)}: a call needs every "
+                             f"component but {self._optional_components} (set it, e.g. `pipe.decoder = JacobiDecoder()`).")
+        if self.draft_heads is not None:
+            self.draft_heads.check_modules()  # heads edited after they were attached
+        if self.device.type == "meta":
+            raise ValueError(f"This {type(self).__name__} is on the meta device (its weights hold no values): load it "
+                             "with real weights, or move it to `cpu` or `cuda`.")
+
+    def check_prompt_length(self, prompt_length: int) -> None:
+        """Raise `ValueError` naming ``prompt`` when ``prompt_length`` positions (the longest prompt with its template)
+        and the image's positions exceed the model's context (`SpatialBackbone.max_sequence_length`): checked after
+        tokenizing, before the prompt pass."""
+        backbone = self.backbone
+        limit, layout = backbone.max_sequence_length, backbone.layout
+        if limit is None:
+            return
+        image = layout.sequence_length
+        if prompt_length + image > limit:
+            raise ValueError(f"`prompt` takes {prompt_length} positions (with its template) and the image {image}: more "
+                             f"than the {limit} this {type(self).__name__} model was trained for. Shorten the prompt to at "
+                             f"most {max(limit - image, 0)} positions (its template included).")
+
+    def check_memory(self, batch_size: int, do_cfg: bool, name: str = "num_images_per_prompt") -> None:
+        """Raise `ValueError` naming ``name`` when the largest buffers of a call of ``batch_size`` images (the KV cache
+        of every row, the decoder's per-row window and one round's logits) would not fit in the device's free memory,
+        before anything is allocated (`memory_estimate`)."""
+        free = available_memory(self._execution_device)
+        if free is None:
+            return
+        need = self.memory_estimate(batch_size, do_cfg)
+        if need > 0.9 * free:
+            raise ValueError(
+                f"A call of {batch_size} images needs about {need / 2**30:.1f} GiB ({type(self.decoder).__name__}, "
+                f"{'with' if do_cfg else 'without'} CFG rows) and {self._execution_device} has {free / 2**30:.1f} GiB "
+                f"free: lower `{name}` or the number of prompts, or generate in several calls."
+            )
+
+    def memory_estimate(self, batch_size: int, do_cfg: bool) -> int:
+        """Bytes a call of ``batch_size`` images allocates for its largest buffers: the KV cache (every row, the grid
+        and the widest round), one round's fp32 logits and probabilities, and the decoder's own per-row state
+        (`SpatialDecoderMixin.state_bytes`). The prompt's own activations are not counted."""
+        backbone, layout = self.backbone, self.backbone.layout
+        rows = batch_size * (2 if do_cfg else 1)
+        fed = self.decoder.max_fed_tokens(layout) * (2 if layout.has_eol else 1)
+        probe = backbone.make_cache(1, 1)  # one slot of one row: the bytes of a slot of every layer
+        slot = probe.storage.numel() * probe.storage.element_size()
+        slots = 256 + layout.sequence_length + fed  # the prompt, the grid, the widest round
+        vocab = backbone.num_image_codes
+        return rows * slots * slot + 3 * rows * fed * vocab * 4 + self.decoder.state_bytes(batch_size, vocab)
 
     def _guided_logits(self, backbone: SpatialBackbone, hidden_states: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
         logits = backbone.image_logits(hidden_states)  # (R, T, V) fp32
@@ -294,6 +367,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             `SpatialPipelineOutput` (or ``(images, tokens, stats)``).
         """
         start_time = time.perf_counter()
+        self.check_components()
         backbone = self.backbone
         if guidance_scale is None:
             guidance_scale = backbone.default_guidance_scale
@@ -305,14 +379,22 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt, generator,
             output_type, callback_on_step_end_tensor_inputs, callback_on_step_end,
         )
+        if not isinstance(return_dict, bool):
+            raise ValueError(f"`return_dict` must be True or False, got {return_dict!r}.")
         self.decoder.check_compatibility(backbone.layout, self.draft_heads)
+        if self.draft_heads is not None:
+            if self.decoder.heads_needed() is None:
+                logger.warning(f"The pipeline's draft heads ({type(self.draft_heads).__name__}) are not used by "
+                               f"{type(self.decoder).__name__}, which drafts without heads.")
         batch_size = len(prompts) * num_images_per_prompt
         sampling = SamplingConfig(guidance_scale, temperature, top_k, top_p)
+        self.check_memory(batch_size, sampling.do_cfg)
         self._start_call(guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt` (callbacks.py)
         device = self._execution_device
 
         # 2. Encode prompts: one row per image, then (with CFG) the unconditional rows
         prefix = self._encode_prompts(prompts, negative_prompt, num_images_per_prompt, sampling, device)  # (R, P, D)
+        self.check_prompt_length(prefix.embeds.shape[1])
 
         # 3. Prepare the decoding state, the random numbers and the KV cache ("auto" draft sizes: from c(T))
         state, cache = self._prepare(prefix, sampling, generator, batch_size, device)
@@ -480,6 +562,49 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             yield timer
         finally:
             self._round_timer = None
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Free bytes on ``device``: CUDA's free memory, or the host's available memory for ``cpu`` (Linux
+    ``MemAvailable``, else ``os.sysconf``); ``None`` where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_text(prompts: Sequence[Any], name: str) -> None:
+    """Raise `ValueError` naming ``name`` for a text prompt that is not valid Unicode (a lone surrogate, which no
+    tokenizer can encode)."""
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"`{name}` [{i}] is not valid text: {err.reason} at character {err.start} "
+                                 f"({p[err.start:err.end]!r}); decode it with errors='replace' first.") from None
+
+
+def _check_callback_signature(callback) -> None:
+    """Raise `ValueError` unless ``callback`` takes diffusers' ``(pipe, step_index, timestep, callback_kwargs)``."""
+    try:
+        inspect.signature(callback).bind(None, 0, 0, {})
+    except TypeError as err:
+        raise ValueError(f"`callback_on_step_end` must take (pipe, step_index, timestep, callback_kwargs) as diffusers "
+                         f"callbacks do; {callback!r} does not ({err}).") from None
+    except ValueError:  # a builtin without a signature: let the call tell
+        pass
 
 
 def _as_list(prompt, name: str = "prompt") -> List[Any]:

@@ -241,6 +241,10 @@ class TransformersBackbone(SpatialBackbone):
         return self.text_config.hidden_size
 
     @property
+    def max_sequence_length(self) -> Optional[int]:
+        return getattr(self.text_config, "max_position_embeddings", None)
+
+    @property
     def num_attention_heads(self) -> int:
         return self.text_config.num_attention_heads
 
