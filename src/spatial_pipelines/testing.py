@@ -163,7 +163,7 @@ def dummy_janus_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16) 
     ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in
            (("pad", "<pad>"), ("bos", "<bos>"), ("eos", "<eos>"), ("boi", "<begin_of_image>"), ("image", "<image_placeholder>"))}
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=512, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                       num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
                        pad_token_id=ids["pad"])
     vision = JanusVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2, image_size=grid[0] * patch,
                                patch_size=patch, projection_dim=32, num_image_tokens=grid[0] * grid[1])
@@ -233,7 +233,7 @@ def dummy_emu3_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16) -
     processor = tiny_emu3_processor(num_codes)
     tokenizer = processor.tokenizer
     text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     vq = dict(codebook_size=num_codes, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
               num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1, temporal_downsample_factor=1)
@@ -326,7 +326,7 @@ def dummy_chameleon_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 
     vq = dict(embed_dim=4, num_embeddings=num_codes, latent_channels=4, base_channels=32, channel_multiplier=[1],
               num_res_blocks=1, resolution=8, attn_resolutions=[])
     config = ChameleonConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id, vocabulary_map=tokenizer.get_vocab(), vq_config=vq)
     config._attn_implementation = "sdpa"

@@ -16,6 +16,7 @@ from diffusers.utils import logging as diffusers_logging
 from spatial_pipelines import AutoregressiveDecoder, DecodingStats, SpatialPipelineOutput
 from spatial_pipelines.testing import dummy_pipeline
 
+from .diffusers_checks import DiffusersPipelineChecks
 from .reference import naive_greedy
 
 
@@ -23,9 +24,10 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-class PipelineTesterMixin:
+class PipelineTesterMixin(DiffusersPipelineChecks):
     """A family's tester sets every attribute in ``REQUIRED`` (non-empty); one it forgets is a `TypeError` when the
-    test module is collected, never a test that passes while checking nothing."""
+    test module is collected, never a test that passes while checking nothing. diffusers' own generic checks come with
+    it (`DiffusersPipelineChecks`)."""
 
     REQUIRED = ("family", "pipeline_class", "prompts", "bad_prompts")
     family: str = None

@@ -232,6 +232,8 @@ class LlamaGenPipeline(SpatialARPipeline):
             transformer.register_to_config(**{k: v for k, v in (("default_guidance_scale", default_guidance_scale),
                                                                   ("default_top_k", default_top_k)) if v is not None})
         self.register_to_config(text_encoder_package=text_encoder_package)
+        if transformer.config.condition_type == "text":  # a text model reads its prompts with them: not optional
+            self._optional_components = ["draft_heads"]
         self.register_modules(
             transformer=transformer, vqvae=vqvae, decoder=decoder, text_encoder=text_encoder, tokenizer=tokenizer
         )

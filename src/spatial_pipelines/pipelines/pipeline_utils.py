@@ -154,12 +154,19 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         packaged = {name: getattr(self.config, name) for name in self._packaged_components()}
 
         def write(folder):
-            # components that come from an installed package are recorded as absent and never written
+            # components that come from an installed package are recorded as absent and never written (diffusers'
+            # save skips an absent component only when it is optional)
             self.register_to_config(**{name: (None, None) for name in packaged})
+            own = self.__dict__.get("_optional_components")
+            self._optional_components = list(dict.fromkeys([*self._optional_components, *packaged]))
             try:
                 super(SpatialARPipeline, self).save_pretrained(folder, safe_serialization=True, **kwargs)
             finally:
                 self.register_to_config(**packaged)
+                if own is None:
+                    del self._optional_components
+                else:
+                    self._optional_components = own
 
         return save_with_card(self, save_directory, kwargs, write,
                               (lambda repo_id: pipeline_card(self, repo_id=repo_id, **card_fields)) if write_card else None)
