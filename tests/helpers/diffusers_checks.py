@@ -33,12 +33,7 @@ TEXT_TO_IMAGE_BATCH_PARAMS = frozenset(["prompt", "negative_prompt"])
 REQUIRED_OPTIONAL_PARAMS = frozenset(["num_images_per_prompt", "generator", "output_type", "return_dict"])
 
 #: diffusers checks that this file does not cover yet.
-NOT_YET_PORTED = (
-    "test_callback_inputs (its last-step `latents` overwrite)", "test_encode_prompt_works_in_isolation",
-    "test_layerwise_casting_inference", "test_group_offloading_inference", "test_dtype_dict", "test_dtype_alias",
-    "test_pipeline_with_accelerator_device_map", "test_pipeline_level_group_offloading_sanity_checks",
-    "test_pipeline_level_group_offloading_inference",
-)
+NOT_YET_PORTED = ("test_callback_inputs (its last-step `latents` overwrite)",)
 
 
 def to_np(value):
@@ -286,3 +281,66 @@ class DiffusersPipelineChecks:
         if not issubclass(self.pipeline_class, StableDiffusionMixin):
             return  # diffusers' check applies to Stable Diffusion pipelines only
         raise AssertionError("a token pipeline is not a StableDiffusionMixin")
+
+    test_layerwise_casting = True  # diffusers' switch: our targets run with fp8 storage (README, "layerwise casting")
+
+    def test_layerwise_casting_inference(self):
+        if not self.test_layerwise_casting:
+            return
+        pipe = self._pipe()
+        pipe.to("cpu", dtype=torch.bfloat16)
+        denoiser = pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
+        if not hasattr(denoiser, "enable_layerwise_casting"):
+            pytest.skip("the target is a transformers model, which has no `enable_layerwise_casting` (a diffusers "
+                        "ModelMixin method); `apply_layerwise_casting` on it: test_layerwise_casting_computes_in_the_compute_dtype")
+        denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        pipe(**self.get_dummy_inputs())
+
+    def test_group_offloading_inference(self):
+        pytest.skip("diffusers runs it with an accelerator only (group offloading moves weights to and from one)")
+
+    def test_dtype_dict(self):
+        components = self.get_dummy_components()
+        pipe = self.pipeline_class(**components)
+        specified_key = next(iter(components.keys()))
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmpdir:
+            pipe.save_pretrained(tmpdir)  # adaptation: safetensors, where diffusers asks for a pickle
+            dtype_dict = {specified_key: torch.bfloat16, "default": torch.float16}
+            loaded = self.pipeline_class.from_pretrained(tmpdir, dtype=dtype_dict)
+        for name, component in loaded.components.items():
+            if isinstance(component, torch.nn.Module) and hasattr(component, "dtype"):
+                expected = dtype_dict.get(name, dtype_dict.get("default", torch.float32))
+                assert component.dtype == expected, f"Component '{name}' has dtype {component.dtype} but expected {expected}"
+
+    def test_dtype_alias(self):
+        pipe = self._pipe()
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmpdir:
+            pipe.save_pretrained(tmpdir)  # adaptation: safetensors, where diffusers asks for a pickle
+            loaded = self.pipeline_class.from_pretrained(tmpdir, dtype=torch.float16)
+        for name, component in loaded.components.items():
+            if isinstance(component, torch.nn.Module) and hasattr(component, "dtype"):
+                assert component.dtype == torch.float16, f"Component '{name}' has dtype {component.dtype}"
+
+    def test_pipeline_with_accelerator_device_map(self, expected_max_difference=1e-4):
+        pipe = self._pipe()
+        inputs = self.get_dummy_inputs()
+        inputs["generator"] = torch.manual_seed(0)
+        out = pipe(**inputs)[0]
+        with tempfile.TemporaryDirectory() as tmpdir:
+            pipe.save_pretrained(tmpdir)
+            loaded = self.pipeline_class.from_pretrained(tmpdir, device_map="cpu")  # diffusers' torch_device: this suite's
+            loaded.set_progress_bar_config(disable=True)
+        inputs["generator"] = torch.manual_seed(0)
+        loaded_out = loaded(**inputs)[0]
+        assert np.abs(to_np(out) - to_np(loaded_out)).max() < expected_max_difference
+
+    def test_pipeline_level_group_offloading_sanity_checks(self):
+        pytest.skip("diffusers runs it with an accelerator only (group offloading moves weights to and from one)")
+
+    def test_pipeline_level_group_offloading_inference(self):
+        pytest.skip("diffusers runs it with an accelerator only (group offloading moves weights to and from one)")
+
+    def test_encode_prompt_works_in_isolation(self):
+        if not hasattr(self.pipeline_class, "encode_prompt"):
+            return  # as diffusers: the check is for pipelines with an `encode_prompt` (ours encode in the backbone)
+        raise AssertionError("a pipeline with its own `encode_prompt` needs this check ported in full")
