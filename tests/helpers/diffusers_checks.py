@@ -9,7 +9,7 @@ The adaptations, and only these (each is marked where it happens):
 - **no ``num_inference_steps``** is copied into batched inputs (a pipeline of ours has no steps to set).
 - Checks that cannot apply to a token model, or that need an accelerator, are skipped with the reason in the test.
 
-Checks not written here yet are listed in `NOT_YET_PORTED`, so the gap is visible in the suite.
+Every test method of diffusers' ``PipelineTesterMixin`` (33 at diffusers commit ``58eb52c``) has its port here.
 """
 
 import inspect
@@ -32,8 +32,6 @@ TEXT_TO_IMAGE_BATCH_PARAMS = frozenset(["prompt", "negative_prompt"])
 #: until the grid is full (no step count), and the grid is sampled code by code (no initial noise to pass in).
 REQUIRED_OPTIONAL_PARAMS = frozenset(["num_images_per_prompt", "generator", "output_type", "return_dict"])
 
-#: diffusers checks that this file does not cover yet.
-NOT_YET_PORTED = ("test_callback_inputs (its last-step `latents` overwrite)",)
 
 
 def to_np(value):
@@ -219,6 +217,41 @@ class DiffusersPipelineChecks:
         inputs["guidance_scale"] = 7.5
         out_cfg = pipe(**inputs)[0]
         assert out_cfg.shape == out_no_cfg.shape
+
+    def test_callback_inputs(self):
+        pipe = self._pipe()
+        assert hasattr(pipe, "_callback_tensor_inputs")
+
+        def callback_inputs_subset(pipe, i, t, callback_kwargs):
+            for name in callback_kwargs:
+                assert name in pipe._callback_tensor_inputs
+            return callback_kwargs
+
+        def callback_inputs_all(pipe, i, t, callback_kwargs):
+            for name in pipe._callback_tensor_inputs:
+                assert name in callback_kwargs
+            for name in callback_kwargs:
+                assert name in pipe._callback_tensor_inputs
+            return callback_kwargs
+
+        inputs = self.get_dummy_inputs()
+        inputs["callback_on_step_end"] = callback_inputs_subset
+        inputs["callback_on_step_end_tensor_inputs"] = ["latents"]
+        inputs["output_type"] = "latent"
+        pipe(**inputs)
+        inputs["callback_on_step_end"] = callback_inputs_all
+        inputs["callback_on_step_end_tensor_inputs"] = pipe._callback_tensor_inputs
+        pipe(**inputs)
+
+        def callback_inputs_change_tensor(pipe, i, t, callback_kwargs):
+            if i == pipe.num_timesteps - 1:
+                callback_kwargs["latents"] = torch.zeros_like(callback_kwargs["latents"])
+            return callback_kwargs
+
+        inputs["callback_on_step_end"] = callback_inputs_change_tensor
+        inputs["callback_on_step_end_tensor_inputs"] = pipe._callback_tensor_inputs
+        output = pipe(**inputs)[0]
+        assert output.abs().sum() == 0
 
     def test_callback_cfg(self):
         pipe = self._pipe()

@@ -277,7 +277,7 @@ class PipelineTesterMixin(DiffusersPipelineChecks):
             callback_on_step_end_tensor_inputs=["tokens", "acceptance_map"],
         )
         n = pipe.backbone.layout.num_tokens
-        assert [s[0] for s in seen] == list(range(1, n)) and [s[1] for s in seen] == list(range(2, n + 1))
+        assert [s[0] for s in seen] == list(range(n - 1)) and [s[1] for s in seen] == list(range(2, n + 1))
         assert torch.equal(seen[-1][2], out.tokens)
         assert (seen[0][2].flatten()[2:] == -1).all()  # not yet decoded codes are -1
 
@@ -293,7 +293,7 @@ class PipelineTesterMixin(DiffusersPipelineChecks):
 
         pipe(self.prompts[0], generator=gen(0), output_type="latent", callback_on_step_end=callback,
              callback_on_step_end_tensor_inputs=["tokens", "latents"])
-        assert seen == list(range(1, pipe.backbone.layout.num_tokens))
+        assert seen == list(range(pipe.backbone.layout.num_tokens - 1))  # step_index from 0, as diffusers' i
 
     def test_callback_reads_the_call_attributes_and_changes_guidance(self):
         """As in diffusers: a callback reads ``guidance_scale``, ``do_classifier_free_guidance`` and ``num_timesteps``
@@ -306,7 +306,7 @@ class PipelineTesterMixin(DiffusersPipelineChecks):
 
             def callback(p, step, num_committed, kwargs):
                 seen.append((p.guidance_scale, p.do_classifier_free_guidance, p.num_timesteps))
-                if switch_to is not None and step == k:
+                if switch_to is not None and step == k - 1:
                     p._guidance_scale = switch_to
                 return kwargs
 
@@ -315,7 +315,9 @@ class PipelineTesterMixin(DiffusersPipelineChecks):
             return out.tokens.flatten(), seen
 
         base, seen = run(2.0)
-        assert seen == [(2.0, True, i) for i in range(1, len(seen) + 1)] and pipe.num_timesteps == len(seen)
+        # rounds run plus one while the grid is not full: the last round's callback sees exactly the rounds run
+        assert seen == [(2.0, True, i + 1) for i in range(1, len(seen))] + [(2.0, True, len(seen))]
+        assert pipe.num_timesteps == len(seen)
         same, _ = run(2.0, switch_to=2.0)
         assert torch.equal(same, base)
         switched, seen = run(2.0, switch_to=0.0)  # from round k + 1 on: the unconditional model
@@ -347,12 +349,12 @@ class PipelineTesterMixin(DiffusersPipelineChecks):
 
         def callback(p, step, num_committed, kwargs):
             calls.append(step)
-            if step == 2:
+            if step == 1:
                 p._interrupt = True
             return kwargs
 
         out = pipe(self.prompts[0], generator=gen(0), output_type="np", callback_on_step_end=callback)
-        assert calls == [1, 2] and pipe.interrupt and pipe.num_timesteps == 2 and out.stats.num_forward_passes == 3
+        assert calls == [0, 1] and pipe.interrupt and pipe.num_timesteps == 2 and out.stats.num_forward_passes == 3
         codes = out.tokens.flatten()
         assert (codes[:3] >= 0).all() and (codes[3:] == -1).all()
         f = pipe.backbone.vae_scale_factor

@@ -1,6 +1,6 @@
 """What diffusers pipelines show callbacks and users during a call, for an AR loop: ``guidance_scale`` (a callback
 that changes ``pipe._guidance_scale`` changes it from the next round), ``do_classifier_free_guidance``,
-``num_timesteps`` (rounds run so far), ``interrupt`` (a callback that sets ``pipe._interrupt`` stops the loop after
+``num_timesteps`` (rounds run so far, plus one while the grid is not full), ``interrupt`` (a callback that sets ``pipe._interrupt`` stops the loop after
 the round), and the ``callback_on_step_end`` contract itself."""
 
 import dataclasses
@@ -37,7 +37,9 @@ class CallbackStateMixin:
 
     @property
     def num_timesteps(self) -> int:
-        """Rounds (target passes after the prefill) run so far by the current call; after it, by the last call."""
+        """Rounds (target passes after the prefill) of the current call known so far: those run, plus one while the grid
+        is not full, so a callback's last step is ``step_index == num_timesteps - 1`` as in diffusers; after a call,
+        the rounds it ran."""
         return self._num_timesteps
 
     @property
@@ -67,7 +69,8 @@ class CallbackStateMixin:
         """diffusers' ``callback_on_step_end`` contract, for an AR loop: the callback gets copies of the state tensors
         it names (mutating them changes nothing) and may return a dict of some of them. A returned
         ``acceptance_map`` replaces the record; a returned ``tokens`` (or ``latents``) may not change committed codes
-        (the KV cache and the decoder hold them): any change there is a `ValueError`, never silently dropped."""
+        before the last round (the KV cache and the decoder hold them): a change there is a `ValueError`, never
+        silently dropped. After the last round a returned grid replaces the output."""
         layout = state.layout
         grid = layout.grid(state.tokens)
         tensors = {"tokens": grid, "latents": grid, "acceptance_map": layout.grid(state.acceptance_map)}
@@ -87,8 +90,15 @@ class CallbackStateMixin:
                                  f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}; expected {tuple(current.shape)}.")
             value = value.to(current.device, current.dtype)
             if name in ("tokens", "latents") and not torch.equal(value, current):
-                raise ValueError(f"`callback_on_step_end` returned `{name}` with changed codes; committed codes cannot be "
-                                 "changed during generation (the KV cache holds them) and undecoded ones are -1. Edit the "
-                                 "returned grid after the call instead.")
+                if not state.finished:
+                    raise ValueError(f"`callback_on_step_end` returned `{name}` with changed codes before the last round; "
+                                     "committed codes cannot be changed during generation (the KV cache holds them) and "
+                                     "undecoded ones are -1. Change the grid after the last round "
+                                     "(`step_index == pipe.num_timesteps - 1`) or after the call.")
+                vocab = self.backbone.num_image_codes
+                if value.min() < 0 or value.max() >= vocab:
+                    raise ValueError(f"`callback_on_step_end` returned `{name}` with codes outside [0, {vocab}).")
+                state.tokens.copy_(value.flatten(1))  # (B, H*W): the grid the call returns
+                tensors = {**tensors, "tokens": value, "latents": value}
             if name == "acceptance_map":
                 state.acceptance_map.copy_(value.flatten(1))

@@ -359,13 +359,17 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             output_type (`str`): ``"pil"``, ``"np"``, ``"pt"`` or ``"latent"`` (the token grids).
             return_dict (`bool`): return a `SpatialPipelineOutput` rather than a tuple.
             callback_on_step_end (`Callable`, *optional*): called after every target pass as
-                ``callback(pipe, step_index, num_committed, callback_kwargs)``; ``callback_kwargs`` holds copies of
+                ``callback(pipe, step_index, num_committed, callback_kwargs)`` (``step_index`` from 0, as diffusers'
+                ``i``); ``callback_kwargs`` holds copies of
                 the state tensors named below (``tokens``, or diffusers' name ``latents``: the ``(B, H, W)`` grid,
                 ``-1`` where not yet decoded; ``acceptance_map``), so changing them in place changes nothing. Return
                 the dict (diffusers' habit) or ``None``: a returned ``acceptance_map`` replaces the record; a returned
-                grid must be as it was (a `ValueError` otherwise: committed codes cannot be changed mid-generation).
-                As in diffusers, the callback may read ``pipe.guidance_scale``, ``pipe.do_classifier_free_guidance``
-                and ``pipe.num_timesteps`` (rounds so far), set ``pipe._guidance_scale`` (used from the next round;
+                grid must be as it was before the last round (a `ValueError` otherwise: committed codes cannot be
+                changed mid-generation, the KV cache holds them) and replaces the output after it (codes in
+                ``[0, V)``). As in diffusers, the callback may read ``pipe.guidance_scale``,
+                ``pipe.do_classifier_free_guidance`` and ``pipe.num_timesteps`` (rounds run, plus one while the grid
+                is not full: the last round is ``step_index == pipe.num_timesteps - 1``; after the call, the rounds
+                run), set ``pipe._guidance_scale`` (used from the next round;
                 a call with ``guidance_scale=1`` cannot turn guidance on) and set ``pipe._interrupt = True`` (the
                 call stops after this round; undecoded codes stay ``-1`` and are mid-grey in images).
             callback_on_step_end_tensor_inputs (`list[str]`): state tensors put in ``callback_kwargs``.
@@ -460,10 +464,13 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                     self._round(backbone, state, cache, timer)
                 timer.rounds += 1
                 rounds += 1
-                self._num_timesteps = rounds
+                # rounds known so far: those run, and one more while the grid is not full (diffusers' callbacks find
+                # their last step as `step_index == pipe.num_timesteps - 1`)
+                self._num_timesteps = rounds + (0 if state.finished else 1)
                 progress_bar.update(state.num_committed - committed_before)
                 if callback is not None:
-                    self._run_callback(callback, callback_tensor_inputs, rounds, state)
+                    self._run_callback(callback, callback_tensor_inputs, rounds - 1, state)
+        self._num_timesteps = rounds
         return rounds
 
     def _decode(self, tokens: torch.Tensor, output_type: str):
