@@ -287,3 +287,13 @@ def test_model_cpu_offload_onloads_the_submodules_the_loop_calls(monkeypatch):
     out = pipe("a red fox", generator=gen(0), output_type="np").images
     np.testing.assert_array_equal(out, ref)
     assert calls and all(m is pipe.transformer for m in calls)
+
+
+def test_an_odd_non_square_grid_says_what_it_makes():
+    """Any positive grid is taken: the prompt states it as ``{h}*{w}`` and the image is ``f*h x f*w`` pixels."""
+    pipe = dummy_pipeline("emu3", grid=(3, 5))
+    pipe.set_progress_bar_config(disable=True)
+    assert "3*5" in pipe.backbone.image_prompt("a fox")
+    f = pipe.backbone.vae_scale_factor
+    out = pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.images.shape == (1, 3 * f, 5 * f, 3) and out.tokens.shape == (1, 3, 5)

@@ -230,7 +230,9 @@ class Emu3Pipeline(SpatialARPipeline):
         repo id such as ``BAAI/Emu3-Gen-hf``, through the Hub cache, ``HF_HUB_OFFLINE`` honoured).
 
         Args:
-            image_grid (`tuple[int, int]`, *optional*): codes per column and row (default 90x90: 720 pixels).
+            image_grid (`tuple[int, int]`, *optional*): codes per column and row (default 90x90: 720 pixels). Any
+                positive sizes, odd or not square: the prompt states ``{h}*{w}``, an end-of-row token follows each row,
+                and the image is ``8h x 8w`` pixels.
             default_guidance_scale, default_top_k, default_negative_prompt (*optional*): written into the model's
                 generation config (defaults: Emu3's 3.0, the checkpoint's ``top_k``, Emu3's negative prompt).
             torch_dtype / dtype: weights' dtype (e.g. ``torch.bfloat16``).
