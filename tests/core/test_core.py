@@ -324,3 +324,14 @@ def test_teacher_forcing_with_eol_reads_each_code_from_the_input_before_it():
     full = model(seq, torch.arange(seq.shape[1])).hidden_states
     want = full[:, [0, 1, 2, 4, 5, 6, 8, 9, 10]]  # code 3 is read from the first EOL, code 6 from the second
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-38, 1e-25])
+def test_a_temperature_below_fp32_range_is_the_greedy_limit(temperature):
+    """``logits / T`` would overflow fp32 (and ``T`` itself rounds to 0): the distribution is still the softmax's
+    limit, a point mass on the argmax, never NaN (which would sample code 0)."""
+    from spatial_pipelines.core.sampling import logits_to_probs
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, -5.0]])
+    probs = logits_to_probs(logits, SamplingConfig(1.0, temperature))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))

@@ -67,6 +67,10 @@ def apply_top_p(logits: torch.Tensor, top_p: Optional[float]) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+#: Below this temperature ``logits / T`` can overflow fp32; `logits_to_probs` then shifts the logits first.
+TINY_TEMPERATURE = 1e-20
+
+
 def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """Target distribution ``p`` (fp32) from CFG-mixed logits: temperature, then top-k, then top-p.
 
@@ -75,7 +79,12 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     logits = logits.float()
     if config.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = logits / config.temperature
+    if config.temperature < TINY_TEMPERATURE:
+        # the same softmax, shifted first: logits / T would overflow fp32 (inf - inf = NaN), and T itself rounds to 0
+        shifted = logits - logits.amax(dim=-1, keepdim=True)  # (..., V) <= 0, the largest logits at 0
+        logits = torch.where(shifted == 0, 0.0, shifted / config.temperature)  # the rest -> -inf: the greedy limit
+    else:
+        logits = logits / config.temperature
     logits = apply_top_p(apply_top_k(logits, config.top_k), config.top_p)
     return logits.softmax(dim=-1)
 
