@@ -264,6 +264,9 @@ CALL_CASES = [  # (call kwargs, what the message names)
     ({"callback_on_step_end_tensor_inputs": ["prompt_embeds"]}, "`callback_on_step_end_tensor_inputs`"),  # ("latents" is the grid)
     ({"callback_on_step_end_tensor_inputs": "tokens"}, "`callback_on_step_end_tensor_inputs`"),
     ({"callback_on_step_end_tensor_inputs": None}, "`callback_on_step_end_tensor_inputs`"),
+    # a diffusers PipelineCallback brings its own tensor inputs (SD's CFG cutoff edits `prompt_embeds`, which a token
+    # pipeline has not): named before any work, not a KeyError at the cutoff step
+    ({"callback_on_step_end": "SDCFGCutoffCallback"}, "`callback_on_step_end_tensor_inputs` has \\['prompt_embeds'\\]"),
     ({"callback_on_step_end": lambda pipe, step: {}}, "`callback_on_step_end` must take"),
     ({"callback_on_step_end": lambda pipe, step, timestep, kwargs, extra: {}}, "`callback_on_step_end` must take"),
     ({"guidance_scale": 1e300}, "`guidance_scale`"),
@@ -290,6 +293,10 @@ CALL_CASES = [  # (call kwargs, what the message names)
 @pytest.mark.parametrize("kwargs,names", CALL_CASES, ids=[f"call-{i}" for i in range(len(CALL_CASES))])
 def test_bad_call_arguments(saved, kwargs, names, monkeypatch):
     _, pipe, _ = saved
+    if kwargs.get("callback_on_step_end") == "SDCFGCutoffCallback":
+        from diffusers.callbacks import SDCFGCutoffCallback
+
+        kwargs = {**kwargs, "callback_on_step_end": SDCFGCutoffCallback(cutoff_step_ratio=0.5)}
     monkeypatch.setattr(type(pipe.backbone), "encode_prompt", lambda *a, **k: pytest.fail("work began before the check"))
     with pytest.raises(ValueError, match=names):
         pipe(**{"prompt": "a fox", "output_type": "latent", **kwargs})

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import logging
 
@@ -386,6 +387,8 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             top_k = backbone.default_top_k
 
         # 1. Check inputs
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):  # as diffusers: its own inputs
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         prompts = self.check_inputs(
             prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt, generator,
             output_type, callback_on_step_end_tensor_inputs, callback_on_step_end,
