@@ -190,11 +190,12 @@ def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None,
         px = relaxed.mass  # (B, T-1)
     qx = 1.0 if q is None else q[:, 1:].gather(-1, xs[..., None]).squeeze(-1)
     accept = valid & (u * qx < px)  # u < min(1, p/q) without dividing
+    depths = torch.arange(t, device=probs.device)  # (T,) a chain's node index is its depth
     if forced is not None:  # a row's carried codes: already its exact sample
-        accept = accept | (torch.arange(t - 1, device=probs.device) < forced[:, None])
+        accept = accept | (depths[:-1] < forced[:, None])
     num_accepted = accept.long().cumprod(-1).sum(-1)  # (B,) the accepted run from the root
-    last = num_accepted  # a chain's node index is its depth
-    path = torch.arange(t, device=probs.device).expand(b, t)
+    last = num_accepted
+    path = depths.expand(b, t)
     path = torch.where(path <= last[:, None], path, -1)  # (B, T)
     p_last = probs[rows, last]  # (B, V)
     rejected = last < t - 1  # a draft after the last node was tried and rejected (or not offered)

@@ -465,15 +465,15 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         (`TreeState.carried`), so a row that accepted more does not give it back. What does not fit in the ``left``
         drafts still in the window is dropped (a prefix of an exact sample is exact)."""
         acc = state.acceptance
-        run = (acc.num_accepted + 1).clamp_max(remaining)  # (B,) codes each row has now
-        carried = (run - n).clamp(0, left)  # (B,)
+        # each row's run (accepted drafts and the bonus, within the grid) beyond n, as far as the window holds it
+        carried = (acc.num_accepted + 1 - n).clamp(0, min(left, remaining - n))  # (B,)
         if state.batch_dropped is not None:
             state.batch_dropped -= carried.sum()
         state.carried = carried
         if left == 0:
             return
-        codes = torch.cat([state.node_tokens[:, 1:], acc.bonus[:, None]], 1)  # (B, L + 1) code at depth j + 1 ...
-        codes.scatter_(1, acc.num_accepted[:, None], acc.bonus[:, None])  # ... the bonus right after the run
-        keep = torch.arange(left, device=codes.device) < carried[:, None]  # (B, left)
+        slot = state.slots[:left]  # (left,) 0, 1, 2, ...: built once
+        # window slot i holds the code at depth n + 1 + i: the fed draft there, or the bonus right after the run
+        codes = torch.where(slot == (acc.num_accepted - n)[:, None], acc.bonus[:, None], state.node_tokens[:, n + 1 : n + 1 + left])
         # their q is left as drawn: a carried draft is never tested, and a rejection always lies after it
-        state.drafts[:, :left] = torch.where(keep, codes[:, n : n + left], state.drafts[:, :left])
+        state.drafts[:, :left] = torch.where(slot < carried[:, None], codes, state.drafts[:, :left])  # (B, left)

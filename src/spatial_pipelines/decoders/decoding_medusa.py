@@ -76,12 +76,13 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             check_draft_size("num_draft_tokens", num_draft_tokens)
         check_int("num_heads", num_heads)
         check_int("top_k", top_k)
-        if tree_paths is None:
+        if tree_paths is None:  # counted before the tree is built
             check_draft_budget(f"`num_heads={num_heads}` x `top_k={top_k}` (the default tree)", 1 + num_heads * top_k)
+            paths = caterpillar_paths(num_heads, top_k)
         else:
             check_draft_budget(f"`num_heads={num_heads}` (the tree depth)", 1 + num_heads)
-        paths = check_tree_paths(tree_paths, num_heads) if tree_paths is not None else caterpillar_paths(num_heads, top_k)
-        check_draft_budget(f"`tree_paths` ({len(paths)} paths)", 1 + len(paths))
+            paths = check_tree_paths(tree_paths, num_heads)
+            check_draft_budget(f"`tree_paths` ({len(paths)} paths)", 1 + len(paths))
         self._set_tree(tree_from_paths(paths), num_draft_tokens)
         self._num_ranks = 1 + max(r for p in paths for r in p)  # candidates needed per head (host int)
 

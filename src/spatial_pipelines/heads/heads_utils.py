@@ -9,6 +9,7 @@ import os
 from typing import Any, Dict, Optional
 
 from diffusers import ConfigMixin, ModelMixin
+from diffusers.utils import _add_variant  # diffusers' variant file names
 from huggingface_hub import ModelCard
 from torch import nn
 
@@ -19,14 +20,6 @@ from ..utils import check_path_or_repo_id, check_safe_serialization, check_safet
 #: The weights file of a heads folder (diffusers' name; safetensors only).
 SAFETENSORS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
-
-def _add_variant(name: str, variant: Optional[str]) -> str:
-    """``diffusion_pytorch_model.safetensors`` -> ``diffusion_pytorch_model.fp16.safetensors`` for ``variant="fp16"``
-    (diffusers' variant file names)."""
-    if not variant:
-        return name
-    stem, ext = os.path.splitext(name)
-    return f"{stem}.{variant}{ext}"
 
 #: Backbone facts a heads config records; each must equal the backbone's.
 BACKBONE_FACTS = ("hidden_size", "num_image_codes", "grid_height", "grid_width")
