@@ -56,6 +56,9 @@ TINY = dict(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=64, 
             condition_type="class", num_classes=10, num_condition_tokens=1)
 PROMPTS = ["grinning face", "red heart", "thumbs up", "smiling face with sunglasses", "fire", "rocket", "cat face", "sun"]
 DECODERS = ("ar", "sjd", "medusa")
+MODELS = ("embedded", "janus-pro-1b-layout")
+# budget seconds a row needs to start: a compiled row's warm-up compiles its graphs (tens of seconds with inductor)
+ROW_RESERVE_S = {False: 20.0, True: 45.0}
 
 
 def parse_args(argv=None):
@@ -70,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA")
     p.add_argument("--compile-backend", default=None, help="default: inductor on CUDA, eager (dynamo only) in a dry run")
     p.add_argument("--skip-roofline", action="store_true")
+    p.add_argument("--skip-eager", action="store_true", help="compiled rows only (speed-ups against compiled AR)")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="which models, in this order")
     args = p.parse_args(argv)
     if args.out is None and args.save_captions is None:
         p.error("--out is required (unless --save-captions)")
@@ -162,13 +167,17 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_rows(pipe, prompts, args, compiled: bool, log) -> dict:
-    """Every decoder at every images-per-prompt on ``pipe`` (one warm-up call per row, then the prompts one by one)."""
+def time_rows(pipe, prompts, args, compiled: bool, log, left=lambda: float("inf")) -> dict:
+    """Every decoder at every images-per-prompt on ``pipe`` (one warm-up call per row, then the prompts one by one).
+    A row is skipped (and says so) when less than `ROW_RESERVE_S` of the budget is left: ``left()`` seconds."""
     rows = {}
     for n in args.num_images_per_prompt:
         for name in DECODERS:
-            pipe.decoder = make_decoder(name)
             key = f"{name} x{n}" + (" [compiled]" if compiled else "")
+            if not args.dry_run and left() < ROW_RESERVE_S[compiled]:
+                log(f"  {key}: skipped (time budget)")
+                continue
+            pipe.decoder = make_decoder(name)
             start = time.perf_counter()
             pipe(prompts[:1], num_images_per_prompt=n, generator=torch.Generator().manual_seed(0), output_type="latent")
             warmup = time.perf_counter() - start
@@ -202,6 +211,8 @@ def time_rows(pipe, prompts, args, compiled: bool, log) -> dict:
 
 def add_speedups(rows: dict) -> None:
     for r in rows.values():
+        if "images_per_s" not in r:
+            continue
         eager = next((a for a in rows.values() if a["decoder"] == "ar" and not a["compiled"] and a["images_per_prompt"] == r["images_per_prompt"]), None)
         same = next((a for a in rows.values() if a["decoder"] == "ar" and a["compiled"] == r["compiled"] and a["images_per_prompt"] == r["images_per_prompt"]), None)
         r["speedup_vs_eager_ar"] = r["images_per_s"] / eager["images_per_s"] if eager else None
@@ -230,6 +241,10 @@ def plot_speed(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def markdown(report: dict) -> str:
     lines = []
     for model, section in report["decoding"].items():
@@ -242,7 +257,7 @@ def markdown(report: dict) -> str:
         for key, r in section["rows"].items():
             padded = "-" if r["padded_fraction"] is None else f"{100 * r['padded_fraction']:.0f}%"
             lines.append(f"| `{key}` | {r['images_per_s']:.3f} | {r['target_passes_per_image']:.0f} | {r['codes_per_pass']:.2f} | {padded} | "
-                         f"{r['graphs_compiled_while_timed']} | {r['speedup_vs_eager_ar']:.2f}x | {r['speedup_vs_same_ar']:.2f}x |")
+                         f"{r['graphs_compiled_while_timed']} | {ratio(r['speedup_vs_eager_ar'])} | {ratio(r['speedup_vs_same_ar'])} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -259,6 +274,11 @@ def main(argv=None):
     def log(text: str) -> None:
         print(text, flush=True)
         lines.append(text)
+
+    def save() -> None:  # after each step, so a run stopped from outside still leaves what it measured
+        report["seconds"] = time.perf_counter() - began
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=2)
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - began)
@@ -285,11 +305,13 @@ def main(argv=None):
         report["roofline"] = bench_roofline.main(roof_args)
         report["roofline"]["seconds"] = time.perf_counter() - start
         os.remove(os.path.join(args.out, "roofline.json"))  # kept inside gpu_check.json
+        save()
 
     # 2. decoding, eager then compiled, on each model
     models = {"embedded": lambda: embedded_pipeline(args.device, args.dtype, args.captions) if not args.dry_run else big_pipeline(TINY, args.device, args.dtype),
               "janus-pro-1b-layout": lambda: big_pipeline(TINY if args.dry_run else JANUS_PRO_1B, args.device, args.dtype)}
-    for model, build in models.items():
+    for model in args.models:
+        build = models[model]
         if left() < 60 and not args.dry_run:
             report["decoding"][model] = {"skipped": f"time budget ({args.budget_s:.0f} s) nearly spent"}
             log(f"{model}: skipped (budget)")
@@ -298,24 +320,25 @@ def main(argv=None):
         start = time.perf_counter()
         pipe = build()
         prompts = PROMPTS[: args.num_prompts] if pipe.backbone.is_text else list(range(args.num_prompts))
-        rows = time_rows(pipe, prompts, args, compiled=False, log=log)
+        rows = {} if args.skip_eager else time_rows(pipe, prompts, args, compiled=False, log=log, left=left)
         compile_info = None
         if left() > 90 or args.dry_run:
             compile_info = pipe.enable_compile(backend=args.compile_backend, keep_if_slower=True)
-            rows.update(time_rows(pipe, prompts, args, compiled=True, log=log))
+            report["decoding"][model] = {"rows": rows, "partial": True}
+            save()
+            rows.update(time_rows(pipe, prompts, args, compiled=True, log=log, left=left))
         else:
             log("  compiled rows skipped (budget)")
         add_speedups(rows)
         report["decoding"][model] = {"rows": rows, "compile": compile_info, "seconds": time.perf_counter() - start,
                                      "params": sum(p.numel() for p in pipe.transformer.parameters())}
+        save()
         del pipe
         torch._dynamo.reset()
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    report["seconds"] = time.perf_counter() - began
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    save()
     table = markdown(report)
     with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
         f.write(table + "\n")

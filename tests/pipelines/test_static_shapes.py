@@ -21,6 +21,7 @@ from spatial_pipelines import (
 from spatial_pipelines.core import StaticKVCache
 from spatial_pipelines.core.kv_cache import KVCache, TransformersCacheView
 from spatial_pipelines.pipelines.pass_cost import PassCost
+from spatial_pipelines.pipelines import static_shapes
 from spatial_pipelines.pipelines.static_shapes import pad_fed, static_cache_length
 from spatial_pipelines.testing import dummy_pipeline
 
@@ -154,6 +155,33 @@ def test_compiled_step_compiles_once(decoder_cls, kwargs, heads, family):
     assert warm.stats.num_forward_passes > 2 and again.tokens.shape == warm.tokens.shape
     pipe.disable_compile()
     assert not pipe.is_compiled and not pipe.static_shapes
+
+
+@pytest.mark.parametrize("family", ["llamagen", "janus"])
+def test_compiled_step_writes_one_static_cache_input(family, monkeypatch):
+    """CUDA graphs replay a step only if every input it writes in place is static (inductor skips the graph with
+    "mutated inputs" otherwise). The step's only input inside the KV cache is the cache's storage itself, marked
+    static: per-layer views of it would each be a mutated, unmarked input. The marking happens where CUDA graphs
+    run; ``uses_cuda_graphs`` is forced here so the check runs on a CPU."""
+    monkeypatch.setattr(static_shapes, "uses_cuda_graphs", lambda module, device: True)
+    torch._dynamo.reset()
+    pipe = dummy_pipeline(family, AutoregressiveDecoder(), None, grid=(4, 5))
+    graph_inputs = []
+
+    def backend(gm, example_inputs):  # dynamo hands a custom backend the real input tensors
+        graph_inputs.append(list(example_inputs))
+        return gm
+
+    pipe.enable_compile(backend=backend, measure=False)
+    pipe("a red fox", guidance_scale=3.0, generator=torch.Generator().manual_seed(0), output_type="latent")
+    storage = pipe.__dict__["_static_cache"].storage
+    assert graph_inputs
+    for inputs in graph_inputs:
+        in_cache = [x for x in inputs if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()]
+        assert len(in_cache) == 1 and in_cache[0] is storage
+        assert getattr(storage, "_dynamo_static_input_type", None) is not None
+    pipe.disable_compile()
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("decoder_cls,kwargs,heads", [c for c in DECODER_CASES if c.id in ("medusa", "sjd-left", "eagle")])

@@ -123,10 +123,13 @@ class StaticKVCache:
         if self.fixed_shape:
             if self.write_index is None or self.write_index.shape[0] != key.shape[2]:
                 raise ValueError(f"Call `prepare_write({key.shape[2]})` before a pass on a fixed-shape cache.")
-            self.keys[layer_idx].index_copy_(2, self.write_index, key)  # (B, H_kv, S, D): a fixed-shape write
-            self.values[layer_idx].index_copy_(2, self.write_index, value)
+            # views of `storage` taken here, not the `keys` / `values` lists: a compiled step then has one mutated
+            # input, the storage (marked static), where per-layer views alias it and make CUDA graphs skip the step
+            keys, values = self.storage[layer_idx, 0], self.storage[layer_idx, 1]  # (B, H_kv, S, D)
+            keys.index_copy_(2, self.write_index, key)  # a fixed-shape write
+            values.index_copy_(2, self.write_index, value)
             a = self.attend_length
-            return self.keys[layer_idx][:, :, :a], self.values[layer_idx][:, :, :a]  # (B, H_kv, A, D)
+            return keys[:, :, :a], values[:, :, :a]  # (B, H_kv, A, D)
         end = self.length + key.shape[2]
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")

@@ -17,7 +17,7 @@ import torch
 
 from ..core.contracts import DRAFTER
 from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
-from .static_shapes import eager_target
+from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
 
 
 #: Timed sweeps per cost measurement (after 2 untimed ones): enough for "auto" sizes that repeat from process to
@@ -101,6 +101,8 @@ class PassCost:
         if self._cache is None or self._cache.max_length < filled + t:
             self._cache = backbone.make_cache(self.rows, filled + max(t, 64))
             self._cache.fixed_shape = self.fixed_shape
+            # as the pipeline's own cache: marked static, or CUDA graphs would skip a step that writes into it
+            mark_static_cache(self._cache, self.compiled and uses_cuda_graphs(backbone.target_module, device))
             embeds = torch.zeros(self.rows, filled, weight.shape[-1], device=device, dtype=dtype)
             with eager_target(backbone.target_module):  # filling the cache is no measured pass: no graph for it
                 backbone.forward(embeds, torch.arange(filled, device=device), None, None, self._cache)
