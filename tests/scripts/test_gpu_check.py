@@ -47,3 +47,17 @@ def test_saved_captions_stand_in_for_the_text_encoder(tmp_path):
     assert torch.equal(a.embeds, b.embeds) and torch.equal(a.valid, b.valid)
     with pytest.raises(KeyError, match="no caption"):
         stored.backbone.encode_prompt(["a prompt it never saw"], None, True, torch.device("cpu"))
+
+
+def test_gpu_check_compiled_rows_only(tmp_path):
+    """``--skip-eager --skip-roofline --models``: only the compiled rows of the named model, compared with compiled
+    AR (no eager AR to compare with: "-" in the table)."""
+    out = tmp_path / "check"
+    run_script("gpu_check.py", "--out", str(out), "--num-images-per-prompt", "1", "--skip-eager", "--skip-roofline",
+               "--models", "janus-pro-1b-layout")
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["roofline"] is None and list(report["decoding"]) == ["janus-pro-1b-layout"]
+    rows = report["decoding"]["janus-pro-1b-layout"]["rows"]
+    assert sorted(rows) == ["ar x1 [compiled]", "medusa x1 [compiled]", "sjd x1 [compiled]"]
+    assert all(r["speedup_vs_eager_ar"] is None and r["speedup_vs_same_ar"] > 0 for r in rows.values())
+    assert "| - |" in (out / "gpu_check.md").read_text()
