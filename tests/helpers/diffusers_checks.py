@@ -5,7 +5,7 @@ same name. `PipelineTesterMixin` (``pipeline_tester.py``) includes them, so ever
 The adaptations, and only these (each is marked where it happens):
 
 - **safetensors**: where diffusers saves with ``safe_serialization=False``, the save is a safetensors save (our pipelines
-  refuse to write pickles, README "Sharing heads on the Hub").
+  refuse to write pickles, docs/heads.md).
 - **no ``num_inference_steps``** is copied into batched inputs (a pipeline of ours has no steps to set).
 - Checks that cannot apply to a token model, or that need an accelerator, are skipped with the reason in the test.
 
@@ -315,7 +315,7 @@ class DiffusersPipelineChecks:
             return  # diffusers' check applies to Stable Diffusion pipelines only
         raise AssertionError("a token pipeline is not a StableDiffusionMixin")
 
-    test_layerwise_casting = True  # diffusers' switch: our targets run with fp8 storage (README, "layerwise casting")
+    test_layerwise_casting = True  # diffusers' switch: our targets run with fp8 storage (docs/getting-started.md, "layerwise casting")
 
     def test_layerwise_casting_inference(self):
         if not self.test_layerwise_casting:

@@ -148,6 +148,9 @@ class JacobiState(TreeState):
 class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     r"""Speculative Jacobi Decoding.
 
+    Every option is exact: a redraw follows ``p`` given everything the next verification sees, and becomes its own
+    ``q``.
+
     Args:
         window_size (`int` or `"auto"`): drafts verified per pass (L; the paper uses 16). ``"auto"`` (default) picks
             the window that maximises expected codes per second from the target pass cost measured on the device
@@ -180,8 +183,6 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             rates the draft below the copy; ``q`` becomes the law of that choice (its mass below the copy moved onto
             the copy), so the draft is still verified exactly. Image codes come in runs, which the stale ``q``
             underrates. ``"none"``: the draft is kept (the SJD paper's).
-        Every option above is exact: a redraw follows ``p`` given everything the next verification sees, and
-            becomes its own ``q``.
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
             (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
             settings in `LANTERN_PRESETS`).
