@@ -65,8 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spatial-pipelines", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"spatial_pipelines {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate an image from a prompt")
-    g.add_argument("prompt", help="text prompt (or a class label for class-conditional models)")
+    g = sub.add_parser("generate", help="generate an image from a prompt, or every image of a prompt file")
+    g.add_argument("prompt", nargs="?", default=None, help="text prompt (or a class label for class-conditional models)")
+    g.add_argument("--prompts-file", default=None,
+                   help="a job: one image set per prompt of this .txt / .jsonl / .csv file, written into the folder --out "
+                        "(resumable; split between processes under torchrun or accelerate launch)")
+    g.add_argument("--batch-size", type=int, default=1, help="with --prompts-file: prompts per pipeline call")
+    g.add_argument("--overwrite", action="store_true", help="with --prompts-file: remove the job in --out and start afresh")
     g.add_argument("--negative-prompt", default=None, help="replaces the unconditional prompt of CFG")
     g.add_argument("--model", default=None, help="a pipeline folder or Hub repo id (default: the embedded Twemoji model)")
     g.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model")
@@ -74,13 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heads", default=None,
                    help="draft heads (folder or Hub repo id) for decoders that need them (default with the embedded model: its shipped heads)")
     g.add_argument("--heads-revision", default=None, help="Hub revision of --heads")
-    g.add_argument("--out", default="image.png", help="output image, e.g. .png or .jpg (a grid when --num-images > 1)")
+    g.add_argument("--out", default=None,
+                   help="output image, e.g. .png or .jpg (a grid when --num-images > 1; default image.png); with "
+                        "--prompts-file: the job's folder (required)")
     g.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the checkpoint's)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     g.add_argument("--top-k", type=int, default=None, help="default: the checkpoint's; 0 keeps every code")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-images", type=int, default=1)
+    g.add_argument("--num-images", "--num-images-per-prompt", dest="num_images", type=int, default=1,
+                   help="images per prompt")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     return parser
@@ -124,8 +132,21 @@ def check_args(args: argparse.Namespace) -> None:
     from .pipelines.pipeline_utils import MAX_GUIDANCE_SCALE
     from .utils import check_number, check_path_or_repo_id
 
-    if not args.prompt.strip():
-        raise ValueError("`prompt` is empty: give the text (or class label) of the image to generate.")
+    if args.prompts_file is None:
+        if args.prompt is None:
+            raise ValueError("give a `prompt`, or `--prompts-file FILE --out DIR` for a job.")
+        if not args.prompt.strip():
+            raise ValueError("`prompt` is empty: give the text (or class label) of the image to generate.")
+        if args.overwrite or args.batch_size != 1:
+            raise ValueError("`--overwrite` and `--batch-size` apply to `--prompts-file` jobs.")
+        if args.out is None:
+            args.out = "image.png"
+    else:
+        if args.prompt is not None:
+            raise ValueError(f"give either a `prompt` ({args.prompt!r}) or `--prompts-file`, not both.")
+        if args.out is None:
+            raise ValueError("`--prompts-file` needs `--out DIR`, the job's folder.")
+        check_number("--batch-size", args.batch_size, 1, integer=True, meaning="prompts per pipeline call")
     check_number("--num-images", args.num_images, 1, integer=True)
     check_number("--seed", args.seed, 0, 2**63 - 1 - args.num_images, integer=True,
                  meaning="image i is generated with seed + i")
@@ -136,10 +157,11 @@ def check_args(args: argparse.Namespace) -> None:
         check_number("--top-k", args.top_k, 0, integer=True, meaning="0 keeps every code")
     if args.top_p is not None:
         check_number("--top-p", args.top_p, 0, 1, low_open=True)
-    check_writable_file(args.out, "--out")
-    ext = os.path.splitext(args.out)[1].lower()
-    if ext not in Image.registered_extensions() or Image.registered_extensions()[ext] not in Image.SAVE:
-        raise ValueError(f"`--out` {args.out!r} must end with an image extension PIL writes (.png, .jpg, .webp, ...).")
+    if args.prompts_file is None:
+        check_writable_file(args.out, "--out")
+        ext = os.path.splitext(args.out)[1].lower()
+        if ext not in Image.registered_extensions() or Image.registered_extensions()[ext] not in Image.SAVE:
+            raise ValueError(f"`--out` {args.out!r} must end with an image extension PIL writes (.png, .jpg, .webp, ...).")
     try:
         device = torch.device(args.device)
     except RuntimeError as err:
@@ -162,11 +184,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("`--heads-revision` needs `--heads` (a Hub repo id).")
 
 
-def generate(args: argparse.Namespace) -> int:
+def load_for_args(args: argparse.Namespace, device=None):
+    """The pipeline the options ask for, on ``device`` (default ``--device``), with its decoder and heads."""
     from .embedded import default_model_path
 
-    check_args(args)
-    pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype], args.revision).to(args.device)
+    pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype], args.revision).to(device or args.device)
     pipe.decoder = DECODERS[args.decoder].from_config(pipe.decoder.config)
     heads = args.heads
     need = pipe.decoder.heads_needed()
@@ -181,6 +203,62 @@ def generate(args: argparse.Namespace) -> int:
             pipe.load_draft_heads(heads, **({"revision": args.heads_revision} if args.heads_revision else {}))
         except OSError as err:
             raise ValueError(f"`--heads` {heads!r} could not be loaded: {err}") from err
+    return pipe
+
+
+def job_settings(args: argparse.Namespace, rows) -> dict:
+    """What every image of a job depends on, keyed by the option that sets it (`jobs.JobFolder` compares them)."""
+    from .jobs import rows_digest
+
+    return {"--model": args.model or "embedded", "--revision": args.revision, "--decoder": args.decoder,
+            "--heads": args.heads, "--heads-revision": args.heads_revision, "--dtype": args.dtype, "--seed": args.seed,
+            "--num-images-per-prompt": args.num_images, "--negative-prompt": args.negative_prompt,
+            "--guidance-scale": args.guidance_scale, "--temperature": args.temperature, "--top-k": args.top_k,
+            "--top-p": args.top_p, "--prompts-file": rows_digest(rows)}
+
+
+def generate_job(args: argparse.Namespace) -> int:
+    """``--prompts-file``: every image of the file into ``--out`` (`jobs.run_job`), this process's share of the rows."""
+    from accelerate import PartialState
+
+    from .jobs import JobFolder, read_prompts, run_job
+
+    rows = read_prompts(args.prompts_file)
+    if args.seed + len(rows) - 1 > 2**63 - 1:
+        raise ValueError(f"`--seed` {args.seed}: row i uses seed + i, past 2**63 - 1 for {len(rows)} rows.")
+    folder = JobFolder(args.out, job_settings(args, rows))
+    folder.check_writable()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    state = PartialState(cpu=torch.device(args.device).type == "cpu") if distributed else None
+    if state is None or state.is_main_process:
+        folder.open(overwrite=args.overwrite)
+    if state is not None:
+        state.wait_for_everyone()
+        if not state.is_main_process:
+            folder.open()
+    device = state.device if state is not None and torch.device(args.device).type != "cpu" else args.device
+    pipe = load_for_args(args, device)
+    pipe.set_progress_bar_config(disable=True)
+    guidance = pipe.backbone.default_guidance_scale if args.guidance_scale is None else args.guidance_scale
+    pipe.check_memory(args.batch_size * args.num_images, guidance != 1, "--batch-size")
+    negative = pipe.backbone.prompt_from_text(args.negative_prompt) if args.negative_prompt is not None else None
+    call = dict(negative_prompt=negative, guidance_scale=args.guidance_scale, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p)
+    record = {"decoder": args.decoder, "decoder_config": dict(pipe.decoder.config)}
+    summary = run_job(pipe, rows, folder, seed=args.seed, images_per_prompt=args.num_images, batch_size=args.batch_size,
+                      call_kwargs=call, state=state, record_extra=record)
+    if summary is not None:
+        rate = f"{summary['images_per_s']:.2f} images/s" if summary["run_images"] else "nothing left to make"
+        print(f"job complete: {summary['images']} images in {args.out} ({summary['run_images']} made now, {rate}) | "
+              f"{summary['codes_per_pass']:.2f} codes per pass")
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    check_args(args)
+    if args.prompts_file is not None:
+        return generate_job(args)
+    pipe = load_for_args(args)
     guidance = pipe.backbone.default_guidance_scale if args.guidance_scale is None else args.guidance_scale
     pipe.check_memory(args.num_images, guidance != 1, "--num-images")  # before a generator per image is made
     prompt = pipe.backbone.prompt_from_text(args.prompt)
