@@ -48,6 +48,7 @@ from spatial_pipelines.cli import load_pipeline
 from spatial_pipelines.data import TwemojiDataset
 from spatial_pipelines.decoders import DECODERS
 from spatial_pipelines.embedded import default_model_path
+from spatial_pipelines.jobs import PromptRow, generate_batches, read_prompts
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--decoders", nargs="+", type=parse_decoder, default=[parse_decoder(d) for d in ("ar", "medusa", "hawk")])
     p.add_argument("--heads", nargs="*", default=[], help="draft heads folders; each decoder uses the ones of its class")
     p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--prompts-file", default=None,
+                   help="prompts from a .txt / .jsonl / .csv file (as `spatial-pipelines generate --prompts-file`; its first "
+                        "--num-prompts rows) instead of a sample of Twemoji captions; not with --quality")
     p.add_argument("--split", default="all", choices=["all", "train", "eval"], help="where the prompts are sampled")
     p.add_argument("--batch-size", type=int, default=1, help="images per call (1: the latency setting)")
     p.add_argument("--guidance-scale", type=float, default=None)
@@ -109,26 +113,32 @@ def parse_args(argv=None):
     p.add_argument("--num-images-per-prompt", type=int, nargs="+", default=[1],
                    help="images per prompt in one call; several values run every row at each (rows '<decoder> xN')")
     p.add_argument("--out", default="docs/benchmarks")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.prompts_file is not None and args.quality:
+        p.error("--quality scores against the Twemoji captions' images: sample them (no --prompts-file)")
+    return args
 
 
 def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent", num_images_per_prompt=1):
-    """Generate ``prompts`` (one seeded generator per image, ``num_images_per_prompt`` images of each prompt in one
-    call); returns outputs, code grids and the summed cost (passes and tokens per image)."""
+    """Generate ``prompts`` through the jobs' prompt loop (`spatial_pipelines.jobs.generate_batches`: one seeded
+    generator per image, prompt ``j`` seeded ``args.seed + seed_offset + j``); returns outputs, code grids and the
+    summed cost (passes and tokens per image)."""
     outs, grids = [], []
     cost = {"passes": 0, "draft_passes": 0, "tokens": 0, "images": 0, "accepted": [], "seconds": 0.0, "tree_depth": [], "tree_width": [],
             "padded": [], "compiled_graphs": 0}
-    n = num_images_per_prompt
-    for i in range(0, len(prompts), args.batch_size):
-        chunk = prompts[i : i + args.batch_size]
-        gens = [torch.Generator().manual_seed(args.seed + seed_offset + (i + j) * n + k) for j in range(len(chunk)) for k in range(n)]
+    rows = [PromptRow(j, prompt) for j, prompt in enumerate(prompts)]
+    call = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k, output_type=output_type)
+    batches = generate_batches(pipe, rows, seed=args.seed + seed_offset, images_per_prompt=num_images_per_prompt,
+                               batch_size=args.batch_size, call_kwargs=call)
+    while True:
         graphs = counters["stats"]["unique_graphs"]
-        start = time.perf_counter()
-        out = pipe(chunk, guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
-                   generator=gens, output_type=output_type, num_images_per_prompt=n)
-        cost["seconds"] += time.perf_counter() - start
+        try:
+            keys, out, seconds = next(batches)
+        except StopIteration:
+            break
+        cost["seconds"] += seconds
         cost["compiled_graphs"] += counters["stats"]["unique_graphs"] - graphs  # a timed call that compiled: a recompile
-        images = len(gens)
+        images = len(keys)
         cost["images"] += images
         cost["passes"] += out.stats.num_forward_passes * images
         cost["draft_passes"] += out.stats.num_draft_passes * images
@@ -262,7 +272,10 @@ def main(argv=None):
         p.set_draft_heads(None)
     resolution = pipe.backbone.layout.height * pipe.backbone.vae_scale_factor
     real = TwemojiDataset(args.split, resolution, limit=args.limit)
-    prompts = random.Random(args.seed).sample(real.captions, args.num_prompts)
+    if args.prompts_file is not None:
+        prompts = [row.prompt for row in read_prompts(args.prompts_file)][: args.num_prompts]
+    else:
+        prompts = random.Random(args.seed).sample(real.captions, args.num_prompts)
     guidance = args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale
     top_k = args.top_k if args.top_k is not None else pipe.backbone.default_top_k
 

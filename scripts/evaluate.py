@@ -23,6 +23,7 @@ from spatial_pipelines.cli import load_pipeline
 from spatial_pipelines.data import TwemojiDataset, canonical_background_codes
 from spatial_pipelines.decoders import DECODERS
 from spatial_pipelines.embedded import default_model_path
+from spatial_pipelines.jobs import PromptRow, generate_batches
 from spatial_pipelines.evaluation import LPIPS, EffNetFeatures, extract_features, frechet_distance, lpips_diversity, retrieval_accuracy
 
 
@@ -51,13 +52,13 @@ def parse_args(argv=None):
 
 
 def generate(pipe, prompts, args, seed_offset=0):
-    """Images in [-1, 1] ``(N, 3, H, W)`` (one generator per image) and the summed decoding stats."""
+    """Images in [-1, 1] ``(N, 3, H, W)`` through the jobs' prompt loop (`spatial_pipelines.jobs.generate_batches`:
+    prompt ``j`` seeded ``args.seed + seed_offset + j``) and the summed decoding stats."""
     images, passes, seconds, calls = [], 0, 0.0, 0
-    for i in range(0, len(prompts), args.batch_size):
-        chunk = prompts[i : i + args.batch_size]
-        gens = [torch.Generator().manual_seed(args.seed + seed_offset + i + j) for j in range(len(chunk))]
-        out = pipe(chunk, guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, generator=gens, output_type="pt")
+    rows = [PromptRow(j, prompt) for j, prompt in enumerate(prompts)]
+    call = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                output_type="pt")
+    for _, out, _ in generate_batches(pipe, rows, seed=args.seed + seed_offset, batch_size=args.batch_size, call_kwargs=call):
         images.append(out.images.cpu() * 2 - 1)
         passes += out.stats.num_forward_passes
         seconds += out.stats.wall_time_s

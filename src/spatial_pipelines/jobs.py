@@ -282,6 +282,35 @@ class JobFolder:
         return summary
 
 
+def generate_batches(pipe, rows: Sequence[PromptRow], *, seed: int, images_per_prompt: int = 1, batch_size: int = 1,
+                     call_kwargs: Optional[dict] = None, skip=()) -> Iterator[tuple]:
+    """The one prompt loop of jobs, `scripts/benchmark.py` and `scripts/evaluate.py`: ``rows`` in calls of
+    ``batch_size`` rows, one seeded generator per image (`row_seed`, `image_seed`), images in ``skip`` (``(row, k)``
+    keys) left out.
+
+    Yields:
+        ``(keys, out, seconds)`` per call: ``keys`` a list of ``(row, k, seed)`` (one per image, in the output's
+        order), the pipeline's output, and the call's wall-clock seconds.
+    """
+    import torch
+
+    for start in range(0, len(rows), batch_size):
+        prompts, generators, keys = [], [], []
+        for r in rows[start:start + batch_size]:
+            for k in range(images_per_prompt):
+                if (r.index, k) in skip:
+                    continue
+                s = image_seed(row_seed(r, seed), k)
+                prompts.append(pipe.backbone.prompt_from_text(r.prompt) if isinstance(r.prompt, str) else r.prompt)
+                generators.append(torch.Generator().manual_seed(s))
+                keys.append((r, k, s))
+        if not keys:
+            continue
+        t0 = time.perf_counter()
+        out = pipe(prompts, num_images_per_prompt=1, generator=generators, **(call_kwargs or {}))
+        yield keys, out, time.perf_counter() - t0
+
+
 def run_job(pipe, rows: Sequence[PromptRow], folder: JobFolder, *, seed: int, images_per_prompt: int = 1,
             batch_size: int = 1, call_kwargs: Optional[dict] = None, state=None, progress: bool = True,
             record_extra: Optional[dict] = None) -> Optional[dict]:
@@ -302,7 +331,6 @@ def run_job(pipe, rows: Sequence[PromptRow], folder: JobFolder, *, seed: int, im
     Returns:
         the summary (main process, when the job is complete), else ``None``.
     """
-    import torch
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
@@ -319,29 +347,16 @@ def run_job(pipe, rows: Sequence[PromptRow], folder: JobFolder, *, seed: int, im
     tag = f"{os.getpid()}"
     total = len(rows) * images_per_prompt
     bar = tqdm(total=total, initial=len(done), unit="img", disable=not (progress and main), desc="images")
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start:start + batch_size]
-        prompts, generators, keys = [], [], []
-        for r in batch:
-            for k in range(images_per_prompt):
-                if (r.index, k) in done:
-                    continue
-                s = image_seed(row_seed(r, seed), k)
-                prompts.append(pipe.backbone.prompt_from_text(r.prompt))
-                generators.append(torch.Generator().manual_seed(s))
-                keys.append((r, k, s))
-        t0 = time.perf_counter()
-        out = pipe(prompts, num_images_per_prompt=1, generator=generators, **(call_kwargs or {}))
-        seconds = (time.perf_counter() - t0) / len(keys)
-        stats = out.stats
-        passes = stats.num_forward_passes
-        codes = stats.num_tokens // len(keys)
+    for keys, out, seconds in generate_batches(pipe, todo, seed=seed, images_per_prompt=images_per_prompt,
+                                               batch_size=batch_size, call_kwargs=call_kwargs, skip=done):
+        passes, codes = out.stats.num_forward_passes, out.stats.num_tokens // len(keys)
         entries = []
         for (r, k, s), image in zip(keys, out.images):
             name = image_name(r.index, k)
             folder.write_image(image, name, tag)
             entries.append({"row": r.index, "k": k, "prompt": r.prompt, "seed": s, **(record_extra or {}), "file": name,
-                            "passes": passes, "codes": codes, "codes_per_pass": codes / passes, "seconds": seconds})
+                            "passes": passes, "codes": codes, "codes_per_pass": codes / passes,
+                            "seconds": seconds / len(keys)})
         folder.record(entries)
         bar.n = len(folder.recorded()) if state is not None else bar.n + len(entries)
         bar.refresh()

@@ -223,3 +223,32 @@ def test_from_backbone_by_repo_id_from_the_hub_cache_offline(tmp_path):
     ref = pipe(["a red fox", "x"], guidance_scale=5.0, temperature=0, output_type="latent").tokens
     assert got == {"tokens": ref.tolist(), "name": "org/janus-tiny"}
     shutil.rmtree(home)
+
+
+@pytest.mark.parametrize("device_map", [{"": "cpu"}, "auto"])
+def test_from_backbone_passes_a_device_map_to_transformers(tmp_path, device_map, monkeypatch):
+    """``from_backbone(..., device_map=...)`` reaches transformers' ``from_pretrained`` for the model (not the
+    processor), and the pipeline decodes as without it."""
+    from transformers import JanusForConditionalGeneration
+
+    pipe = dummy_pipeline("janus", grid=(4, 5))
+    folder = write_transformers_checkpoint(pipe, tmp_path / "janus")
+    seen, original = [], JanusForConditionalGeneration.from_pretrained.__func__
+    monkeypatch.setattr(JanusForConditionalGeneration, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: seen.append(k.get("device_map")) or original(cls, *a, **k)))
+    mapped = JanusProPipeline.from_backbone(folder, device_map=device_map, torch_dtype=torch.float32)
+    assert seen == [device_map] and mapped.transformer.device.type == "cpu"
+    mapped.set_progress_bar_config(disable=True)
+    a = pipe(PROMPTS, guidance_scale=5.0, temperature=0, output_type="latent").tokens
+    assert torch.equal(mapped(PROMPTS, guidance_scale=5.0, temperature=0, output_type="latent").tokens, a)
+
+
+def test_a_device_map_over_several_accelerators_is_refused():
+    from spatial_pipelines.pipelines.transformers_utils import check_device_map
+
+    model = torch.nn.Linear(2, 2)
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": "cpu"}
+    check_device_map(model)  # one GPU and CPU offload: fine
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
+    with pytest.raises(ValueError, match="placed the model on 2 devices"):
+        check_device_map(model)

@@ -103,3 +103,21 @@ def test_benchmark_compiled_rows_and_batches(tmp_path):
     assert rows["ar"]["target_forward_passes_per_image"] == rows["ar x2 [compiled]"]["target_forward_passes_per_image"] == 16
     assert "speed-up vs compiled AR" in (out / "benchmark.md").read_text()
     assert (out / "batches.png").stat().st_size > 0
+
+
+def test_benchmark_reads_a_prompts_file_through_the_job_loop(tmp_path):
+    """``--prompts-file``: the prompts of a job file (its first ``--num-prompts`` rows), generated through
+    `spatial_pipelines.jobs.generate_batches` as jobs are; ``--quality`` with it is refused (it scores against the
+    Twemoji captions' images)."""
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "red heart"}\n{"prompt": "fire"}\n{"prompt": "sun"}\n')
+    out = tmp_path / "bench"
+    run_script("benchmark.py", "--model", str(tmp_path / "model"), "--decoders", "ar", "sjd", "--prompts-file", str(prompts),
+               "--num-prompts", "2", "--limit", "40", "--out", str(out))
+    report = json.loads((out / "benchmark.json").read_text())
+    assert report["num_prompts"] == 2 and report["decoders"]["sjd"]["target_forward_passes_per_image"] < 16
+    refused = run_script("benchmark.py", "--model", str(tmp_path / "model"), "--prompts-file", str(prompts), "--quality",
+                         "--out", str(out), check=False)
+    assert refused.returncode == 2 and "--quality" in refused.stderr

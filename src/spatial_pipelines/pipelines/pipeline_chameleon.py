@@ -35,8 +35,8 @@ from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
 from .backbone import PromptEmbeddings
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import (
-    GRID_KEY, CodeIndex, TransformersBackbone, check_load_arguments, configure_generation, left_padded, onload,
-    use_tree_attention,
+    GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, configure_generation,
+    device_map_kwargs, left_padded, onload, use_tree_attention,
 )
 
 #: Chameleon's structural tokens (names in the model's ``vocabulary_map``).
@@ -275,6 +275,7 @@ class ChameleonARPipeline(SpatialARPipeline):
         torch_dtype: Optional[torch.dtype] = None,
         dtype: Optional[torch.dtype] = None,
         attn_implementation: str = "sdpa",
+        device_map: Union[None, str, Dict[str, Any]] = None,
         **hub_kwargs,
     ) -> Dict[str, Any]:
         """Read a transformers Chameleon checkpoint (``config.json`` with model_type ``chameleon`` + safetensors +
@@ -292,6 +293,8 @@ class ChameleonARPipeline(SpatialARPipeline):
                 the family's).
             torch_dtype / dtype: weights' dtype (e.g. ``torch.bfloat16``), for the model and the VQGAN.
             attn_implementation (`str`): ``"sdpa"`` or ``"eager"`` (draft trees need an arbitrary attention mask).
+            device_map (`str` or `dict`, *optional*): transformers' ``device_map`` for the model (not several GPUs; the
+                VQGAN is loaded whole).
             hub_kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only``, ... for every download.
         """
         from transformers import AutoConfig, AutoTokenizer, ChameleonProcessor
@@ -310,8 +313,9 @@ class ChameleonARPipeline(SpatialARPipeline):
             config.vocabulary_map = dict(getattr(processor, "tokenizer", processor).get_vocab())
         model = ChameleonForConditionalGeneration.from_pretrained(
             repo_or_path, config=config, attn_implementation=attn_implementation,
-            dtype=weights_dtype if weights_dtype is not None else "auto", **hub_kwargs,
+            dtype=weights_dtype if weights_dtype is not None else "auto", **device_map_kwargs(device_map), **hub_kwargs,
         ).eval()
+        check_device_map(model)
         vqgan = load_vq(vq if vq is not None else cls.default_vq_repo, torch_dtype=weights_dtype, **hub_kwargs)
         if image_grid is None and getattr(model.generation_config, GRID_KEY, None) is None:
             image_grid = cls.default_image_grid_for(repo_or_path, vqgan.downsample_factor)

@@ -24,7 +24,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, check_load_arguments, left_padded
+from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, left_padded
 from .transformers_utils import configure_generation as configure_shared
 
 #: Emu3's published sampling settings (its image-generation example: CFG 3.0 with this negative prompt; top-k 2048
@@ -224,6 +224,7 @@ class Emu3Pipeline(SpatialARPipeline):
         torch_dtype: Optional[torch.dtype] = None,
         dtype: Optional[torch.dtype] = None,
         attn_implementation: str = "sdpa",
+        device_map: Union[None, str, Dict[str, Any]] = None,
         **kwargs,
     ) -> Dict[str, Any]:
         """Read a transformers Emu3 repo (``config.json`` + safetensors + tokenizer/processor files; a folder or a Hub
@@ -237,12 +238,15 @@ class Emu3Pipeline(SpatialARPipeline):
                 generation config (defaults: Emu3's 3.0, the checkpoint's ``top_k``, Emu3's negative prompt).
             torch_dtype / dtype: weights' dtype (e.g. ``torch.bfloat16``).
             attn_implementation (`str`): ``"sdpa"`` or ``"eager"`` (draft trees need an arbitrary attention mask).
+            device_map (`str` or `dict`, *optional*): transformers' ``device_map`` for the model (not several GPUs).
             kwargs: to transformers' ``from_pretrained`` (``revision``, ``cache_dir``, ``token``, ``local_files_only``).
         """
         dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
         transformer = Emu3ForConditionalGeneration.from_pretrained(
-            repo_or_path, dtype=dtype if dtype is not None else "auto", attn_implementation=attn_implementation, **kwargs
+            repo_or_path, dtype=dtype if dtype is not None else "auto", attn_implementation=attn_implementation,
+            **device_map_kwargs(device_map), **kwargs
         ).eval()
+        check_device_map(transformer)
         processor = Emu3Processor.from_pretrained(repo_or_path, **kwargs)
         configure_generation(transformer, image_grid=image_grid, guidance_scale=default_guidance_scale,
                              top_k=default_top_k, negative_prompt=default_negative_prompt)

@@ -25,7 +25,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import TransformersBackbone, check_load_arguments, use_tree_attention
+from .transformers_utils import TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, use_tree_attention
 
 #: Janus-Pro's CFG scale (the checkpoints' generation config and the paper's sampling setting).
 JANUS_DEFAULT_GUIDANCE_SCALE = 5.0
@@ -231,6 +231,7 @@ class JanusProPipeline(SpatialARPipeline):
         dtype: Optional[torch.dtype] = None,
         processor: Optional[ProcessorMixin] = None,
         attn_implementation: str = "sdpa",
+        device_map: Union[None, str, Dict[str, Any]] = None,
         **hub_kwargs,
     ) -> Dict[str, Any]:
         """Read a transformers Janus checkpoint (``config.json`` + safetensors + processor files; a local folder or a
@@ -241,6 +242,8 @@ class JanusProPipeline(SpatialARPipeline):
                 transformers loads it.
             processor (`JanusProcessor`, *optional*): use this processor instead of the checkpoint's.
             attn_implementation (`str`): ``"sdpa"`` (default) or ``"eager"``; flash attention cannot take tree masks.
+            device_map (`str` or `dict`, *optional*): transformers' ``device_map`` for the model (``"auto"``, or one GPU
+                and ``"cpu"`` offload; not several GPUs: `check_device_map`).
             hub_kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only``, ... for both ``from_pretrained``.
         """
         from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
@@ -251,8 +254,9 @@ class JanusProPipeline(SpatialARPipeline):
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a Janus checkpoint.")
         model = JanusForConditionalGeneration.from_pretrained(
             repo_or_path, attn_implementation=attn_implementation,
-            **({"dtype": weights_dtype} if weights_dtype is not None else {}), **hub_kwargs,
+            **({"dtype": weights_dtype} if weights_dtype is not None else {}), **device_map_kwargs(device_map), **hub_kwargs,
         )
+        check_device_map(model)
         if processor is None:
             processor = JanusProcessor.from_pretrained(repo_or_path, **hub_kwargs)
         return {"transformer": model.eval(), "processor": processor}

@@ -125,6 +125,24 @@ def check_load_arguments(
     return dtype if dtype is not None else torch_dtype
 
 
+def device_map_kwargs(device_map) -> Dict[str, Any]:
+    """transformers' ``from_pretrained`` arguments for a family's ``device_map`` (none when it is ``None``)."""
+    return {} if device_map is None else {"device_map": device_map}
+
+
+def check_device_map(model: torch.nn.Module) -> None:
+    """Refuse a model that transformers spread over several accelerators (``hf_device_map``): the generation loop's
+    static KV cache is one tensor on one device. One accelerator with weights offloaded to ``"cpu"`` / ``"disk"``
+    (accelerate moves them in for each forward) is fine."""
+    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    accelerators = sorted(placed - {"cpu", "disk", "meta"})
+    if len(accelerators) > 1:
+        raise ValueError(
+            f"`device_map` placed the model on {len(accelerators)} devices ({', '.join(accelerators)}); the static KV "
+            "cache lives on one device. Use one GPU (bf16), `pipe.enable_model_cpu_offload()`, or a map of one GPU "
+            "and 'cpu' (offloaded layers are moved in for each forward).")
+
+
 def use_tree_attention(transformer: torch.nn.Module, attention: str, family: str) -> None:
     """Switch ``transformer`` to ``sdpa`` (with a warning) when its trunk's ``attention`` implementation cannot take
     tree masks."""
