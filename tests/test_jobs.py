@@ -155,3 +155,41 @@ def test_a_killed_job_resumes_then_torchrun_makes_the_same_rows(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert _check_complete(split) == rows  # the same rows, prompts, seeds and files, each once
+
+
+def test_a_full_disk_is_a_clear_error_and_the_manifest_stays_whole(tmp_path, monkeypatch):
+    """The second image cannot be written (ENOSPC): a `ValueError` naming the path; the first image and its manifest
+    line stay, no temporary file is left, and the job run again finishes the rest."""
+    import errno
+
+    from spatial_pipelines.jobs import run_job
+    from spatial_pipelines.testing import dummy_pipeline
+
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.set_progress_bar_config(disable=True)
+    rows = [PromptRow(i, p) for i, p in enumerate(["a", "b", "c"])]
+    folder = JobFolder(str(tmp_path / "job"), {"--decoder": "ar"})
+    folder.open()
+    saves, save = [], Image.Image.save
+
+    def full_disk(image, fp, *args, **kwargs):
+        saves.append(fp)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(image, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", full_disk)
+    with pytest.raises(ValueError, match=r"could not write .*000001_0\.png.*No space left on device"):
+        run_job(pipe, rows, folder, seed=0, progress=False)
+    assert list(folder.recorded()) == [(0, 0)]
+    assert not [p for p in (tmp_path / "job").iterdir() if p.name.endswith(".tmp.png")]
+    monkeypatch.setattr(Image.Image, "save", save)
+    summary = run_job(pipe, rows, folder, seed=0, progress=False)
+    assert summary["complete"] and summary["run_images"] == 2 and list(folder.recorded()) == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_an_unwritable_folder_is_refused_before_loading(tmp_path, monkeypatch):
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode))
+    with pytest.raises(ValueError, match="is not writable by this user"):
+        JobFolder(str(tmp_path / "job"), {}).check_writable()
