@@ -40,6 +40,7 @@ import safetensors.torch
 import torch
 import transformers
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import spatial_pipelines
 from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, LlamaGenPipeline, MedusaDecoder, SpatialDraftHeads
@@ -74,6 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--compile-backend", default=None, help="default: inductor on CUDA, eager (dynamo only) in a dry run")
     p.add_argument("--skip-roofline", action="store_true")
     p.add_argument("--skip-eager", action="store_true", help="compiled rows only (speed-ups against compiled AR)")
+    p.add_argument("--skip-breakdown", action="store_true", help="no per-round breakdown (ms per part, ops, host reads)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="which models, in this order")
     args = p.parse_args(argv)
     if args.out is None and args.save_captions is None:
@@ -209,6 +211,46 @@ def time_rows(pipe, prompts, args, compiled: bool, log, left=lambda: float("inf"
     return rows
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops a block dispatches, and among them the host reads (each one a device sync on a GPU)."""
+
+    HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.host_reads += str(func.overloadpacket) in self.HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+def round_breakdown(pipe, prompts, args, compiled: bool, log) -> dict:
+    """Where one generation's rounds spend their time (`pipe.profile_rounds`, synchronised on a GPU: ms per round in
+    the draft, end-of-row, forward, accept and KV parts) and how many aten ops and host reads a round dispatches
+    (a second generation under `OpCounter`, eager rounds only), per decoder: the numbers that tell a launch-bound round
+    from a slow one."""
+    out = {}
+    for name in DECODERS:
+        pipe.decoder = make_decoder(name)
+        pipe(prompts[:1], generator=torch.Generator().manual_seed(0), output_type="latent")  # sizes chosen, graphs made
+        sync(args.device)
+        with pipe.profile_rounds(synchronize=(lambda: sync(args.device)) if args.device.type == "cuda" else None) as timer:
+            res = pipe(prompts[:1], generator=torch.Generator().manual_seed(0), output_type="latent")
+        rounds = res.stats.num_forward_passes - 1  # the prefill is no round
+        ops = reads = None
+        if not compiled:  # a dispatch mode cannot run inside a compiled step: counted on the eager rounds only
+            with OpCounter() as counter:
+                again = pipe(prompts[:1], generator=torch.Generator().manual_seed(0), output_type="latent")
+            ops, reads = counter.ops / max(again.stats.num_forward_passes - 1, 1), counter.host_reads / max(again.stats.num_forward_passes - 1, 1)
+        key = f"{name}" + (" [compiled]" if compiled else "")
+        out[key] = {"rounds": rounds, "ms_per_round": {k: 1e3 * v / max(rounds, 1) for k, v in timer.seconds.items()},
+                    "ops_per_round": ops, "host_reads_per_round": reads}
+        log(f"  breakdown {key}: {json.dumps(out[key])}")
+    return out
+
+
 def add_speedups(rows: dict) -> None:
     for r in rows.values():
         if "images_per_s" not in r:
@@ -259,6 +301,16 @@ def markdown(report: dict) -> str:
             lines.append(f"| `{key}` | {r['images_per_s']:.3f} | {r['target_passes_per_image']:.0f} | {r['codes_per_pass']:.2f} | {padded} | "
                          f"{r['graphs_compiled_while_timed']} | {ratio(r['speedup_vs_eager_ar'])} | {ratio(r['speedup_vs_same_ar'])} |")
         lines.append("")
+        if section.get("breakdown"):
+            parts = ["draft", "eol", "forward", "accept", "kv", "round"]
+            lines += ["| round breakdown | rounds | " + " | ".join(f"{p} ms" for p in parts) + " | ops / round | host reads / round |",
+                      "|---|---:|" + "---:|" * len(parts) + "---:|---:|"]
+            for key, b in section["breakdown"].items():
+                ms = " | ".join(f"{b['ms_per_round'].get(p, 0.0):.2f}" for p in parts)
+                ops = "-" if b["ops_per_round"] is None else f"{b['ops_per_round']:.0f}"
+                reads = "-" if b["host_reads_per_round"] is None else f"{b['host_reads_per_round']:.2f}"
+                lines.append(f"| `{key}` | {b['rounds']} | {ms} | {ops} | {reads} |")
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -320,17 +372,22 @@ def main(argv=None):
         start = time.perf_counter()
         pipe = build()
         prompts = PROMPTS[: args.num_prompts] if pipe.backbone.is_text else list(range(args.num_prompts))
+        breakdown = {}
+        if not (args.skip_breakdown or args.skip_eager):
+            breakdown.update(round_breakdown(pipe, prompts, args, compiled=False, log=log))
         rows = {} if args.skip_eager else time_rows(pipe, prompts, args, compiled=False, log=log, left=left)
         compile_info = None
         if left() > 90 or args.dry_run:
             compile_info = pipe.enable_compile(backend=args.compile_backend, keep_if_slower=True)
-            report["decoding"][model] = {"rows": rows, "partial": True}
+            report["decoding"][model] = {"rows": rows, "breakdown": breakdown, "partial": True}
             save()
             rows.update(time_rows(pipe, prompts, args, compiled=True, log=log, left=left))
+            if not args.skip_breakdown and (left() > 30 or args.dry_run):
+                breakdown.update(round_breakdown(pipe, prompts, args, compiled=True, log=log))
         else:
             log("  compiled rows skipped (budget)")
         add_speedups(rows)
-        report["decoding"][model] = {"rows": rows, "compile": compile_info, "seconds": time.perf_counter() - start,
+        report["decoding"][model] = {"rows": rows, "breakdown": breakdown, "compile": compile_info, "seconds": time.perf_counter() - start,
                                      "params": sum(p.numel() for p in pipe.transformer.parameters())}
         save()
         del pipe
