@@ -335,3 +335,22 @@ def test_a_temperature_below_fp32_range_is_the_greedy_limit(temperature):
     logits = torch.tensor([[1.0, 3.0, 2.0, -5.0]])
     probs = logits_to_probs(logits, SamplingConfig(1.0, temperature))
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+def test_growing_cache_passes_on_cuda_keep_off_cudnn_attention():
+    """A growing-cache pass on CUDA attends to a new length every round; cuDNN's SDPA builds a plan per exact shape
+    (tens of ms on the host), so those passes run with every other backend. Fixed-shape passes and the CPU are left
+    alone. The flags are global settings, so this runs without a GPU."""
+    from spatial_pipelines.core.kv_cache import varying_length_attention
+
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    with varying_length_attention(torch.device("cuda"), fixed_shape=False):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before
+    for device, fixed in [("cuda", True), ("cpu", False), ("cpu", True)]:
+        with varying_length_attention(torch.device(device), fixed_shape=fixed):
+            assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]

@@ -19,9 +19,22 @@ Two shapes of a pass (``fixed_shape``):
   to the whole cache: ``attend_buckets=1``).
 """
 
+import contextlib
 from typing import List, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
+
+
+def varying_length_attention(device: torch.device, fixed_shape: bool):
+    """The attention kernels for a target pass on ``device``: on CUDA with a growing cache (a new attended length every
+    round), every SDPA backend but cuDNN's. Why: cuDNN builds an execution plan per exact shape on the host (tens of
+    ms), so a round whose key length is new would build one every round; flash / memory-efficient attention take any
+    length for free. Fixed-shape rounds reuse a few lengths, and keep cuDNN."""
+    if device.type != "cuda" or fixed_shape:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 @runtime_checkable

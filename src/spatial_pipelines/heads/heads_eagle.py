@@ -18,7 +18,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from ..core.contracts import DRAFTER
-from ..core.kv_cache import StaticKVCache
+from ..core.kv_cache import StaticKVCache, varying_length_attention
 from ..models.blocks import TransformerBlock, llamagen_intermediate_size, rope_2d_table
 from .heads_utils import DraftHeadsMixin, check_heads_args
 
@@ -133,7 +133,8 @@ class EagleDraftHead(DraftHeadsMixin):
             mask = cache.attention_mask(attention_mask, None)  # (B, 1, T, L + T)
         else:
             mask = torch.cat([past_visible, attention_mask.expand(b, t, t)], dim=-1)[:, None]  # (B, 1, T, L + T)
-        out = self.layer(x, rope, mask, cache, 0)
+        with varying_length_attention(x.device, cache is None or cache.fixed_shape):  # a new length every pass
+            out = self.layer(x, rope, mask, cache, 0)
         if cache is not None:
             cache.advance(None, t)
         return out

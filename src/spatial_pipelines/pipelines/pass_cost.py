@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..core.contracts import DRAFTER
+from ..core.kv_cache import varying_length_attention
 from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
 
@@ -113,7 +114,8 @@ class PassCost:
         length = cache.length
 
         def one_pass():
-            backbone.image_logits(backbone.forward(backbone.embed_image_tokens(ids), positions, mask, None, cache))
+            with varying_length_attention(device, cache.fixed_shape):  # the kernels the loop's pass runs
+                backbone.image_logits(backbone.forward(backbone.embed_image_tokens(ids), positions, mask, None, cache))
             cache.crop(length)
 
         return self._timed(one_pass, passes, device)

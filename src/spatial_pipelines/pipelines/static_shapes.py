@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ..core.kv_cache import StaticKVCache
+from ..core.kv_cache import StaticKVCache, varying_length_attention
 
 if TYPE_CHECKING:
     from ..decoders.decoding_utils import DecodingState
@@ -144,7 +144,8 @@ class StaticShapesMixin:
         graphs = uses_cuda_graphs(backbone.target_module, embeds.device)
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T', D)
+        with varying_length_attention(embeds.device, cache.fixed_shape):
+            hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T', D)
         return hidden.clone() if graphs else hidden
 
     def enable_compile(
