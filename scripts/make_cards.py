@@ -76,7 +76,7 @@ the time and wrote plain white patches with 98 different codes, because its enco
 right of each patch. The patch tokenizer's codes depend on their own patch alone, and it reconstructs held-out
 emoji at 27.4 dB PSNR (the convolutional VQ: 22.0 dB).
 
-AR: `runs/ar6` is the earlier model after 22+ epochs on the old codes (`docs/quality.md` has its history).
+AR: `runs/ar6` is the earlier model after 22+ epochs on the old codes (`docs/archive.md` has its runs).
 `--init-from` keeps its layers and starts each new code's embedding and output row from the old code that most
 often tokenized the same patches. Then 900 AdamW steps (betas 0.9/0.95, wd 0.05, warm-up 90, cosine to 10%),
 batch 32, 10% caption drop, next-code cross-entropy on the 3,747 training images (7.7 epochs, 83 minutes). Final
