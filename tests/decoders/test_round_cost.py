@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spatial_pipelines import ADTTreeDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
 from spatial_pipelines.core import RandomSource
@@ -17,13 +18,27 @@ from spatial_pipelines.testing import dummy_pipeline
 
 from helpers import DECODER_CASES, make
 
-HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+#: Python-level reads that do not reach the dispatcher on a CPU tensor (each is a device read on a GPU)
+PYTHON_HOST_READS = ("tolist",)
+#: dispatcher-level reads: ``item``, ``int()``, ``bool()`` and the checks inside ops (`F.one_hot` reads the codes'
+#: min and max, for one) all end in one of these, which on a GPU wait for the device
+DISPATCH_HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal", "aten.masked_select")
+
+
+class _DispatchReads(TorchDispatchMode):
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts["reads"] += str(func.overloadpacket) in DISPATCH_HOST_READS
+        return func(*args, **(kwargs or {}))
 
 
 def _count_host_reads(monkeypatch, pipe):
-    """Count device-to-host reads (tensor -> Python value) made inside `_round` only."""
+    """Count device-to-host reads (tensor -> Python value, in Python or inside an op) made inside `_round` only."""
     counts = {"reads": 0, "rounds": 0, "rounds_far_from_row_end": 0, "inside": False}
-    for name in HOST_READS:
+    for name in PYTHON_HOST_READS:
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, **kwargs):
@@ -38,7 +53,8 @@ def _count_host_reads(monkeypatch, pipe):
         counts["inside"], counts["rounds"] = True, counts["rounds"] + 1
         counts["rounds_far_from_row_end"] += not any(state.layout.row_ends_after(state.num_committed - 1, pipe.decoder.max_draft_tokens))
         try:
-            return round_(backbone, state, *args, **kwargs)
+            with _DispatchReads(counts):
+                return round_(backbone, state, *args, **kwargs)
         finally:
             counts["inside"] = False
 
@@ -78,6 +94,21 @@ def test_host_read_counter_can_fail(monkeypatch):
         return step(logits, *args, **kwargs)
 
     monkeypatch.setattr(pipe.decoder, "step", greedy_reader)
+    pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert counts["reads"] > counts["rounds"]
+
+
+def test_host_read_counter_sees_reads_inside_ops(monkeypatch):
+    """A read no Python call shows: `F.one_hot` checks its codes' range on the host. The counter sees it."""
+    pipe = make(MedusaDecoder, {}, "random", grid=(4, 5))
+    counts = _count_host_reads(monkeypatch, pipe)
+    step = pipe.decoder.step
+
+    def one_hot_reader(logits, *args, **kwargs):
+        torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1])
+        return step(logits, *args, **kwargs)
+
+    monkeypatch.setattr(pipe.decoder, "step", one_hot_reader)
     pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
     assert counts["reads"] > counts["rounds"]
 

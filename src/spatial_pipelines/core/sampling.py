@@ -71,6 +71,13 @@ def apply_top_p(logits: torch.Tensor, top_p: Optional[float]) -> torch.Tensor:
 TINY_TEMPERATURE = 1e-20
 
 
+def one_hot(codes: torch.Tensor, num_classes: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes (...)`` -> ``(..., num_classes)`` one-hot in ``dtype``, by a scatter. Why not `F.one_hot`: it reads the
+    codes' min and max back to the host to check them, two device syncs per call on a GPU."""
+    out = torch.zeros(*codes.shape, num_classes, dtype=dtype, device=codes.device)
+    return out.scatter_(-1, codes[..., None], 1)
+
+
 def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """Target distribution ``p`` (fp32) from CFG-mixed logits: temperature, then top-k, then top-p.
 
@@ -78,7 +85,7 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     """
     logits = logits.float()
     if config.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        return one_hot(logits.argmax(dim=-1), logits.shape[-1])
     if config.temperature < TINY_TEMPERATURE:
         # the same softmax, shifted first: logits / T would overflow fp32 (inf - inf = NaN), and T itself rounds to 0
         shifted = logits - logits.amax(dim=-1, keepdim=True)  # (..., V) <= 0, the largest logits at 0

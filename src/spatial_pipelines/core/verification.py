@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from .acceptance import EXACT, AcceptanceRule
-from .sampling import RandomSource
+from .sampling import RandomSource, one_hot
 from .tree import DraftTree
 
 
@@ -319,7 +319,7 @@ def accept_independently(
     px = probs.gather(-1, tokens[..., None]).squeeze(-1)  # (B, n)
     qx = torch.ones_like(px) if q is None else q.gather(-1, tokens[..., None]).squeeze(-1)
     accepted = uniforms * qx < px  # u < min(1, p/q) without dividing
-    q_full = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs.dtype) if q is None else q
+    q_full = one_hot(tokens, probs.shape[-1], probs.dtype) if q is None else q
     left = residual(probs, q_full)  # (B, n, V)
     redrawn = (left / random.exponential(*left.shape[1:])).argmax(-1)  # (B, n) exponential race
     return torch.where(accepted, tokens, redrawn), accepted

@@ -16,12 +16,11 @@ from typing import List, Optional, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import LATENT, OFFSET_LOGITS, HeadsNeed
-from ..core.sampling import logits_to_probs
+from ..core.sampling import logits_to_probs, one_hot
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
 from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, MAX_FED_TOKENS, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
@@ -319,7 +318,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             left = drafts[:, start - 1] if start > 0 else state.last_token
             codes = left[:, None].expand(b, fresh)
             drafts[:, start:] = codes
-            q[:, start:] = F.one_hot(codes, v).float()
+            q[:, start:] = one_hot(codes, v)
             return
         # the committed code one row above, or the head's prediction for this position; a uniform draw where none
         index = (state.num_committed + torch.arange(start, L, device=drafts.device)).clamp_max(state.layout.num_tokens - 1)
@@ -332,7 +331,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             has = guess >= 0
         drawn = (state.random.uniform(fresh) * v).long().clamp_max(v - 1)
         codes = torch.where(has, guess, drawn)
-        q[:, start:] = torch.where(has[..., None], F.one_hot(codes, v).float(), 1.0 / v)
+        q[:, start:] = torch.where(has[..., None], one_hot(codes, v), 1.0 / v)
         drafts[:, start:] = codes
 
     @staticmethod
