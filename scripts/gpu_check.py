@@ -243,7 +243,8 @@ def round_breakdown(pipe, prompts, args, compiled: bool, log) -> dict:
         if not compiled:  # a dispatch mode cannot run inside a compiled step: counted on the eager rounds only
             with OpCounter() as counter:
                 again = pipe(prompts[:1], generator=torch.Generator().manual_seed(0), output_type="latent")
-            ops, reads = counter.ops / max(again.stats.num_forward_passes - 1, 1), counter.host_reads / max(again.stats.num_forward_passes - 1, 1)
+            counted = max(again.stats.num_forward_passes - 1, 1)
+            ops, reads = counter.ops / counted, counter.host_reads / counted
         key = f"{name}" + (" [compiled]" if compiled else "")
         out[key] = {"rounds": rounds, "ms_per_round": {k: 1e3 * v / max(rounds, 1) for k, v in timer.seconds.items()},
                     "ops_per_round": ops, "host_reads_per_round": reads}

@@ -113,16 +113,12 @@ def embedded_heads_path(kind: str) -> str:
 def check_writable_file(path: str, name: str) -> None:
     """Raise `ValueError` naming ``name`` unless a file can be written at ``path``: not an existing folder, and its
     nearest existing parent is a folder this process may write in (the missing folders are made)."""
+    from .utils import check_writable_parent
+
     full = os.path.abspath(path)
     if os.path.isdir(full):
         raise ValueError(f"`{name}` {path!r} is a folder; give a file name such as {os.path.join(path, 'image.png')!r}.")
-    parent = os.path.dirname(full)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"`{name}` {path!r} lies under {parent!r}, which is a file, not a folder.")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"`{name}` {path!r}: the folder {parent!r} is not writable by this user.")
+    check_writable_parent(path, name, start=os.path.dirname(full))
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -206,6 +202,16 @@ def load_for_args(args: argparse.Namespace, device=None):
     return pipe
 
 
+def sampling_arguments(args: argparse.Namespace, pipe, images: int, option: str) -> dict:
+    """The pipeline call's sampling arguments from the options, after checking that ``images`` images per call fit in
+    memory (a `ValueError` naming ``option``)."""
+    guidance = pipe.backbone.default_guidance_scale if args.guidance_scale is None else args.guidance_scale
+    pipe.check_memory(images, guidance != 1, option)
+    negative = pipe.backbone.prompt_from_text(args.negative_prompt) if args.negative_prompt is not None else None
+    return dict(negative_prompt=negative, guidance_scale=args.guidance_scale, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p)
+
+
 def job_settings(args: argparse.Namespace, rows) -> dict:
     """What every image of a job depends on, keyed by the option that sets it (`jobs.JobFolder` compares them)."""
     from .jobs import rows_digest
@@ -239,11 +245,7 @@ def generate_job(args: argparse.Namespace) -> int:
     device = state.device if state is not None and torch.device(args.device).type != "cpu" else args.device
     pipe = load_for_args(args, device)
     pipe.set_progress_bar_config(disable=True)
-    guidance = pipe.backbone.default_guidance_scale if args.guidance_scale is None else args.guidance_scale
-    pipe.check_memory(args.batch_size * args.num_images, guidance != 1, "--batch-size")
-    negative = pipe.backbone.prompt_from_text(args.negative_prompt) if args.negative_prompt is not None else None
-    call = dict(negative_prompt=negative, guidance_scale=args.guidance_scale, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p)
+    call = sampling_arguments(args, pipe, args.batch_size * args.num_images, "--batch-size")
     record = {"decoder": args.decoder, "decoder_config": dict(pipe.decoder.config)}
     summary = run_job(pipe, rows, folder, seed=args.seed, images_per_prompt=args.num_images, batch_size=args.batch_size,
                       call_kwargs=call, state=state, record_extra=record)
@@ -259,15 +261,9 @@ def generate(args: argparse.Namespace) -> int:
     if args.prompts_file is not None:
         return generate_job(args)
     pipe = load_for_args(args)
-    guidance = pipe.backbone.default_guidance_scale if args.guidance_scale is None else args.guidance_scale
-    pipe.check_memory(args.num_images, guidance != 1, "--num-images")  # before a generator per image is made
-    prompt = pipe.backbone.prompt_from_text(args.prompt)
-    negative = pipe.backbone.prompt_from_text(args.negative_prompt) if args.negative_prompt is not None else None
+    call = sampling_arguments(args, pipe, args.num_images, "--num-images")  # before a generator per image is made
     generators = [torch.Generator().manual_seed(args.seed + i) for i in range(args.num_images)]
-    out = pipe(
-        prompt, negative_prompt=negative, guidance_scale=args.guidance_scale, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, num_images_per_prompt=args.num_images, generator=generators,
-    )
+    out = pipe(pipe.backbone.prompt_from_text(args.prompt), num_images_per_prompt=args.num_images, generator=generators, **call)
     image = grid_image(out.images)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     image.save(args.out)

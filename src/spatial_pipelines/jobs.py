@@ -30,6 +30,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from .utils import check_writable_parent
+
 MANIFEST = "manifest.jsonl"
 SETTINGS = "job.json"
 SUMMARY = "summary.json"
@@ -158,13 +160,7 @@ class JobFolder:
         """Refuse a folder that cannot hold the job, before the model loads."""
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
             raise ValueError(f"`--out` {self.folder!r} is a file; a prompt-file job writes into a folder.")
-        parent = os.path.abspath(self.folder)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise ValueError(f"`--out` {self.folder!r} lies under {parent!r}, which is a file, not a folder.")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"`--out` {self.folder!r}: the folder {parent!r} is not writable by this user.")
+        check_writable_parent(self.folder, "--out", start=self.folder)
 
     def open(self, overwrite: bool = False) -> None:
         """Create the folder and its ``job.json``, or check that the job already in it has the same settings (the
@@ -214,6 +210,13 @@ class JobFolder:
                     done[(entry["row"], entry["k"])] = entry
         return done
 
+    def count_recorded(self) -> int:
+        """How many whole manifest lines there are (the progress bar's count; `recorded` also parses and checks them)."""
+        if not os.path.exists(self.manifest):
+            return 0
+        with open(self.manifest, "rb") as f:
+            return f.read().count(b"\n")
+
     def clean_temporary(self) -> None:
         """Remove temporary image files a killed process left (called while no process writes)."""
         for name in os.listdir(self.folder):
@@ -242,15 +245,12 @@ class JobFolder:
         try:
             with locked(self.manifest):
                 with open(self.manifest, "a+b") as f:
-                    f.seek(0, os.SEEK_END)
-                    size = f.tell()
+                    size = f.seek(0, os.SEEK_END)
                     if size:
-                        f.seek(0)
-                        data = f.read()
-                        keep = data.rfind(b"\n") + 1
-                        if keep != size:
-                            f.truncate(keep)
-                    f.seek(0, os.SEEK_END)
+                        f.seek(size - 1)
+                        if f.read(1) != b"\n":  # a line cut by a kill (rare): drop it; appends go to the end
+                            f.seek(0)
+                            f.truncate(f.read().rfind(b"\n") + 1)
                     f.write(text.encode("utf-8"))
                     f.flush()
                     os.fsync(f.fileno())
@@ -358,7 +358,7 @@ def run_job(pipe, rows: Sequence[PromptRow], folder: JobFolder, *, seed: int, im
                             "passes": passes, "codes": codes, "codes_per_pass": codes / passes,
                             "seconds": seconds / len(keys)})
         folder.record(entries)
-        bar.n = len(folder.recorded()) if state is not None else bar.n + len(entries)
+        bar.n = folder.count_recorded() if state is not None else bar.n + len(entries)  # other processes' too
         bar.refresh()
     bar.close()
     if state is not None:

@@ -162,6 +162,18 @@ def check_weights_folder(folder: str, what: str) -> None:
                 check_safetensors_file(os.path.join(root, name), what)
 
 
+def check_writable_parent(path: str, name: str, start: str) -> None:
+    """Raise `ValueError` naming ``name`` (given as ``path``) unless the nearest existing path at or above ``start`` is
+    a folder this process may write in (what is missing below it can be made)."""
+    parent = os.path.abspath(start)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"`{name}` {path!r} lies under {parent!r}, which is a file, not a folder.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"`{name}` {path!r}: the folder {parent!r} is not writable by this user.")
+
+
 def check_path_or_repo_id(value, name: str) -> None:
     """Raise `ValueError` naming ``name`` unless ``value`` is an existing local path or could be a Hub repo id
     (``"name"`` or ``"org/name"``): a mistyped local path is reported as such, not as a network error."""
