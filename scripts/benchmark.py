@@ -142,12 +142,13 @@ def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent", num_im
         cost["images"] += images
         cost["passes"] += out.stats.num_forward_passes * images
         cost["draft_passes"] += out.stats.num_draft_passes * images
-        cost["accepted"].append(out.stats.accepted_lengths.float().flatten())
+        accepted, row_passes = out.stats.accepted_lengths, torch.tensor(out.stats.row_forward_passes)
+        ran = torch.arange(accepted.shape[0])[:, None] < row_passes[None]  # (passes, B) the passes each row took
+        cost["accepted"].append(accepted[ran].float())  # codes per pass per row
         cost["tokens"] += out.stats.num_tokens
         if out.stats.padded_fraction is not None:
             cost["padded"].append(out.stats.padded_fraction)
-        if out.stats.batch_wait_fraction is not None:
-            cost.setdefault("batch_wait", []).append(out.stats.batch_wait_fraction)
+        cost.setdefault("slowest_row_share", []).append(max(out.stats.row_forward_passes) / out.stats.num_forward_passes)
         if out.stats.mean_tree_depth is not None:  # dynamic trees (EAGLE-2, ADT-Tree)
             cost["tree_depth"].append(out.stats.mean_tree_depth)
             cost["tree_width"].append(out.stats.mean_tree_width)
@@ -382,9 +383,9 @@ def main(argv=None):
         padded = [f for *_, c in parts for f in c.get("padded", [])]
         if padded:  # static shapes: the share of fed slots that were padding
             row["padded_fraction"] = float(np.mean(padded))
-        waits = [f for *_, c in parts for f in c.get("batch_wait", [])]
-        if waits:  # several images per call: the share of accepted codes rows dropped waiting for the shortest row
-            row["batch_wait_fraction"] = float(np.mean(waits))
+        shares = [f for *_, c in parts for f in c.get("slowest_row_share", [])]
+        if shares:  # the slowest row's passes over the call's (1: the batch took no pass more than its slowest row)
+            row["slowest_row_pass_share"] = float(np.mean(shares))
         if compiled_row:  # compilations during timed calls (0: every round replayed a warm graph)
             row["graphs_compiled_while_timed"] = sum(c.get("compiled_graphs", 0) for *_, c in parts)
         depths = [d for *_, c in parts for d in c.get("tree_depth", [])]

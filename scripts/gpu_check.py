@@ -183,7 +183,7 @@ def time_rows(pipe, prompts, args, compiled: bool, log, left=lambda: float("inf"
             start = time.perf_counter()
             pipe(prompts[:1], num_images_per_prompt=n, generator=torch.Generator().manual_seed(0), output_type="latent")
             warmup = time.perf_counter() - start
-            graphs, passes, accepted, padded, waits, images = counters["stats"]["unique_graphs"], 0, [], [], [], 0
+            graphs, passes, accepted, padded, images = counters["stats"]["unique_graphs"], 0, [], [], 0
             sync(args.device)
             start = time.perf_counter()
             for i, prompt in enumerate(prompts):
@@ -191,11 +191,9 @@ def time_rows(pipe, prompts, args, compiled: bool, log, left=lambda: float("inf"
                 out = pipe(prompt, num_images_per_prompt=n, generator=gens, output_type="latent")
                 passes += out.stats.num_forward_passes * n
                 images += n
-                accepted.append(out.stats.accepted_lengths.float().mean().item())
+                accepted.append(out.stats.mean_accepted_length)  # codes per pass per row
                 if out.stats.padded_fraction is not None:
                     padded.append(out.stats.padded_fraction)
-                if out.stats.batch_wait_fraction is not None:
-                    waits.append(out.stats.batch_wait_fraction)
             sync(args.device)
             seconds = time.perf_counter() - start
             rows[key] = {
@@ -203,7 +201,6 @@ def time_rows(pipe, prompts, args, compiled: bool, log, left=lambda: float("inf"
                 "seconds_per_image": seconds / images, "target_passes_per_image": passes / images,
                 "codes_per_pass": sum(accepted) / len(accepted), "warmup_s": warmup,
                 "padded_fraction": sum(padded) / len(padded) if padded else None,
-                "batch_wait_fraction": sum(waits) / len(waits) if waits else None,
                 "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs,
                 "draft_size": getattr(getattr(pipe.decoder, "tree", None), "num_nodes", None),
             }

@@ -164,19 +164,3 @@ def test_verify_row_trees_equals_verifying_each_row_alone(kind):
         assert (out.path[r, tr.max_depth + 1 :] == -1).all()
         checked += 1
     assert checked >= 4 and out.num_accepted.max() > 0  # the comparison is not vacuous
-
-
-def test_forced_nodes_of_a_chain_are_taken_untested():
-    """`verify_tree(forced=...)`: a row's first ``forced`` nodes are taken even where ``p`` gives them nothing (they
-    are codes the row already accepted); the test resumes after them, and the bonus comes from the last node taken."""
-    tree, v = chain_tree(4), 3
-    tokens = torch.tensor([[0, 2, 2, 1, 1], [0, 2, 2, 1, 1]])  # (B, T): root, then 4 drafts
-    probs = torch.zeros(2, 5, v)
-    probs[..., 0] = 1.0  # p says code 0 everywhere: every draft would be rejected
-    acc = verify_tree(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(0), 2, "cpu"),
-                      forced=torch.tensor([0, 3]))
-    assert acc.num_accepted.tolist() == [0, 3]
-    assert acc.bonus.tolist() == [0, 0] and acc.last_node.tolist() == [0, 3]
-    with pytest.raises(ValueError, match="chain"):
-        verify_tree(tree_from_paths([(0,), (1,)]), tokens[:, :3], probs[:, :3], RandomSource(None, 2, "cpu"),
-                    forced=torch.tensor([1, 1]))

@@ -126,7 +126,9 @@ def test_proactive_verification_needs_the_without_replacement_proposal(monkeypat
                            grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
-    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=12000, generator=gen(1), output_type="latent")  # p ~ 1e-8 at 8,000: a margin
+    # each row advancing on its own shows this bias less than rows that moved together: p ~ 4e-7 at 48,000 (seed 1),
+    # 0.04 at 12,000; the correct decoder gives p ~ 0.7 at 64,000
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=48000, generator=gen(1), output_type="latent")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
 
 
@@ -172,35 +174,3 @@ def test_left_anchor_needs_its_adjusted_proposal(monkeypatch):
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=4 * DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
-
-
-def test_batch_rows_carry_what_they_accepted_beyond_the_shortest_run(monkeypatch):
-    """In a batch, a row that accepted more than the shortest row keeps the rest of its run as the first drafts of its
-    next window (`JacobiState.carried`), so the batch needs fewer passes and drops fewer accepted codes than rows that
-    give them back. (Exactness with carried codes: the distribution tests, which sample 8,000 images in one batch.)"""
-    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=6), None, grid=(4, 4), num_codes=4)
-    call = dict(num_images_per_prompt=64, output_type="latent")
-    carried = pipe("a fox", generator=gen(0), **call)
-    monkeypatch.setattr(JacobiDecoder, "_carry", staticmethod(lambda state, n, left, remaining: None))
-    dropped = pipe("a fox", generator=gen(0), **call)
-    assert carried.stats.num_forward_passes < dropped.stats.num_forward_passes
-    assert carried.stats.batch_wait_fraction < dropped.stats.batch_wait_fraction
-
-
-def test_auto_window_weighs_what_a_batch_keeps():
-    """`batch_progress`: rows advancing together with carried codes commit fewer codes per round than one row, more
-    so in short windows; the simulation is seeded (every process chooses the same "auto" window), and "auto" picks
-    the window with the most codes per second for the batch it serves."""
-    from spatial_pipelines.decoders.decoding_jacobi import batch_progress
-
-    one = [batch_progress(w, 1, 0.42, 0.9) for w in (2, 8, 16)]
-    four = [batch_progress(w, 4, 0.42, 0.9) for w in (2, 8, 16)]
-    assert all(f < o for f, o in zip(four, one))
-    assert four[0] / one[0] < four[2] / one[2]  # a batch loses a larger share of a short window
-    batch_progress.cache_clear()
-    assert batch_progress(8, 4, 0.42, 0.9) == four[1]
-    cost = lambda t: 1.0 + 0.09 * t  # noqa: E731 a pass over t tokens
-    alone, batched = JacobiDecoder(), JacobiDecoder()
-    alone.resolve_draft_size(cost, round_overhead=lambda tree: 0.0)
-    batched.resolve_draft_size(cost, round_overhead=lambda tree: 0.0, batch_size=4)
-    assert batched.window > alone.window  # carried codes fill a batch's window: a longer one pays

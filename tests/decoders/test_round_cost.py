@@ -36,8 +36,9 @@ class _DispatchReads(TorchDispatchMode):
 
 
 def _count_host_reads(monkeypatch, pipe):
-    """Count device-to-host reads (tensor -> Python value, in Python or inside an op) made inside `_round` only."""
-    counts = {"reads": 0, "rounds": 0, "rounds_far_from_row_end": 0, "inside": False}
+    """Count device-to-host reads (tensor -> Python value, in Python or inside an op) made inside `_round` only, and
+    the rounds of each group of rows (`RowBatch`: rows that diverged step apart, one read each)."""
+    counts = {"reads": 0, "rounds": 0, "group_rounds": 0, "group_rounds_far_from_row_end": 0, "inside": False}
     for name in PYTHON_HOST_READS:
         original = getattr(torch.Tensor, name)
 
@@ -49,12 +50,15 @@ def _count_host_reads(monkeypatch, pipe):
         monkeypatch.setattr(torch.Tensor, name, counted)
     round_ = pipe._round
 
-    def counted_round(backbone, state, *args, **kwargs):
+    def counted_round(backbone, batch, *args, **kwargs):
         counts["inside"], counts["rounds"] = True, counts["rounds"] + 1
-        counts["rounds_far_from_row_end"] += not any(state.layout.row_ends_after(state.num_committed - 1, pipe.decoder.max_draft_tokens))
+        active = [g.state for g in batch.active()]
+        counts["group_rounds"] += len(active)
+        counts["group_rounds_far_from_row_end"] += sum(
+            not any(s.layout.row_ends_after(s.num_committed - 1, pipe.decoder.max_draft_tokens)) for s in active)
         try:
             with _DispatchReads(counts):
-                return round_(backbone, state, *args, **kwargs)
+                return round_(backbone, batch, *args, **kwargs)
         finally:
             counts["inside"] = False
 
@@ -69,17 +73,19 @@ PER_ROW_TREES = (EagleDecoder, ADTTreeDecoder)  # one tree per row: an EOL round
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("end_of_row", [False, True], ids=["no-eol", "eol"])
 def test_at_most_one_host_read_per_round(decoder_cls, kwargs, heads, batch, end_of_row, monkeypatch):
-    """One host read per round (the accepted count), end-of-row layouts included. Decoders with one tree per row
-    make a second read in the rounds whose trees can reach a row end, and only there."""
+    """One host read per round of each group of rows (the accepted counts; one group at batch 1, and a batch's rows
+    that diverged step apart), end-of-row layouts included. Decoders with one tree per row make a second read in the
+    rounds whose trees can reach a row end, and only there."""
     pipe = make(decoder_cls, kwargs, heads, grid=(4, 5), end_of_row=end_of_row)
     pipe("warm", generator=torch.Generator().manual_seed(0), output_type="latent")  # "auto" sizes resolved here
     counts = _count_host_reads(monkeypatch, pipe)
     out = pipe(["a red fox", "blue sky", "x"][:batch], guidance_scale=2.0, generator=torch.Generator().manual_seed(1), output_type="latent")
     assert counts["rounds"] == out.stats.num_forward_passes - 1 > 0
-    allowed = counts["rounds"]
+    assert counts["group_rounds"] <= batch * counts["rounds"]
+    allowed = counts["group_rounds"]
     if end_of_row and decoder_cls in PER_ROW_TREES:
-        allowed += counts["rounds"] - counts["rounds_far_from_row_end"]
-        assert counts["rounds_far_from_row_end"] > 0
+        allowed += counts["group_rounds"] - counts["group_rounds_far_from_row_end"]
+        assert counts["group_rounds_far_from_row_end"] > 0
     assert counts["reads"] <= allowed, f"{counts['reads']} host reads in {counts['rounds']} rounds"
 
 

@@ -57,7 +57,8 @@ def test_fixed_shape_step_equals_the_growing_slice(decoder_cls, kwargs, heads, f
     assert torch.equal(static_greedy.tokens, greedy.tokens)
     assert torch.equal(static_sampled.tokens, sampled.tokens)
     assert static_greedy.stats.num_forward_passes == greedy.stats.num_forward_passes
-    assert greedy.stats.padded_fraction is None and 0 <= static_greedy.stats.padded_fraction < 1
+    # a batch's rows pad to the round's widest draft; static shapes pad every row to the decoder's largest
+    assert 0 <= greedy.stats.padded_fraction <= static_greedy.stats.padded_fraction < 1
 
 
 def test_padding_is_exercised():
@@ -182,14 +183,3 @@ def test_compiled_step_writes_one_static_cache_input(family, monkeypatch):
         assert getattr(storage, "_dynamo_static_input_type", None) is not None
     pipe.disable_compile()
     torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("decoder_cls,kwargs,heads", [c for c in DECODER_CASES if c.id in ("medusa", "sjd-left", "eagle")])
-def test_batch_wait_is_measured(decoder_cls, kwargs, heads):
-    """Rows of a batch advance by the shortest row's accepted run: the stats say what share of the accepted codes the
-    other rows dropped (none at batch 1)."""
-    pipe = dummy_pipeline("llamagen", decoder_cls(**kwargs), heads, grid=(4, 5))
-    one = pipe("a red fox", generator=torch.Generator().manual_seed(0), output_type="latent")
-    assert one.stats.batch_wait_fraction is None
-    many = pipe("a red fox", num_images_per_prompt=4, generator=torch.Generator().manual_seed(0), output_type="latent")
-    assert 0 <= many.stats.batch_wait_fraction < 1

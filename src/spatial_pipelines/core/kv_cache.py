@@ -20,7 +20,7 @@ Two shapes of a pass (``fixed_shape``):
 """
 
 import contextlib
-from typing import List, Optional, Protocol, Tuple, runtime_checkable
+from typing import List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import torch
 
@@ -48,6 +48,11 @@ class KVCache(Protocol):
     - ``attention_mask(new_mask, new_valid)``: the boolean mask ``(B, 1, T, S)`` of the pass.
     - ``advance(new_valid, t)``: after the pass, account for the ``t`` slots written.
     - ``crop(length)`` / ``keep(start, indices)``: drop rejected drafts / compact an accepted tree path.
+
+    Per row (a batch whose rows advance on their own, `StaticKVCache.track_rows`): ``row_lengths`` holds each row's
+    filled slots (``(R,)`` host ints; ``length`` is their maximum), a pass writes row ``r``'s ``T`` new keys at slots
+    ``[row_lengths[r], row_lengths[r] + T)`` (``write_index`` ``(R, T)``), the mask reads each row's own valid keys, and
+    ``keep_rows(kept)`` keeps each row's accepted slots of the pass (a prefix length or slot offsets per row).
     """
 
     length: int
@@ -108,8 +113,10 @@ class StaticKVCache:
         self.fixed_shape = fixed_shape
         self.attend_buckets = attend_buckets
         self.attend_step = max(-(-max_length // attend_buckets), min_attend_step)  # lengths: max_length - k * step
-        self.write_index: Optional[torch.Tensor] = None  # (T,) slots the next pass writes (fixed shape)
+        self.write_index: Optional[torch.Tensor] = None  # (T,) slots the next pass writes (fixed shape); (R, T) per row
         self.attend_length = max_length  # slots the next pass attends to (fixed shape; a host int a graph is made for)
+        self.row_lengths: Optional[List[int]] = None  # per row: filled slots of each row (`track_rows`); None: shared
+        self._row_written = 0  # slots the last pass wrote per row (per-row mode)
 
     def reset(self) -> None:
         """Empty the cache for a new generation (the storage is kept: reusing it keeps its address, which CUDA graphs
@@ -117,6 +124,38 @@ class StaticKVCache:
         self.key_valid.zero_()
         self.length = 0
         self.write_index = None
+        self.row_lengths = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.key_valid.shape[0]
+
+    def select_rows(self, index: torch.Tensor) -> "StaticKVCache":
+        """A new cache holding copies of the rows ``index`` (a decoder state split by rows takes its drafter's cache
+        rows with it)."""
+        cache = StaticKVCache.__new__(StaticKVCache)
+        cache.__dict__.update(self.__dict__)
+        cache.storage = self.storage.index_select(2, index.to(self.storage.device))
+        cache.keys = [cache.storage[i, 0] for i in range(cache.storage.shape[0])]
+        cache.values = [cache.storage[i, 1] for i in range(cache.storage.shape[0])]
+        cache.key_valid = self.key_valid.index_select(0, index.to(self.key_valid.device))
+        if self.row_lengths is not None:
+            cache.row_lengths = [self.row_lengths[i] for i in index.tolist()]
+        if isinstance(self.write_index, torch.Tensor) and self.write_index.dim() == 2:
+            cache.write_index = self.write_index.index_select(0, index.to(self.write_index.device))
+        cache.__dict__.pop("_marked_static", None)
+        return cache
+
+    @property
+    def per_row(self) -> bool:
+        """Whether rows advance on their own (`track_rows`)."""
+        return self.row_lengths is not None
+
+    def track_rows(self) -> None:
+        """From now on every row keeps its own length (all rows start at the current ``length``): passes write each
+        row at its own slots and `keep_rows` keeps each row's own accepted slots. Why not one shared length: the rows
+        of a batch accept different runs, and a shared length makes every row wait for the shortest."""
+        self.row_lengths = [self.length] * self.key_valid.shape[0]
 
     def prepare_write(self, t: int) -> None:
         """Before a pass over ``t`` new tokens: they go to slots ``[length, length + t)``. Fixed shape: the slots as
@@ -124,6 +163,16 @@ class StaticKVCache:
         end = self.length + t
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
+        if self.per_row:  # every row writes after its own filled slots: (R, T) slots, one host-to-device copy
+            device = self.key_valid.device
+            starts = torch.tensor(self.row_lengths, device=device)  # (R,)
+            self.write_index = starts[:, None] + torch.arange(t, device=device)  # (R, T)
+            self._row_written = t
+            if self.fixed_shape:
+                self.attend_length = self.max_length - ((self.max_length - end) // self.attend_step) * self.attend_step
+            else:
+                self.attend_length = end  # the longest row's slots and its new ones
+            return
         if self.fixed_shape:
             self.write_index = torch.arange(self.length, end, device=self.key_valid.device)  # (T,) no host sync
             # the shortest length, counted back from the end by attend_step, that holds every filled slot
@@ -132,7 +181,18 @@ class StaticKVCache:
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write ``key``/``value`` ``(B, H_kv, T, D)`` into slots ``[length, length + T)`` of one layer and return
         what the pass attends to: that layer's keys/values over ``[0, length + T)`` (growing), or over
-        ``[0, attend_length)`` (fixed shape: written by index, `prepare_write` first). ``length`` moves on in `advance`."""
+        ``[0, attend_length)`` (fixed shape: written by index, `prepare_write` first). ``length`` moves on in `advance`.
+        Per row: row ``r`` writes at ``write_index[r]`` and the pass attends to ``[0, attend_length)``."""
+        if self.per_row:
+            if self.write_index is None or self.write_index.shape[1] != key.shape[2]:
+                raise ValueError(f"Call `prepare_write({key.shape[2]})` before a pass on a per-row cache.")
+            keys, values = self.storage[layer_idx, 0], self.storage[layer_idx, 1]  # (R, H_kv, S, D)
+            r, h, t, d = key.shape
+            index = self.write_index[:, None, :, None].expand(r, h, t, d)  # (R, H_kv, T, D) each row's own slots
+            keys.scatter_(2, index, key)
+            values.scatter_(2, index, value)
+            a = self.attend_length
+            return keys[:, :, :a], values[:, :, :a]  # (R, H_kv, A, D)
         if self.fixed_shape:
             if self.write_index is None or self.write_index.shape[0] != key.shape[2]:
                 raise ValueError(f"Call `prepare_write({key.shape[2]})` before a pass on a fixed-shape cache.")
@@ -159,6 +219,14 @@ class StaticKVCache:
             new_valid: ``(B, T)`` which new tokens are real (padding is not); ``None``: all of them (decoding
                 rounds), which skips the padding terms.
         """
+        if self.per_row:  # each row's valid past, then its new tokens' columns written at its own slots
+            b, t = self.key_valid.shape[0], new_mask.shape[-1]
+            new = new_mask.expand(b, t, t)
+            if new_valid is not None:
+                new = (new & new_valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=new_mask.device)
+            a = self.attend_length
+            mask = self.key_valid[:, None, :a].expand(b, t, a).clone()  # (B, T, A)
+            return mask.scatter_(2, self.write_index[:, None, :].expand(b, t, t), new)[:, None]  # (B, 1, T, A)
         if self.fixed_shape:
             b, t = self.key_valid.shape[0], new_mask.shape[-1]
             new = new_mask.expand(b, t, t)
@@ -180,7 +248,10 @@ class StaticKVCache:
 
     def advance(self, new_valid: Optional[torch.Tensor], t: Optional[int] = None) -> None:
         """Account for the ``T`` slots just written by every layer (``new_valid`` ``(B, T)``, or ``None`` and ``t``:
-        all valid)."""
+        all valid). Per row: the slots stay invalid until `keep_rows` says which of them each row keeps."""
+        if self.per_row:
+            self.length = max(self.row_lengths) + (new_valid.shape[1] if new_valid is not None else t)
+            return
         if new_valid is None:
             self.key_valid[:, self.length : self.length + t] = True
         else:
@@ -210,6 +281,34 @@ class StaticKVCache:
         self.storage[:, :, :, :, start : start + n] = picked
         compact_positions_(self.key_valid[:, None, :, None], start, indices)
         self.crop(start + n)
+
+
+    def keep_rows(self, kept: List[Union[int, torch.Tensor]]) -> None:
+        """Per row, after a pass: row ``r`` keeps ``kept[r]`` of the ``T`` slots the pass wrote for it, an int ``k`` (its
+        first ``k`` slots: nothing moves) or slot offsets ``(n,)`` in the order to keep (an accepted tree path: they
+        move to the row's first ``n`` slots). The row's length grows by what it keeps; the rest is invalid.
+
+        One gather and one scatter for every layer and row, and only when some row keeps a path that is not a prefix.
+        """
+        if not self.per_row:
+            raise ValueError("`keep_rows` is for a cache whose rows advance on their own (`track_rows`).")
+        if len(kept) != len(self.row_lengths):
+            raise ValueError(f"`kept` must hold one entry per cache row ({len(self.row_lengths)}), got {len(kept)}.")
+        t, device = self._row_written, self.key_valid.device
+        columns = torch.arange(t, device=device)  # (T,)
+        counts = [k if isinstance(k, int) else k.shape[-1] for k in kept]
+        starts = self.write_index[:, :1]  # (R, 1) each row's first slot of the pass
+        paths = [k for k in kept if not isinstance(k, int)]
+        if paths:  # move each row's kept slots to its first ones (a prefix maps to itself)
+            offsets = torch.stack([columns if isinstance(k, int) else torch.cat([k.reshape(-1), columns[k.shape[-1]:]]) for k in kept])  # (R, T)
+            layers, two, b, h, _, d = self.storage.shape
+            source = (starts + offsets)[None, None, :, None, :, None].expand(layers, two, b, h, t, d)
+            picked = self.storage.gather(4, source)  # (L, 2, R, H_kv, T, D)
+            self.storage.scatter_(4, self.write_index[None, None, :, None, :, None].expand(layers, two, b, h, t, d), picked)
+        valid = columns < torch.tensor(counts, device=device)[:, None]  # (R, T)
+        self.key_valid.scatter_(1, self.write_index, valid)
+        self.row_lengths = [n + c for n, c in zip(self.row_lengths, counts)]
+        self.length = max(self.row_lengths)
 
 
 def compact_positions_(cache: torch.Tensor, start: int, indices: torch.Tensor) -> None:

@@ -121,6 +121,11 @@ class RandomSource:
         out = torch.empty((self.batch_size, *shape), device=g.device if g is not None else self.device)
         return fill(out, g).to(self.device)
 
+    def split(self, rows: Sequence[int]) -> "RandomSource":
+        """The random source of the rows ``rows`` alone: their own generators (a list), or the shared one."""
+        generator = [self.generator[r] for r in rows] if isinstance(self.generator, (list, tuple)) else self.generator
+        return RandomSource(generator, len(rows), self.device)
+
     def uniform(self, *shape: int) -> torch.Tensor:
         """``U[0, 1)`` of shape ``(B, *shape)``."""
         return self._draw(shape, lambda t, g: t.uniform_(0.0, 1.0, generator=g))

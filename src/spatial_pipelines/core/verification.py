@@ -9,7 +9,7 @@ Either way the committed codes follow the target distribution exactly under the 
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -28,12 +28,16 @@ class TreeAcceptance:
         num_accepted (`torch.LongTensor` `(B,)`): accepted drafts (root excluded).
         bonus (`torch.LongTensor` `(B,)`): the code drawn after the last accepted node.
         last_node (`torch.LongTensor` `(B,)`): the last accepted node (whose output gave ``bonus``).
+        host (`tuple`, *optional*): ``(num_accepted as ints, whether every row's path is a prefix of the fed slots)``,
+            once a decoder step has read them (kept with an acceptance handed to the parts of a split state, which
+            then read nothing again).
     """
 
     path: torch.Tensor
     num_accepted: torch.Tensor
     bonus: torch.Tensor
     last_node: torch.Tensor
+    host: Optional[Tuple[List[int], bool]] = None  # (num_accepted, every path a prefix) once read on the host
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -53,7 +57,6 @@ def verify_tree(
     distinct_siblings: bool = False,
     rule: AcceptanceRule = EXACT,
     neighbours: Optional[torch.Tensor] = None,
-    forced: Optional[torch.Tensor] = None,
 ) -> TreeAcceptance:
     """Walk every row's tree from the root, accepting candidates by ``rule`` (exactly, by default).
 
@@ -74,13 +77,7 @@ def verify_tree(
             candidates, de-duplicated pools), which skips the duplicate check.
         rule (`AcceptanceRule`): how much of ``p`` a candidate claims (`resolve_acceptance`).
         neighbours (`torch.Tensor` `(V, k)`, *optional*): `codebook_neighbours`, for rules that read them.
-        forced (`torch.LongTensor` `(B,)`, *optional*): chains only: per row, how many nodes after the root are taken
-            without a test, because they already are that row's exact sample (`TreeState.carried`: codes a row
-            accepted in an earlier round while the batch advanced by a shorter row's run). Their uniforms are drawn
-            and not read, so every row draws the same numbers whatever it carries.
     """
-    if forced is not None and (tree.max_children > 1 or tree.per_row):
-        raise ValueError("`forced` nodes are for a chain (an SJD window), not a tree.")
     if (q is not None or rule.relaxes) and (tree.max_children > 1 or tree.per_row):
         return verify_tree_sequential(tree, tokens, probs, random, q, rule, neighbours)
     b, t, v = probs.shape
@@ -94,7 +91,7 @@ def verify_tree(
     u, noise = draws[:, : t - 1], -torch.log(draws[:, t - 1 :])  # (B, T-1) uniforms, (B, V) Exp(1)
     batched = tree.per_row  # `RowTrees`: one tree per row; the tables gain a leading batch dimension
     if tree.max_children == 1 and not batched:
-        return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours, forced)
+        return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours)
     x = tokens[:, 1:]  # (B, T-1) candidate of every node
     valid = x >= 0
     # point masses (q is None here): sums over earlier siblings and over ancestors are matmuls with the tree's tables
@@ -176,9 +173,9 @@ def _walk_tables(tree, v: int) -> _WalkTables:
     return tables
 
 
-def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None, forced=None) -> TreeAcceptance:
+def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None) -> TreeAcceptance:
     """`verify_tree` for a chain (node ``i`` at depth ``i``): the same rule with no siblings, in a third of the ops
-    (an SJD window pays this every round). ``forced`` ``(B,)``: the first nodes of each row taken untested."""
+    (an SJD window pays this every round)."""
     b, t, v = probs.shape
     x = tokens[:, 1:]  # (B, T-1)
     valid = x >= 0
@@ -191,8 +188,6 @@ def _verify_chain(tokens, probs, u, noise, q, rows, rule=EXACT, neighbours=None,
     qx = 1.0 if q is None else q[:, 1:].gather(-1, xs[..., None]).squeeze(-1)
     accept = valid & (u * qx < px)  # u < min(1, p/q) without dividing
     depths = torch.arange(t, device=probs.device)  # (T,) a chain's node index is its depth
-    if forced is not None:  # a row's carried codes: already its exact sample
-        accept = accept | (depths[:-1] < forced[:, None])
     num_accepted = accept.long().cumprod(-1).sum(-1)  # (B,) the accepted run from the root
     last = num_accepted
     path = depths.expand(b, t)

@@ -14,6 +14,8 @@ from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin
 class AutoregressiveState(DecodingState):
     """`DecodingState` plus the one-token mask ``(1, 1)``, allocated once per generation."""
 
+    shared_fields = ("mask",)
+
     mask: Optional[torch.Tensor] = None
 
 

@@ -14,6 +14,7 @@ their logits are mixed like the target's):
 4. the target verifies it (point masses: the drafter's candidates are deterministic given the context).
 """
 
+import copy
 import random as pyrandom
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
@@ -46,6 +47,10 @@ class EagleState(TreeState):
             after the loop: no host read per round).
         tree_widths (`list[int]`): per round, the ``top_k`` the tree was grown with.
     """
+
+    row_fields = ("tree_depths",)
+    cfg_row_fields = ("drafter_cache", "features")
+    shared_fields = ("committed_steps", "cfg", "tree_widths")
 
     drafter_cache: Any = None
     committed_steps: int = 0
@@ -273,10 +278,16 @@ class ADTState(EagleState):
             the generation's random numbers, so a seed fixes the shapes too).
     """
 
+    shared_fields = ("shapes", "last_shape", "last_alpha", "shape_generator")
+
     shapes: List[Any] = field(default_factory=list)
     last_shape: Any = None
     last_alpha: Optional[float] = None
     shape_generator: Any = None
+
+    def _after_split(self, parent, index) -> None:
+        super()._after_split(parent, index)
+        self.shape_generator = copy.deepcopy(parent.shape_generator)  # each part draws from its own copy
 
 
 class ADTTreeDecoder(EagleDecoder):
@@ -331,6 +342,12 @@ class ADTTreeDecoder(EagleDecoder):
 
     def _max_tree_slots(self) -> int:
         return (self.config.depth_range[1] - 1) * self.config.width_range[1]
+
+    @property
+    def separate_rows(self) -> bool:
+        """``tree_init="random"`` draws each tree's shape from one row's random numbers: every image keeps its own
+        state from the start, as it would alone."""
+        return self.config.tree_init == "random"
 
     state_class = ADTState
 

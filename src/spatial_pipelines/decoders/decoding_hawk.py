@@ -26,6 +26,9 @@ class HawkState(TreeState):
         earlier_slot (`torch.BoolTensor` `(S, S)`): ``[i, j]`` when pool slot ``j`` comes before slot ``i``.
     """
 
+    row_fields = ("vertical_cache",)
+    shared_fields = ("depth_offsets", "earlier_slot")
+
     vertical_cache: Optional[torch.Tensor] = None
     depth_offsets: Optional[torch.Tensor] = None
     earlier_slot: Optional[torch.Tensor] = None

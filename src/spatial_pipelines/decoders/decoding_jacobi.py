@@ -10,11 +10,9 @@ committed) and a left anchor (``anchor="left"``: the window's first draft is pul
 with its proposal adjusted to match). A relaxed acceptance rule (LANTERN) makes it lossy.
 """
 
-import functools
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-import numpy as np
 import torch
 from diffusers.configuration_utils import register_to_config
 
@@ -29,29 +27,6 @@ INITS = ("random", "left", "above", "heads")
 COUPLINGS = ("none", "gumbel")
 ANCHORS = ("none", "left")
 MAX_WINDOW = 32  # the largest window "auto" considers
-
-
-@functools.lru_cache(maxsize=None)
-def batch_progress(window: int, batch_size: int, first: float, later: float, rounds: int = 1000) -> float:
-    """Mean codes one round commits per row when ``batch_size`` rows share a window of ``window`` drafts and advance
-    by the shortest row's run, each longer row carrying the rest of its run into its next window (`JacobiDecoder`'s
-    ``_carry``). Simulated (a fixed seed: the same answer in every process) under the two-rate prior: a row's first
-    untested draft is accepted with ``first``, each later one with ``later``. ``"auto"`` windows scale a row's
-    expected codes by ``batch_progress(L, B) / batch_progress(L, 1)``: in a batch a longer window pays more, because
-    carried codes fill it."""
-    rng = np.random.default_rng(0)
-    rates = np.full(window, later)
-    columns = np.arange(window)
-    carried = np.zeros(batch_size, dtype=np.int64)
-    total = 0
-    for u in rng.random((rounds, batch_size, window)):
-        untested = columns[None] - carried[:, None]  # (B, L) 0 for a row's first untested draft
-        accept = (untested < 0) | (u < np.where(untested == 0, first, rates))
-        run = accept.cumprod(1).sum(1) + 1  # (B,) accepted drafts and the bonus
-        n = int(run.min())
-        total += n
-        carried = np.clip(run - n, 0, max(window - n, 0))
-    return total / rounds
 
 
 def proactive_nodes(window: int, width: int, depth: int) -> int:
@@ -130,6 +105,9 @@ class JacobiState(TreeState):
         above (`torch.LongTensor` `(B, N)`, *optional*): ``init="heads"``: the code the vertical head predicted for
             each raster position when the row above was committed (``-1``: none yet).
     """
+
+    row_fields = ("drafts", "q", "noise", "raced", "above", "alternatives", "candidates", "node_q")
+    shared_fields = ("num_fresh", "descent", "earlier_rank")
 
     drafts: Optional[torch.Tensor] = None
     q: Optional[torch.Tensor] = None
@@ -241,15 +219,6 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         c = self.config
         first, later = self._prior()
         return proactive_tree(window, c.proactive_width, c.proactive_depth), first * (1 - later**window) / (1 - later)
-
-    def _codes_per_round(self, tree, accepted: float, batch_size: int) -> float:
-        """One row's accepted run and bonus, scaled in a batch by what advancing together with carried codes keeps
-        (`batch_progress`; a proactive tree carries nothing and is not scaled)."""
-        if batch_size == 1 or self.config.proactive_width > 1:
-            return 1.0 + accepted
-        first, later = self._prior()
-        rows = min(batch_size, 16)  # beyond 16 rows the shortest run barely moves; the simulation stays short
-        return (1.0 + accepted) * batch_progress(tree.max_depth, rows, first, later) / batch_progress(tree.max_depth, 1, first, later)
 
     def _draft_sizes(self) -> List[int]:
         return [c for c in DRAFT_SIZE_CANDIDATES if c < MAX_WINDOW] + [MAX_WINDOW]
@@ -399,7 +368,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 
     def step(self, logits, hidden_states, draft, state: JacobiState, draft_heads=None) -> StepOutput:
-        first, remaining = state.num_committed, state.num_remaining
+        first = state.num_committed
         if draft is None:
             out = self._prefill_step(logits, hidden_states, state)
             if state.above is not None:
@@ -453,27 +422,5 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             if proactive:
                 m = min(left, state.alternatives.shape[1])
                 state.alternatives[:, :m] = self._draw_alternatives(state, state.q[:, 1 : m + 1], state.drafts[:, :m])  # after any anchoring
-        if state.batch_size > 1 and not proactive:
-            self._carry(state, n, left, remaining)
         state.num_fresh = L - left
         return out
-
-    @staticmethod
-    def _carry(state: JacobiState, n: int, left: int, remaining: int) -> None:
-        """In a batch the rows advanced by the shortest row's run ``n``: every longer row keeps the rest of its run
-        (accepted drafts, then its bonus) as the first drafts of its next window, taken untested next round
-        (`TreeState.carried`), so a row that accepted more does not give it back. What does not fit in the ``left``
-        drafts still in the window is dropped (a prefix of an exact sample is exact)."""
-        acc = state.acceptance
-        # each row's run (accepted drafts and the bonus, within the grid) beyond n, as far as the window holds it
-        carried = (acc.num_accepted + 1 - n).clamp(0, min(left, remaining - n))  # (B,)
-        if state.batch_dropped is not None:
-            state.batch_dropped -= carried.sum()
-        state.carried = carried
-        if left == 0:
-            return
-        slot = state.slots[:left]  # (left,) 0, 1, 2, ...: built once
-        # window slot i holds the code at depth n + 1 + i: the fed draft there, or the bonus right after the run
-        codes = torch.where(slot == (acc.num_accepted - n)[:, None], acc.bonus[:, None], state.node_tokens[:, n + 1 : n + 1 + left])
-        # their q is left as drawn: a carried draft is never tested, and a rejection always lies after it
-        state.drafts[:, :left] = torch.where(slot < carried[:, None], codes, state.drafts[:, :left])  # (B, left)

@@ -70,6 +70,9 @@ class SSDState(DecodingState):
         masks (`dict[int, torch.BoolTensor]`): causal masks by fed length, allocated once per generation.
     """
 
+    row_fields = ("hidden", "block")
+    shared_fields = ("masks",)
+
     hidden: Optional[torch.Tensor] = None
     block: Optional[_Block] = None
     masks: Dict[int, torch.Tensor] = field(default_factory=dict)

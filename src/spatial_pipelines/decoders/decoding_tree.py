@@ -2,6 +2,7 @@
 static tree of candidates and verifying it exactly (`TreeDecoderMixin`), and ``"auto"`` tree sizes from the
 measured round cost."""
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -11,7 +12,7 @@ from ..core.acceptance import AcceptanceLike, resolve_acceptance
 from ..core.sampling import logits_to_probs, sample_from_probs
 from ..core.tree import DraftTree, tree_from_parents
 from ..core.verification import TreeAcceptance, verify_tree
-from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, StepOutput
+from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, RowsDiverged, StepOutput
 
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
@@ -64,12 +65,12 @@ class TreeState(DecodingState):
             (built once per backbone and cached there).
         head_indices (`tuple`, *optional*): ``(horizontal, vertical)``: the indices of the heads the decoder runs,
             looked up on the first round.
-        carried (`torch.LongTensor` `(B,)`, *optional*): a chain decoder's carried codes (SJD's window in a batch):
-            per row, how many drafts at the start of the window are codes the row already accepted while the batch
-            advanced by a shorter row's run. They are that row's exact sample, so the next round takes them untested
-            (`verify_tree`'s ``forced``). ``None``: nothing carried (one image, trees).
-        acceptance (`TreeAcceptance`, *optional*): the last round's verification, for decoders that carry codes.
+        acceptance (`TreeAcceptance`, *optional*): this round's verification when it was drawn before the state was
+            split by rows (`RowsDiverged`): the next step takes it instead of drawing again.
     """
+
+    row_fields = ("hidden", "node_tokens", "accepted_path", "acceptance")
+    shared_fields = ("tree", "host_depths", "rows", "slots", "node_depth", "node_rank", "neighbours", "head_indices")
 
     tree: Optional[DraftTree] = None
     host_depths: Optional[Tuple[int, ...]] = None
@@ -82,8 +83,11 @@ class TreeState(DecodingState):
     node_rank: Optional[torch.Tensor] = None
     neighbours: Optional[torch.Tensor] = None
     head_indices: Optional[Tuple[List[int], List[int]]] = None
-    carried: Optional[torch.Tensor] = None
     acceptance: Optional[TreeAcceptance] = None
+
+    def _after_split(self, parent, index) -> None:
+        super()._after_split(parent, index)
+        self.rows = torch.arange(index.shape[0], device=index.device)  # row indices of this part
 
 
 class TreeDecoderMixin:
@@ -143,19 +147,12 @@ class TreeDecoderMixin:
             cost = [target(tree.num_nodes) + outside(tree) for tree in trees]
         else:
             cost = [target(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost) for tree in trees]
-        rates = [(tree, self._codes_per_round(tree, accepted, batch_size) / seconds)
-                 for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
+        rates = [(tree, (1.0 + accepted) / seconds) for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
         best = max(rate for _, rate in rates)
         # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so
         # the argmax would follow what timing noise is left in the fitted curves from run to run
         self.tree = next(tree for tree, rate in rates if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
         self._resolved_for = (pass_cost, draft_pass_cost, round_overhead, batch_size)
-
-    def _codes_per_round(self, tree: DraftTree, accepted: float, batch_size: int) -> float:
-        """Expected codes a round commits per row with ``tree`` (``accepted``: expected accepted drafts of one row):
-        the accepted run and its bonus. A decoder whose batch rows lose less (or more) by advancing together
-        overrides it."""
-        return 1.0 + accepted
 
     def _drafting_seconds(self, tree: DraftTree, draft_pass_cost: Optional[Callable[[int], float]]) -> float:
         """Seconds of drafter passes a round with ``tree`` adds to the target pass (none here: head passes are a few
@@ -234,29 +231,32 @@ class TreeDecoderMixin:
 
     def _verify_step(self, logits, hidden_states, draft, state: TreeState, q=None, probs=None) -> StepOutput:
         tokens = state.node_tokens
-        probs = logits_to_probs(logits, state.sampling) if probs is None else probs  # (B, T, V)
-        acc = verify_tree(state.tree, tokens, probs, state.random, q, distinct_siblings=self.distinct_siblings,
-                          rule=self.acceptance_rule, neighbours=state.neighbours, forced=state.carried)
-        state.acceptance = acc
-        # rows advance together: commit the shortest row's accepted run plus its bonus (a prefix of every
-        # row's exact sample is exact), and never past the end of the grid; a chain decoder carries the rest of a
-        # longer row's run into its next window (`TreeState.carried`)
-        chain = state.tree.max_children == 1
-        if chain:
-            shortest, prefix = int(acc.num_accepted.min()), True  # the one host read per round
-        else:  # is every row's path nodes 0, 1, 2, ...? Then the KV cache is cropped, not compacted (no copy)
+        if state.acceptance is not None:  # drawn before the state was split by rows (`RowsDiverged`)
+            acc = state.acceptance
+        else:
+            probs = logits_to_probs(logits, state.sampling) if probs is None else probs  # (B, T, V)
+            acc = verify_tree(state.tree, tokens, probs, state.random, q, distinct_siblings=self.distinct_siblings,
+                              rule=self.acceptance_rule, neighbours=state.neighbours)
+        state.acceptance = None
+        # one host read per round: every row's accepted run and whether every path is a prefix of the fed slots
+        if acc.host is not None:  # read before the state was split
+            accepted, prefix = acc.host
+        elif state.tree.max_children > 1:  # is every row's path nodes 0, 1, 2, ...? Then the KV cache is cropped (no copy)
             if acc.path.shape[1] > state.slots.shape[0]:  # a tree grown deeper than it keeps nodes (host shapes)
                 state.slots = torch.arange(acc.path.shape[1], device=acc.path.device)
             nodes = state.slots[: acc.path.shape[1]]  # (D + 1,) 0, 1, 2, ...: a view, built once
             prefix_path = ((acc.path == nodes) | (acc.path < 0)).all()
-            shortest, prefix = torch.stack([acc.num_accepted.min(), prefix_path.long()]).tolist()  # the one host read
-        n = min(shortest + 1, state.num_remaining)
-        if state.batch_size > 1:  # what rows that accepted more drop by advancing with the shortest (no host read)
-            run = (acc.num_accepted + 1).clamp_max(state.num_remaining)  # (B,) each row's codes, carried ones included
-            new = run if state.carried is None else run - state.carried  # (B,) codes this round's test gave
-            state.row_potential = new.sum() if state.row_potential is None else state.row_potential + new.sum()
-            dropped = (run - n).sum()  # a carrying decoder takes back what it carries (`carry`)
-            state.batch_dropped = dropped if state.batch_dropped is None else state.batch_dropped + dropped
+            *accepted, prefix = torch.cat([acc.num_accepted, prefix_path.long()[None]]).tolist()
+        else:
+            accepted, prefix = acc.num_accepted.tolist(), True
+        runs = [min(a + 1, state.num_remaining) for a in accepted]
+        if state.split_rows and len(set(runs)) > 1:  # nothing changed yet: the loop splits the rows by their runs
+            raise RowsDiverged(dataclasses.replace(acc, host=(accepted, bool(prefix))), runs)
+        # the rows of one state commit the same run: each row's own when the loop splits rows that diverge; in dry
+        # rounds (`RoundOverhead`) the shortest row's run plus its bonus (a prefix of every row's exact sample is
+        # exact), never past the end of the grid
+        shortest = min(accepted)
+        n = min(runs)
         path = acc.path[:, :n]  # (B, n) root + the n - 1 accepted nodes whose KV stays
         drafted = tokens.gather(1, path)  # (B, n): column j is the code of accepted node j (all offered: >= 0)
         codes = torch.cat([drafted[:, 1:], acc.bonus[:, None]], 1)  # (B, n)

@@ -6,11 +6,13 @@ commits them to the `DecodingState` and says which fed positions stay in the KV 
 """
 
 import abc
+import copy
+import dataclasses
 import enum
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from diffusers import ConfigMixin, SchedulerMixin
@@ -79,22 +81,25 @@ class DecodingState:
         positions (`torch.LongTensor` `(H*W,)`): absolute sequence position of each raster code (EOL-aware).
         tokens (`torch.LongTensor` `(B, H*W)`): committed codes in raster order, ``-1`` where not yet decoded.
         acceptance_map (`torch.LongTensor` `(B, H*W)`): accepted length of the pass that committed each code.
-        num_committed (`int`): codes committed per row so far (host-side; rows advance together).
+        num_committed (`int`): codes committed so far (host-side). A state holds the rows that advance together: one
+            image in a generation (every image of a batch has its own state and advances on its own, `RowBatch`),
+            or several in a decoder's dry rounds (`RoundOverhead`).
         accepted_lengths (`list[torch.LongTensor]`): one ``(B,)`` tensor per target pass.
         num_draft_passes (`int`): forward passes of draft heads/models.
         backbone: the family adapter (its ``final_norm``, ``output_head``, ``embed_image_tokens``, ``codebook``),
             for decoders whose drafts go through the backbone's own head; decoders never call its forward.
-        fed_size (`int`, *optional*): with static shapes, the number of slots every round feeds the target (the loop
-            pads drafts to it); ``None``: each round feeds what its draft holds.
-        fed_slots (`int`), padded_slots (`int`): slots fed to the target by the rounds, and how many were padding.
-        row_potential (`torch.Tensor`, *optional*): ``()`` codes the rows of a batch accepted (each row's accepted run
-            and its bonus, codes it carried in from an earlier round not counted again), summed over verification
-            rounds; ``batch_dropped`` (`torch.Tensor`, *optional*): ``()`` how many of them were dropped because the
-            rows advance by the shortest row's run (and a chain decoder could not carry them into its window).
 
     A decoder that carries more between rounds subclasses this dataclass (typed fields with defaults, set in its
-    ``init_state``) and names it in its ``state_class``.
+    ``init_state``) and names it in its ``state_class``, and lists each new field in one of ``row_fields`` (one entry
+    per image row along dim 0: split with the rows), ``cfg_row_fields`` (one per target row: the image rows, then
+    with CFG their unconditional twins) or ``shared_fields`` (the same for every row: tables, host-side counters).
+    `split` reads these lists (over the class hierarchy) and refuses a state with a field in none of them.
     """
+
+    row_fields: ClassVar[Tuple[str, ...]] = ("tokens", "acceptance_map", "accepted_lengths")
+    cfg_row_fields: ClassVar[Tuple[str, ...]] = ()
+    shared_fields: ClassVar[Tuple[str, ...]] = ("layout", "sampling", "random", "prefix_length", "positions",
+                                                "num_committed", "num_draft_passes", "backbone", "split_rows")
 
     layout: ImageTokenLayout
     sampling: SamplingConfig
@@ -107,11 +112,42 @@ class DecodingState:
     accepted_lengths: List[torch.Tensor] = field(default_factory=list)
     num_draft_passes: int = 0
     backbone: Any = None
-    fed_size: Optional[int] = None
-    fed_slots: int = 0
-    padded_slots: int = 0
-    row_potential: Optional[torch.Tensor] = None
-    batch_dropped: Optional[torch.Tensor] = None
+    split_rows: bool = False
+
+    @classmethod
+    def _declared(cls, kind: str) -> set:
+        return {name for klass in cls.__mro__ for name in klass.__dict__.get(kind, ())}
+
+    def split(self, index: Sequence[int]) -> "DecodingState":
+        """The state of the rows ``index`` alone (a new state; tensors are copied): what the loop makes when the
+        rows of one state accept runs of different lengths (`RowsDiverged`), so that each part advances on its own.
+
+        Row fields are indexed along dim 0 (``cfg_row_fields`` at the rows and their unconditional twins), shared
+        fields are kept (a list or dict copied, so the parts do not write into one another's), the random source
+        keeps only the rows' generators (`RandomSource.split`), and `_after_split` rebuilds what depends on the
+        batch size. Raises `TypeError` naming a field the state class does not declare."""
+        rows, shared, twins = self._declared("row_fields"), self._declared("shared_fields"), self._declared("cfg_row_fields")
+        b = self.batch_size
+        idx = torch.as_tensor(list(index), dtype=torch.long, device=self.tokens.device)
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in rows:
+                values[f.name] = _split_rows(value, idx)
+            elif f.name in twins:
+                values[f.name] = _split_rows(value, idx, twins_after=b)
+            elif f.name in shared:
+                values[f.name] = copy.copy(value) if isinstance(value, (list, dict)) else value
+            else:
+                raise TypeError(f"{type(self).__name__}.{f.name} is in none of `row_fields`, `cfg_row_fields` and "
+                                "`shared_fields`: declare it, so that the state can be split by rows.")
+        values["random"] = self.random.split(list(index))
+        part = type(self)(**values)
+        part._after_split(self, idx)
+        return part
+
+    def _after_split(self, parent: "DecodingState", index: torch.Tensor) -> None:
+        """Rebuild, after `split`, the fields that depend on the number of rows (a subclass extends it)."""
 
     @property
     def num_remaining(self) -> int:
@@ -148,6 +184,44 @@ class DecodingState:
     def commit_nothing(self) -> None:
         """Record a target pass that committed no code (a verification round of a lossy decoder)."""
         self.accepted_lengths.append(torch.zeros_like(self.tokens[:, 0]))
+
+
+def _split_rows(value, index: torch.Tensor, twins_after: Optional[int] = None):
+    """``value`` at the rows ``index``: a tensor along dim 0 (with ``twins_after``, and twice that many rows, the
+    rows and their twins ``twins_after`` rows later), a list of them item by item, an object with ``select_rows`` by
+    it, a dataclass field by field; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if twins_after is not None and value.shape[0] == 2 * twins_after:
+            index = torch.cat([index, index + twins_after])
+        return value.index_select(0, index.to(value.device))
+    if isinstance(value, list):
+        return [_split_rows(v, index, twins_after) for v in value]
+    if hasattr(value, "select_rows"):
+        if twins_after is not None and value.num_rows == 2 * twins_after:
+            index = torch.cat([index, index + twins_after])
+        return value.select_rows(index)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: _split_rows(getattr(value, f.name), index)
+                                             for f in dataclasses.fields(value) if isinstance(getattr(value, f.name), torch.Tensor)})
+    raise TypeError(f"Cannot split a {type(value).__name__} by rows.")
+
+
+class RowsDiverged(Exception):
+    """Raised by a decoder step, before it changes its state, when the rows of a state that may be split
+    (``DecodingState.split_rows``) accepted runs of different lengths. The loop splits the state by run length
+    (`DecodingState.split`) and steps each part again with the verification already drawn (``acceptance``, its
+    rows indexed), so every row commits its own run and no random number is drawn twice.
+
+    Args:
+        acceptance: the verification of every row (a `TreeAcceptance`).
+        runs (`list[int]`): per row, the codes its run commits (host ints).
+    """
+
+    def __init__(self, acceptance, runs: List[int]):
+        super().__init__(f"rows accepted runs of different lengths: {runs}")
+        self.acceptance, self.runs = acceptance, runs
 
 
 class DraftKind(enum.Enum):
@@ -198,13 +272,20 @@ class Draft:
         """Each batch row feeds its own tree: positions ``(B, T)`` and mask ``(B, T, T)``."""
         return self.kind is DraftKind.ROW_TREES
 
+    def select_rows(self, index: torch.Tensor) -> "Draft":
+        """The draft of the rows ``index`` (a group of rows split after its verification)."""
+        if not self.per_row:
+            return dataclasses.replace(self, input_ids=self.input_ids[index])
+        return dataclasses.replace(self, input_ids=self.input_ids[index], position_ids=self.position_ids[index],
+                                   attention_mask=self.attention_mask[index])
+
 
 @dataclass
 class StepOutput:
     """What a decoder step decided.
 
     Args:
-        num_accepted (`int`): codes committed this round (per row; rows advance together).
+        num_accepted (`int`): codes committed this round (per row of the state).
         keep_indices (`torch.LongTensor` `(B, n)`, *optional*): per row, the fed positions whose KV stays in the
             cache, in order (an accepted tree path). ``None`` keeps every fed position.
         keep_length (`int`, *optional*): keep only the first ``keep_length`` fed positions (a prefix: the cache
@@ -231,6 +312,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     lossless: bool = True
     acceptance_rule: AcceptanceRule = EXACT
     uses_all_rows: bool = False  # `step` gets the hidden states of every row, CFG's unconditional ones included
+    separate_rows: bool = False  # every image keeps its own state from the start (`RowBatch`), not only once they diverge
     order = 1  # diffusers scheduler attribute; unused here
 
     @property
@@ -301,7 +383,8 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         """Fix ``"auto"`` sizes from ``pass_cost(T)``, the measured seconds of a target pass over ``T`` fed tokens,
         and what a round costs outside it: ``round_overhead(tree)`` (`RoundOverhead`: the decoder's own work per
         candidate tree) or ``draft_pass_cost(T)`` (decoders that ``uses_drafter_passes``: a drafter pass over ``T``
-        nodes), for calls of ``batch_size`` images (the rows of a batch advance together)."""
+        nodes), for calls of ``batch_size`` images (each row advances on its own; the pass over all of them and every
+        row's own work are what a round costs)."""
 
     def heads_needed(self) -> Optional[HeadsNeed]:
         """What draft heads this decoder, as configured, drafts with (`HeadsNeed`: their kinds and offsets), or

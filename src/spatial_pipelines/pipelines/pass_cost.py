@@ -330,6 +330,26 @@ class _DryRound:
         return PassCost._timed(one_round, 1, self.device)
 
 
+class PerRowCost:
+    """A decoder's own cost per round measured on one image (`RoundOverhead`, `DraftPassCost`), times the images of a
+    call: every row proposes and accepts on its own (`RowBatch`), so a round pays each row's work once.
+
+    Args:
+        cost: the one-image cost (a callable, with ``fitted`` where the wrapped cost has it).
+        rows (`int`): images per call.
+    """
+
+    def __init__(self, cost, rows: int):
+        self.cost, self.rows = cost, rows
+
+    def __call__(self, x) -> float:
+        return self.rows * self.cost(x)
+
+    def fitted(self, sizes) -> Callable[[Any], float]:
+        curve = self.cost.fitted(sizes) if hasattr(self.cost, "fitted") else self.cost
+        return lambda x: self.rows * curve(x)
+
+
 class DraftSizingMixin:
     """The pipeline side of ``"auto"`` draft sizes: the measured costs, kept per pipeline, and `resolve_draft_sizes`.
     `SpatialARPipeline` inherits it; it reads the pipeline's ``backbone``, ``decoder``, ``draft_heads``,
@@ -362,12 +382,24 @@ class DraftSizingMixin:
             return
         if sampling is None:
             sampling = SamplingConfig(self.backbone.default_guidance_scale, 1.0, self.backbone.default_top_k)
-        rows = min(num_images, 4) * (2 if sampling.do_cfg else 1)
+        cfg = 2 if sampling.do_cfg else 1
+        rows = min(num_images, 4) * cfg
         if self.decoder.uses_drafter_passes:  # a dry round's random features make a drafter grow unlike a real one
-            self.decoder.resolve_draft_size(self.pass_cost(rows), self.draft_pass_cost(rows), batch_size=num_images)
+            drafter = self._per_row_cost(self.draft_pass_cost(cfg), num_images)
+            self.decoder.resolve_draft_size(self.pass_cost(rows), drafter, batch_size=num_images)
         else:
-            self.decoder.resolve_draft_size(self.pass_cost(rows), round_overhead=self.round_overhead(rows, sampling, prefix_length),
-                                            batch_size=num_images)
+            overhead = self._per_row_cost(self.round_overhead(cfg, sampling, prefix_length), num_images)
+            self.decoder.resolve_draft_size(self.pass_cost(rows), round_overhead=overhead, batch_size=num_images)
+
+    def _per_row_cost(self, cost, num_images: int):
+        """``cost`` (one image's) for calls of ``num_images`` images (`PerRowCost`), kept per cost object so that a
+        decoder sees the same object call after call (its chosen size is kept while its cost model is)."""
+        if cost is None or num_images == 1:
+            return cost
+        kept = self.__dict__.setdefault("_per_row_costs", weakref.WeakKeyDictionary()).setdefault(cost, {})
+        if num_images not in kept:
+            kept[num_images] = PerRowCost(cost, num_images)
+        return kept[num_images]
 
     def round_overhead(self, rows: int, sampling: SamplingConfig, prefix_length: int) -> RoundOverhead:
         """The measured cost of the current decoder's own work in a round (`RoundOverhead`) with ``rows`` target rows,

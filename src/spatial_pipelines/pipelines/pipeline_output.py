@@ -18,19 +18,20 @@ class DecodingStats:
         num_forward_passes (`int`): target forward passes, prefill included.
         num_draft_passes (`int`): forward passes of draft heads or draft models.
         num_tokens (`int`): image codes generated over the whole batch.
-        mean_accepted_length (`float`): codes committed per target pass, averaged over passes and rows.
-        accepted_lengths (`torch.LongTensor` `(num_forward_passes, B)`): codes committed by each pass.
+        mean_accepted_length (`float`): codes committed per target pass per row: every row's codes over the passes
+            that row took (a row that finished early is not charged for the passes the batch ran after it).
+        accepted_lengths (`torch.LongTensor` `(num_forward_passes, B)`): codes committed by each pass in each row
+            (``0`` in the passes after a row finished).
         acceptance_map (`torch.LongTensor` `(B, H, W)`): accepted length of the pass that committed each code.
         wall_time_s (`float`): wall-clock seconds of the whole call.
         mean_tree_depth (`float`, *optional*): dynamic-tree decoders (EAGLE-2, ADT-Tree): mean depth of the trees
             verified, over passes and rows.
         mean_tree_width (`float`, *optional*): the same for the ``top_k`` the trees were grown with.
-        padded_fraction (`float`, *optional*): with static shapes (`SpatialARPipeline.static_shapes`), the share of
-            the slots the rounds fed to the target that were padding (the price of one fixed-shape step).
-        batch_wait_fraction (`float`, *optional*): in a batch of several images, the share of the codes the rows had
-            accepted that were dropped because the rows advance together by the shortest row's run (tree and window
-            decoders; an SJD window carries a longer row's codes into its next round and drops only what does not
-            fit; 0: nothing dropped).
+        padded_fraction (`float`, *optional*): with static shapes (`SpatialARPipeline.static_shapes`) or several
+            images, the share of the slots the rounds fed to the target that were padding (the price of one
+            fixed-shape step, of rows whose drafts are narrower than the widest, and of rows already finished).
+        row_forward_passes (`list[int]`): per image, the target passes it took (prefill included): what it takes
+            alone. Every row advances on its own, so ``num_forward_passes`` is their maximum.
         decoder_stats (`dict`): what the decoder reports about its own rounds (`DecodingState.report`; EAGLE-2 and
             ADT-Tree: ``mean_tree_depth``, ``mean_tree_width``). A new decoder reports here without a new field.
     """
@@ -45,7 +46,7 @@ class DecodingStats:
     mean_tree_depth: Optional[float] = None
     mean_tree_width: Optional[float] = None
     padded_fraction: Optional[float] = None
-    batch_wait_fraction: Optional[float] = None
+    row_forward_passes: List[int] = field(default_factory=list)
     decoder_stats: Dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):

@@ -3,6 +3,7 @@ the backbone contract in `backbone.py`, compile in `static_shapes.py`, the costs
 `pass_cost.py`, Hub saving in `spatial_pipelines.hub`."""
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import time
@@ -15,16 +16,16 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import logging
 
 from ..core.kv_cache import StaticKVCache
-from ..core.layout import EndOfRowInsertion
-from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
+from ..core.sampling import SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
-from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
+from ..decoders.decoding_utils import DecodingState, RowsDiverged, SpatialDecoderMixin, StepOutput, _split_rows
 from ..heads.heads_utils import DraftHeadsMixin
 from ..utils import NULL_TIMER, RoundTimer, check_number, check_safe_serialization, check_weights_folder
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .callbacks import CallbackStateMixin
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
+from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
 from .static_shapes import StaticShapesMixin, eager_target
 
 logger = logging.get_logger(__name__)
@@ -410,21 +411,22 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         prefix = self._encode_prompts(prompts, negative_prompt, num_images_per_prompt, sampling, device)  # (R, P, D)
         self.check_prompt_length(prefix.embeds.shape[1])
 
-        # 3. Prepare the decoding state, the random numbers and the KV cache ("auto" draft sizes: from c(T))
-        state, cache = self._prepare(prefix, sampling, generator, batch_size, device)
+        # 3. Prepare one decoding state per image (its random numbers, its cursor) and the KV cache ("auto" sizes: c(T))
+        batch, cache = self._prepare(prefix, sampling, generator, batch_size, device)
 
-        # 4. Prefill: the prompt pass predicts the first code
-        self._prefill(backbone, prefix, state, cache)
+        # 4. Prefill: the prompt pass predicts each row's first code
+        self._prefill(backbone, prefix, batch, cache)
 
-        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`)
-        num_forward_passes = 1 + self._rounds(backbone, state, cache, callback_on_step_end, callback_on_step_end_tensor_inputs)
+        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`), every
+        #    row at its own pace until every grid is full
+        num_forward_passes = 1 + self._rounds(backbone, batch, cache, callback_on_step_end, callback_on_step_end_tensor_inputs)
 
         # 6. VQ decode, 7. post-process
-        tokens = backbone.layout.grid(state.tokens)  # (B, H, W)
+        tokens = backbone.layout.grid(batch.tokens)  # (B, H, W)
         images = tokens if output_type == "latent" else self._decode(tokens, output_type)
         self.maybe_free_model_hooks()
 
-        stats = self._stats(state, num_forward_passes, batch_size, start_time)
+        stats = self._stats(batch, num_forward_passes, batch_size, start_time)
         if not return_dict:
             return images, tokens, stats
         return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats)
@@ -441,39 +443,42 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         return self.backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)
 
     def _prepare(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int,
-                 device: torch.device) -> Tuple[DecodingState, StaticKVCache]:
-        """Step 3: ``"auto"`` draft sizes, the decoder's typed state with its random numbers, and the KV cache."""
+                 device: torch.device) -> Tuple[RowBatch, StaticKVCache]:
+        """Step 3: ``"auto"`` draft sizes, one typed decoder state per image with its random numbers (`RowBatch`), and
+        the KV cache."""
         backbone, layout = self.backbone, self.backbone.layout
         prefix_length = prefix.embeds.shape[1]
         self.resolve_draft_sizes(batch_size, sampling, prefix_length)
-        state = self.decoder.init_state(
-            layout, sampling, RandomSource(generator, batch_size, device), batch_size, prefix_length, device, backbone
-        )
+        batch = RowBatch.create(self.decoder, layout, sampling, generator, batch_size, prefix_length, device, backbone)
         max_fed = self.decoder.max_fed_tokens(layout) * (2 if layout.has_eol else 1)  # an EOL may follow every fed code
         cache = self._make_cache(backbone, prefix.embeds.shape[0], prefix_length + layout.sequence_length + max_fed)
-        state.fed_size = max_fed if cache.fixed_shape else None  # every round feeds this many slots (static shapes)
-        return state, cache
+        batch.fed_size = max_fed if cache.fixed_shape else None  # every round feeds this many slots (static shapes)
+        return batch, cache
 
-    def _rounds(self, backbone: SpatialBackbone, state: DecodingState, cache: StaticKVCache, callback,
+    def _rounds(self, backbone: SpatialBackbone, batch: RowBatch, cache: StaticKVCache, callback,
                 callback_tensor_inputs: Sequence[str]) -> int:
-        """Step 5: rounds until the grid is full, with the progress bar and ``callback_on_step_end``; returns how many."""
+        """Step 5: rounds until every row's grid is full, with the progress bar (codes of every row) and
+        ``callback_on_step_end``; returns how many."""
         timer = self._round_timer or NULL_TIMER
         rounds = 0
-        with self.progress_bar(total=backbone.layout.num_tokens) as progress_bar:
-            progress_bar.update(state.num_committed)
-            while not state.finished and not self.interrupt:
-                committed_before = state.num_committed
+        with self.progress_bar(total=backbone.layout.num_tokens * batch.batch_size) as progress_bar:
+            progress_bar.update(batch.total_committed)
+            while not batch.finished and not self.interrupt:
+                committed_before = batch.total_committed
                 with timer.section("round"):
-                    self._round(backbone, state, cache, timer)
+                    self._round(backbone, batch, cache, timer)
                 timer.rounds += 1
                 rounds += 1
-                # rounds known so far: those run, and one more while the grid is not full (diffusers' callbacks find
+                # rounds known so far: those run, and one more while a grid is not full (diffusers' callbacks find
                 # their last step as `step_index == pipe.num_timesteps - 1`)
-                self._num_timesteps = rounds + (0 if state.finished else 1)
-                progress_bar.update(state.num_committed - committed_before)
+                self._num_timesteps = rounds + (0 if batch.finished else 1)
+                progress_bar.update(batch.total_committed - committed_before)
                 if callback is not None:
-                    self._run_callback(callback, callback_tensor_inputs, rounds - 1, state)
+                    batch.sync()  # the callback sees every row's grid
+                    self._run_callback(callback, callback_tensor_inputs, rounds - 1, batch)
+                    batch.write_back()
         self._num_timesteps = rounds
+        batch.sync()
         return rounds
 
     def _decode(self, tokens: torch.Tensor, output_type: str):
@@ -487,52 +492,133 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             pixels = pixels.masked_fill(undecoded, 0.0)
         return self.image_processor.postprocess(pixels.float(), output_type=output_type)
 
-    def _stats(self, state: DecodingState, num_forward_passes: int, batch_size: int, start_time: float) -> DecodingStats:
+    def _stats(self, batch: RowBatch, num_forward_passes: int, batch_size: int, start_time: float) -> DecodingStats:
         """What the generation cost (one host read of the per-pass accepted lengths, after the last round)."""
         device = self._execution_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        layout = state.layout
-        accepted = torch.stack(state.accepted_lengths)  # (passes, B)
+        accepted = batch.accepted_lengths()  # (passes, B) 0 after a row finished
+        row_passes = batch.row_passes()
         return DecodingStats(
             num_forward_passes=num_forward_passes,
-            num_draft_passes=state.num_draft_passes,
-            num_tokens=batch_size * layout.num_tokens,
-            mean_accepted_length=accepted.float().mean().item(),
+            num_draft_passes=batch.num_draft_passes,
+            num_tokens=batch_size * batch.layout.num_tokens,
+            mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1),
             accepted_lengths=accepted.cpu(),
-            acceptance_map=layout.grid(state.acceptance_map).cpu(),
+            acceptance_map=batch.layout.grid(batch.acceptance_map).cpu(),
             wall_time_s=time.perf_counter() - start_time,
-            padded_fraction=state.padded_slots / state.fed_slots if state.fed_size and state.fed_slots else None,
-            batch_wait_fraction=(state.batch_dropped / state.row_potential).item() if state.row_potential is not None else None,
-            decoder_stats=state.report(),
+            padded_fraction=batch.padded_slots / batch.fed_slots if batch.fed_slots else None,
+            row_forward_passes=row_passes,
+            decoder_stats=batch.report(),
         )
 
     # -- the loop's parts ---------------------------------------------------------------------------------
-    def _prefill(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, state: DecodingState, cache: StaticKVCache) -> None:
-        """Step 4: one pass over the prompt fills the cache; its last output gives the first code."""
+    def _hidden_rows(self, index: torch.Tensor, batch: RowBatch, rows: int) -> torch.Tensor:
+        """The hidden-state rows a decoder step of the image rows ``index`` gets: their conditional rows, and their
+        unconditional twins (``batch_size`` rows later) for a decoder that `uses_all_rows` under CFG (``rows`` target
+        rows)."""
+        if self.decoder.uses_all_rows and rows > batch.batch_size:
+            return torch.cat([index, index + batch.batch_size])
+        return index
+
+    def _prefill(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, batch: RowBatch, cache: StaticKVCache) -> None:
+        """Step 4: one pass over the prompt fills the cache; its last output gives each row's first code. After it,
+        several images keep one cache length per row (`StaticKVCache.track_rows`): each advances on its own."""
         positions = torch.arange(prefix.embeds.shape[1], device=prefix.embeds.device)
         with eager_target(backbone.target_module):  # the prompt's length varies: never a compiled graph per length
             hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, cache)  # (R, P, D)
-        logits = self._guided_logits(backbone, hidden[:, -1:], state.sampling)  # (B, 1, V)
-        rows = hidden.shape[0] if self.decoder.uses_all_rows else state.batch_size
-        self.decoder.step(logits, hidden[:rows, -1:], None, state, self.draft_heads)
+        logits = self._guided_logits(backbone, hidden[:, -1:], batch.sampling)  # (B, 1, V)
+        if len(batch.groups) == 1:  # every row in one state: no indexing
+            rows = hidden.shape[0] if self.decoder.uses_all_rows else batch.batch_size
+            self.decoder.step(logits, hidden[:rows, -1:], None, batch.groups[0].state, self.draft_heads)
+        else:
+            for g in batch.groups:
+                self.decoder.step(logits[g.index], hidden[self._hidden_rows(g.index, batch, hidden.shape[0]), -1:], None,
+                                  g.state, self.draft_heads)
+        if batch.batch_size > 1:
+            cache.track_rows()
 
-    def _round(self, backbone: SpatialBackbone, state: DecodingState, cache: StaticKVCache, timer) -> None:
-        """Step 5, one round: a-f below. Each part runs inside ``timer.section`` (see `profile_rounds`)."""
+    def _round(self, backbone: SpatialBackbone, batch: RowBatch, cache: StaticKVCache, timer) -> None:
+        """Step 5, one round: a-f below, over every group of rows not yet finished (`RowBatch`). Each part runs inside
+        ``timer.section`` (see `profile_rounds`). One image takes `_round_one` (the same steps on one shared length)."""
+        if batch.batch_size == 1:
+            return self._round_one(backbone, batch.groups[0].state, batch, cache, timer)
+        layout, sampling, device = batch.layout, batch.sampling, batch.tokens.device
+        active = batch.active()
+        # 5a. every group proposes its draft at its own cursor (its last committed code first)
+        with timer.section("draft"):
+            drafts = [self.decoder.propose(g.state, self.draft_heads) for g in active]
+        # 5b. end-of-row tokens are forced, never drafted: one after every fed code that ends a row
+        with timer.section("eol"):
+            fed = [insert_end_of_rows(layout, g.state, draft, g) for g, draft in zip(active, drafts)]
+        # 5c. one target forward over every row's draft, padded to one width (CFG rows as one batch)
+        with timer.section("forward"):
+            widest = max(f.width for f in fed)
+            width = widest if batch.fed_size is None else batch.fed_size
+            if width < widest:
+                raise ValueError(f"A round fed {widest} tokens, more than the {width} the decoder declared (`max_draft_tokens`).")
+            batch.fed_slots += width * batch.batch_size
+            batch.padded_slots += width * batch.batch_size - sum(f.width * len(f.group.rows) for f in fed)
+            ids, position_ids, mask, is_eol = stack_groups(fed, batch, width, device)  # (B, F), (B, F), (B, F, F), (B, F)
+            if sampling.do_cfg:  # the unconditional rows verify the same drafts
+                ids, position_ids, mask = ids.repeat(2, 1), position_ids.repeat(2, 1), mask.repeat(2, 1, 1)
+            embeds = backbone.embed_image_tokens(ids)  # (R, F, D)
+            if is_eol is not None and any(f.eol is not None for f in fed):
+                eol_slots = is_eol.repeat(2, 1) if sampling.do_cfg else is_eol
+                embeds = torch.where(eol_slots[..., None], backbone.eol_embedding.to(embeds.dtype), embeds)
+            hidden = self._target_forward(backbone, embeds, position_ids, mask, cache)  # (R, F, D)
+            logits = backbone.image_logits(hidden)  # (R, F, V) fp32
+        # 5d-e. CFG mix; each group accepts its rows' runs and commits them (splitting rows that diverge)
+        with timer.section("accept"):
+            logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, F, V)
+            kept: List[Kept] = [0] * batch.batch_size  # a finished row keeps nothing
+            for f in fed:
+                self._step_group(batch, f, logits, hidden, kept)
+        # 5f. each row keeps its own accepted path in the KV cache (with the EOLs that follow its row ends)
+        with timer.section("kv"):
+            cache.keep_rows(kept + kept if sampling.do_cfg else kept)
+
+    def _step_group(self, batch: RowBatch, fed: FedGroup, logits: torch.Tensor, hidden: torch.Tensor, kept: List[Kept]) -> None:
+        """Step 5e for one group: the decoder accepts and commits its rows' runs. Rows that accepted runs of different
+        lengths (`RowsDiverged`, raised before the state changed) are split into one group per run length, each
+        stepped with the verification already drawn. Records what each row keeps of its fed slots in ``kept``."""
+        g, t = fed.group, fed.width
+        if g.rows == list(range(batch.batch_size)):  # every row, in order: plain slices
+            row_logits = logits[:, :t]
+            row_hidden = hidden[:, :t] if self.decoder.uses_all_rows else hidden[: batch.batch_size, :t]
+        else:
+            row_logits, row_hidden = logits[g.index, :t], hidden[self._hidden_rows(g.index, batch, hidden.shape[0]), :t]
+        if fed.eol is not None:  # a row's last code sees its EOL's output
+            row_logits, row_hidden = fed.eol.outputs(row_logits), fed.eol.outputs(row_hidden)  # (n, T, V), (n or 2n, T, D)
+        try:
+            result = self.decoder.step(row_logits, row_hidden, fed.draft, g.state, self.draft_heads)
+            _record_kept(kept, g.rows, result, fed.eol, t)
+            return
+        except RowsDiverged as error:
+            diverged = error  # `except` unbinds its name on leaving the block
+        parts = split_group(g, diverged.runs)
+        batch.replace(g, [part for _, part in parts])
+        n = len(g.rows)
+        for local, part in parts:
+            index = torch.tensor(local, device=row_logits.device)
+            twins = torch.cat([index, index + n]) if row_hidden.shape[0] == 2 * n else index
+            accepted, prefix = diverged.acceptance.host
+            part.state.acceptance = dataclasses.replace(_split_rows(diverged.acceptance, index),  # drawn and read once
+                                                        host=([accepted[i] for i in local], prefix))
+            eol = _split_rows(fed.eol, index) if fed.eol is not None and fed.eol.source.shape[0] > 1 else fed.eol
+            result = self.decoder.step(row_logits[index], row_hidden[twins], fed.draft.select_rows(index), part.state, self.draft_heads)
+            _record_kept(kept, part.rows, result, eol, t)
+
+    def _round_one(self, backbone: SpatialBackbone, state: DecodingState, batch: RowBatch, cache: StaticKVCache, timer) -> None:
+        """`_round` for one image: the same steps a-f, on the cache's shared length."""
         layout, sampling = state.layout, state.sampling
         # 5a. the decoder proposes what to verify (the last committed code first)
         with timer.section("draft"):
             draft = self.decoder.propose(state, self.draft_heads)
         # 5b. end-of-row tokens are forced, never drafted: one is fed after every fed code that ends a row
         with timer.section("eol"):
-            input_ids, position_ids, mask = draft.input_ids, draft.position_ids, draft.attention_mask  # (B, T)
-            eol = None
-            if layout.has_eol and draft.per_row:  # one tree per row (EAGLE-2, ADT-Tree): tables per row
-                eol = EndOfRowInsertion.for_positions(layout, position_ids, state.prefix_length, root=state.num_committed - 1)
-            elif layout.has_eol:  # a shared draft: placed from its host-side depths, no device read
-                eol = EndOfRowInsertion.for_depths(layout, draft.depths, state.num_committed - 1, input_ids.device)
-            if eol is not None:
-                input_ids, position_ids, mask = eol.input_ids(input_ids), eol.position_ids(position_ids), eol.attention_mask(mask)
+            f = insert_end_of_rows(layout, state, draft)  # (1, T')
+            input_ids, position_ids, mask, eol = f.input_ids, f.position_ids, f.attention_mask, f.eol  # (1, T')
         # 5c. one target forward over the draft (CFG rows as one batch), logits over image codes
         with timer.section("forward"):
             fed = input_ids.shape[1]  # T': the real fed slots (EOLs included)
@@ -543,8 +629,8 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             embeds = backbone.embed_image_tokens(input_ids)  # (R, T', D)
             if eol is not None:
                 embeds = eol.embeds(embeds, backbone.eol_embedding)
-            if state.fed_size is not None:  # static shapes: every round feeds the same number of slots
-                embeds, position_ids, mask = self._pad_round(embeds, position_ids, mask, state)  # (R, F, D)
+            if batch.fed_size is not None:  # static shapes: every round feeds the same number of slots
+                embeds, position_ids, mask = self._pad_round(embeds, position_ids, mask, batch)  # (R, F, D)
             slot = cache.length
             hidden = self._target_forward(backbone, embeds, position_ids, mask, cache)[:, :fed]  # (R, T', D)
             if eol is not None:
@@ -552,13 +638,13 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             logits = backbone.image_logits(hidden)  # (R, T, V) fp32
         # 5d-e. CFG mix; the decoder accepts codes and commits them to the state
         with timer.section("accept"):
-            logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, T, V)
-            rows = hidden.shape[0] if self.decoder.uses_all_rows else state.batch_size
+            logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (1, T, V)
+            rows = hidden.shape[0] if self.decoder.uses_all_rows else 1
             result = self.decoder.step(logits, hidden[:rows], draft, state, self.draft_heads)
         # 5f. keep only the accepted path in the KV cache (with the EOLs that follow its row ends)
         with timer.section("kv"):
             if result.keep_indices is not None:
-                keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (B, n)
+                keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (1, n)
                 cache.keep(slot, keep.repeat(2, 1) if sampling.do_cfg else keep)  # (R, n)
             elif result.keep_length is not None:
                 keep_length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
@@ -579,6 +665,22 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             yield timer
         finally:
             self._round_timer = None
+
+
+def _record_kept(kept: List[Kept], rows: List[int], result: StepOutput, eol, width: int) -> None:
+    """What each of ``rows`` keeps of its fed slots after a decoder step (`StaticKVCache.keep_rows`): a prefix length,
+    or the slot offsets ``(n,)`` of its accepted tree path (the end-of-row tokens after its row ends included)."""
+    if result.keep_indices is not None:
+        keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (n_rows, k)
+        for i, r in enumerate(rows):
+            kept[r] = keep[i]
+        return
+    if result.keep_length is not None:
+        length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
+    else:
+        length = width  # every fed slot stays
+    for r in rows:
+        kept[r] = length
 
 
 def available_memory(device: torch.device) -> Optional[int]:

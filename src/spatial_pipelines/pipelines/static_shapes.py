@@ -23,7 +23,7 @@ import torch
 from ..core.kv_cache import StaticKVCache, varying_length_attention
 
 if TYPE_CHECKING:
-    from ..decoders.decoding_utils import DecodingState
+    from .rows import RowBatch
     from .backbone import SpatialBackbone
 
 #: Fixed-shape caches are allocated in multiples of this many slots (one graph serves every prompt length that
@@ -131,11 +131,11 @@ class StaticShapesMixin:
         mark_static_cache(cache, uses_cuda_graphs(backbone.target_module, cache.storage.device))
         return cache
 
-    def _pad_round(self, embeds, position_ids, mask, state: "DecodingState"):
-        """Static shapes: pad the round's fed embeddings ``(R, T', D)`` to ``state.fed_size`` slots (`pad_fed`)."""
-        fed, size = embeds.shape[1], state.fed_size
-        state.fed_slots += size
-        state.padded_slots += size - fed
+    def _pad_round(self, embeds, position_ids, mask, batch: "RowBatch"):
+        """Static shapes: pad the round's fed embeddings ``(R, T', D)`` to ``batch.fed_size`` slots (`pad_fed`)."""
+        fed, size = embeds.shape[1], batch.fed_size
+        batch.fed_slots += size
+        batch.padded_slots += size - fed
         return pad_fed(embeds, position_ids, mask, size)  # (R, F, D): padding feeds a zero vector
 
     def _target_forward(self, backbone: "SpatialBackbone", embeds, position_ids, mask, cache) -> torch.Tensor:
