@@ -20,7 +20,7 @@ from torch import nn
 from ..core.contracts import DRAFTER
 from ..core.kv_cache import StaticKVCache, varying_length_attention
 from ..models.blocks import TransformerBlock, llamagen_intermediate_size, rope_2d_table
-from .heads_utils import DraftHeadsMixin, check_heads_args
+from .heads_utils import DraftHeadsMixin, check_heads_args, check_heads_size
 
 
 class EagleDraftHead(DraftHeadsMixin):
@@ -66,6 +66,11 @@ class EagleDraftHead(DraftHeadsMixin):
         if num_attention_heads % kv_heads:
             raise ValueError(f"`num_key_value_heads` ({kv_heads}) must divide `num_attention_heads` ({num_attention_heads}).")
         width = intermediate_size or llamagen_intermediate_size(hidden_size, 64, None)
+        head_dim = hidden_size // num_attention_heads
+        values = (2 * hidden_size + 1) * hidden_size + hidden_size * (hidden_size + 2 * kv_heads * head_dim) \
+            + hidden_size * hidden_size + 3 * hidden_size * width + 2 * hidden_size + grid_height * grid_width * head_dim
+        check_heads_size(type(self).__name__, values, [("hidden_size", hidden_size), ("intermediate_size", width),
+                                                       ("grid_height", grid_height), ("grid_width", grid_width)])
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=True)
         self.layer = TransformerBlock(hidden_size, num_attention_heads, kv_heads, width, norm_eps, 0.0)
         table = rope_2d_table(grid_height, grid_width, hidden_size // num_attention_heads, rope_theta, 0, False)  # (H*W, D/2, 2)

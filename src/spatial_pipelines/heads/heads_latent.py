@@ -18,7 +18,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from ..core.contracts import LATENT
-from .heads_utils import DraftHeadsMixin, check_heads_args, check_offsets
+from .heads_utils import DraftHeadsMixin, check_heads_args, check_heads_size, check_offsets
 
 DIRECTIONS = ("horizontal", "vertical")
 
@@ -83,6 +83,9 @@ class LatentDraftHeads(DraftHeadsMixin):
                          optional_ints=[("intermediate_size", intermediate_size)], positives=[("rms_norm_eps", rms_norm_eps)])
         check_offsets(horizontal_offsets, vertical_offsets)
         m = intermediate_size or 2 * hidden_size
+        count = len(horizontal_offsets) + len(vertical_offsets)
+        check_heads_size(type(self).__name__, count * (2 * hidden_size * hidden_size + hidden_size + 3 * hidden_size * m),
+                         [("hidden_size", hidden_size), ("intermediate_size", m), ("predictors", count)])
         self.horizontal = nn.ModuleList(LatentPredictor(hidden_size, m, rms_norm_eps) for _ in horizontal_offsets)
         self.vertical = nn.ModuleList(LatentPredictor(hidden_size, m, rms_norm_eps) for _ in vertical_offsets)
 

@@ -13,7 +13,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from ..core.contracts import OFFSET_LOGITS
-from .heads_utils import DraftHeadsMixin, check_heads_args, check_offsets
+from .heads_utils import DraftHeadsMixin, check_heads_args, check_heads_size, check_offsets
 
 
 class ResBlock(nn.Module):
@@ -58,6 +58,9 @@ class SpatialDraftHeads(DraftHeadsMixin):
                          ints=[("hidden_size", hidden_size), ("num_image_codes", num_image_codes), ("grid_height", grid_height),
                                ("grid_width", grid_width), ("num_layers", num_layers)])
         check_offsets(horizontal_offsets, vertical_offsets)
+        count = len(horizontal_offsets) + len(vertical_offsets)
+        check_heads_size(type(self).__name__, count * num_layers * (hidden_size + 1) * hidden_size,
+                         [("hidden_size", hidden_size), ("num_layers", num_layers), ("heads", count)])
 
         def head():
             return nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)])

@@ -64,6 +64,29 @@ def check_heads_args(base_model_name_or_path=None, base_model_revision=None, int
         check_number(name, value, 0, low_open=True)
 
 
+#: The most values (parameters and buffers) a heads object may hold: past it (17 GB in fp32) no backbone served here
+#: needs them, and building them would end in the allocator rather than in a message.
+MAX_HEADS_VALUES = 2**32
+
+
+def check_heads_size(class_name: str, values: int, sizes) -> None:
+    """Raise `ValueError` naming the size arguments ``sizes`` (``(name, value)`` pairs) when heads of ``values``
+    parameters and buffers exceed `MAX_HEADS_VALUES` or the free host memory, before anything is allocated."""
+    from ..pipelines.pipeline_utils import available_memory
+
+    import torch
+
+    named = ", ".join(f"`{n}={v}`" for n, v in sizes)
+    if values > MAX_HEADS_VALUES:
+        raise ValueError(f"{named}: these {class_name} would hold {values:.3g} values ({values * 4 / 2**30:.3g} GiB in "
+                         f"fp32); at most {MAX_HEADS_VALUES:.3g} are built (no backbone served here needs more): check the "
+                         "sizes against the backbone's config.")
+    free = available_memory(torch.device("cpu"))
+    if free is not None and values * 4 > 0.9 * free:
+        raise ValueError(f"{named}: these {class_name} need {values * 4 / 2**30:.3g} GiB in fp32 and the host has "
+                         f"{free / 2**30:.3g} GiB free.")
+
+
 def heads_class_for(kind: str) -> type:
     """The heads class that provides ``kind`` (one of `HEADS_KINDS`): the loaded `DraftHeadsMixin` subclass that
     declares it in its own ``kind`` attribute, the classes of spatial_pipelines first.

@@ -20,7 +20,8 @@ from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from ..utils import NULL_TIMER, RoundTimer, check_number, check_safe_serialization, check_weights_folder
+from ..utils import (NULL_TIMER, RoundTimer, check_number, check_path_or_repo_id, check_safe_serialization,
+                     check_weights_folder)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .callbacks import CallbackStateMixin
 from .pass_cost import DraftSizingMixin
@@ -100,12 +101,29 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' ``from_pretrained`` (a folder or a Hub repo id), after checking a local folder's weights: a
-        truncated or corrupt safetensors file is a `ValueError` naming it (not "Unable to load weights")."""
+        """diffusers' ``from_pretrained`` (a folder or a Hub repo id), after checking the folder against itself before any
+        weight is used (`spatial_pipelines.pipelines.folder_checks`): JSON files, ``model_index.json`` and the
+        components' configs name classes that exist and agree (a component's own config wins over
+        ``model_index.json``, with a warning), config values have their types and ranges, weights are whole
+        safetensors (never a pickle) whose names and shapes the configs build. Each finding is a `ValueError` naming
+        the file and the key. A Hub repo is downloaded (safetensors only) and checked the same way."""
+        from .folder_checks import check_pipeline_folder
+
         path = pretrained_model_name_or_path
-        if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
-            check_weights_folder(os.fspath(path), "pipeline weights")
-        return super().from_pretrained(path, **kwargs)
+        check_path_or_repo_id(path, "pretrained_model_name_or_path")
+        kwargs["use_safetensors"] = True  # never a pickled .bin in place of a missing safetensors file
+        folder = os.fspath(path)
+        if not os.path.isdir(folder):
+            download = {k: kwargs[k] for k in ("cache_dir", "force_download", "proxies", "local_files_only", "token",
+                                                "revision", "variant") if k in kwargs}
+            folder = cls.download(folder, use_safetensors=True, **download)
+        check_weights_folder(folder, "pipeline weights")
+        preloaded = check_pipeline_folder(cls, folder, kwargs.get("variant"))
+        for name, component in preloaded.items():
+            kwargs.setdefault(name, component)
+        pipe = super().from_pretrained(folder, **kwargs)
+        pipe.register_to_config(_name_or_path=os.fspath(path))
+        return pipe
 
     @classmethod
     def from_backbone(
