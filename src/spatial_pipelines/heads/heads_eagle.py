@@ -29,6 +29,8 @@ class EagleDraftHead(DraftHeadsMixin):
     Args:
         base_model_name_or_path (`str`, *optional*), base_model_revision (`str`, *optional*): the backbone.
         hidden_size (`int`), num_image_codes (`int`), grid_height (`int`), grid_width (`int`): backbone facts.
+        family (`str`, *optional*): the backbone's family (``"llamagen"``, ``"janus"``, ...); heads that record
+            one are refused by a backbone of another family.
         num_attention_heads (`int`): attention heads of the drafter's layer.
         num_key_value_heads (`int`, *optional*): GQA heads (default: as many as attention heads).
         intermediate_size (`int`, *optional*): SwiGLU width (default: LlamaGen's rule, ``8/3 * hidden_size``
@@ -52,9 +54,10 @@ class EagleDraftHead(DraftHeadsMixin):
         intermediate_size: Optional[int] = None,
         norm_eps: float = 1e-5,
         rope_theta: float = 10000.0,
+        family: Optional[str] = None,
     ):
         super().__init__()
-        check_heads_args(base_model_name_or_path, base_model_revision,
+        check_heads_args(base_model_name_or_path, base_model_revision, family=family,
                          ints=[("hidden_size", hidden_size), ("num_attention_heads", num_attention_heads), ("grid_height", grid_height),
                                ("grid_width", grid_width), ("num_image_codes", num_image_codes)],
                          optional_ints=[("num_key_value_heads", num_key_value_heads), ("intermediate_size", intermediate_size)],

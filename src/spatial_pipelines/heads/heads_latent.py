@@ -54,6 +54,8 @@ class LatentDraftHeads(DraftHeadsMixin):
     Args:
         base_model_name_or_path (`str`, *optional*), base_model_revision (`str`, *optional*): the backbone.
         hidden_size (`int`), num_image_codes (`int`), grid_height (`int`), grid_width (`int`): backbone facts.
+        family (`str`, *optional*): the backbone's family (``"llamagen"``, ``"janus"``, ...); heads that record
+            one are refused by a backbone of another family.
         horizontal_offsets (`list[int]`): raster offsets of the horizontal predictors (default ``1..5``).
         vertical_offsets (`list[int]`): row offsets of the vertical predictors (default ``1..2``).
         intermediate_size (`int`, *optional*): SwiGLU width ``m`` (default ``2 * hidden_size``, as the paper).
@@ -75,9 +77,10 @@ class LatentDraftHeads(DraftHeadsMixin):
         vertical_offsets: Sequence[int] = (1, 2),
         intermediate_size: Optional[int] = None,
         rms_norm_eps: float = 1e-5,
+        family: Optional[str] = None,
     ):
         super().__init__()
-        check_heads_args(base_model_name_or_path, base_model_revision,
+        check_heads_args(base_model_name_or_path, base_model_revision, family=family,
                          ints=[("hidden_size", hidden_size), ("num_image_codes", num_image_codes), ("grid_height", grid_height),
                                ("grid_width", grid_width)],
                          optional_ints=[("intermediate_size", intermediate_size)], positives=[("rms_norm_eps", rms_norm_eps)])

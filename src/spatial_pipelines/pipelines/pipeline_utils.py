@@ -70,7 +70,28 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                 from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
 
                 self.register_to_config(draft_heads=_fetch_class_library_tuple(value))
+        heads = self.__dict__.get("draft_heads")
+        if (name in self.__dict__ and heads is not None and name not in ("decoder", "draft_heads")
+                and isinstance(self.__dict__[name], torch.nn.Module)):
+            # a backbone component swapped under attached heads: they must still fit it, or nothing changes
+            old = self.__dict__[name]
+            super().__setattr__(name, value)
+            try:
+                self._check_heads_fit(heads)
+            except ValueError as err:
+                super().__setattr__(name, old)
+                raise ValueError(f"`{name}`: the new {type(value).__name__} does not fit the attached draft heads "
+                                 f"(detach them first with `pipe.draft_heads = None`). {err}") from None
+            except Exception:  # a component the backbone cannot read yet: the call's checks will say
+                pass
+            return
         super().__setattr__(name, value)
+
+    def _check_heads_fit(self, draft_heads: DraftHeadsMixin) -> None:
+        """Raise `ValueError` naming what differs when ``draft_heads`` were made for another backbone: family, base
+        model, hidden size, code count or grid (`DraftHeadsMixin.check_backbone`)."""
+        backbone = self.backbone
+        draft_heads.check_backbone(backbone.facts(), base_model=backbone.name_or_path)
 
     def _prepare_draft_heads(self, draft_heads) -> None:
         """Check ``draft_heads`` fit the backbone, then move them to its device and dtype (``None``: nothing)."""
@@ -78,7 +99,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             return
         if not isinstance(draft_heads, DraftHeadsMixin):
             raise ValueError(f"`draft_heads` must be a `DraftHeadsMixin` (e.g. `SpatialDraftHeads`), got {type(draft_heads).__name__}.")
-        draft_heads.check_backbone(self.backbone.facts())
+        self._check_heads_fit(draft_heads)
         # like an adapter, the heads take the backbone's device and dtype (fp32 heads drive a bf16 backbone);
         # nn.Module.to: diffusers' ModelMixin.to warns on every dtype cast, even with no fp32-only modules
         torch.nn.Module.to(draft_heads, device=self.device, dtype=self.backbone.dtype)
@@ -95,7 +116,9 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         The heads' config is checked against this backbone before any weight is read; a mismatch raises
         `ValueError`. Keyword arguments go to the heads class's ``from_pretrained``.
         """
-        heads = DraftHeadsMixin.from_pretrained(pretrained_model_name_or_path, backbone_facts=self.backbone.facts(), **kwargs)
+        backbone = self.backbone
+        heads = DraftHeadsMixin.from_pretrained(pretrained_model_name_or_path, backbone_facts=backbone.facts(),
+                                                base_model=backbone.name_or_path, **kwargs)
         self.set_draft_heads(heads)
         return heads
 
@@ -240,7 +263,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             raise ValueError("`prompt` must hold at least one prompt, got an empty list.")
         backbone = self.backbone
         backbone.check_prompt(prompts, "prompt")
-        _check_text(prompts, "prompt")
+        _check_text(prompts, "prompt", backbone.max_prompt_characters)
         if negative_prompt is not None:
             negatives = _as_list(negative_prompt, "negative_prompt")
             if len(negatives) not in (1, len(prompts)):
@@ -248,7 +271,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                     f"`negative_prompt` must hold 1 or len(prompt)={len(prompts)} prompts, got {len(negatives)}."
                 )
             backbone.check_prompt(negatives, "negative_prompt")
-            _check_text(negatives, "negative_prompt")
+            _check_text(negatives, "negative_prompt", backbone.max_prompt_characters)
         check_number("guidance_scale", guidance_scale, 0, MAX_GUIDANCE_SCALE, meaning="1 disables guidance; beyond "
                      f"{MAX_GUIDANCE_SCALE:g} the mixed fp32 logits overflow")
         if negative_prompt is not None and guidance_scale == 1:
@@ -296,6 +319,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                              f"component but {self._optional_components} (set it, e.g. `pipe.decoder = JacobiDecoder()`).")
         if self.draft_heads is not None:
             self.draft_heads.check_modules()  # heads edited after they were attached
+            self._check_heads_fit(self.draft_heads)  # or a backbone component swapped under them
         if self.device.type == "meta":
             raise ValueError(f"This {type(self).__name__} is on the meta device (its weights hold no values): load it "
                              "with real weights, or move it to `cpu` or `cuda`.")
@@ -619,10 +643,14 @@ def available_memory(device: torch.device) -> Optional[int]:
         return None
 
 
-def _check_text(prompts: Sequence[Any], name: str) -> None:
+def _check_text(prompts: Sequence[Any], name: str, max_characters: Optional[int] = None) -> None:
     """Raise `ValueError` naming ``name`` for a text prompt that is not valid Unicode (a lone surrogate, which no
-    tokenizer can encode)."""
+    tokenizer can encode), or that is longer than ``max_characters`` (`SpatialBackbone.max_prompt_characters`: it cannot
+    fit the model's context, and tokenizing it would cost time for nothing)."""
     for i, p in enumerate(prompts):
+        if isinstance(p, str) and max_characters is not None and len(p) > max_characters:
+            raise ValueError(f"`{name}` [{i}] holds {len(p)} characters; this model reads at most {max_characters} "
+                             "(its context, less the image's positions): shorten the prompt.")
         if isinstance(p, str):
             try:
                 p.encode("utf-8")
