@@ -314,26 +314,21 @@ def check_model_folder(model_cls, key: str, folder: str, component_dir: str, var
     if not headers:
         return
     check_trained_facts(headers, config, component_dir)
-    if own:
-        check_shapes(_meta_model(model_cls, config, config_path), headers, component_dir, strict=True)
-    else:
-        try:
-            model = _meta_model(model_cls, config, config_path)
-        except ValueError:
-            raise
-        check_shapes(model, headers, component_dir, strict=False)
+    check_shapes(_meta_model(model_cls, config, config_path), headers, component_dir, strict=own)
 
 
-def check_pipeline_folder(pipeline_cls, folder: str, variant: Optional[str] = None) -> Dict[str, Any]:
+def check_pipeline_folder(pipeline_cls, folder: str, variant: Optional[str] = None, passed=()) -> Dict[str, Any]:
     """Check a local pipeline folder before anything is loaded from it (this module's docstring). Returns components
     to pass to diffusers' loading: the decoder or draft heads whose own config names another class than
-    ``model_index.json`` (loaded from that config, with a warning)."""
+    ``model_index.json`` (loaded from that config, with a warning). Components named in ``passed`` (given to
+    ``from_pretrained`` by the caller) are not read from the folder, so their files are not checked."""
     folder = os.fspath(folder)
     check_json_files(folder)
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):
         return {}  # diffusers says what is missing
     classes = check_model_index(pipeline_cls, folder, read_json_file(index_path, "model_index.json"))
+    classes = {k: v for k, v in classes.items() if k not in passed}
     loaded = {}
     if "decoder" in classes:
         own = _own_config_class(folder, "decoder", SpatialDecoderMixin, DECODER_CONFIG_NAME, classes["decoder"])

@@ -141,7 +141,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                                                 "revision", "variant") if k in kwargs}
             folder = cls.download(folder, use_safetensors=True, **download)
         check_weights_folder(folder, "pipeline weights")
-        preloaded = check_pipeline_folder(cls, folder, kwargs.get("variant"))
+        preloaded = check_pipeline_folder(cls, folder, kwargs.get("variant"), passed=set(kwargs))
         for name, component in preloaded.items():
             kwargs.setdefault(name, component)
         pipe = super().from_pretrained(folder, **kwargs)
