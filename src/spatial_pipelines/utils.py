@@ -288,10 +288,15 @@ class CheckedSaveMixin:
 
     trained_facts: tuple = ()
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, is_main_process: bool = True, save_function=None,
+                        safe_serialization: bool = True, variant=None, max_shard_size="10GB", push_to_hub: bool = False,
+                        **kwargs):
+        # the arguments diffusers' pipeline save looks for in the signature (`variant`, ...) are named here
         path = check_save_directory(save_directory)
-        out = super().save_pretrained(save_directory, *args, **kwargs)
-        if self.trained_facts:
+        out = super().save_pretrained(save_directory, is_main_process=is_main_process, save_function=save_function,
+                                      safe_serialization=safe_serialization, variant=variant,
+                                      max_shard_size=max_shard_size, push_to_hub=push_to_hub, **kwargs)
+        if self.trained_facts and os.path.isdir(path):
             facts = json.dumps({k: self.config[k] for k in self.trained_facts})
             for name in sorted(os.listdir(path)):
                 if name.endswith(".safetensors"):

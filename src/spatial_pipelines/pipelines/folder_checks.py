@@ -99,7 +99,7 @@ def _expected_types(pipeline_cls, name: str):
     if hint is None:
         return None
     options = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
-    classes = tuple(o for o in options if isinstance(o, type) and o is not type(None))
+    classes = tuple(o for o in options if isinstance(o, type) and o not in (type(None), typing.Any, object))
     return classes or None
 
 
