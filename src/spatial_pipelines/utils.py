@@ -1,9 +1,11 @@
 """Small helpers shared by pipelines and heads (no model code)."""
 
 import contextlib
+import json
 import math
 import numbers
 import os
+import re
 import shutil
 import tempfile
 from typing import Iterable, Iterator
@@ -64,9 +66,7 @@ def atomic_directory(save_directory: str, markers: Iterable[str] = SAVED_MARKERS
     holds a previous save (one of ``markers``); any other non-empty folder raises `ValueError`, so unrelated
     files are never mixed with, or lost to, a save.
     """
-    save_directory = os.path.abspath(os.fspath(save_directory))
-    if os.path.isfile(save_directory):
-        raise ValueError(f"`save_directory` {save_directory!r} is a file; pass a folder path.")
+    save_directory = check_save_directory(save_directory)
     if os.path.isdir(save_directory) and os.listdir(save_directory):
         if not any(os.path.exists(os.path.join(save_directory, m)) for m in markers):
             raise ValueError(
@@ -142,16 +142,112 @@ def check_safe_serialization(safe_serialization) -> None:
                          "safetensors only and never writes or loads pickles.")
 
 
-def check_safetensors_file(path: str, what: str = "weights") -> None:
-    """Raise `ValueError` naming ``path`` if it is not a whole safetensors file (truncated, corrupt, not safetensors);
-    reads the header only."""
-    from safetensors import SafetensorError, safe_open
+#: How deep a JSON file this library reads may nest (its configs nest a few levels; Python's parser overflows the stack
+#: near 1,000). Deeper files are refused before they are parsed.
+MAX_JSON_DEPTH = 64
+#: Pickle and torch.save formats: never loaded. A file of these names in a weights folder is named, not read.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
 
+
+def json_depth(text: str) -> int:
+    """How deep ``text`` (JSON) nests objects and arrays, counted without parsing it (no recursion)."""
+    depth = deepest = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        if match.group() in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def read_json_file(path: str, what: str = "config"):
+    """The JSON in ``path``, after checking it is readable UTF-8 JSON that nests at most `MAX_JSON_DEPTH` levels;
+    anything else is a `ValueError` naming the file (never a `RecursionError` or `UnicodeDecodeError`)."""
     try:
-        with safe_open(path, framework="pt") as f:
-            f.keys()
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"The {what} file {path!r} is truncated or corrupt ({err}); download or save it again.") from err
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"The {what} file {path!r} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
+    check_json_text(text, path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"The {what} file {path!r} is not valid JSON: {err}.") from None
+
+
+def check_json_text(text: str, path: str, what: str = "config") -> None:
+    """Raise `ValueError` naming ``path`` when the JSON ``text`` nests deeper than `MAX_JSON_DEPTH`."""
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"The {what} file {path!r} nests {depth} levels deep; at most {MAX_JSON_DEPTH} are read (a config "
+                         "nests a few): it is not a config this library wrote.")
+
+
+def _is_pickle(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first 9 bytes) is a pickle (protocol 2+) or a torch.save zip archive
+    rather than safetensors (whose 9th byte opens its JSON header)."""
+    if head[8:9] == b"{":
+        return False
+    return head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") or head[:4] == b"PK\x03\x04"
+
+
+def safetensors_header(path: str, what: str = "weights") -> dict:
+    """The header of the safetensors file ``path`` (tensor name -> dtype, shape, data_offsets; ``__metadata__``),
+    read without reading any tensor, after checking the file is whole.
+
+    Raises `ValueError` naming the file and why: a pickle or torch.save archive (pickles are refused here: loading one
+    can run code), a file too short for its own header (truncated), a header that is not safetensors JSON, or tensor
+    data that ends past the end of the file (truncated).
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(9)
+            if _is_pickle(head):
+                raise ValueError(f"The {what} file {path!r} is a pickle (torch.save format), not safetensors: pickles are "
+                                 "refused here, because loading one can run any code. Convert it to safetensors where "
+                                 "you trust it (`safetensors.torch.save_file(torch.load(f, weights_only=True), ...)`).")
+            if len(head) < 9:
+                raise ValueError(f"The {what} file {path!r} is truncated or corrupt: {size} bytes, too short for a "
+                                 "safetensors header; download or save it again.")
+            length = int.from_bytes(head[:8], "little")
+            if length > min(size - 8, 100 * 2**20):
+                raise ValueError(f"The {what} file {path!r} is truncated or corrupt: its header claims {length} bytes but "
+                                 f"the file holds {size}{' (it is not a safetensors file)' if length > 100 * 2**20 else ''}; "
+                                 "download or save it again.")
+            raw = head[8:] + f.read(length - 1) if length >= 1 else b""
+    except OSError as err:
+        raise ValueError(f"The {what} file {path!r} cannot be read: {err}.") from err
+    try:
+        text = raw.decode("utf-8")
+        check_json_text(text, path, what)
+        header = json.loads(text)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        end = 0
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, stop = info["data_offsets"]
+            if not (isinstance(info["shape"], list) and all(isinstance(d, int) and d >= 0 for d in info["shape"])):
+                raise ValueError(f"tensor {name!r} has the shape {info['shape']!r}")
+            end = max(end, int(stop))
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"The {what} file {path!r} is truncated or corrupt: its header is not a safetensors header "
+                         f"({err}); download or save it again.") from None
+    if 8 + length + end > size:
+        raise ValueError(f"The {what} file {path!r} is truncated or corrupt: it holds {size} bytes but its header lists "
+                         f"tensors up to byte {8 + length + end} (the file was cut short); download or save it again.")
+    return header
+
+
+def check_safetensors_file(path: str, what: str = "weights") -> None:
+    """Raise `ValueError` naming ``path`` if it is not a whole safetensors file (truncated, corrupt, a pickle, not
+    safetensors); reads the header only (`safetensors_header`)."""
+    safetensors_header(path, what)
 
 
 def check_weights_folder(folder: str, what: str) -> None:
@@ -160,6 +256,68 @@ def check_weights_folder(folder: str, what: str) -> None:
         for name in sorted(files):
             if name.endswith(".safetensors"):
                 check_safetensors_file(os.path.join(root, name), what)
+
+
+#: Metadata key of a safetensors file where a model records the facts it was trained with (a JSON object): a config
+#: edited past them (a larger grid) is refused when the folder loads.
+SAVED_FACTS_KEY = "spatial_pipelines.trained"
+
+
+def stamp_safetensors_metadata(path: str, metadata: dict) -> None:
+    """Add ``metadata`` (str -> str) to the header of the safetensors file ``path``; the tensor bytes are copied as
+    they are (no tensor is read into memory)."""
+    header = safetensors_header(path)
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        f.seek(8 + length)
+        header["__metadata__"] = {**(header.get("__metadata__") or {}), **metadata}
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as out:
+            out.write(len(raw).to_bytes(8, "little"))
+            out.write(raw)
+            shutil.copyfileobj(f, out, 16 * 2**20)
+    os.replace(tmp, path)
+
+
+class CheckedSaveMixin:
+    """For model classes: ``save_pretrained`` onto a file is a `ValueError` naming the path (diffusers logs and writes
+    nothing), and the config values named in ``trained_facts`` are recorded in the weights' metadata
+    (`SAVED_FACTS_KEY`), so a folder whose config is later edited past them is refused when it loads."""
+
+    trained_facts: tuple = ()
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, save_function=None,
+                        safe_serialization: bool = True, variant=None, max_shard_size="10GB", push_to_hub: bool = False,
+                        **kwargs):
+        # the arguments diffusers' pipeline save looks for in the signature (`variant`, ...) are named here
+        path = check_save_directory(save_directory)
+        out = super().save_pretrained(save_directory, is_main_process=is_main_process, save_function=save_function,
+                                      safe_serialization=safe_serialization, variant=variant,
+                                      max_shard_size=max_shard_size, push_to_hub=push_to_hub, **kwargs)
+        if self.trained_facts and os.path.isdir(path):
+            facts = json.dumps({k: self.config[k] for k in self.trained_facts})
+            for name in sorted(os.listdir(path)):
+                if name.endswith(".safetensors"):
+                    stamp_safetensors_metadata(os.path.join(path, name), {SAVED_FACTS_KEY: facts})
+        return out
+
+
+def check_save_directory(save_directory, name: str = "save_directory") -> str:
+    """``save_directory`` as a path, after checking it can be a folder: a `ValueError` naming it when it is an existing
+    file, or lies under one (diffusers would raise an `AssertionError` or log and write nothing)."""
+    if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory):
+        raise ValueError(f"`{name}` must be a folder path, got {save_directory!r}.")
+    path = os.path.abspath(os.fspath(save_directory))
+    if os.path.isfile(path):
+        raise ValueError(f"`{name}` {path!r} is a file; pass a folder path.")
+    parent = os.path.dirname(path)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise ValueError(f"`{name}` {path!r} lies under {parent!r}, which is a file, not a folder.")
+    return path
 
 
 def check_writable_parent(path: str, name: str, start: str) -> None:

@@ -337,6 +337,10 @@ class ADTTreeDecoder(EagleDecoder):
             if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in pair)
                     or not 1 <= pair[0] <= pair[1]):
                 raise ValueError(f"`{name}` must be two ints (low, high) with 1 <= low <= high, got {pair!r}.")
+        check_draft_budget(f"`depth_range={list(depth_range)}` (one node per depth at the deepest)", 1 + depth_range[1])
+        check_draft_budget(f"`width_range={list(width_range)}` (the children of one node at the widest)", 1 + width_range[1])
+        check_draft_budget(f"`depth_range={list(depth_range)}` with `width_range={list(width_range)}` (the nodes grown "
+                           "before the best are kept)", 1 + (depth_range[1] - 1) * width_range[1])
         super().__init__(depth=depth, top_k=top_k, num_draft_tokens=num_draft_tokens, acceptance=acceptance)
         self.register_to_config(depth_range=list(depth_range), width_range=list(width_range))  # as JSON saves them
 

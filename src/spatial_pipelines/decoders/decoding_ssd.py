@@ -34,6 +34,10 @@ from ..utils import check_number
 from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput, check_draft_budget
 
 DRAFT_MODES = ("argmax", "sample")
+#: The most verification rounds a drafted row (or group of rows) may take: each is a target pass, so past a grid row's
+#: width a row costs more passes than decoding it code by code (the paper uses 1 to 6; the widest grid served, Emu3's,
+#: is 90 codes).
+MAX_ROUNDS = 128
 
 #: The paper's per-model settings (Table 9), usable with `SSDDecoder.from_preset`.
 SSD_PRESETS = {
@@ -121,6 +125,9 @@ class SSDDecoder(SpatialDecoderMixin):
             ("staged_incremental_rounds", staged_incremental_rounds, 0),
         ):
             check_number(name, value, low, integer=True, optional=name.startswith("staged"))
+            if value is not None and value > MAX_ROUNDS:
+                raise ValueError(f"`{name}={value}`: at most {MAX_ROUNDS} verification rounds (each is a target pass; "
+                                 "past a row's width a row costs more passes than decoding it code by code).")
         if draft not in DRAFT_MODES:
             raise ValueError(f"`draft` must be one of {DRAFT_MODES}, got {draft!r}.")
         check_draft_budget(f"`num_horizontal={num_horizontal}`", 1 + num_horizontal)

@@ -21,7 +21,7 @@ from ..core.acceptance import EXACT, AcceptanceRule, fold_legacy_acceptance
 from ..core.contracts import HeadsNeed, check_heads
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig
-from ..utils import check_number, subclasses
+from ..utils import check_number, check_save_directory, subclasses
 
 DECODER_CONFIG_NAME = "decoder_config.json"
 AUTO = "auto"
@@ -354,6 +354,12 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def _get_compatibles(cls) -> list:
         """Every decoder can be built from any other decoder's config (``from_config`` swaps never warn)."""
         return subclasses(SpatialDecoderMixin)
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """diffusers' ``save_pretrained`` (``decoder_config.json``); a path that is a file, or lies under one, is a
+        `ValueError` naming it (diffusers raises an `AssertionError`)."""
+        check_save_directory(save_directory)
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     @property
     def max_draft_tokens(self) -> int:

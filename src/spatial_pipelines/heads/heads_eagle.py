@@ -20,7 +20,7 @@ from torch import nn
 from ..core.contracts import DRAFTER
 from ..core.kv_cache import StaticKVCache, varying_length_attention
 from ..models.blocks import TransformerBlock, llamagen_intermediate_size, rope_2d_table
-from .heads_utils import DraftHeadsMixin, check_heads_args
+from .heads_utils import DraftHeadsMixin, check_heads_args, check_heads_size
 
 
 class EagleDraftHead(DraftHeadsMixin):
@@ -29,6 +29,8 @@ class EagleDraftHead(DraftHeadsMixin):
     Args:
         base_model_name_or_path (`str`, *optional*), base_model_revision (`str`, *optional*): the backbone.
         hidden_size (`int`), num_image_codes (`int`), grid_height (`int`), grid_width (`int`): backbone facts.
+        family (`str`, *optional*): the backbone's family (``"llamagen"``, ``"janus"``, ...); heads that record
+            one are refused by a backbone of another family.
         num_attention_heads (`int`): attention heads of the drafter's layer.
         num_key_value_heads (`int`, *optional*): GQA heads (default: as many as attention heads).
         intermediate_size (`int`, *optional*): SwiGLU width (default: LlamaGen's rule, ``8/3 * hidden_size``
@@ -52,9 +54,10 @@ class EagleDraftHead(DraftHeadsMixin):
         intermediate_size: Optional[int] = None,
         norm_eps: float = 1e-5,
         rope_theta: float = 10000.0,
+        family: Optional[str] = None,
     ):
         super().__init__()
-        check_heads_args(base_model_name_or_path, base_model_revision,
+        check_heads_args(base_model_name_or_path, base_model_revision, family=family,
                          ints=[("hidden_size", hidden_size), ("num_attention_heads", num_attention_heads), ("grid_height", grid_height),
                                ("grid_width", grid_width), ("num_image_codes", num_image_codes)],
                          optional_ints=[("num_key_value_heads", num_key_value_heads), ("intermediate_size", intermediate_size)],
@@ -66,6 +69,11 @@ class EagleDraftHead(DraftHeadsMixin):
         if num_attention_heads % kv_heads:
             raise ValueError(f"`num_key_value_heads` ({kv_heads}) must divide `num_attention_heads` ({num_attention_heads}).")
         width = intermediate_size or llamagen_intermediate_size(hidden_size, 64, None)
+        head_dim = hidden_size // num_attention_heads
+        values = (2 * hidden_size + 1) * hidden_size + hidden_size * (hidden_size + 2 * kv_heads * head_dim) \
+            + hidden_size * hidden_size + 3 * hidden_size * width + 2 * hidden_size + grid_height * grid_width * head_dim
+        check_heads_size(type(self).__name__, values, [("hidden_size", hidden_size), ("intermediate_size", width),
+                                                       ("grid_height", grid_height), ("grid_width", grid_width)])
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=True)
         self.layer = TransformerBlock(hidden_size, num_attention_heads, kv_heads, width, norm_eps, 0.0)
         table = rope_2d_table(grid_height, grid_width, hidden_size // num_attention_heads, rope_theta, 0, False)  # (H*W, D/2, 2)

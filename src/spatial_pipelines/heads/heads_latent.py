@@ -18,7 +18,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from ..core.contracts import LATENT
-from .heads_utils import DraftHeadsMixin, check_heads_args, check_offsets
+from .heads_utils import DraftHeadsMixin, check_heads_args, check_heads_size, check_offsets
 
 DIRECTIONS = ("horizontal", "vertical")
 
@@ -54,6 +54,8 @@ class LatentDraftHeads(DraftHeadsMixin):
     Args:
         base_model_name_or_path (`str`, *optional*), base_model_revision (`str`, *optional*): the backbone.
         hidden_size (`int`), num_image_codes (`int`), grid_height (`int`), grid_width (`int`): backbone facts.
+        family (`str`, *optional*): the backbone's family (``"llamagen"``, ``"janus"``, ...); heads that record
+            one are refused by a backbone of another family.
         horizontal_offsets (`list[int]`): raster offsets of the horizontal predictors (default ``1..5``).
         vertical_offsets (`list[int]`): row offsets of the vertical predictors (default ``1..2``).
         intermediate_size (`int`, *optional*): SwiGLU width ``m`` (default ``2 * hidden_size``, as the paper).
@@ -75,14 +77,18 @@ class LatentDraftHeads(DraftHeadsMixin):
         vertical_offsets: Sequence[int] = (1, 2),
         intermediate_size: Optional[int] = None,
         rms_norm_eps: float = 1e-5,
+        family: Optional[str] = None,
     ):
         super().__init__()
-        check_heads_args(base_model_name_or_path, base_model_revision,
+        check_heads_args(base_model_name_or_path, base_model_revision, family=family,
                          ints=[("hidden_size", hidden_size), ("num_image_codes", num_image_codes), ("grid_height", grid_height),
                                ("grid_width", grid_width)],
                          optional_ints=[("intermediate_size", intermediate_size)], positives=[("rms_norm_eps", rms_norm_eps)])
         check_offsets(horizontal_offsets, vertical_offsets)
         m = intermediate_size or 2 * hidden_size
+        count = len(horizontal_offsets) + len(vertical_offsets)
+        check_heads_size(type(self).__name__, count * (2 * hidden_size * hidden_size + hidden_size + 3 * hidden_size * m),
+                         [("hidden_size", hidden_size), ("intermediate_size", m), ("predictors", count)])
         self.horizontal = nn.ModuleList(LatentPredictor(hidden_size, m, rms_norm_eps) for _ in horizontal_offsets)
         self.vertical = nn.ModuleList(LatentPredictor(hidden_size, m, rms_norm_eps) for _ in vertical_offsets)
 

@@ -13,7 +13,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from ..core.contracts import OFFSET_LOGITS
-from .heads_utils import DraftHeadsMixin, check_heads_args, check_offsets
+from .heads_utils import DraftHeadsMixin, check_heads_args, check_heads_size, check_offsets
 
 
 class ResBlock(nn.Module):
@@ -33,6 +33,8 @@ class SpatialDraftHeads(DraftHeadsMixin):
     Args:
         base_model_name_or_path (`str`, *optional*), base_model_revision (`str`, *optional*): the backbone.
         hidden_size (`int`), num_image_codes (`int`), grid_height (`int`), grid_width (`int`): backbone facts.
+        family (`str`, *optional*): the backbone's family (``"llamagen"``, ``"janus"``, ...); heads that record
+            one are refused by a backbone of another family.
         horizontal_offsets (`list[int]`): raster offsets of the horizontal heads (Medusa: ``1..K``).
         vertical_offsets (`list[int]`): row offsets of the vertical heads (Hawk: ``1..VSD``; empty for Medusa).
         num_layers (`int`): ResBlocks per head.
@@ -52,12 +54,16 @@ class SpatialDraftHeads(DraftHeadsMixin):
         horizontal_offsets: Sequence[int] = (1, 2, 3, 4),
         vertical_offsets: Sequence[int] = (),
         num_layers: int = 1,
+        family: Optional[str] = None,
     ):
         super().__init__()
-        check_heads_args(base_model_name_or_path, base_model_revision,
+        check_heads_args(base_model_name_or_path, base_model_revision, family=family,
                          ints=[("hidden_size", hidden_size), ("num_image_codes", num_image_codes), ("grid_height", grid_height),
                                ("grid_width", grid_width), ("num_layers", num_layers)])
         check_offsets(horizontal_offsets, vertical_offsets)
+        count = len(horizontal_offsets) + len(vertical_offsets)
+        check_heads_size(type(self).__name__, count * num_layers * (hidden_size + 1) * hidden_size,
+                         [("hidden_size", hidden_size), ("num_layers", num_layers), ("heads", count)])
 
         def head():
             return nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)])

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..core.contracts import HEADS_KINDS, HeadsProvide, as_offsets
 from ..hub import heads_card, push_with_card, save_with_card
-from ..utils import check_path_or_repo_id, check_safe_serialization, check_safetensors_file, find_subclass, subclasses
+from ..utils import (PICKLE_SUFFIXES, check_path_or_repo_id, check_safe_serialization, check_safetensors_file,
+                     find_subclass, read_json_file, subclasses)
 
 #: The weights file of a heads folder (diffusers' name; safetensors only).
 SAFETENSORS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -23,22 +24,56 @@ SAFETENSORS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
 #: Backbone facts a heads config records; each must equal the backbone's.
 BACKBONE_FACTS = ("hidden_size", "num_image_codes", "grid_height", "grid_width")
+#: Facts compared only when the heads record them (heads saved before they did load as before).
+RECORDED_FACTS = ("family",)
 
 
-def check_backbone_facts(heads_config: Dict[str, Any], backbone_facts: Dict[str, Any], what: str = "draft heads") -> None:
-    """Raise `ValueError` naming every fact where ``heads_config`` and ``backbone_facts`` disagree."""
+def check_backbone_facts(heads_config: Dict[str, Any], backbone_facts: Dict[str, Any], what: str = "draft heads",
+                         base_model: Optional[str] = None) -> None:
+    """Raise `ValueError` naming every fact where ``heads_config`` and ``backbone_facts`` disagree: the family (when
+    the heads record one), hidden size, code count and grid; and, when both are known and comparable, the base model
+    (the heads' ``base_model_name_or_path`` against ``base_model``, the folder or repo the backbone came from)."""
     wrong = [
         f"{k}: heads {heads_config.get(k)!r} != backbone {backbone_facts[k]!r}"
         for k in BACKBONE_FACTS
         if k in backbone_facts and heads_config.get(k) != backbone_facts[k]
     ]
+    wrong = [
+        f"{k}: heads {heads_config[k]!r} != backbone {backbone_facts[k]!r}"
+        for k in RECORDED_FACTS
+        if heads_config.get(k) is not None and backbone_facts.get(k) is not None and heads_config[k] != backbone_facts[k]
+    ] + wrong
+    base = heads_config.get("base_model_name_or_path")
+    ours, theirs = model_identity(base), model_identity(base_model)
+    if ours is not None and theirs is not None and ours != theirs:
+        wrong.insert(0, f"base_model_name_or_path: heads {str(base)!r} != backbone {str(base_model)!r}")
     if wrong:
-        base = heads_config.get("base_model_name_or_path")
         raise ValueError(
             f"`draft_heads`: these {what} were made for another backbone ({base!r}); mismatched facts: "
             + "; ".join(wrong)
             + ". Load heads trained for this backbone, or train new ones."
         )
+
+
+def model_identity(name_or_path) -> Optional[str]:
+    """What a model name or path identifies, comparable across machines: ``"embedded:<name>"`` for the models shipped
+    in this package (by package path or installed folder), ``"org/name"`` for a Hub id or a Hub cache snapshot
+    folder; ``None`` when it cannot be told (unset, or another local folder: a pipeline saved from a Hub model keeps
+    serving heads made for that model)."""
+    import re
+
+    from ..hub import EMBEDDED_PREFIX, hub_model_id
+
+    if not name_or_path:
+        return None
+    name = os.fspath(name_or_path).replace("\\", "/").rstrip("/")
+    at = name.find(EMBEDDED_PREFIX)
+    if at == 0 or (at > 0 and name[at - 1] == "/"):
+        return "embedded:" + name[at + len(EMBEDDED_PREFIX):].split("/")[0]
+    snapshot = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", name + "/")
+    if snapshot:
+        return f"{snapshot.group(1)}/{snapshot.group(2)}"
+    return hub_model_id(name)
 
 
 def check_offsets(horizontal_offsets, vertical_offsets) -> None:
@@ -47,13 +82,15 @@ def check_offsets(horizontal_offsets, vertical_offsets) -> None:
     as_offsets("vertical_offsets", vertical_offsets)
 
 
-def check_heads_args(base_model_name_or_path=None, base_model_revision=None, ints=(), optional_ints=(), positives=()) -> None:
-    """The argument checks every heads constructor shares: the base model id and revision are ``None`` or strings,
+def check_heads_args(base_model_name_or_path=None, base_model_revision=None, ints=(), optional_ints=(), positives=(),
+                     family=None) -> None:
+    """The argument checks every heads constructor shares: the base model id, revision and family are ``None`` or strings,
     ``ints`` are ints >= 1, ``optional_ints`` ``None`` or ints >= 1, ``positives`` finite numbers > 0 (each a
     ``(name, value)`` pair). Raises `ValueError` naming the argument."""
     from ..utils import check_number
 
-    for name, value in (("base_model_name_or_path", base_model_name_or_path), ("base_model_revision", base_model_revision)):
+    for name, value in (("base_model_name_or_path", base_model_name_or_path), ("base_model_revision", base_model_revision),
+                        ("family", family)):
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise ValueError(f"`{name}` must be None or a string, got {value!r}.")
     for name, value in ints:
@@ -62,6 +99,29 @@ def check_heads_args(base_model_name_or_path=None, base_model_revision=None, int
         check_number(name, value, 1, integer=True, optional=True)
     for name, value in positives:
         check_number(name, value, 0, low_open=True)
+
+
+#: The most values (parameters and buffers) a heads object may hold: past it (17 GB in fp32) no backbone served here
+#: needs them, and building them would end in the allocator rather than in a message.
+MAX_HEADS_VALUES = 2**32
+
+
+def check_heads_size(class_name: str, values: int, sizes) -> None:
+    """Raise `ValueError` naming the size arguments ``sizes`` (``(name, value)`` pairs) when heads of ``values``
+    parameters and buffers exceed `MAX_HEADS_VALUES` or the free host memory, before anything is allocated."""
+    from ..pipelines.pipeline_utils import available_memory
+
+    import torch
+
+    named = ", ".join(f"`{n}={v}`" for n, v in sizes)
+    if values > MAX_HEADS_VALUES:
+        raise ValueError(f"{named}: these {class_name} would hold {values:.3g} values ({values * 4 / 2**30:.3g} GiB in "
+                         f"fp32); at most {MAX_HEADS_VALUES:.3g} are built (no backbone served here needs more): check the "
+                         "sizes against the backbone's config.")
+    free = available_memory(torch.device("cpu"))
+    if free is not None and values * 4 > 0.9 * free:
+        raise ValueError(f"{named}: these {class_name} need {values * 4 / 2**30:.3g} GiB in fp32 and the host has "
+                         f"{free / 2**30:.3g} GiB free.")
 
 
 def heads_class_for(kind: str) -> type:
@@ -131,12 +191,14 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         if any(p.is_meta for p in self.parameters()):
             raise ValueError(f"{type(self).__name__} has weights on the meta device (no values): load them before use.")
 
-    def check_backbone(self, backbone_facts: Dict[str, Any]) -> None:
-        """Raise `ValueError` if these heads do not fit a backbone with ``backbone_facts``."""
-        check_backbone_facts(dict(self.config), backbone_facts)
+    def check_backbone(self, backbone_facts: Dict[str, Any], base_model: Optional[str] = None) -> None:
+        """Raise `ValueError` if these heads do not fit a backbone with ``backbone_facts`` loaded from ``base_model``
+        (`check_backbone_facts`)."""
+        check_backbone_facts(dict(self.config), backbone_facts, base_model=base_model)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, backbone_facts: Optional[Dict[str, Any]] = None, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, backbone_facts: Optional[Dict[str, Any]] = None,
+                        base_model: Optional[str] = None, **kwargs):
         """Load heads (a folder or a Hub repo id); with ``backbone_facts`` the config is checked before any weight is
         read. Called on `DraftHeadsMixin` itself, loads the heads class the config names.
 
@@ -147,6 +209,9 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         path = pretrained_model_name_or_path
         check_path_or_repo_id(path, "pretrained_model_name_or_path")
         hub_kwargs = {k: v for k, v in kwargs.items() if k in ("subfolder", "revision", "cache_dir", "local_files_only", "token")}
+        local_config = os.path.join(os.fspath(path), kwargs.get("subfolder") or "", "config.json")
+        if os.path.isfile(local_config):
+            read_json_file(local_config, "draft-heads config")  # nesting and encoding, before diffusers parses it
         try:
             config = cls.load_config(path, **hub_kwargs)
         except (OSError, ValueError) as err:
@@ -159,9 +224,9 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
                 f"({', '.join(sorted(c.__name__ for c in [cls, *subclasses(cls)]))})."
             )
         if target is not cls:
-            return target.from_pretrained(path, backbone_facts=backbone_facts, **kwargs)
+            return target.from_pretrained(path, backbone_facts=backbone_facts, base_model=base_model, **kwargs)
         if backbone_facts is not None:
-            check_backbone_facts(config, backbone_facts)
+            check_backbone_facts(config, backbone_facts, base_model=base_model)
         folder = os.path.join(str(path), kwargs.get("subfolder") or "")
         if os.path.isdir(folder):  # local: say what is wrong with the weights file before diffusers tries it
             variant = kwargs.get("variant")
@@ -170,8 +235,10 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
             if not os.path.isfile(weights):
                 found = sorted(f for f in os.listdir(folder) if f != "config.json")
                 what = f" of variant {variant!r}" if variant else ""
+                pickles = " (pickles are refused here: loading one can run any code)" if any(
+                    f.endswith(PICKLE_SUFFIXES) for f in found) else ""
                 raise ValueError(f"The draft-heads folder {folder!r} has no weights file{what} {name!r} "
-                                 f"(found: {found or 'nothing else'}); spatial_pipelines reads safetensors only.")
+                                 f"(found: {found or 'nothing else'}); spatial_pipelines reads safetensors only{pickles}.")
             check_safetensors_file(weights, "draft-heads weights")
         kwargs.setdefault("low_cpu_mem_usage", False)
         kwargs["ignore_mismatched_sizes"] = False

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
-from ..utils import check_number, compute_dtype
+from ..utils import CheckedSaveMixin, check_number, compute_dtype
 from .blocks import RMSNorm, TransformerBlock, llamagen_intermediate_size, rope_2d_table
 
 CONDITION_TYPES = ("class", "text")
@@ -76,7 +76,7 @@ class LlamaGenTransformerOutput(BaseOutput):
     last_hidden_state: Optional[torch.Tensor] = None
 
 
-class LlamaGenTransformer(ModelMixin, ConfigMixin):
+class LlamaGenTransformer(CheckedSaveMixin, ModelMixin, ConfigMixin):
     r"""LlamaGen's GPT: a decoder-only Llama over ``[condition prefix, image codes]`` with 2-D RoPE.
 
     Args:
@@ -105,6 +105,8 @@ class LlamaGenTransformer(ModelMixin, ConfigMixin):
 
     _supports_gradient_checkpointing = True
     _no_split_modules = ["TransformerBlock"]
+    #: recorded in the saved weights' metadata: a folder whose config asks for another grid or prefix is refused
+    trained_facts = ("grid_height", "grid_width", "num_condition_tokens")
 
     @register_to_config
     def __init__(

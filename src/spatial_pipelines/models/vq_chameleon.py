@@ -49,6 +49,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
+from ..utils import CheckedSaveMixin
 from .vq_blocks import AttnBlock, ResnetBlock, VQAutoencoderMixin, code_distances, decoder_stages, encoder_stages, vq_norm
 from .vq_llamagen import VQEncoderOutput
 
@@ -123,7 +124,7 @@ class ChameleonVQDecoder(nn.Module):
         return self.conv_out(F.silu(self.norm_out(h)))
 
 
-class ChameleonVQModel(ModelMixin, ConfigMixin, VQAutoencoderMixin):
+class ChameleonVQModel(CheckedSaveMixin, ModelMixin, ConfigMixin, VQAutoencoderMixin):
     r"""Chameleon's VQGAN image tokenizer (Anole, Lumina-mGPT): 8192 codes of width 256, 16x downsampling.
 
     Module and parameter names are those of the original ``vqgan.ckpt`` (see the module docstring); load real weights

@@ -14,6 +14,7 @@ from diffusers.configuration_utils import register_to_config
 from diffusers.utils import BaseOutput
 from torch import nn
 
+from ..utils import CheckedSaveMixin
 from .vq_blocks import AttnBlock, ResnetBlock, VQAutoencoderMixin, code_distances, decoder_stages, encoder_stages, vq_norm
 
 
@@ -84,7 +85,7 @@ def _entropy_loss(affinity: torch.Tensor, temperature: float = 0.01) -> torch.Te
     return -(probs * logits.log_softmax(-1)).sum(-1).mean() + (avg * torch.log(avg + 1e-5)).sum()
 
 
-class LlamaGenVQModel(ModelMixin, ConfigMixin, VQAutoencoderMixin):
+class LlamaGenVQModel(CheckedSaveMixin, ModelMixin, ConfigMixin, VQAutoencoderMixin):
     r"""LlamaGen's VQ image tokenizer.
 
     Args:

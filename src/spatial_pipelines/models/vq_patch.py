@@ -14,10 +14,11 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from ..utils import CheckedSaveMixin
 from .vq_llamagen import VQEncoderOutput
 
 
-class PatchVQModel(ModelMixin, ConfigMixin):
+class PatchVQModel(CheckedSaveMixin, ModelMixin, ConfigMixin):
     r"""Image tokenizer whose codebook is a set of pixel patches: encoding picks the nearest patch (L2 in pixel space),
     decoding pastes the patches back. Fit the codebook with `PatchVQModel.fit` (k-means).
 

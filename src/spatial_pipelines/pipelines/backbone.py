@@ -15,6 +15,10 @@ from ..utils import compute_dtype
 if TYPE_CHECKING:
     from .pipeline_utils import SpatialARPipeline
 
+#: The most characters a prompt may hold per position it may take: no tokenizer of these families averages more than a
+#: few characters a token, so a longer prompt cannot fit, and it is refused (or truncated) before it is tokenized.
+PROMPT_CHARACTERS_PER_TOKEN = 32
+
 
 @dataclass
 class PromptEmbeddings:
@@ -35,6 +39,9 @@ class SpatialBackbone(abc.ABC):
     Hidden states passed around are the last hidden state **before** the final norm; `image_logits` applies the
     norm and the head restricted to image-code columns.
     """
+
+    #: The model family (``"llamagen"``, ``"janus"``, ...): draft heads record it and are refused by another family.
+    family: Optional[str] = None
 
     def __init__(self, pipe: "SpatialARPipeline"):
         self.pipe = pipe
@@ -89,17 +96,35 @@ class SpatialBackbone(abc.ABC):
         return None
 
     @property
+    def max_prompt_characters(self) -> Optional[int]:
+        """The longest text prompt a call reads, in characters: `PROMPT_CHARACTERS_PER_TOKEN` per position the prompt
+        may take (`max_sequence_length` less the image's); longer prompts are refused before they are tokenized.
+        ``None`` where the family truncates its caption itself (LlamaGen)."""
+        limit = self.max_sequence_length
+        if limit is None:
+            return None
+        return PROMPT_CHARACTERS_PER_TOKEN * max(limit - self.layout.sequence_length, 1)
+
+    @property
     def default_top_k(self) -> Optional[int]:
         return None
 
     def facts(self) -> Dict[str, Any]:
-        """Backbone facts draft heads must match."""
+        """Backbone facts draft heads must match (`spatial_pipelines.heads.check_backbone_facts`)."""
         return {
+            "family": self.family,
             "hidden_size": self.hidden_size,
             "num_image_codes": self.num_image_codes,
             "grid_height": self.layout.height,
             "grid_width": self.layout.width,
         }
+
+    @property
+    def name_or_path(self) -> Optional[str]:
+        """The folder or Hub repo the pipeline was loaded from (``None`` for one built in memory): heads whose
+        ``base_model_name_or_path`` names another model are refused."""
+        name = dict(getattr(self.pipe, "config", None) or {}).get("_name_or_path")
+        return str(name) if name else None
 
     def prompt_from_text(self, text: str) -> Any:
         """A prompt typed as text (the CLI) -> what this family's ``prompt`` takes."""

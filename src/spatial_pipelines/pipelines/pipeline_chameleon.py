@@ -55,6 +55,8 @@ class ChameleonBackbone(TransformersBackbone):
     """Adapter over `ChameleonForConditionalGeneration` (trunk, head over the whole vocabulary), its tokenizer (or
     `ChameleonProcessor`) and a `ChameleonVQModel`. Subclasses fix the family's prompt and image layout."""
 
+    family = "chameleon"
+
     #: the grid (codes) when the generation config names none
     default_image_grid: Tuple[int, int] = ANOLE_IMAGE_GRID
     family_guidance_scale: float = ANOLE_GUIDANCE_SCALE
@@ -217,6 +219,8 @@ class ChameleonBackbone(TransformersBackbone):
 class AnoleBackbone(ChameleonBackbone):
     """Anole: 32x32 codes wrapped in ``<racm3:break>`` ... ``<eoss>``, no end-of-row token; prompt ``BOS text
     <reserved08706> <racm3:break>``; CFG 3 against ``BOS <racm3:break>``."""
+
+    family = "anole"
 
     family_name = "Anole"
 

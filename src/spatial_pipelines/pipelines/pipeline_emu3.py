@@ -46,6 +46,8 @@ NEGATIVE_PROMPT_KEY = "default_negative_prompt"
 class Emu3Backbone(TransformersBackbone):
     """Adapter over `Emu3ForConditionalGeneration` (its text trunk, head and VQ model) and `Emu3Processor`."""
 
+    family = "emu3"
+
     family_name = "Emu3"
     processor_kind = "Emu3Processor"
 

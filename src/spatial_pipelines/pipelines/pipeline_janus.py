@@ -34,6 +34,8 @@ JANUS_DEFAULT_GUIDANCE_SCALE = 5.0
 class JanusProBackbone(TransformersBackbone):
     """Adapter over `JanusForConditionalGeneration` + `JanusProcessor` for the generation loop."""
 
+    family = "janus"
+
     family_name = "Janus-Pro"
     processor_kind = "the model's JanusProcessor"
 

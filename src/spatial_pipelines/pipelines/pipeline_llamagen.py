@@ -15,7 +15,7 @@ from ..models.transformer_llamagen import LlamaGenTransformer, check_sampling_de
 from ..models.vq_llamagen import LlamaGenVQModel
 from ..models.vq_patch import PatchVQModel
 from ..text_encoders import PACKAGE_ATTRIBUTE, load_packaged_text_encoder
-from .backbone import PromptEmbeddings, SpatialBackbone
+from .backbone import PROMPT_CHARACTERS_PER_TOKEN, PromptEmbeddings, SpatialBackbone
 from .pipeline_utils import SpatialARPipeline
 
 #: LlamaGen's GPT sizes: (layers, heads, width).
@@ -35,6 +35,8 @@ logger = logging.get_logger(__name__)
 
 class LlamaGenBackbone(SpatialBackbone):
     """Adapter over `LlamaGenTransformer` + `LlamaGenVQModel` (+ a transformers text encoder for text models)."""
+
+    family = "llamagen"
 
     @property
     def transformer(self) -> LlamaGenTransformer:
@@ -110,14 +112,21 @@ class LlamaGenBackbone(SpatialBackbone):
         """Caption embeddings ``(B, N, C)``, left-padded as LlamaGen does (valid tokens last), padding zeroed."""
         n = self.transformer.config.num_condition_tokens
         tokenizer = self.pipe.tokenizer
-        enc = tokenizer(prompts, padding="max_length", max_length=n, truncation=True, return_tensors="pt")
-        full = tokenizer(prompts, truncation=False).input_ids  # as diffusers: say what truncation removed
-        for prompt_ids in full:
-            if len(prompt_ids) > n:
+        # a caption keeps n tokens: past PROMPT_CHARACTERS_PER_TOKEN characters a token, the rest is cut unread (a
+        # 10,000-word prompt costs the tokenizer no more than a caption's worth)
+        budget = PROMPT_CHARACTERS_PER_TOKEN * (n + 1)
+        read = [p[:budget] for p in prompts]
+        enc = tokenizer(read, padding="max_length", max_length=n, truncation=True, return_tensors="pt")
+        full = tokenizer(read, truncation=False).input_ids  # as diffusers: say what truncation removed
+        for prompt, prompt_ids in zip(prompts, full):
+            unread = len(prompt) - budget
+            if len(prompt_ids) > n or unread > 0:
                 removed = tokenizer.decode(prompt_ids[n - 1 :], skip_special_tokens=True)
                 shown = removed if len(removed) <= 200 else removed[:200] + " ..."
+                more = f", and {unread} more characters not read" if unread > 0 else ""
                 logger.warning(f"The following part of your input was truncated because this LlamaGen model reads "
-                               f"captions of up to {n} tokens ({len(prompt_ids) - n + 1} tokens cut): {shown!r}")
+                               f"captions of up to {n} tokens ({max(len(prompt_ids) - n + 1, 0)} tokens cut{more}): "
+                               f"{shown!r}")
         ids, mask = enc.input_ids.to(device), enc.attention_mask.to(device).bool()
         emb = self.pipe.text_encoder(input_ids=ids, attention_mask=mask.long()).last_hidden_state  # (B, N, C)
         order = torch.argsort(mask.int(), dim=1, stable=True)  # padding first, tokens last, order kept

@@ -42,6 +42,8 @@ class LuminaMGPTBackbone(ChameleonBackbone):
     """Lumina-mGPT: the Chameleon adapter with resolution tokens after ``<racm3:break>``, an end-of-row token after every
     row, its prompt template and an unconditional row without BOS or text."""
 
+    family = "lumina_mgpt"
+
     default_image_grid = (LUMINA_IMAGE_SIZE // 16, LUMINA_IMAGE_SIZE // 16)
     family_guidance_scale = LUMINA_GUIDANCE_SCALE
     family_top_k = LUMINA_TOP_K

@@ -20,7 +20,8 @@ from ..core.sampling import SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, RowsDiverged, SpatialDecoderMixin, StepOutput, _split_rows
 from ..heads.heads_utils import DraftHeadsMixin
-from ..utils import NULL_TIMER, RoundTimer, check_number, check_safe_serialization, check_weights_folder
+from ..utils import (NULL_TIMER, RoundTimer, check_number, check_path_or_repo_id, check_safe_serialization,
+                     check_weights_folder)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .callbacks import CallbackStateMixin
 from .pass_cost import DraftSizingMixin
@@ -70,7 +71,28 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                 from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
 
                 self.register_to_config(draft_heads=_fetch_class_library_tuple(value))
+        heads = self.__dict__.get("draft_heads")
+        if (name in self.__dict__ and heads is not None and name not in ("decoder", "draft_heads")
+                and isinstance(self.__dict__[name], torch.nn.Module)):
+            # a backbone component swapped under attached heads: they must still fit it, or nothing changes
+            old = self.__dict__[name]
+            super().__setattr__(name, value)
+            try:
+                self._check_heads_fit(heads)
+            except ValueError as err:
+                super().__setattr__(name, old)
+                raise ValueError(f"`{name}`: the new {type(value).__name__} does not fit the attached draft heads "
+                                 f"(detach them first with `pipe.draft_heads = None`). {err}") from None
+            except Exception:  # a component the backbone cannot read yet: the call's checks will say
+                pass
+            return
         super().__setattr__(name, value)
+
+    def _check_heads_fit(self, draft_heads: DraftHeadsMixin) -> None:
+        """Raise `ValueError` naming what differs when ``draft_heads`` were made for another backbone: family, base
+        model, hidden size, code count or grid (`DraftHeadsMixin.check_backbone`)."""
+        backbone = self.backbone
+        draft_heads.check_backbone(backbone.facts(), base_model=backbone.name_or_path)
 
     def _prepare_draft_heads(self, draft_heads) -> None:
         """Check ``draft_heads`` fit the backbone, then move them to its device and dtype (``None``: nothing)."""
@@ -78,7 +100,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             return
         if not isinstance(draft_heads, DraftHeadsMixin):
             raise ValueError(f"`draft_heads` must be a `DraftHeadsMixin` (e.g. `SpatialDraftHeads`), got {type(draft_heads).__name__}.")
-        draft_heads.check_backbone(self.backbone.facts())
+        self._check_heads_fit(draft_heads)
         # like an adapter, the heads take the backbone's device and dtype (fp32 heads drive a bf16 backbone);
         # nn.Module.to: diffusers' ModelMixin.to warns on every dtype cast, even with no fp32-only modules
         torch.nn.Module.to(draft_heads, device=self.device, dtype=self.backbone.dtype)
@@ -95,18 +117,37 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         The heads' config is checked against this backbone before any weight is read; a mismatch raises
         `ValueError`. Keyword arguments go to the heads class's ``from_pretrained``.
         """
-        heads = DraftHeadsMixin.from_pretrained(pretrained_model_name_or_path, backbone_facts=self.backbone.facts(), **kwargs)
+        backbone = self.backbone
+        heads = DraftHeadsMixin.from_pretrained(pretrained_model_name_or_path, backbone_facts=backbone.facts(),
+                                                base_model=backbone.name_or_path, **kwargs)
         self.set_draft_heads(heads)
         return heads
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' ``from_pretrained`` (a folder or a Hub repo id), after checking a local folder's weights: a
-        truncated or corrupt safetensors file is a `ValueError` naming it (not "Unable to load weights")."""
+        """diffusers' ``from_pretrained`` (a folder or a Hub repo id), after checking the folder against itself before any
+        weight is used (`spatial_pipelines.pipelines.folder_checks`): JSON files, ``model_index.json`` and the
+        components' configs name classes that exist and agree (a component's own config wins over
+        ``model_index.json``, with a warning), config values have their types and ranges, weights are whole
+        safetensors (never a pickle) whose names and shapes the configs build. Each finding is a `ValueError` naming
+        the file and the key. A Hub repo is downloaded (safetensors only) and checked the same way."""
+        from .folder_checks import check_pipeline_folder
+
         path = pretrained_model_name_or_path
-        if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
-            check_weights_folder(os.fspath(path), "pipeline weights")
-        return super().from_pretrained(path, **kwargs)
+        check_path_or_repo_id(path, "pretrained_model_name_or_path")
+        kwargs["use_safetensors"] = True  # never a pickled .bin in place of a missing safetensors file
+        folder = os.fspath(path)
+        if not os.path.isdir(folder):
+            download = {k: kwargs[k] for k in ("cache_dir", "force_download", "proxies", "local_files_only", "token",
+                                                "revision", "variant") if k in kwargs}
+            folder = cls.download(folder, use_safetensors=True, **download)
+        check_weights_folder(folder, "pipeline weights")
+        preloaded = check_pipeline_folder(cls, folder, kwargs.get("variant"), passed=set(kwargs))
+        for name, component in preloaded.items():
+            kwargs.setdefault(name, component)
+        pipe = super().from_pretrained(folder, **kwargs)
+        pipe.register_to_config(_name_or_path=os.fspath(path))
+        return pipe
 
     @classmethod
     def from_backbone(
@@ -223,7 +264,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             raise ValueError("`prompt` must hold at least one prompt, got an empty list.")
         backbone = self.backbone
         backbone.check_prompt(prompts, "prompt")
-        _check_text(prompts, "prompt")
+        _check_text(prompts, "prompt", backbone.max_prompt_characters)
         if negative_prompt is not None:
             negatives = _as_list(negative_prompt, "negative_prompt")
             if len(negatives) not in (1, len(prompts)):
@@ -231,7 +272,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                     f"`negative_prompt` must hold 1 or len(prompt)={len(prompts)} prompts, got {len(negatives)}."
                 )
             backbone.check_prompt(negatives, "negative_prompt")
-            _check_text(negatives, "negative_prompt")
+            _check_text(negatives, "negative_prompt", backbone.max_prompt_characters)
         check_number("guidance_scale", guidance_scale, 0, MAX_GUIDANCE_SCALE, meaning="1 disables guidance; beyond "
                      f"{MAX_GUIDANCE_SCALE:g} the mixed fp32 logits overflow")
         if negative_prompt is not None and guidance_scale == 1:
@@ -279,6 +320,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                              f"component but {self._optional_components} (set it, e.g. `pipe.decoder = JacobiDecoder()`).")
         if self.draft_heads is not None:
             self.draft_heads.check_modules()  # heads edited after they were attached
+            self._check_heads_fit(self.draft_heads)  # or a backbone component swapped under them
         if self.device.type == "meta":
             raise ValueError(f"This {type(self).__name__} is on the meta device (its weights hold no values): load it "
                              "with real weights, or move it to `cpu` or `cuda`.")
@@ -703,10 +745,14 @@ def available_memory(device: torch.device) -> Optional[int]:
         return None
 
 
-def _check_text(prompts: Sequence[Any], name: str) -> None:
+def _check_text(prompts: Sequence[Any], name: str, max_characters: Optional[int] = None) -> None:
     """Raise `ValueError` naming ``name`` for a text prompt that is not valid Unicode (a lone surrogate, which no
-    tokenizer can encode)."""
+    tokenizer can encode), or that is longer than ``max_characters`` (`SpatialBackbone.max_prompt_characters`: it cannot
+    fit the model's context, and tokenizing it would cost time for nothing)."""
     for i, p in enumerate(prompts):
+        if isinstance(p, str) and max_characters is not None and len(p) > max_characters:
+            raise ValueError(f"`{name}` [{i}] holds {len(p)} characters; this model reads at most {max_characters} "
+                             "(its context, less the image's positions): shorten the prompt.")
         if isinstance(p, str):
             try:
                 p.encode("utf-8")
