@@ -1,5 +1,5 @@
 """Smoke test of scripts/benchmark.py on a tiny saved pipeline: decoder variants, heads picked per decoder,
-quality columns and the side-by-side picture (the real run and its command are in docs/benchmarks.md)."""
+quality columns and the side-by-side picture (the real runs and their commands: docs/benchmarks.md and the archive it links)."""
 
 import json
 

@@ -85,7 +85,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     uses_all_rows = True  # the drafter reads the unconditional rows' features too
     uses_drafter_passes = True  # a deeper tree costs one more drafter pass: "auto" weighs it
     # the drafter's top candidate is accepted more often than a head's: 0.65 per kept node measured on the embedded
-    # model (a 1-node tree, 50 prompts, docs/performance.md); siblings as `TreeDecoderMixin`
+    # model (a 1-node tree, 50 prompts, docs/benchmarks/archive-cost.md); siblings as `TreeDecoderMixin`
     acceptance_prior = (0.65, 0.5)
 
     @register_to_config

@@ -167,7 +167,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     state_class = JacobiState
     # P(draft d accepted | drafts 1..d-1 accepted): (d = 1, d > 1), measured on the embedded model with a window of 32
-    # (docs/performance.md): the first draft is a guess, the later ones have had passes to settle
+    # (docs/archive.md): the first draft is a guess, the later ones have had passes to settle
     acceptance_prior = (0.3, 0.85)
     settled_prior = (0.37, 0.9)  # with coupling, continuation or init="heads"
     anchored_first_rate = 0.42  # the first draft's with anchor="left" (40 captions, a 16-token window; 0.35 without)

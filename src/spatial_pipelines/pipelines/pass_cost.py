@@ -22,7 +22,7 @@ from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
 
 
 #: Timed sweeps per cost measurement (after 2 untimed ones): enough for "auto" sizes that repeat from process to
-#: process on a noisy 2-core VM (docs/performance.md). The test suite lowers it: its tiny models' sizes are not
+#: process on a noisy 2-core VM (docs/benchmarks/archive-cost.md). The test suite lowers it: its tiny models' sizes are not
 #: what most tests check.
 SWEEPS = 15
 
