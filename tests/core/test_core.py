@@ -244,7 +244,7 @@ def test_end_of_row_insertion_gives_every_row_end_candidate_its_own_eol():
     assert ins.keep_indices(torch.tensor([[0, 2, 4], [0, 1, 3]])).tolist() == [[0, 3, 4, 6], [0, 1, 2, 5]]
     unplaced = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions[None], 1)  # no host depths: the kept slots are read
     assert torch.equal(unplaced.source, ins.source) and unplaced.depth_ends is None
-    with pytest.raises(ValueError, match="advance together"):
+    with pytest.raises(ValueError, match="share a cursor"):
         unplaced.keep_indices(torch.tensor([[0, 2], [0, 0]]))
 
 

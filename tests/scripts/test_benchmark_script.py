@@ -98,7 +98,10 @@ def test_benchmark_compiled_rows_and_batches(tmp_path):
         if r["compiled"]:
             assert r["graphs_compiled_while_timed"] == 0 and r["speedup_vs_compiled_ar"] > 0 and 0 <= r["padded_fraction"] < 1
         else:
-            assert r["speedup_vs_compiled_ar"] is None and "padded_fraction" not in r
+            assert r["speedup_vs_compiled_ar"] is None
+            assert ("padded_fraction" in r) == (" x2" in name)  # eager: a batch's rows pad to the round's widest draft
+        if " x2" in name:
+            assert r["slowest_row_pass_share"] == 1.0  # the batch took no pass more than its slowest row
     assert rows["ar x2"]["speedup_vs_ar"] == 1.0 and rows["ar [compiled]"]["speedup_vs_compiled_ar"] == 1.0
     assert rows["ar"]["target_forward_passes_per_image"] == rows["ar x2 [compiled]"]["target_forward_passes_per_image"] == 16
     assert "speed-up vs compiled AR" in (out / "benchmark.md").read_text()

@@ -220,7 +220,7 @@ class EndOfRowInsertion:
     def keep_indices(self, keep: torch.Tensor) -> torch.Tensor:
         """Kept draft nodes ``(B, n)`` -> kept fed slots ``(B, n')``, each row-ending node followed by its EOL.
 
-        Rows keep paths at the same positions (rows advance together), so every row keeps as many EOLs. With
+        The rows of one decoder state keep paths at the same positions (they share a cursor), so every row keeps as many EOLs. With
         `depth_ends` the path's EOLs follow from its length alone (node ``j`` of a path is at depth ``j``): index
         ops, no device read. Otherwise the indices are read on the host.
         """
@@ -232,7 +232,7 @@ class EndOfRowInsertion:
         wanted = torch.stack([torch.ones_like(slots, dtype=torch.bool), self.row_end.expand(b, -1).gather(1, keep)], -1).flatten(1)
         counts = wanted.sum(1).tolist()
         if len(set(counts)) != 1:
-            raise ValueError("Rows keep paths that end different numbers of rows; rows must advance together.")
+            raise ValueError("Rows keep paths that end different numbers of rows; the rows of one state share a cursor.")
         return pairs[wanted].reshape(b, counts[0])
 
 

@@ -299,7 +299,8 @@ class ADTTreeDecoder(EagleDecoder):
     one on the first row) or a uniform draw in the ranges (``"random"``): ``tree_init``. Bisectional adaptation then moves it by the
     previous tree's acceptance rate ``alpha = accepted drafts / depth``: ``alpha >= beta`` gives a deeper, narrower
     tree (``depth + depth_step``, ``top_k - width_step``), otherwise a shallower, wider one; both clamped to their
-    ranges. Rows of a batch advance together, so they share one ``(depth, top_k)`` per round.
+    ranges. The rows of one decoder state (a batch's rows until their runs diverge, `RowBatch`) share one
+    ``(depth, top_k)`` per round.
 
     Args:
         depth (`int`), top_k (`int`): the first tree's shape (before any neighbour exists), held to the ranges like
