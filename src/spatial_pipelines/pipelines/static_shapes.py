@@ -102,8 +102,9 @@ class StaticShapesMixin:
 
     @property
     def static_shapes(self) -> bool:
-        """Whether every round of a generation runs the target with the same shapes: the KV cache attended over its
-        whole (rounded-up) length and every draft padded to the decoder's largest (`static_shapes` module). On by
+        """Whether every round of a generation runs the target with a few fixed shapes: the KV cache (its length rounded
+        up) attended over one of at most ``attend_buckets`` fixed lengths and every draft padded to the decoder's
+        largest (`static_shapes` module). On by
         default when the target is compiled (`enable_compile`), off otherwise (eager, the growing slice is cheaper).
         Set it to ``True``/``False`` to choose, ``None`` for the default. Outputs are the same either way."""
         chosen = self.__dict__.get("_static_shapes")
