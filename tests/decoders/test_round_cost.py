@@ -16,7 +16,7 @@ from spatial_pipelines.decoders.decoding_tree import AUTO_RATE_TOLERANCE, best_s
 from spatial_pipelines.pipelines.pass_cost import RoundOverhead, fit_pass_cost
 from spatial_pipelines.testing import dummy_pipeline
 
-from helpers import DECODER_CASES, make
+from helpers import DECODER_CASES, gen, make
 
 #: Python-level reads that do not reach the dispatcher on a CPU tensor (each is a device read on a GPU)
 PYTHON_HOST_READS = ("tolist",)
@@ -423,3 +423,27 @@ def test_tree_decoders_run_only_the_horizontal_heads_their_tree_drafts_from(deco
     assert depth < 4 and asked and all(h == list(range(depth)) for h in asked)
     reference = dummy_pipeline("llamagen", "ar", grid=(4, 5), num_codes=16)("a red fox", temperature=0.0, output_type="latent")
     assert torch.equal(out.tokens, reference.tokens)  # still exact
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads,name", [
+    pytest.param(MedusaDecoder, {}, "random", "num_draft_tokens", id="medusa"),
+    pytest.param(JacobiDecoder, {}, None, "window_size", id="sjd"),
+])
+def test_tune_decoder_returns_the_chosen_sizes_as_config(decoder_cls, kwargs, heads, name, tmp_path):
+    """`tune_decoder(batch_size=...)` measures the device for that batch and returns a decoder whose config fixes the
+    sizes "auto" chose there: it decodes with no measurement of its own, and saves and loads like any config. The
+    pipeline's decoder keeps "auto"; a bad batch size is refused before any measurement."""
+    pipe = make(decoder_cls, kwargs, heads, grid=(4, 5))
+    with pytest.raises(ValueError, match="batch_size"):
+        pipe.tune_decoder(batch_size=0)
+    tuned = pipe.tune_decoder(batch_size=2)
+    assert pipe.decoder.config[name] == "auto" and pipe.decoder.sizes_from_pass_cost
+    size = tuned.config[name]
+    assert isinstance(size, int) and size >= 1 and not tuned.sizes_from_pass_cost
+    tuned.save_config(tmp_path)
+    loaded = decoder_cls.from_config(decoder_cls.load_config(tmp_path))
+    assert loaded.config[name] == size and loaded.tree.num_nodes == tuned.tree.num_nodes
+    pipe.decoder = loaded
+    pipe.pass_cost = lambda rows: pytest.fail("a tuned decoder measures nothing")  # noqa: ARG005
+    out = pipe(["a fox", "sky"], generator=[gen(0), gen(1)], output_type="latent")
+    assert (out.tokens >= 0).all()

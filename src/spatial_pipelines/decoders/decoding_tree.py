@@ -4,7 +4,7 @@ measured round cost."""
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -132,13 +132,23 @@ class TreeDecoderMixin:
     def sizes_from_pass_cost(self) -> bool:
         return self._size == AUTO
 
+    def fixed_sizes(self) -> Dict[str, int]:
+        """The config values that fix this decoder's ``"auto"`` sizes to what `resolve_draft_size` chose (``{}`` when
+        nothing is ``"auto"`` or nothing was chosen yet): ``type(d).from_config(d.config, **d.fixed_sizes())`` is a
+        decoder with fixed sizes (`SpatialARPipeline.tune_decoder`)."""
+        if self._size != AUTO or self._resolved_for is None:
+            return {}
+        name = next(k for k, v in self.config.items() if v == AUTO)
+        return {name: self._resolved_size}
+
     def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None,
                            round_overhead: Optional[Callable[[DraftTree], float]] = None, batch_size: int = 1) -> None:
         resolved = self._resolved_for
         if self._size != AUTO or (resolved is not None and resolved[3] == batch_size
                                   and all(a is b for a, b in zip(resolved, (pass_cost, draft_pass_cost, round_overhead)))):
             return  # once per pipeline cost model and batch size
-        candidates = [self._sized_tree(n) for n in self._draft_sizes()]  # (tree, expected accepted drafts)
+        sizes = self._draft_sizes()
+        candidates = [self._sized_tree(n) for n in sizes]  # (tree, expected accepted drafts)
         trees = [tree for tree, _ in candidates]
         # a PassCost / RoundOverhead measures what it has not yet and returns a fitted curve (through these sizes only)
         target = pass_cost.fitted(sorted({t.num_nodes for t in trees})) if hasattr(pass_cost, "fitted") else pass_cost
@@ -151,7 +161,7 @@ class TreeDecoderMixin:
         best = max(rate for _, rate in rates)
         # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so
         # the argmax would follow what timing noise is left in the fitted curves from run to run
-        self.tree = next(tree for tree, rate in rates if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
+        self.tree, self._resolved_size = next((tree, n) for (tree, rate), n in zip(rates, sizes) if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
         self._resolved_for = (pass_cost, draft_pass_cost, round_overhead, batch_size)
 
     def _drafting_seconds(self, tree: DraftTree, draft_pass_cost: Optional[Callable[[int], float]]) -> float:

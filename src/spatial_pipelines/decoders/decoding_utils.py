@@ -392,6 +392,11 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         nodes), for calls of ``batch_size`` images (each row advances on its own; the pass over all of them and every
         row's own work are what a round costs)."""
 
+    def fixed_sizes(self) -> Dict[str, int]:
+        """The config values that fix this decoder's ``"auto"`` sizes to the ones chosen (`resolve_draft_size`); ``{}``
+        for a decoder without ``"auto"`` sizes."""
+        return {}
+
     def heads_needed(self) -> Optional[HeadsNeed]:
         """What draft heads this decoder, as configured, drafts with (`HeadsNeed`: their kinds and offsets), or
         ``None`` when it needs none (the default)."""

@@ -391,6 +391,37 @@ class DraftSizingMixin:
             overhead = self._per_row_cost(self.round_overhead(cfg, sampling, prefix_length), num_images)
             self.decoder.resolve_draft_size(self.pass_cost(rows), round_overhead=overhead, batch_size=num_images)
 
+    def tune_decoder(self, batch_size: int = 1, guidance_scale: Optional[float] = None, temperature: float = 1.0,
+                     top_k: Optional[int] = None, prefix_length: int = 16):
+        """Measure this device at ``batch_size`` images per call and return a copy of the pipeline's decoder whose
+        ``"auto"`` draft sizes are fixed to the sizes that measurement picks (its config says them: save it with
+        ``decoder.save_config(...)`` and reuse it, on this device, with no measurement inside a call). A decoder with
+        no ``"auto"`` size comes back as a copy of itself. The pipeline's own decoder is left as it is.
+
+        Args:
+            batch_size (`int`): images per call the decoder will serve (>= 1).
+            guidance_scale (`float`, *optional*), temperature (`float`), top_k (`int`, *optional*): the calls'
+                sampling settings (defaults: the family's).
+            prefix_length (`int`): prompt positions before the first code.
+        """
+        from ..utils import check_number
+
+        check_number("batch_size", batch_size, 1, integer=True, meaning="images per call")
+        check_number("prefix_length", prefix_length, 1, integer=True)
+        backbone = self.backbone
+        sampling = SamplingConfig(backbone.default_guidance_scale if guidance_scale is None else guidance_scale, temperature,
+                                  backbone.default_top_k if top_k is None else top_k)
+        decoder = self.decoder
+        if not decoder.sizes_from_pass_cost:
+            return type(decoder).from_config(decoder.config)
+        tuned = type(decoder).from_config(decoder.config)  # measured on a copy: the pipeline's decoder keeps "auto"
+        self.decoder, kept = tuned, decoder
+        try:
+            self.resolve_draft_sizes(batch_size, sampling, prefix_length)
+        finally:
+            self.decoder = kept
+        return type(decoder).from_config(decoder.config, **tuned.fixed_sizes())
+
     def _per_row_cost(self, cost, num_images: int):
         """``cost`` (one image's) for calls of ``num_images`` images (`PerRowCost`), kept per cost object so that a
         decoder sees the same object call after call (its chosen size is kept while its cost model is)."""
