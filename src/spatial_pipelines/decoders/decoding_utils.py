@@ -133,9 +133,9 @@ class DecodingState:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in rows:
-                values[f.name] = _split_rows(value, idx)
+                values[f.name] = split_rows(value, idx)
             elif f.name in twins:
-                values[f.name] = _split_rows(value, idx, twins_after=b)
+                values[f.name] = split_rows(value, idx, twins_after=b)
             elif f.name in shared:
                 values[f.name] = copy.copy(value) if isinstance(value, (list, dict)) else value
             else:
@@ -186,7 +186,7 @@ class DecodingState:
         self.accepted_lengths.append(torch.zeros_like(self.tokens[:, 0]))
 
 
-def _split_rows(value, index: torch.Tensor, twins_after: Optional[int] = None):
+def split_rows(value, index: torch.Tensor, twins_after: Optional[int] = None):
     """``value`` at the rows ``index``: a tensor along dim 0 (with ``twins_after``, and twice that many rows, the
     rows and their twins ``twins_after`` rows later), a list of them item by item, an object with ``select_rows`` by
     it, a dataclass field by field; ``None`` stays ``None``."""
@@ -197,13 +197,13 @@ def _split_rows(value, index: torch.Tensor, twins_after: Optional[int] = None):
             index = torch.cat([index, index + twins_after])
         return value.index_select(0, index.to(value.device))
     if isinstance(value, list):
-        return [_split_rows(v, index, twins_after) for v in value]
+        return [split_rows(v, index, twins_after) for v in value]
     if hasattr(value, "select_rows"):
         if twins_after is not None and value.num_rows == 2 * twins_after:
             index = torch.cat([index, index + twins_after])
         return value.select_rows(index)
     if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: _split_rows(getattr(value, f.name), index)
+        return dataclasses.replace(value, **{f.name: split_rows(getattr(value, f.name), index)
                                              for f in dataclasses.fields(value) if isinstance(getattr(value, f.name), torch.Tensor)})
     raise TypeError(f"Cannot split a {type(value).__name__} by rows.")
 

@@ -18,7 +18,7 @@ from diffusers.utils import logging
 from ..core.kv_cache import StaticKVCache
 from ..core.sampling import SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
-from ..decoders.decoding_utils import DecodingState, RowsDiverged, SpatialDecoderMixin, StepOutput, _split_rows
+from ..decoders.decoding_utils import DecodingState, RowsDiverged, SpatialDecoderMixin, StepOutput, split_rows
 from ..heads.heads_utils import DraftHeadsMixin
 from ..utils import (NULL_TIMER, RoundTimer, check_number, check_path_or_repo_id, check_safe_serialization,
                      check_weights_folder)
@@ -645,9 +645,9 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             index = torch.tensor(local, device=row_logits.device)
             twins = torch.cat([index, index + n]) if row_hidden.shape[0] == 2 * n else index
             accepted, prefix = diverged.acceptance.host
-            part.state.acceptance = dataclasses.replace(_split_rows(diverged.acceptance, index),  # drawn and read once
+            part.state.acceptance = dataclasses.replace(split_rows(diverged.acceptance, index),  # drawn and read once
                                                         host=([accepted[i] for i in local], prefix))
-            eol = _split_rows(fed.eol, index) if fed.eol is not None and fed.eol.source.shape[0] > 1 else fed.eol
+            eol = split_rows(fed.eol, index) if fed.eol is not None and fed.eol.source.shape[0] > 1 else fed.eol
             result = self.decoder.step(row_logits[index], row_hidden[twins], fed.draft.select_rows(index), part.state, self.draft_heads)
             _record_kept(kept, part.rows, result, eol, t)
 

@@ -18,7 +18,7 @@ batch ends. Rows that never diverge (a 2x2 grid sampled 8,000 times lands in a h
 so a large batch of few distinct histories costs few states.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
 import torch
@@ -70,7 +70,6 @@ class RowBatch:
     fed_slots: int = 0
     padded_slots: int = 0
     num_splits: int = 0
-    _done: Dict[int, tuple] = field(default_factory=dict)
 
     @classmethod
     def create(cls, decoder: SpatialDecoderMixin, layout: ImageTokenLayout, sampling: SamplingConfig, generator,
@@ -91,10 +90,6 @@ class RowBatch:
             tokens = torch.full((batch_size, layout.num_tokens), -1, dtype=torch.long, device=device)
             acceptance_map = torch.zeros(batch_size, layout.num_tokens, dtype=torch.long, device=device)
         return cls(layout=layout, batch_size=batch_size, groups=groups, tokens=tokens, acceptance_map=acceptance_map)
-
-    @property
-    def states(self) -> List[DecodingState]:
-        return [g.state for g in self.groups]
 
     def active(self) -> List[RowGroup]:
         """The groups whose grids are not full yet."""
