@@ -50,6 +50,7 @@ def _empirical_counts(pipe, prompt, sampling: SamplingConfig, seed: int) -> torc
     out = pipe(
         prompt, guidance_scale=sampling.guidance_scale, temperature=sampling.temperature, top_k=sampling.top_k,
         num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(seed), output_type="latent",
+        sampling_noise=sampling.noise,
     )
     v = pipe.backbone.num_image_codes
     return torch.bincount(grid_index(out.tokens, v), minlength=v ** pipe.backbone.layout.num_tokens)

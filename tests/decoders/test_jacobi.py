@@ -31,7 +31,8 @@ def test_heads_init_with_latent_heads_keeps_the_distribution():
     pipe = _latent_pipe(JacobiDecoder(window_size=3, init="heads", coupling="gumbel"), grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
-    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(2), output_type="latent")
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(2), output_type="latent",
+               sampling_noise="drawn")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) > 1e-4
 
 
@@ -128,7 +129,8 @@ def test_proactive_verification_needs_the_without_replacement_proposal(monkeypat
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     # each row advancing on its own shows this bias less than rows that moved together: p ~ 4e-7 at 48,000 (seed 1),
     # 0.04 at 12,000; the correct decoder gives p ~ 0.7 at 64,000
-    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=48000, generator=gen(1), output_type="latent")
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=48000, generator=gen(1), output_type="latent",
+               sampling_noise="drawn")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
 
 
@@ -172,5 +174,6 @@ def test_left_anchor_needs_its_adjusted_proposal(monkeypatch):
                           grid=(2, 2), num_codes=4)
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
-    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=4 * DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent")
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=4 * DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent",
+               sampling_noise="drawn")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4

@@ -25,8 +25,8 @@ SIZED_CASES = [c for c in EXACT_CASES if not c.values[0](**c.values[1]).sizes_fr
 TRANSFORMERS_CASES = [c for c in SIZED_CASES if c.id in ("ar", "medusa-paths", "hawk-small", "sjd-left", "sjd-proactive", "eagle", "adt-vertical")]
 
 
-def _batch_and_alone(pipe, temperature: float):
-    call = dict(output_type="latent", temperature=temperature, guidance_scale=2.0)
+def _batch_and_alone(pipe, temperature: float, sampling_noise=None):
+    call = dict(output_type="latent", temperature=temperature, guidance_scale=2.0, sampling_noise=sampling_noise)
     batch = pipe(PROMPTS, generator=[gen(i) for i in range(len(PROMPTS))], **call)
     alone = [pipe(p, generator=gen(i), **call) for i, p in enumerate(PROMPTS)]
     return batch, alone
@@ -52,10 +52,19 @@ def test_batch_equals_alone_greedy(decoder_cls, kwargs, heads):
 
 @pytest.mark.parametrize("decoder_cls,kwargs,heads", SIZED_CASES)
 def test_batch_equals_alone_sampled(decoder_cls, kwargs, heads):
-    """Sampled: each row draws from its own generator what it draws alone, in the same order."""
+    """Sampled with drawn noise: each row draws from its own generator what it draws alone, in the same order."""
     pipe = make(decoder_cls, kwargs, heads, grid=(4, 5))
-    batch, alone = _batch_and_alone(pipe, 1.0)
+    batch, alone = _batch_and_alone(pipe, 1.0, "drawn")
     _check(batch, alone, sized=True, speculates=decoder_cls is not AutoregressiveDecoder)
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", [c for c in EXACT_CASES if c.values[0](**c.values[1]).supports_keyed_noise])
+def test_batch_equals_alone_sampled_with_keyed_noise(decoder_cls, kwargs, heads):
+    """Sampled with keyed noise: a row's codes are its prompt's alone even where "auto" sizes differ between the batch
+    and a row alone (the codes are AR's for the row's seed)."""
+    pipe = make(decoder_cls, kwargs, heads, grid=(4, 5))
+    batch, alone = _batch_and_alone(pipe, 1.0, "keyed")
+    _check(batch, alone, sized=not pipe.decoder.sizes_from_pass_cost, speculates=decoder_cls is not AutoregressiveDecoder)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

@@ -3,6 +3,13 @@
 Everything here is fp32 and free of host syncs: drawing uses the exponential race
 (``argmax(p / E)``, ``E ~ Exp(1)``), which picks index ``i`` with probability ``p_i`` exactly, as
 ``torch.multinomial`` does, but without its device-to-host check.
+
+Keyed noise (`RandomSource` with ``keyed=True``, the pipelines' default for exact decoders): each image draws one
+seed from its generator, and the Gumbel noise of grid position ``j`` and code ``v`` is a hash of ``(seed, j, v)``
+(`keyed_gumbel`), as vLLM keys its sampler's noise by request. The code at ``j`` is ``argmax(log p_j + G(seed, j))``
+(Gumbel-max: a draw from ``p_j``), whatever pass computes ``p_j``: every exact decoder then commits AR's image for a
+seed, at any draft size or batch, and verification is "does the draft equal the target's keyed sample" (`target_probs`
+returns that sample as a point mass).
 """
 
 from dataclasses import dataclass
@@ -25,6 +32,9 @@ class SamplingConfig:
         cfg (`bool`, *optional*): whether unconditional rows run; ``None``: when ``guidance_scale != 1``. A scale
             changed during a call keeps the rows the call started with (``cfg=True`` with a scale of 1 mixes them to
             the conditional model).
+        noise (`str`): ``"keyed"``: each image's noise is keyed by its seed and grid position (`keyed_gumbel`), so
+            every exact decoder commits AR's codes for a seed; ``"drawn"``: random numbers are drawn from the
+            generators as the decoder uses them (the image then depends on the decoder and its draft sizes).
     """
 
     guidance_scale: float = 1.0
@@ -32,6 +42,12 @@ class SamplingConfig:
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     cfg: Optional[bool] = None
+    noise: str = "drawn"
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the target is sampled by keyed noise (greedy decoding needs no noise at all)."""
+        return self.noise == "keyed" and not self.greedy
 
     @property
     def do_cfg(self) -> bool:
@@ -86,14 +102,101 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     logits = logits.float()
     if config.greedy:
         return one_hot(logits.argmax(dim=-1), logits.shape[-1])
+    return filtered_logits(logits, config).softmax(dim=-1)
+
+
+def filtered_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """``log p`` up to a constant per distribution (fp32, ``-inf`` where top-k or top-p removed a code): the
+    temperature, top-k and top-p of `logits_to_probs` without its softmax. Not for ``temperature == 0``."""
+    logits = logits.float()
     if config.temperature < TINY_TEMPERATURE:
         # the same softmax, shifted first: logits / T would overflow fp32 (inf - inf = NaN), and T itself rounds to 0
         shifted = logits - logits.amax(dim=-1, keepdim=True)  # (..., V) <= 0, the largest logits at 0
         logits = torch.where(shifted == 0, 0.0, shifted / config.temperature)  # the rest -> -inf: the greedy limit
     else:
         logits = logits / config.temperature
-    logits = apply_top_p(apply_top_k(logits, config.top_k), config.top_p)
-    return logits.softmax(dim=-1)
+    return apply_top_p(apply_top_k(logits, config.top_k), config.top_p)
+
+
+def keyed_sample(logits: torch.Tensor, config: SamplingConfig, seeds: torch.Tensor,
+                 index: Union[int, torch.Tensor]) -> torch.Tensor:
+    """The code each distribution gives under keyed noise: ``argmax(log p + G(seed, index, code))`` (Gumbel-max, a
+    draw from ``p``), ``(B, ...)`` long from CFG-mixed ``logits (B, ..., V)``; the argmax when greedy.
+
+    Args:
+        seeds (`torch.LongTensor` `(B,)`): the rows' seeds (`draw_seeds`).
+        index (`int` or `torch.LongTensor`): the grid index each distribution is for: an `int`, ``(...)`` shared by
+            the rows, or ``(B, ...)``.
+    """
+    if config.greedy:
+        return logits.argmax(dim=-1)
+    v = logits.shape[-1]
+    scores = filtered_logits(logits, config)  # (B, ..., V)
+    index = index if isinstance(index, int) else index[..., None]  # (..., 1): one grid index per distribution
+    if config.top_k and config.top_k < v:  # noise for the k codes top-k kept only: the rest are -inf anyway
+        kept, codes = scores.topk(config.top_k, dim=-1)  # (B, ..., k)
+        pick = (kept + keyed_gumbel(seeds, index, codes, v)).argmax(dim=-1, keepdim=True)
+        return codes.gather(-1, pick).squeeze(-1)
+    codes = torch.arange(v, device=logits.device).expand(scores.shape)  # (B, ..., V) a view
+    return (scores + keyed_gumbel(seeds, index, codes, v)).argmax(dim=-1)
+
+
+def target_probs(logits: torch.Tensor, config: SamplingConfig, random: "RandomSource",
+                 index: Union[int, torch.Tensor]) -> torch.Tensor:
+    """What verification tests drafts against: `logits_to_probs`, or under keyed noise (``random.keyed``) the keyed
+    sample as a point mass (a draft is accepted exactly when it equals it). ``logits (B, ..., V)`` -> fp32
+    ``(B, ..., V)``; ``index`` as in `keyed_sample`: the grid index each distribution is for."""
+    if not random.keyed or config.greedy:
+        return logits_to_probs(logits, config)
+    return one_hot(keyed_sample(logits, config, random.seeds, index), logits.shape[-1])
+
+
+#: Noise settings a pipeline call takes (``sampling_noise=``): see the module docstring.
+SAMPLING_NOISE = ("keyed", "drawn")
+
+# SplitMix64's constants, as signed int64 (torch has no uint64 arithmetic; int64 products wrap like uint64's)
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch's ``>>`` is arithmetic: it copies the sign bit)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def keyed_gumbel(seeds: torch.Tensor, index: Union[int, torch.Tensor], codes: torch.Tensor,
+                 num_codes: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise that depends only on ``(seed, grid index, code)``: fp32, the shape of ``codes``.
+
+    The word ``seed + (index * num_codes + code + 1) * gamma`` goes through SplitMix64's finaliser (a bijection of
+    64-bit words with full avalanche), so within one seed no two (index, code) pairs share a value; its top 23 bits
+    give ``u`` in ``(0, 1)`` (both ends excluded, so the noise is finite) and ``G = -log(-log(u))``.
+
+    Args:
+        seeds (`torch.LongTensor` `(B,)`): one seed per row.
+        index (`int` or `torch.LongTensor`): the grid index of each slot, broadcastable against ``codes``
+            (``(T, 1)`` for ``codes (B, T, k)``, ``(B, T, 1)`` for one index per row and slot), or one `int`.
+        codes (`torch.LongTensor` `(B, ...)`): the codes to draw noise for, batch first.
+        num_codes (`int`): codebook size ``V`` (the counter's stride per grid index).
+    """
+    counter = index * num_codes + codes + 1  # (B, ...) distinct per (index, code), never 0
+    z = seeds.view(-1, *([1] * (codes.dim() - 1))) + counter * _GAMMA  # (B, ...) wraps modulo 2**64
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    u = (_shift_right(z, 41).float() + 0.5) * 2.0**-23  # (B, ...) in [2^-24, 1 - 2^-24]: exact in fp32
+    return -torch.log(-torch.log(u))
+
+
+def draw_seeds(generator: GeneratorLike, batch_size: int) -> torch.Tensor:
+    """One 62-bit seed per row (CPU ``(B,)`` int64): row ``b`` draws from ``generator[b]`` with a list, else the batch
+    draws from the one generator (or torch's default one) at once."""
+    high = 1 << 62
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.randint(high, (1,), generator=g, device=g.device).cpu() for g in generator])
+    device = generator.device if generator is not None else "cpu"
+    return torch.randint(high, (batch_size,), generator=generator, device=device).cpu()
 
 
 class RandomSource:
@@ -106,12 +209,24 @@ class RandomSource:
         generator: ``None``, one `torch.Generator`, or one per batch row.
         batch_size (`int`): rows of the batch.
         device (`torch.device`): where the numbers are used.
+        keyed (`bool`): draw one seed per row now (`draw_seeds`) and sample the target by keyed noise
+            (`target_probs`); the other draws still come from the generators.
+        seeds (`torch.LongTensor` `(B,)`, *optional*): the rows' seeds, when they were drawn already (`split`).
     """
 
-    def __init__(self, generator: GeneratorLike, batch_size: int, device: torch.device):
+    def __init__(self, generator: GeneratorLike, batch_size: int, device: torch.device, keyed: bool = False,
+                 seeds: Optional[torch.Tensor] = None):
         self.generator = generator
         self.batch_size = batch_size
         self.device = torch.device(device)
+        if keyed and seeds is None:
+            seeds = draw_seeds(generator, batch_size)
+        self.seeds = None if seeds is None else seeds.to(self.device)  # (B,) once per generation
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the target is sampled by noise keyed by (row seed, grid index, code)."""
+        return self.seeds is not None
 
     def _draw(self, shape: Sequence[int], fill) -> torch.Tensor:
         if isinstance(self.generator, (list, tuple)):
@@ -124,7 +239,8 @@ class RandomSource:
     def split(self, rows: Sequence[int]) -> "RandomSource":
         """The random source of the rows ``rows`` alone: their own generators (a list), or the shared one."""
         generator = [self.generator[r] for r in rows] if isinstance(self.generator, (list, tuple)) else self.generator
-        return RandomSource(generator, len(rows), self.device)
+        seeds = None if self.seeds is None else self.seeds[list(rows)]
+        return RandomSource(generator, len(rows), self.device, seeds=seeds)
 
     def uniform(self, *shape: int) -> torch.Tensor:
         """``U[0, 1)`` of shape ``(B, *shape)``."""

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from diffusers.configuration_utils import register_to_config
 
-from ..core.sampling import logits_to_probs, sample_from_probs
+from ..core.sampling import sample_from_probs, target_probs
 from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput
 
 
@@ -54,7 +54,7 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
         state: DecodingState,
         draft_heads=None,
     ) -> StepOutput:
-        probs = logits_to_probs(logits[:, -1], state.sampling)  # (B, V)
+        probs = target_probs(logits[:, -1], state.sampling, state.random, state.num_committed)  # (B, V)
         token = sample_from_probs(probs, state.random)  # (B,)
         state.commit(token[:, None], torch.ones_like(token))
         return StepOutput(num_accepted=1)

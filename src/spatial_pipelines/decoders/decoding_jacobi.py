@@ -18,7 +18,7 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import LATENT, OFFSET_LOGITS, HeadsNeed
-from ..core.sampling import logits_to_probs, one_hot
+from ..core.sampling import one_hot, target_probs
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
 from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, MAX_FED_TOKENS, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
@@ -228,6 +228,12 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         """The window in use (``window_size``, or what ``"auto"`` resolved to): drafted positions."""
         return self.tree.max_depth
 
+    @property
+    def supports_keyed_noise(self) -> bool:
+        """As every exact decoder, except with proactive candidates (``proactive_width > 1``): they are drawn without
+        replacement from the distribution of an earlier pass, which keyed noise reduces to its sample."""
+        return super().supports_keyed_noise and self.config.proactive_width == 1
+
     def heads_needed(self) -> Optional[HeadsNeed]:
         """``init="heads"``: token-logit or latent heads with the vertical offset 1 (one row down); otherwise none."""
         if self.config.init != "heads":
@@ -374,7 +380,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             if state.above is not None:
                 self._predict_above(state, hidden_states[:, -1:], first, draft_heads)
             return out
-        probs = logits_to_probs(logits, state.sampling)  # (B, L + 1, V)
+        probs = target_probs(logits, state.sampling, state.random, state.tree.depths + first)  # (B, L + 1, V)
         continuation = self.config.continuation
         old = state.drafts.clone() if continuation else None
         proactive = state.alternatives is not None

@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..core.acceptance import AcceptanceLike, resolve_acceptance
-from ..core.sampling import logits_to_probs, sample_from_probs
+from ..core.sampling import sample_from_probs, target_probs
 from ..core.tree import DraftTree, tree_from_parents
 from ..core.verification import TreeAcceptance, verify_tree
 from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, RowsDiverged, StepOutput
@@ -234,7 +234,8 @@ class TreeDecoderMixin:
         )
 
     def _prefill_step(self, logits, hidden_states, state: TreeState) -> StepOutput:
-        token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
+        probs = target_probs(logits[:, -1], state.sampling, state.random, state.num_committed)  # (B, V)
+        token = sample_from_probs(probs, state.random)  # (B,)
         state.hidden = hidden_states[:, -1]
         state.commit(token[:, None], torch.ones_like(token))
         return StepOutput(num_accepted=1)
@@ -244,7 +245,8 @@ class TreeDecoderMixin:
         if state.acceptance is not None:  # drawn before the state was split by rows (`RowsDiverged`)
             acc = state.acceptance
         else:
-            probs = logits_to_probs(logits, state.sampling) if probs is None else probs  # (B, T, V)
+            if probs is None:  # node i's output is for grid index num_committed + depth(i)
+                probs = target_probs(logits, state.sampling, state.random, state.tree.depths + state.num_committed)  # (B, T, V)
             acc = verify_tree(state.tree, tokens, probs, state.random, q, distinct_siblings=self.distinct_siblings,
                               rule=self.acceptance_rule, neighbours=state.neighbours)
         state.acceptance = None

@@ -322,6 +322,14 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         (``acceptance="lantern"``, ``"lantern++"``, ...); the benchmark labels such rows lossy."""
         return self.lossless and self.acceptance_rule.is_exact
 
+    @property
+    def supports_keyed_noise(self) -> bool:
+        """Whether ``sampling_noise="keyed"`` applies: the decoder is exact, so testing each draft against the target's
+        keyed sample (`target_probs`) keeps the model's distribution and commits AR's codes for a seed. ``False`` for a
+        relaxed rule (LANTERN moves mass from a draft's neighbours, which a sampled point mass does not have) and for
+        SSD; they draw their noise from the generators."""
+        return self.is_exact
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "draft_heads_class" in cls.__dict__:  # the earlier declaration by class name, which nothing checks now

@@ -16,7 +16,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import logging
 
 from ..core.kv_cache import StaticKVCache
-from ..core.sampling import SamplingConfig, cfg_mix
+from ..core.sampling import SAMPLING_NOISE, SamplingConfig, cfg_mix
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, RowsDiverged, SpatialDecoderMixin, StepOutput, split_rows
 from ..heads.heads_utils import DraftHeadsMixin
@@ -257,6 +257,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         output_type,
         callback_on_step_end_tensor_inputs,
         callback_on_step_end=None,
+        sampling_noise=None,
     ) -> List[Any]:
         """Validate the call's arguments; returns the prompt as a list. Raises `ValueError` naming the argument."""
         prompts = _as_list(prompt, "prompt")
@@ -293,6 +294,13 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                 raise ValueError("`generator` list must hold only `torch.Generator` objects.")
         elif generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"`generator` must be a torch.Generator, a list of them, or None; got {type(generator).__name__}.")
+        if sampling_noise is not None and (not isinstance(sampling_noise, str) or sampling_noise not in SAMPLING_NOISE):
+            raise ValueError(f"`sampling_noise` must be one of {SAMPLING_NOISE} or None (keyed where the decoder "
+                             f"supports it), got {sampling_noise!r}.")
+        if sampling_noise == "keyed" and not self.decoder.supports_keyed_noise:
+            raise ValueError(f"`sampling_noise='keyed'` needs an exact decoder that tests drafts against the target's "
+                             f"sample; {type(self.decoder).__name__} with its config (a relaxed acceptance rule, SSD, or "
+                             "proactive candidates) draws from the generators: pass `sampling_noise='drawn'` or None.")
         if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         if callback_on_step_end is not None and not callable(callback_on_step_end):
@@ -387,6 +395,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         return_dict: bool = True,
         callback_on_step_end: Optional[Callable[["SpatialARPipeline", int, int, Dict[str, Any]], Dict[str, Any]]] = None,
         callback_on_step_end_tensor_inputs: Sequence[str] = ("tokens",),
+        sampling_noise: Optional[str] = None,
     ):
         r"""Generate images.
 
@@ -417,6 +426,12 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                 a call with ``guidance_scale=1`` cannot turn guidance on) and set ``pipe._interrupt = True`` (the
                 call stops after this round; undecoded codes stay ``-1`` and are mid-grey in images).
             callback_on_step_end_tensor_inputs (`list[str]`): state tensors put in ``callback_kwargs``.
+            sampling_noise (`str`, *optional*): ``"keyed"``: each image draws one seed from its generator and its
+                noise at every grid position is keyed by that seed, so every exact decoder (any draft size, batch or
+                machine) gives the image `AutoregressiveDecoder` gives for that generator; ``"drawn"``: random numbers
+                are drawn as the decoder uses them (the image then depends on the decoder). ``None``: keyed where the
+                decoder supports it (`supports_keyed_noise`: exact decoders without proactive candidates), else
+                drawn.
 
         Returns:
             `SpatialPipelineOutput` (or ``(images, tokens, stats)``).
@@ -434,7 +449,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         prompts = self.check_inputs(
             prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt, generator,
-            output_type, callback_on_step_end_tensor_inputs, callback_on_step_end,
+            output_type, callback_on_step_end_tensor_inputs, callback_on_step_end, sampling_noise,
         )
         if not isinstance(return_dict, bool):
             raise ValueError(f"`return_dict` must be True or False, got {return_dict!r}.")
@@ -444,7 +459,9 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                 logger.warning(f"The pipeline's draft heads ({type(self.draft_heads).__name__}) are not used by "
                                f"{type(self.decoder).__name__}, which drafts without heads.")
         batch_size = len(prompts) * num_images_per_prompt
-        sampling = SamplingConfig(guidance_scale, temperature, top_k, top_p)
+        if sampling_noise is None:
+            sampling_noise = "keyed" if self.decoder.supports_keyed_noise else "drawn"
+        sampling = SamplingConfig(guidance_scale, temperature, top_k, top_p, noise=sampling_noise)
         self.check_memory(batch_size, sampling.do_cfg)
         self._start_call(guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt` (callbacks.py)
         device = self._execution_device

@@ -77,11 +77,11 @@ class RowBatch:
         """The rows in one state from ``decoder.init_state`` (one state per row for a decoder that `separate_rows`).
         With a list of generators row ``b`` draws only from ``generator[b]``, in the order it would alone."""
         parts = [list(range(batch_size))] if batch_size == 1 or not decoder.separate_rows else [[b] for b in range(batch_size)]
+        random = RandomSource(generator, batch_size, device, keyed=sampling.keyed)  # keyed: one seed per row, drawn now
         groups = []
         for rows in parts:
-            g = [generator[b] for b in rows] if isinstance(generator, (list, tuple)) else generator
-            state = decoder.init_state(layout, sampling, RandomSource(g, len(rows), device), len(rows), prefix_length,
-                                       device, backbone)
+            part = random if len(parts) == 1 else random.split(rows)
+            state = decoder.init_state(layout, sampling, part, len(rows), prefix_length, device, backbone)
             state.split_rows = batch_size > 1
             groups.append(RowGroup(rows, state, torch.tensor(rows, device=device)))
         if len(groups) == 1:  # the batch's record is the state's own until the rows split
