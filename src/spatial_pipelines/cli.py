@@ -17,6 +17,7 @@ from typing import List, Optional
 
 import torch
 
+from .core.sampling import SAMPLING_NOISE
 from .decoders import DECODERS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--negative-prompt", default=None, help="replaces the unconditional prompt of CFG")
     g.add_argument("--model", default=None, help="a pipeline folder or Hub repo id (default: the embedded Twemoji model)")
     g.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model")
-    g.add_argument("--decoder", default="ar", choices=sorted(DECODERS), help="decoding algorithm (default: ar)")
+    g.add_argument("--decoder", default="sjd", choices=sorted(DECODERS),
+                   help="decoding algorithm (default: sjd, speculative Jacobi decoding: exact, needs no heads, and under "
+                        "keyed noise gives the image ar gives for the same seed, faster)")
     g.add_argument("--heads", default=None,
                    help="draft heads (folder or Hub repo id) for decoders that need them (default with the embedded model: its shipped heads)")
     g.add_argument("--heads-revision", default=None, help="Hub revision of --heads")
@@ -86,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     g.add_argument("--top-k", type=int, default=None, help="default: the checkpoint's; 0 keeps every code")
     g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--sampling-noise", default=None, choices=list(SAMPLING_NOISE),
+                   help="keyed: a seed gives the same image under every exact decoder; drawn: random numbers drawn as "
+                        "the decoder uses them (default: keyed where the decoder supports it)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-images", "--num-images-per-prompt", dest="num_images", type=int, default=1,
                    help="images per prompt")
@@ -209,7 +215,7 @@ def sampling_arguments(args: argparse.Namespace, pipe, images: int, option: str)
     pipe.check_memory(images, guidance != 1, option)
     negative = pipe.backbone.prompt_from_text(args.negative_prompt) if args.negative_prompt is not None else None
     return dict(negative_prompt=negative, guidance_scale=args.guidance_scale, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p)
+                top_k=args.top_k, top_p=args.top_p, sampling_noise=args.sampling_noise)
 
 
 def job_settings(args: argparse.Namespace, rows) -> dict:
@@ -220,7 +226,7 @@ def job_settings(args: argparse.Namespace, rows) -> dict:
             "--heads": args.heads, "--heads-revision": args.heads_revision, "--dtype": args.dtype, "--seed": args.seed,
             "--num-images-per-prompt": args.num_images, "--negative-prompt": args.negative_prompt,
             "--guidance-scale": args.guidance_scale, "--temperature": args.temperature, "--top-k": args.top_k,
-            "--top-p": args.top_p, "--prompts-file": rows_digest(rows)}
+            "--top-p": args.top_p, "--sampling-noise": args.sampling_noise, "--prompts-file": rows_digest(rows)}
 
 
 def generate_job(args: argparse.Namespace) -> int:
