@@ -33,6 +33,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
 from .backbone import PromptEmbeddings
+from .folder_checks import check_backbone_checkpoint
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import (
     GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, configure_generation,
@@ -308,6 +309,7 @@ class ChameleonARPipeline(SpatialARPipeline):
         if config.model_type != "chameleon":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a "
                              "Chameleon-architecture checkpoint.")
+        check_backbone_checkpoint(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config, image_grid)
         if processor is None:
             try:
                 processor = ChameleonProcessor.from_pretrained(repo_or_path, **hub_kwargs)
