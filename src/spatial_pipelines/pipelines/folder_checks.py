@@ -379,6 +379,8 @@ def check_trained_positions(backbone_class, config, generation_config: Dict[str,
 
     if backbone_class is None or not hasattr(backbone_class, "grid_from_configs"):
         return
+    if backbone_class.grid_file == "generation_config.json" and "image_grid" not in generation_config:
+        return  # the family's default grid: checked at every call (`TransformersBackbone.check_image_positions`)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text_config, "max_position_embeddings", None)
     try:
