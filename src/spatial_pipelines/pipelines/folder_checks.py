@@ -23,6 +23,7 @@ checkpoint.
 """
 
 import collections.abc
+import copy
 import importlib
 import inspect
 import json
@@ -251,14 +252,15 @@ def check_weights(folder: str, key: str, component_dir: str, variant: Optional[s
     return {p: safetensors_header(p, f"`{key}` weights") for p in safe}
 
 
-def _meta_model(model_cls, config: Dict[str, Any], path: str):
-    """``model_cls`` built from ``config`` on the meta device (no memory); its constructor's own checks name the file."""
+def _meta_model(model_cls, config, path: str):
+    """``model_cls`` built from ``config`` (a dict, or a transformers config object) on the meta device (no memory);
+    its constructor's own checks name the file."""
     try:
         with torch.device("meta"):
             if issubclass(model_cls, ModelMixin):
                 init, _, _ = model_cls.extract_init_dict(config)
                 return model_cls(**init)
-            config_obj = model_cls.config_class.from_dict(config)
+            config_obj = copy.deepcopy(config) if not isinstance(config, dict) else model_cls.config_class.from_dict(config)
             return model_cls._from_config(config_obj)
     except ValueError as err:
         raise ValueError(f"{path!r}: {err}") from None
@@ -432,7 +434,8 @@ def check_model_folder(model_cls, key: str, folder: str, component_dir: str, var
 
 def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=None, image_grid=None) -> None:
     """What a family's ``from_backbone`` reads, checked before transformers reads a weight. ``image_grid`` (the
-    argument) against the positions the model was trained for (``config``: its transformers config, read first); and a
+    argument) against the positions the model was trained for (``config``: its transformers config, read first and
+    completed as the family completes it; the model is built from it on the meta device); and a
     local checkpoint folder (``config.json`` + safetensors, the original transformers layout) as a pipeline folder's
     ``transformer`` is: every tensor its config builds is in its safetensors files, of that shape, and nothing else
     (`check_shapes`), and the grid its generation config asks for fits those positions. A Hub id is downloaded and
@@ -448,7 +451,8 @@ def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=No
         safe, _ = _weights_files(folder)
         if safe:
             headers = {p: safetensors_header(p, "checkpoint weights") for p in safe}
-            check_shapes(_meta_model(model_cls, raw, config_path), headers, folder, strict=False)
+            model = _meta_model(model_cls, config if config is not None else raw, config_path)
+            check_shapes(model, headers, folder, strict=False)
     if config is None:
         return
     generation = _generation_config(folder) if local else {}

@@ -309,7 +309,6 @@ class ChameleonARPipeline(SpatialARPipeline):
         if config.model_type != "chameleon":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a "
                              "Chameleon-architecture checkpoint.")
-        check_backbone_checkpoint(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config, image_grid)
         if processor is None:
             try:
                 processor = ChameleonProcessor.from_pretrained(repo_or_path, **hub_kwargs)
@@ -317,6 +316,7 @@ class ChameleonARPipeline(SpatialARPipeline):
                 processor = AutoTokenizer.from_pretrained(repo_or_path, **hub_kwargs)
         if not config.vocabulary_map:  # the image-token names are the tokenizer's
             config.vocabulary_map = dict(getattr(processor, "tokenizer", processor).get_vocab())
+        check_backbone_checkpoint(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config, image_grid)
         model = ChameleonForConditionalGeneration.from_pretrained(
             repo_or_path, config=config, attn_implementation=attn_implementation,
             dtype=weights_dtype if weights_dtype is not None else "auto", **device_map_kwargs(device_map), **hub_kwargs,
