@@ -432,7 +432,8 @@ def check_model_folder(model_cls, key: str, folder: str, component_dir: str, var
                                 f"{config_path!r}: `max_position_embeddings`", grid_file)
 
 
-def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=None, image_grid=None) -> None:
+def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=None, image_grid=None,
+                              subfolder: Optional[str] = None) -> None:
     """What a family's ``from_backbone`` reads, checked before transformers reads a weight. ``image_grid`` (the
     argument) against the positions the model was trained for (``config``: its transformers config, read first and
     completed as the family completes it; the model is built from it on the meta device); and a
@@ -440,8 +441,8 @@ def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=No
     ``transformer`` is: every tensor its config builds is in its safetensors files, of that shape, and nothing else
     (`check_shapes`), and the grid its generation config asks for fits those positions. A Hub id is downloaded and
     loaded by transformers in one step; its grid is checked again at every call. A folder without safetensors files
-    (pickled weights) is left to transformers."""
-    folder = os.fspath(repo_or_path)
+    (pickled weights) is left to transformers. ``subfolder``: where in ``repo_or_path`` the checkpoint is."""
+    folder = os.path.join(os.fspath(repo_or_path), subfolder or "")
     local = os.path.isdir(folder)
     config_path = os.path.join(folder, "config.json")
     if local and os.path.isfile(config_path):

@@ -316,7 +316,8 @@ class ChameleonARPipeline(SpatialARPipeline):
                 processor = AutoTokenizer.from_pretrained(repo_or_path, **hub_kwargs)
         if not config.vocabulary_map:  # the image-token names are the tokenizer's
             config.vocabulary_map = dict(getattr(processor, "tokenizer", processor).get_vocab())
-        check_backbone_checkpoint(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config, image_grid)
+        check_backbone_checkpoint(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config, image_grid,
+                                  hub_kwargs.get("subfolder"))
         model = ChameleonForConditionalGeneration.from_pretrained(
             repo_or_path, config=config, attn_implementation=attn_implementation,
             dtype=weights_dtype if weights_dtype is not None else "auto", **device_map_kwargs(device_map), **hub_kwargs,

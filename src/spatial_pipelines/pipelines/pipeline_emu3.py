@@ -256,7 +256,8 @@ class Emu3Pipeline(SpatialARPipeline):
         config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
         if config.model_type != "emu3":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not an Emu3 checkpoint.")
-        check_backbone_checkpoint(cls.backbone_class, Emu3ForConditionalGeneration, repo_or_path, config, image_grid)
+        check_backbone_checkpoint(cls.backbone_class, Emu3ForConditionalGeneration, repo_or_path, config, image_grid,
+                                  hub_kwargs.get("subfolder"))
         transformer = Emu3ForConditionalGeneration.from_pretrained(
             repo_or_path, dtype=dtype if dtype is not None else "auto", attn_implementation=attn_implementation,
             **device_map_kwargs(device_map), **kwargs

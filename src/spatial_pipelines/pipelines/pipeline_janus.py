@@ -262,7 +262,8 @@ class JanusProPipeline(SpatialARPipeline):
         config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
         if config.model_type != "janus":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a Janus checkpoint.")
-        check_backbone_checkpoint(cls.backbone_class, JanusForConditionalGeneration, repo_or_path, config)
+        check_backbone_checkpoint(cls.backbone_class, JanusForConditionalGeneration, repo_or_path, config,
+                                  subfolder=hub_kwargs.get("subfolder"))
         model = JanusForConditionalGeneration.from_pretrained(
             repo_or_path, attn_implementation=attn_implementation,
             **({"dtype": weights_dtype} if weights_dtype is not None else {}), **device_map_kwargs(device_map), **hub_kwargs,
