@@ -15,7 +15,10 @@ from diffusers.utils import logging as diffusers_logging
 
 from spatial_pipelines import (
     ADTTreeDecoder,
+    AnolePipeline,
     EagleDraftHead,
+    Emu3Pipeline,
+    JanusProPipeline,
     LatentDraftHeads,
     LlamaGenPipeline,
     MedusaDecoder,
@@ -157,6 +160,150 @@ def test_bad_heads_folders(saved, tmp_path):
         DraftHeadsMixin.from_pretrained(heads)
 
 
+# transformers families: a checkpoint is compared as transformers loads it (its conversion mapping renames Emu3's
+# original names), in a pipeline folder and in the original layout `from_backbone` reads
+TRANSFORMERS_PIPELINES = {"janus": JanusProPipeline, "emu3": Emu3Pipeline, "anole": AnolePipeline}
+
+
+@pytest.fixture(scope="module")
+def saved_transformers(tmp_path_factory):
+    """A saved tiny pipeline folder of each transformers family, and (janus, emu3) its transformer in the original
+    layout (config.json + model.safetensors + generation_config.json + processor files in one folder)."""
+    root = tmp_path_factory.mktemp("bad_transformers")
+    for family in TRANSFORMERS_PIPELINES:
+        pipe = dummy_pipeline(family)
+        pipe.save_pretrained(root / family)
+        if family != "anole":  # Anole's from_backbone reads a VQGAN from elsewhere
+            pipe.transformer.save_pretrained(root / f"{family}-original")
+            pipe.processor.save_pretrained(root / f"{family}-original")
+    return root
+
+
+def _layers(n):
+    def edit(config):
+        (config.get("text_config") or config)["num_hidden_layers"] = n
+    return edit
+
+
+def _edit_config(edit, name="config.json"):
+    def apply(folder):
+        path = folder / name
+        config = json.loads(path.read_text())
+        edit(config)
+        path.write_text(json.dumps(config))
+    return apply
+
+
+def _weights(change):
+    def apply(folder):
+        from safetensors.torch import load_file, save_file
+
+        path = folder / "model.safetensors"
+        tensors = load_file(path)
+        change(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return apply
+
+
+def _drop_last_layer_norm(tensors):
+    del tensors[max(k for k in tensors if k.endswith("layers.1.post_attention_layernorm.weight"))]
+
+
+def _add_tensor(tensors):
+    tensors["model.planted.weight"] = torch.zeros(2, 2)
+
+
+def _grid(family, rows, columns):
+    if family == "janus":  # Janus' grid: num_image_tokens codes in the VQ's rows (4 in the tiny model)
+        return _edit_config(lambda c: c["vision_config"].update(num_image_tokens=rows * columns))
+    return _edit_config(lambda c: c.update(image_grid=[rows, columns]), "generation_config.json")
+
+
+TRANSFORMERS_CASES = [  # (id, edit of the transformer's folder, what the message names); the tiny models have 2 layers
+    ("fewer-layers", lambda family: _edit_config(_layers(1)), r"config.json' does not match the weights: they hold `[\w.]*layers\.1\.[\w.]*` in model.safetensors \(\d+ tensors in all\) that the config does not build"),
+    ("more-layers", lambda family: _edit_config(_layers(3)), r"config.json' does not match the weights: the config builds `[\w.]*layers\.2\.[\w.]*` \(\d+ tensors in all\) that the weights \(model.safetensors\) do not have"),
+    ("lost-tensor", lambda family: _weights(_drop_last_layer_norm), r"config.json' does not match the weights: the config builds `[\w.]*layers\.1\.post_attention_layernorm\.weight` \(1 tensors in all\) that the weights \(model.safetensors\) do not have"),
+    ("planted-tensor", lambda family: _weights(_add_tensor), r"config.json' does not match the weights: they hold `model.planted.weight` in model.safetensors \(1 tensors in all\)"),
+    ("grid-past-positions", lambda family: _grid(family, 4, 1024), r"(generation_)?config.json': `(image_grid|vision_config.num_image_tokens)` asks for a 4x1024 grid, which takes 4\d{3} positions, but '.*config.json': `max_position_embeddings` is 4096"),
+]
+
+
+@pytest.mark.parametrize("family", list(TRANSFORMERS_PIPELINES))
+@pytest.mark.parametrize("make_edit,names", [c[1:] for c in TRANSFORMERS_CASES], ids=[c[0] for c in TRANSFORMERS_CASES])
+def test_bad_transformers_folders(saved_transformers, tmp_path, family, make_edit, names, monkeypatch):
+    from transformers import PreTrainedModel
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(saved_transformers / family, folder)
+    make_edit(family)(folder / "transformer")
+    before = snapshot(folder)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("weights were read before the check")))
+    with pytest.raises(ValueError, match="transformer/" + names):
+        TRANSFORMERS_PIPELINES[family].from_pretrained(folder)
+    assert snapshot(folder) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+@pytest.mark.parametrize("family", ["janus", "emu3"])
+@pytest.mark.parametrize("make_edit,names", [c[1:] for c in TRANSFORMERS_CASES], ids=[c[0] for c in TRANSFORMERS_CASES])
+def test_bad_original_checkpoints(saved_transformers, tmp_path, family, make_edit, names, monkeypatch):
+    from transformers import PreTrainedModel
+
+    folder = tmp_path / "original"
+    shutil.copytree(saved_transformers / f"{family}-original", folder)
+    make_edit(family)(folder)
+    before = snapshot(folder)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("weights were read before the check")))
+    with pytest.raises(ValueError, match="original/" + names):
+        TRANSFORMERS_PIPELINES[family].from_backbone(folder)
+    assert snapshot(folder) == before
+
+
+def test_original_checkpoints_that_match_load_and_a_grid_argument_past_the_positions_is_refused(saved_transformers, monkeypatch):
+    from transformers import PreTrainedModel
+
+    for family in ("janus", "emu3"):
+        pipe = TRANSFORMERS_PIPELINES[family].from_backbone(saved_transformers / f"{family}-original")
+        assert pipe.backbone.layout.sequence_length < pipe.backbone.max_sequence_length
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("weights were read before the check")))
+    with pytest.raises(ValueError, match=r"`image_grid` asks for a 64x64 grid, which takes 4160 positions, but .*`max_position_embeddings` is 4096"):
+        Emu3Pipeline.from_backbone(saved_transformers / "emu3-original", image_grid=(64, 64))
+
+
+@pytest.mark.parametrize("family", ["janus", "emu3", "anole", "lumina_mgpt"])
+def test_a_grid_edited_past_the_positions_is_refused_at_call_time(family, monkeypatch):
+    pipe = dummy_pipeline(family)
+    if family == "janus":
+        pipe.transformer.config.vision_config.num_image_tokens = 4 * 1024
+    else:
+        pipe.transformer.generation_config.image_grid = [4, 1024]
+    monkeypatch.setattr(type(pipe.backbone), "encode_prompt", lambda *a, **k: pytest.fail("work began before the check"))
+    key = "vision_config.num_image_tokens` in the transformer's config" if family == "janus" else "image_grid` in the transformer's generation config"
+    with pytest.raises(ValueError, match=f"`{key} asks for a 4x1024 grid, which takes 4\\d{{3}} positions, but its config's `max_position_embeddings` is 4096"):
+        pipe("a fox", output_type="latent")
+
+
+# the embedded model: its weights record the grid and prefix it was trained for, as every saved folder's do
+def test_the_embedded_model_records_its_trained_grid(tmp_path, monkeypatch):
+    from spatial_pipelines.embedded import default_model_path
+    from spatial_pipelines.utils import SAVED_FACTS_KEY, safetensors_header
+
+    source = Path(default_model_path())
+    header = safetensors_header(str(source / "transformer" / "diffusion_pytorch_model.safetensors"))
+    config = json.loads((source / "transformer" / "config.json").read_text())
+    facts = json.loads(header["__metadata__"][SAVED_FACTS_KEY])
+    assert facts == {k: config[k] for k in ("grid_height", "grid_width", "num_condition_tokens")} == {
+        "grid_height": 24, "grid_width": 24, "num_condition_tokens": 24}
+    folder = tmp_path / "pipe"
+    shutil.copytree(source, folder)
+    _edit_json("transformer/config.json", grid_height=32)(folder)
+    before = snapshot(folder)
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", lambda *a, **k: pytest.fail("weights were used before the check"))
+    with pytest.raises(ValueError, match=r"transformer/config.json': `grid_height` is 32, but the weights were trained with grid_height=24"):
+        LlamaGenPipeline.from_pretrained(folder)
+    assert snapshot(folder) == before
+
+
 # -- 2. heads that do not belong: checked at attach and at call time -------------------------------------------------
 def _heads(pipe, **changes):
     facts = {**pipe.backbone.facts(), **changes}
@@ -190,13 +337,87 @@ def test_heads_that_do_not_belong_are_refused_at_attach(changes, names, tmp_path
         assert pipe.draft_heads is attached
 
 
-def test_heads_made_for_the_same_base_model_are_accepted():
+def test_heads_made_for_the_same_base_model_are_accepted(monkeypatch):
+    from spatial_pipelines.heads import heads_utils
+
+    monkeypatch.setattr(heads_utils, "_UNTOLD", set())
     pipe = dummy_pipeline("llamagen", MedusaDecoder(num_heads=2, top_k=2))
     pipe.register_to_config(_name_or_path="org/tiny")
-    pipe.draft_heads = _heads(pipe, base_model_name_or_path="org/tiny")
-    pipe.draft_heads = _heads(pipe, base_model_name_or_path="/a/folder/of/another/machine")  # cannot be told: accepted
+    _, messages = _warnings(lambda: setattr(pipe, "draft_heads", _heads(pipe, base_model_name_or_path="org/tiny")))
+    assert not messages
+    # a folder of another machine cannot be compared: accepted, with a warning that says so
+    _, messages = _warnings(lambda: setattr(pipe, "draft_heads", _heads(pipe, base_model_name_or_path="/a/folder/of/another/machine")))
+    assert [m for m in messages if "Cannot tell whether these draft heads were made for this backbone" in m
+            and "'/a/folder/of/another/machine' (not a folder on this machine)" in m and "'org/tiny'" in m]
     pipe.register_to_config(_name_or_path=None)
-    pipe.draft_heads = _heads(pipe, base_model_name_or_path="org/another-model")  # a pipeline built in memory
+    _, messages = _warnings(lambda: setattr(pipe, "draft_heads", _heads(pipe, base_model_name_or_path="org/another-model")))
+    assert not messages  # a pipeline built in memory: nothing to compare
+
+
+BASE_MODEL_CASES = [  # (id, the heads' base model given the folder and tmp_path, refused message / warned / accepted)
+    ("same-folder", lambda folder, tmp: str(folder), None),
+    ("relative-spelling", lambda folder, tmp: "pipe", None),
+    ("symlink", lambda folder, tmp: str(tmp / "link"), None),
+    ("hub-model-it-was-saved-from", lambda folder, tmp: "org/tiny", None),
+    ("another-hub-model", lambda folder, tmp: "org/another-model",
+     r"base_model_name_or_path: heads 'org/another-model' != backbone '.*/pipe' \(saved from 'org/tiny'\)"),
+    ("moved-folder", lambda folder, tmp: "/a/moved/pipe", "warn"),
+    ("another-folder", lambda folder, tmp: str(tmp / "other"), "warn"),
+]
+
+
+@pytest.mark.parametrize("base,expected", [c[1:] for c in BASE_MODEL_CASES], ids=[c[0] for c in BASE_MODEL_CASES])
+def test_heads_against_a_backbone_loaded_from_a_local_folder(saved, tmp_path, base, expected, monkeypatch):
+    """A local folder is compared by its resolved path and by the Hub model its model_index.json says it was saved
+    from (when this machine's Hub cache knows it); what cannot be told is warned about, never refused."""
+    from huggingface_hub import constants
+
+    from spatial_pipelines.heads import heads_utils
+
+    monkeypatch.setattr(heads_utils, "_UNTOLD", set())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "hub" / "models--org--tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "pipe"
+    shutil.copytree(saved / "pipe", folder)
+    _edit_json("model_index.json", _name_or_path="org/tiny")(folder)  # a pipeline saved from the Hub model org/tiny
+    shutil.copytree(saved / "pipe", tmp_path / "other")
+    (tmp_path / "link").symlink_to(folder)
+    pipe = LlamaGenPipeline.from_pretrained(folder)
+    attached = pipe.draft_heads
+    heads = _heads(pipe, base_model_name_or_path=base(folder, tmp_path))
+    heads_folder = tmp_path / "heads"
+    heads.save_pretrained(heads_folder)
+    for attach in (lambda: setattr(pipe, "draft_heads", heads), lambda: pipe.load_draft_heads(heads_folder)):
+        if expected not in (None, "warn"):
+            with pytest.raises(ValueError, match=expected):
+                attach()
+            assert pipe.draft_heads is attached
+            continue
+        monkeypatch.setattr(heads_utils, "_UNTOLD", set())
+        _, messages = _warnings(attach)
+        untold = [m for m in messages if "Cannot tell whether these draft heads were made for this backbone" in m]
+        assert len(untold) == (1 if expected == "warn" else 0), messages
+        assert pipe.draft_heads is not attached
+        pipe.draft_heads = attached
+
+
+def test_a_saved_from_name_the_hub_cache_does_not_know_is_not_a_refusal(saved, tmp_path, monkeypatch):
+    """``runs/pipe`` reads like a Hub id; unless this machine's Hub cache holds it, it may be a relative folder: the
+    heads are warned about, not refused."""
+    from huggingface_hub import constants
+
+    from spatial_pipelines.heads import heads_utils
+
+    monkeypatch.setattr(heads_utils, "_UNTOLD", set())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    folder = tmp_path / "pipe"
+    shutil.copytree(saved / "pipe", folder)
+    _edit_json("model_index.json", _name_or_path="runs/pipe")(folder)
+    pipe = LlamaGenPipeline.from_pretrained(folder)
+    _, messages = _warnings(lambda: setattr(pipe, "draft_heads", _heads(pipe, base_model_name_or_path="org/another-model")))
+    assert [m for m in messages if "Cannot tell" in m and "(saved from 'runs/pipe')" in m]
+    assert pipe.draft_heads.config.base_model_name_or_path == "org/another-model"
 
 
 def _other_transformer(**changes):
@@ -277,6 +498,66 @@ def test_a_llamagen_caption_is_truncated_unread_past_its_budget():
     assert out.tokens.shape == (1, 4, 4)
     assert max(seen) <= 32 * 9  # PROMPT_CHARACTERS_PER_TOKEN x (caption tokens + 1)
     assert any("truncated" in m and "tokens cut" in m and "more characters not read" in m for m in messages)
+
+
+def test_a_10000_word_prompt_on_the_embedded_model_is_cut_with_a_warning_and_costs_a_caption(monkeypatch):
+    """MiniLM reads 512 tokens and the embedded model's captions are 24: a 10,000-word prompt is cut to a caption (the
+    rest unread) with the warning, and the call's prompt work costs what a caption's does; transformers' warning about
+    sequences longer than the encoder reads is not given (the encoder never sees one)."""
+    from spatial_pipelines.embedded import load_default_pipeline
+
+    pipe = load_default_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    encoder_forward = type(pipe.text_encoder).forward
+
+    def spy(self, input_ids=None, **kwargs):
+        seen.append(tuple(input_ids.shape))
+        return encoder_forward(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(type(pipe.text_encoder), "forward", spy)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+
+    def stop(p, i, t, kwargs):
+        p._interrupt = True  # one round is enough: the prompt's work is done before it
+        return kwargs
+
+    try:
+        start = time.perf_counter()
+        out, messages = _warnings(lambda: pipe(" ".join(["a,"] * 10_000), output_type="latent", callback_on_step_end=stop,
+                                               generator=torch.Generator().manual_seed(0)))
+        elapsed = time.perf_counter() - start
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert elapsed < 20 and out.tokens.shape == (1, 24, 24)
+    assert seen and all(shape[1] == 24 for shape in seen)  # the encoder read a caption, never the prompt
+    assert any("reads captions of up to 24 tokens" in m and "more characters not read" in m for m in messages)
+    assert not [r for r in records if "Token indices sequence length" in r.getMessage()]
+
+
+def test_a_caption_longer_than_the_text_encoder_reads_is_refused_before_any_work(monkeypatch):
+    """A transformer reading 8-token captions with a text encoder whose position table holds 6 (BERT): no caption can
+    be encoded, refused before the prompt is tokenized."""
+    from transformers import BertConfig, BertModel
+
+    pipe = dummy_pipeline("llamagen")
+
+    def bert(positions):
+        return BertModel(BertConfig(vocab_size=len(pipe.tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=32, max_position_embeddings=positions)).eval()
+
+    pipe.text_encoder = encoder = bert(6)
+    monkeypatch.setattr(type(pipe.backbone), "encode_prompt", lambda *a, **k: pytest.fail("the prompt was tokenized"))
+    with pytest.raises(ValueError, match=r"`num_condition_tokens`: this LlamaGenTransformer reads captions of 8 tokens, "
+                                         r"but the text encoder \(BertModel\) reads at most 6"):
+        pipe("a fox", output_type="latent")
+    assert pipe.text_encoder is encoder
+    monkeypatch.undo()
+    pipe.text_encoder = bert(8)  # an encoder with room for a caption: nothing refused
+    assert pipe("a fox", output_type="latent", generator=torch.Generator().manual_seed(0)).tokens.shape == (1, 4, 4)
 
 
 # -- 4. saving onto a file: a ValueError naming the path, nothing written ---------------------------------------------

@@ -9,6 +9,7 @@ import os
 from typing import Any, Dict, Optional
 
 from diffusers import ConfigMixin, ModelMixin
+from diffusers.utils import logging
 from diffusers.utils import _add_variant  # diffusers' variant file names
 from huggingface_hub import ModelCard
 from torch import nn
@@ -17,6 +18,8 @@ from ..core.contracts import HEADS_KINDS, HeadsProvide, as_offsets
 from ..hub import heads_card, push_with_card, save_with_card
 from ..utils import (PICKLE_SUFFIXES, check_path_or_repo_id, check_safe_serialization, check_safetensors_file,
                      find_subclass, read_json_file, subclasses)
+
+logger = logging.get_logger(__name__)
 
 #: The weights file of a heads folder (diffusers' name; safetensors only).
 SAFETENSORS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -31,8 +34,10 @@ RECORDED_FACTS = ("family",)
 def check_backbone_facts(heads_config: Dict[str, Any], backbone_facts: Dict[str, Any], what: str = "draft heads",
                          base_model: Optional[str] = None) -> None:
     """Raise `ValueError` naming every fact where ``heads_config`` and ``backbone_facts`` disagree: the family (when
-    the heads record one), hidden size, code count and grid; and, when both are known and comparable, the base model
-    (the heads' ``base_model_name_or_path`` against ``base_model``, the folder or repo the backbone came from)."""
+    the heads record one), hidden size, code count and grid; and the base model, the heads'
+    ``base_model_name_or_path`` against ``base_model`` (the folder or repo the backbone came from), when
+    `compare_base_models` tells they differ. When it cannot tell (a local folder moved or not on this machine), a
+    warning says so, once per pair of names."""
     wrong = [
         f"{k}: heads {heads_config.get(k)!r} != backbone {backbone_facts[k]!r}"
         for k in BACKBONE_FACTS
@@ -44,15 +49,94 @@ def check_backbone_facts(heads_config: Dict[str, Any], backbone_facts: Dict[str,
         if heads_config.get(k) is not None and backbone_facts.get(k) is not None and heads_config[k] != backbone_facts[k]
     ] + wrong
     base = heads_config.get("base_model_name_or_path")
-    ours, theirs = model_identity(base), model_identity(base_model)
-    if ours is not None and theirs is not None and ours != theirs:
-        wrong.insert(0, f"base_model_name_or_path: heads {str(base)!r} != backbone {str(base_model)!r}")
+    same, heads_side, backbone_side = compare_base_models(base, base_model)
+    if same is False:
+        wrong.insert(0, f"base_model_name_or_path: heads {heads_side} != backbone {backbone_side}")
     if wrong:
         raise ValueError(
             f"`draft_heads`: these {what} were made for another backbone ({base!r}); mismatched facts: "
             + "; ".join(wrong)
             + ". Load heads trained for this backbone, or train new ones."
         )
+    if same is None and (str(base), str(base_model)) not in _UNTOLD:
+        _UNTOLD.add((str(base), str(base_model)))
+        logger.warning(
+            f"Cannot tell whether these {what} were made for this backbone: they record the base model {heads_side}, "
+            f"and the pipeline was loaded from {backbone_side}. A local folder is compared by its resolved path and by "
+            "the Hub or embedded model its model_index.json says it was saved from, and neither settles it here. Their "
+            "other facts match; heads made for another model draft poorly, and decoding gains little from them.")
+
+
+#: (heads base, backbone source) pairs already warned about as impossible to compare (`check_backbone_facts`).
+_UNTOLD = set()
+
+
+def _local_folder(name_or_path) -> Optional[str]:
+    """The resolved path of ``name_or_path`` when it names a folder on this machine, else ``None``."""
+    if not name_or_path:
+        return None
+    path = os.fspath(name_or_path)
+    return os.path.realpath(path) if os.path.isdir(path) else None
+
+
+def saved_from(folder: Optional[str]) -> Optional[str]:
+    """The name a pipeline folder records as the one it was saved from: its ``model_index.json``'s ``_name_or_path``
+    (``None`` when it records none)."""
+    if folder is None:
+        return None
+    path = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        index = read_json_file(path, "model_index.json")
+    except (OSError, ValueError):
+        return None
+    name = index.get("_name_or_path") if isinstance(index, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def _known_identity(name: Optional[str]) -> Optional[str]:
+    """`model_identity` of a name a folder records, when it surely names that model: an embedded model, or a Hub id
+    this machine's Hub cache holds (a relative path ``dir/name`` reads like a Hub id, so an id alone is not enough)."""
+    identity = model_identity(name)
+    if identity is None or identity.startswith("embedded:"):
+        return identity
+    from huggingface_hub import constants
+
+    owner, repo = identity.split("/")
+    return identity if os.path.isdir(os.path.join(constants.HF_HUB_CACHE, f"models--{owner}--{repo}")) else None
+
+
+def compare_base_models(heads_base, backbone_source):
+    """Whether heads recording ``heads_base`` (their ``base_model_name_or_path``) were made for a backbone loaded from
+    ``backbone_source``: ``(same, heads side, backbone side)``, the sides described for messages.
+
+    ``same`` is ``True`` when both name the same folder on this machine (resolved paths: a relative and an absolute
+    spelling, a symlink) or the same Hub or embedded model (`model_identity`; for a pipeline folder also the model its
+    ``model_index.json`` says it was saved from, `saved_from`, when that surely is a Hub or embedded model: a pipeline
+    loaded from ``org/name`` and saved keeps serving heads made for ``org/name``); ``False`` when both name Hub or
+    embedded models and they differ; ``None`` when it cannot be told (a local folder not on this machine, moved, or
+    saved from no model known here); ``True`` when either is unset (a pipeline built in memory, heads that record no
+    base model)."""
+    if not heads_base or not backbone_source:
+        return True, repr(heads_base), repr(backbone_source)
+    sides = []
+    for name in (heads_base, backbone_source):
+        folder = _local_folder(name)
+        direct, recorded = model_identity(name), saved_from(folder)
+        origin = _known_identity(recorded)
+        text = repr(str(name))
+        if recorded is not None and recorded != str(name):
+            text += f" (saved from {recorded!r})"
+        elif folder is None and direct is None:
+            text += " (not a folder on this machine)"
+        sides.append((folder, {i for i in (direct, origin) if i is not None}, text))
+    (heads_folder, heads_ids, heads_text), (folder, ids, text) = sides
+    if heads_folder is not None and heads_folder == folder:
+        return True, heads_text, text
+    if heads_ids and ids:
+        return bool(heads_ids & ids), heads_text, text
+    return None, heads_text, text
 
 
 def model_identity(name_or_path) -> Optional[str]:

@@ -122,7 +122,8 @@ class SpatialBackbone(abc.ABC):
     @property
     def name_or_path(self) -> Optional[str]:
         """The folder or Hub repo the pipeline was loaded from (``None`` for one built in memory): heads whose
-        ``base_model_name_or_path`` names another model are refused."""
+        ``base_model_name_or_path`` surely names another model are refused, and a warning says when it cannot be told
+        (`spatial_pipelines.heads.heads_utils.compare_base_models`)."""
         name = dict(getattr(self.pipe, "config", None) or {}).get("_name_or_path")
         return str(name) if name else None
 

@@ -10,19 +10,27 @@ is downloaded). Every finding is a `ValueError` naming the file and the key:
 - ``decoder/decoder_config.json`` and ``draft_heads/config.json`` name classes that exist; where one disagrees with
   ``model_index.json`` the component's own config wins, with a warning naming both;
 - a component's config has the types and ranges its class takes, and its weights are whole safetensors files (a
-  pickle is never loaded) whose tensor names and shapes are those the config builds (the model is built on the
-  ``meta`` device to know them: nothing is allocated);
+  pickle is never loaded) holding exactly the tensors, of the shapes, that the config builds (the model is built on
+  the ``meta`` device to know them: nothing is allocated; a transformers model's checkpoint names go through the
+  renaming transformers applies when it loads them, and a tied weight may be saved once);
 - a transformer that records what it was trained for (``SAVED_FACTS_KEY`` in its safetensors metadata: grid and
-  prefix positions) is loaded with that config, not a larger grid.
+  prefix positions; the embedded model's weights record it too) is loaded with that config, not a larger grid;
+- a transformers family's grid (``image_grid`` in its generation config; Janus: ``vision_config.num_image_tokens``)
+  leaves room for a prompt in the positions its config says the model was trained for (``max_position_embeddings``).
+
+`check_backbone_checkpoint` gives ``from_backbone`` the same weights and grid checks on a local original transformers
+checkpoint.
 """
 
 import collections.abc
+import copy
 import importlib
 import inspect
 import json
 import math
 import numbers
 import os
+import re
 import typing
 from typing import Any, Dict, Optional
 
@@ -139,6 +147,14 @@ def check_model_index(pipeline_cls, folder: str, index: Any) -> Dict[str, type]:
     return classes
 
 
+def _index_pipeline_class(pipeline_cls, index: Dict[str, Any]):
+    """The pipeline class a checked ``model_index.json`` loads: ``pipeline_cls`` or the subclass the index names."""
+    from .pipeline_utils import SpatialARPipeline
+
+    target = find_subclass(SpatialARPipeline, index.get("_class_name"))
+    return pipeline_cls if target is None or issubclass(pipeline_cls, target) else target
+
+
 def _pipeline_classes():
     from ..utils import subclasses
     from .pipeline_utils import SpatialARPipeline
@@ -236,14 +252,15 @@ def check_weights(folder: str, key: str, component_dir: str, variant: Optional[s
     return {p: safetensors_header(p, f"`{key}` weights") for p in safe}
 
 
-def _meta_model(model_cls, config: Dict[str, Any], path: str):
-    """``model_cls`` built from ``config`` on the meta device (no memory); its constructor's own checks name the file."""
+def _meta_model(model_cls, config, path: str):
+    """``model_cls`` built from ``config`` (a dict, or a transformers config object) on the meta device (no memory);
+    its constructor's own checks name the file."""
     try:
         with torch.device("meta"):
             if issubclass(model_cls, ModelMixin):
                 init, _, _ = model_cls.extract_init_dict(config)
                 return model_cls(**init)
-            config_obj = model_cls.config_class.from_dict(config)
+            config_obj = copy.deepcopy(config) if not isinstance(config, dict) else model_cls.config_class.from_dict(config)
             return model_cls._from_config(config_obj)
     except ValueError as err:
         raise ValueError(f"{path!r}: {err}") from None
@@ -251,33 +268,90 @@ def _meta_model(model_cls, config: Dict[str, Any], path: str):
         raise ValueError(f"{path!r} does not build a {model_cls.__name__}: {type(err).__name__}: {err}") from None
 
 
-def check_shapes(model, headers: Dict[str, dict], component_dir: str, strict: bool) -> None:
+def _transformers_renamer(model):
+    """``rename(name) -> (model name, converted)``: the name transformers gives the checkpoint tensor ``name`` when it
+    loads ``model`` (its conversion mapping: an original checkpoint's names, e.g. Emu3's ``text_model.model.*``, become
+    the model's), and whether a converter (not a plain renaming) produced it, so its shape may differ. Names go
+    through unchanged where this transformers has no such mapping."""
+    expected = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        mapping = get_model_conversion_mapping(model)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    except Exception:  # a transformers without conversion mappings: names as they are, the base-model prefix aside
+        def rename(name):
+            stripped = name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else name
+            for candidate in (name, f"{prefix}.{name}" if prefix else name, stripped):
+                if candidate in expected:
+                    return candidate, False
+            return name, False
+        return rename
+
+    def rename(name):
+        target, pattern = rename_source_key(name, renamings, converters, prefix, expected)
+        if target not in expected and name in expected:  # as transformers: a name the model has is not renamed
+            target, pattern = rename_source_key(name, [], [], prefix, expected)
+        return target, pattern is not None
+    return rename
+
+
+def _ignored(patterns, name: str) -> bool:
+    return any(re.search(p, name) for p in patterns or ())
+
+
+def check_shapes(model, headers: Dict[str, dict], component_dir: str, strict: bool = True) -> None:
     """The weights' tensor names and shapes against those ``model`` (built from the config) has: a `ValueError` naming
-    the first mismatch. ``strict``: every tensor must be there and nothing else (our own models); otherwise only the
-    tensors both have are compared (transformers models rename keys when loading)."""
+    the config, the weights file and the first mismatch, missing or extra tensor. Every tensor the config builds must
+    be there, and nothing else. A transformers model (``strict=False``) is compared as transformers loads it: the
+    checkpoint's names through its conversion mapping, a tied weight saved once (``lm_head`` tied to the embeddings),
+    and the names its class says to ignore on loading or saving (old ``rotary_emb.inv_freq`` buffers ...)."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    found = {}
+    rename = (lambda name: (name, False)) if strict else _transformers_renamer(model)
+    config = os.path.join(component_dir, "config.json")
+    matched, unexpected = {}, []
     for path, header in headers.items():
         for name, info in header.items():
-            if name != "__metadata__":
-                found[name] = (tuple(info["shape"]), path)
-    config = os.path.join(component_dir, "config.json")
-    for name, shape in expected.items():
-        if name in found and found[name][0] != shape:
-            raise ValueError(f"{config!r} does not match the weights: `{name}` is {list(found[name][0])} in "
-                             f"{os.path.basename(found[name][1])} but the config builds {list(shape)}.")
+            if name == "__metadata__":
+                continue
+            target, converted = rename(name)
+            if target not in expected:
+                unexpected.append((name, path))
+                continue
+            matched[target] = path
+            if not converted and tuple(info["shape"]) != expected[target]:
+                shown = f"`{name}`" if name == target else f"`{name}` (the model's `{target}`)"
+                raise ValueError(f"{config!r} does not match the weights: {shown} is {list(info['shape'])} in "
+                                 f"{os.path.basename(path)} but the config builds {list(expected[target])}.")
+    ignore_missing, ignore_unexpected = (), ()
     if not strict:
-        return
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
+        for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+            if target in matched or source in matched:  # a tied pair is saved once, under either name
+                matched.setdefault(target, None)
+                matched.setdefault(source, None)
+        ignore_missing = [*(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
+                          *(f"^{re.escape(k)}$" for k in getattr(model, "_keys_to_ignore_on_save", None) or ())]
+        ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+        buffers = [name for name, _ in model.named_buffers()]
+        if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
+            ignore_unexpected.append(r"rotary_emb\.inv_freq")
+        if any(b.endswith("position_ids") for b in buffers):
+            ignore_unexpected.append(r"(^|\.)position_ids$")
+    missing = [k for k in expected if k not in matched and not _ignored(ignore_missing, k)]
+    unexpected = [(n, p) for n, p in unexpected if not _ignored(ignore_unexpected, n)]
+    files = ", ".join(sorted({os.path.basename(p) for p in headers}))
     if missing:
         raise ValueError(f"{config!r} does not match the weights: the config builds `{missing[0]}` ({len(missing)} "
-                         "tensors in all) that the weights do not have (a config with more layers or modules than "
-                         "were trained?).")
+                         f"tensors in all) that the weights ({files}) do not have (a config with more layers or modules "
+                         "than were trained, or a weights file that lost some?).")
     if unexpected:
-        raise ValueError(f"{config!r} does not match the weights: they hold `{unexpected[0]}` ({len(unexpected)} "
-                         "tensors in all) that the config does not build (a config with fewer layers or modules than "
-                         "were trained?).")
+        raise ValueError(f"{config!r} does not match the weights: they hold `{unexpected[0][0]}` in "
+                         f"{os.path.basename(unexpected[0][1])} ({len(unexpected)} tensors in all) that the config does "
+                         "not build (a config with fewer layers or modules than were trained, or a weights file of "
+                         "another model?).")
 
 
 def check_trained_facts(headers: Dict[str, dict], config: Dict[str, Any], component_dir: str) -> None:
@@ -297,9 +371,43 @@ def check_trained_facts(headers: Dict[str, dict], config: Dict[str, Any], compon
                                  "what the model was trained for give no image. Restore the config.")
 
 
-def check_model_folder(model_cls, key: str, folder: str, component_dir: str, variant: Optional[str] = None) -> None:
+def check_trained_positions(backbone_class, config, generation_config: Dict[str, Any], grid_where: str,
+                            limit_where: str, grid_file: Optional[str] = None) -> None:
+    """A transformers family's grid (`TransformersBackbone.grid_from_configs`, from the transformers ``config`` and
+    the generation config) against the positions its model was trained for (the text config's
+    ``max_position_embeddings``): a grid whose image leaves no position for a prompt is a `ValueError` naming
+    ``grid_where`` (the file and key, or the argument, that set it); a grid that is not one names ``grid_file``."""
+    from .transformers_utils import check_image_fits_context
+
+    if backbone_class is None or not hasattr(backbone_class, "grid_from_configs"):
+        return
+    if backbone_class.grid_file == "generation_config.json" and "image_grid" not in generation_config:
+        return  # the family's default grid: checked at every call (`TransformersBackbone.check_image_positions`)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text_config, "max_position_embeddings", None)
+    try:
+        grid = backbone_class.grid_from_configs(config, generation_config)
+    except (ValueError, AttributeError, TypeError) as err:
+        raise ValueError(f"{grid_file!r}: {err}" if grid_file else str(err)) from None
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        check_image_fits_context(grid, backbone_class.image_positions(grid), limit, grid_where, limit_where)
+
+
+def _generation_config(component_dir: str) -> Dict[str, Any]:
+    path = os.path.join(component_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    generation = read_json_file(path, "generation config")
+    if not isinstance(generation, dict):
+        raise ValueError(f"{path!r} must hold a JSON object, got {type(generation).__name__}.")
+    return generation
+
+
+def check_model_folder(model_cls, key: str, folder: str, component_dir: str, variant: Optional[str] = None,
+                       backbone_class=None) -> None:
     """One model component: config types and ranges, whole safetensors weights, their names and shapes, its trained
-    facts."""
+    facts: the grid and prefix its weights' metadata records (our models), the positions its config was trained for
+    (a transformers family's ``transformer``, with the pipeline's ``backbone_class``)."""
     config_path = os.path.join(component_dir, "config.json")
     own = issubclass(model_cls, ModelMixin) and model_cls.__module__.startswith("spatial_pipelines.")
     is_transformers = not own and hasattr(model_cls, "config_class") and hasattr(model_cls, "_from_config")
@@ -311,10 +419,51 @@ def check_model_folder(model_cls, key: str, folder: str, component_dir: str, var
     elif not isinstance(config, dict):
         raise ValueError(f"{config_path!r} must hold a JSON object, got {type(config).__name__}.")
     headers = check_weights(folder, key, component_dir, variant)
-    if not headers:
+    model = None
+    if headers:
+        check_trained_facts(headers, config, component_dir)
+        model = _meta_model(model_cls, config, config_path)
+        check_shapes(model, headers, component_dir, strict=own)
+    if is_transformers and backbone_class is not None and key == "transformer":
+        model = model if model is not None else _meta_model(model_cls, config, config_path)
+        grid_file = os.path.join(component_dir, getattr(backbone_class, "grid_file", "config.json"))
+        check_trained_positions(backbone_class, model.config, _generation_config(component_dir),
+                                f"{grid_file!r}: `{getattr(backbone_class, 'grid_key', 'image_grid')}`",
+                                f"{config_path!r}: `max_position_embeddings`", grid_file)
+
+
+def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=None, image_grid=None,
+                              subfolder: Optional[str] = None) -> None:
+    """What a family's ``from_backbone`` reads, checked before transformers reads a weight. ``image_grid`` (the
+    argument) against the positions the model was trained for (``config``: its transformers config, read first and
+    completed as the family completes it; the model is built from it on the meta device); and a
+    local checkpoint folder (``config.json`` + safetensors, the original transformers layout) as a pipeline folder's
+    ``transformer`` is: every tensor its config builds is in its safetensors files, of that shape, and nothing else
+    (`check_shapes`), and the grid its generation config asks for fits those positions. A Hub id is downloaded and
+    loaded by transformers in one step; its grid is checked again at every call. A folder without safetensors files
+    (pickled weights) is left to transformers. ``subfolder``: where in ``repo_or_path`` the checkpoint is."""
+    folder = os.path.join(os.fspath(repo_or_path), subfolder or "")
+    local = os.path.isdir(folder)
+    config_path = os.path.join(folder, "config.json")
+    if local and os.path.isfile(config_path):
+        raw = read_json_file(config_path, "model config")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_path!r} must hold a JSON object, got {type(raw).__name__}.")
+        safe, _ = _weights_files(folder)
+        if safe:
+            headers = {p: safetensors_header(p, "checkpoint weights") for p in safe}
+            model = _meta_model(model_cls, config if config is not None else raw, config_path)
+            check_shapes(model, headers, folder, strict=False)
+    if config is None:
         return
-    check_trained_facts(headers, config, component_dir)
-    check_shapes(_meta_model(model_cls, config, config_path), headers, component_dir, strict=own)
+    generation = _generation_config(folder) if local else {}
+    grid_file = os.path.join(folder, backbone_class.grid_file) if local else None
+    grid_where = f"{grid_file!r}: `{backbone_class.grid_key}`" if local else f"the checkpoint's `{backbone_class.grid_key}`"
+    if image_grid is not None:
+        generation = {**generation, "image_grid": list(image_grid) if isinstance(image_grid, (list, tuple)) else image_grid}
+        grid_where, grid_file = "`image_grid`", None
+    limit_where = f"{config_path!r}: `max_position_embeddings`" if local else "the config's `max_position_embeddings`"
+    check_trained_positions(backbone_class, config, generation, grid_where, limit_where, grid_file)
 
 
 def check_pipeline_folder(pipeline_cls, folder: str, variant: Optional[str] = None, passed=()) -> Dict[str, Any]:
@@ -340,10 +489,11 @@ def check_pipeline_folder(pipeline_cls, folder: str, variant: Optional[str] = No
         if own is not None:
             classes["draft_heads"] = own
             loaded["draft_heads"] = None  # loaded after the checks below, by the class its config names
+    pipeline = _index_pipeline_class(pipeline_cls, read_json_file(index_path, "model_index.json"))
     for key, cls in classes.items():
         component_dir = os.path.join(folder, key)
         if os.path.isdir(component_dir):
-            check_model_folder(cls, key, folder, component_dir, variant)
+            check_model_folder(cls, key, folder, component_dir, variant, getattr(pipeline, "backbone_class", None))
     if "draft_heads" in loaded:
         loaded["draft_heads"] = DraftHeadsMixin.from_pretrained(folder, subfolder="draft_heads")
     return loaded

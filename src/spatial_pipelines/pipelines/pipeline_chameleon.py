@@ -33,6 +33,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
 from .backbone import PromptEmbeddings
+from .folder_checks import check_backbone_checkpoint
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import (
     GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, configure_generation,
@@ -315,6 +316,8 @@ class ChameleonARPipeline(SpatialARPipeline):
                 processor = AutoTokenizer.from_pretrained(repo_or_path, **hub_kwargs)
         if not config.vocabulary_map:  # the image-token names are the tokenizer's
             config.vocabulary_map = dict(getattr(processor, "tokenizer", processor).get_vocab())
+        check_backbone_checkpoint(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config, image_grid,
+                                  hub_kwargs.get("subfolder"))
         model = ChameleonForConditionalGeneration.from_pretrained(
             repo_or_path, config=config, attn_implementation=attn_implementation,
             dtype=weights_dtype if weights_dtype is not None else "auto", **device_map_kwargs(device_map), **hub_kwargs,

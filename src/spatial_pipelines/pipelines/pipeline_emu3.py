@@ -23,6 +23,7 @@ from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
+from .folder_checks import check_backbone_checkpoint
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, left_padded
 from .transformers_utils import configure_generation as configure_shared
@@ -41,6 +42,9 @@ EMU3_SPECIAL_TOKENS = {"boi_token": "<|image start|>", "image_wrapper_token": "<
 #: where the image grid and the default unconditional prompt are kept: the transformer's generation config, so they
 #: travel with the component (``Emu3Pipeline(**pipe.components)``, save/load, ``from_pipe``).
 NEGATIVE_PROMPT_KEY = "default_negative_prompt"
+#: the keyword arguments of `Emu3Pipeline.load_backbone_components` that say where the checkpoint is (its config is read
+#: with them before the weights)
+HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
 
 
 class Emu3Backbone(TransformersBackbone):
@@ -50,6 +54,8 @@ class Emu3Backbone(TransformersBackbone):
 
     family_name = "Emu3"
     processor_kind = "Emu3Processor"
+    default_image_grid = EMU3_IMAGE_GRID
+    row_end_positions = 1  # the end-of-row token after every row
 
     @property
     def text_model(self) -> torch.nn.Module:
@@ -68,7 +74,7 @@ class Emu3Backbone(TransformersBackbone):
     @property
     def image_grid(self) -> Tuple[int, int]:
         grid = getattr(self.generation_config, GRID_KEY, None)
-        return tuple(int(n) for n in grid) if grid is not None else EMU3_IMAGE_GRID
+        return tuple(int(n) for n in grid) if grid is not None else tuple(self.default_image_grid)
 
     @property
     def layout(self) -> ImageTokenLayout:
@@ -243,7 +249,15 @@ class Emu3Pipeline(SpatialARPipeline):
             device_map (`str` or `dict`, *optional*): transformers' ``device_map`` for the model (not several GPUs).
             kwargs: to transformers' ``from_pretrained`` (``revision``, ``cache_dir``, ``token``, ``local_files_only``).
         """
+        from transformers import AutoConfig
+
         dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
+        hub_kwargs = {k: v for k, v in kwargs.items() if k in HUB_KWARGS}
+        config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
+        if config.model_type != "emu3":
+            raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not an Emu3 checkpoint.")
+        check_backbone_checkpoint(cls.backbone_class, Emu3ForConditionalGeneration, repo_or_path, config, image_grid,
+                                  hub_kwargs.get("subfolder"))
         transformer = Emu3ForConditionalGeneration.from_pretrained(
             repo_or_path, dtype=dtype if dtype is not None else "auto", attn_implementation=attn_implementation,
             **device_map_kwargs(device_map), **kwargs

@@ -14,7 +14,7 @@ What image generation uses of the model (transformers 5.x, ``generate(..., gener
 """
 
 import os
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
+from .folder_checks import check_backbone_checkpoint
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, use_tree_attention
 
@@ -38,6 +39,21 @@ class JanusProBackbone(TransformersBackbone):
 
     family_name = "Janus-Pro"
     processor_kind = "the model's JanusProcessor"
+    grid_file = "config.json"
+    grid_key = "vision_config.num_image_tokens"
+
+    @classmethod
+    def grid_from_configs(cls, config, generation_config) -> Tuple[int, int]:
+        """Rows: what the VQ decoder reads (``vq_config.num_patches``, image_size // patch_size); codes: what
+        ``generate`` emits (``vision_config.num_image_tokens``)."""
+        height = config.vq_config.num_patches
+        num_tokens = config.vision_config.num_image_tokens
+        if num_tokens % height:
+            raise ValueError(
+                f"`vision_config.num_image_tokens` ({num_tokens}) is not a whole number of rows of "
+                f"`vq_config.num_patches` ({height}) codes; this Janus config has no image grid."
+            )
+        return height, num_tokens // height
 
     # -- modules ----------------------------------------------------------------------------------------
     @property
@@ -51,15 +67,7 @@ class JanusProBackbone(TransformersBackbone):
     # -- facts ------------------------------------------------------------------------------------------
     @property
     def layout(self) -> ImageTokenLayout:
-        # rows: what the VQ decoder reads (image_size // patch_size); codes: what `generate` emits
-        height = self.transformer.config.vq_config.num_patches
-        num_tokens = self.transformer.config.vision_config.num_image_tokens
-        if num_tokens % height:
-            raise ValueError(
-                f"`vision_config.num_image_tokens` ({num_tokens}) is not a whole number of rows of "
-                f"`vq_config.num_patches` ({height}) codes; this Janus config has no image grid."
-            )
-        return ImageTokenLayout(height, num_tokens // height)
+        return ImageTokenLayout(*self.grid_from_configs(self.transformer.config, {}))
 
     @property
     def num_image_codes(self) -> int:
@@ -254,6 +262,8 @@ class JanusProPipeline(SpatialARPipeline):
         config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
         if config.model_type != "janus":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a Janus checkpoint.")
+        check_backbone_checkpoint(cls.backbone_class, JanusForConditionalGeneration, repo_or_path, config,
+                                  subfolder=hub_kwargs.get("subfolder"))
         model = JanusForConditionalGeneration.from_pretrained(
             repo_or_path, attn_implementation=attn_implementation,
             **({"dtype": weights_dtype} if weights_dtype is not None else {}), **device_map_kwargs(device_map), **hub_kwargs,

@@ -98,6 +98,14 @@ class LlamaGenBackbone(SpatialBackbone):
                 raise ValueError(
                     f"`{name}` is text, but this pipeline has no `text_encoder`/`tokenizer`; pass them to the pipeline."
                 )
+            n, limit = self.transformer.config.num_condition_tokens, self.text_encoder_max_length
+            if limit is not None and n > limit:
+                raise ValueError(
+                    f"`num_condition_tokens`: this {type(self.transformer).__name__} reads captions of {n} tokens, but "
+                    f"the text encoder ({type(self.pipe.text_encoder).__name__}) reads at most {limit} (its position "
+                    "table and its tokenizer's `model_max_length`): no caption of that length can be encoded. Use the "
+                    "text encoder the transformer was trained with."
+                )
             return
         num_classes = self.transformer.config.num_classes
         for p in prompt:
@@ -108,6 +116,20 @@ class LlamaGenBackbone(SpatialBackbone):
                     f"`{name}` of a class-conditional model must be class labels in [0, {num_classes}), got {p!r}."
                 )
 
+    @property
+    def text_encoder_max_length(self) -> Optional[int]:
+        """The most tokens the text encoder reads: where it has a table of learned positions (its config's
+        ``max_position_embeddings``: BERT, MiniLM, CLIP), that many or its tokenizer's ``model_max_length`` if
+        smaller (RoBERTa's table holds two more); ``None`` for relative positions (T5), which set no limit."""
+        encoder, tokenizer = self.pipe.text_encoder, self.pipe.tokenizer
+        limit = getattr(getattr(encoder, "config", None), "max_position_embeddings", None)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+            return None
+        declared = getattr(tokenizer, "model_max_length", None)
+        if isinstance(declared, int) and 0 < declared < limit:
+            limit = declared
+        return limit
+
     def encode_text(self, prompts: List[str], device: torch.device):
         """Caption embeddings ``(B, N, C)``, left-padded as LlamaGen does (valid tokens last), padding zeroed."""
         n = self.transformer.config.num_condition_tokens
@@ -117,11 +139,15 @@ class LlamaGenBackbone(SpatialBackbone):
         budget = PROMPT_CHARACTERS_PER_TOKEN * (n + 1)
         read = [p[:budget] for p in prompts]
         enc = tokenizer(read, padding="max_length", max_length=n, truncation=True, return_tensors="pt")
-        full = tokenizer(read, truncation=False).input_ids  # as diffusers: say what truncation removed
+        # as diffusers: say what truncation removed (counting the tokens cut; not a sequence for the encoder, so
+        # transformers' warning about sequences longer than the encoder reads is not given)
+        full = tokenizer(read, truncation=False, verbose=False).input_ids
         for prompt, prompt_ids in zip(prompts, full):
             unread = len(prompt) - budget
             if len(prompt_ids) > n or unread > 0:
-                removed = tokenizer.decode(prompt_ids[n - 1 :], skip_special_tokens=True)
+                removed = tokenizer.decode(prompt_ids[n - 1 :], skip_special_tokens=True) if len(prompt_ids) > n else ""
+                if unread > 0:  # what was not read at all follows what was cut
+                    removed = f"{removed} {prompt[budget:budget + 200]}".strip()
                 shown = removed if len(removed) <= 200 else removed[:200] + " ..."
                 more = f", and {unread} more characters not read" if unread > 0 else ""
                 logger.warning(f"The following part of your input was truncated because this LlamaGen model reads "

@@ -45,6 +45,7 @@ class LuminaMGPTBackbone(ChameleonBackbone):
     family = "lumina_mgpt"
 
     default_image_grid = (LUMINA_IMAGE_SIZE // 16, LUMINA_IMAGE_SIZE // 16)
+    row_end_positions = 1  # the end-of-row token after every row
     family_guidance_scale = LUMINA_GUIDANCE_SCALE
     family_top_k = LUMINA_TOP_K
     unconditional_has_bos = False

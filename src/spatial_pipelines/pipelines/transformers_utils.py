@@ -108,6 +108,22 @@ def onload(module: Optional[torch.nn.Module], probe: torch.Tensor) -> None:
 
 logger = logging.get_logger(__name__)
 
+#: The generation-config key that holds the image grid (codes) of a transformers family.
+GRID_KEY = "image_grid"
+
+
+def check_image_fits_context(grid: Sequence[int], positions: int, limit: Optional[int], grid_where: str,
+                             limit_where: str) -> None:
+    """Raise `ValueError` naming where the grid is set (``grid_where``) when an image of ``positions`` positions
+    (``grid`` codes, end-of-row tokens included) leaves no room for a prompt in the ``limit`` positions the model was
+    trained for (``max_position_embeddings``, named by ``limit_where``): positions past them give no image."""
+    if limit is None or positions < limit:
+        return
+    raise ValueError(f"{grid_where} asks for a {grid[0]}x{grid[1]} grid, which takes {positions} positions, but "
+                     f"{limit_where} is {limit}: the model was trained for {limit} positions, prompt included, and "
+                     f"positions past them give no image. Choose a grid of fewer than {limit} positions.")
+
+
 #: Attention implementations that take the 4-D float masks tree decoding needs.
 TREE_MASK_ATTENTION = ("sdpa", "eager")
 
@@ -205,6 +221,40 @@ class TransformersBackbone(SpatialBackbone):
     family_name: str = "transformers"
     #: what the pipeline's ``processor`` component is, in the message when it is missing
     processor_kind: str = "the model's processor"
+    #: the grid (codes) when the generation config names none
+    default_image_grid: Optional[Tuple[int, int]] = None
+    #: positions a row of codes takes past its codes: 1 where an end-of-row token follows every row
+    row_end_positions: int = 0
+    #: the file of a saved transformer that sets its grid, and the key there (`grid_from_configs`)
+    grid_file: str = "generation_config.json"
+    grid_key: str = GRID_KEY
+
+    @classmethod
+    def grid_from_configs(cls, config, generation_config: Dict[str, Any]) -> Tuple[int, int]:
+        """The grid ``(rows, columns)`` of codes a transformer asks for, read from its transformers ``config`` and its
+        generation config (a dict) without building it: the generation config's `GRID_KEY`, else the family's
+        default. A `ValueError` when it is not two ints >= 1."""
+        grid = generation_config.get(GRID_KEY)
+        if grid is None:
+            grid = cls.default_image_grid
+        if (not isinstance(grid, (list, tuple)) or len(grid) != 2
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in grid)):
+            raise ValueError(f"`{GRID_KEY}` must be two ints >= 1 (rows, columns of codes), got {grid!r}.")
+        return int(grid[0]), int(grid[1])
+
+    @classmethod
+    def image_positions(cls, grid: Sequence[int]) -> int:
+        """Positions an image of ``grid`` codes takes in the sequence (end-of-row tokens included)."""
+        return grid[0] * (grid[1] + cls.row_end_positions)
+
+    def check_image_positions(self) -> None:
+        """Raise `ValueError` naming the grid's key when the image leaves no room for a prompt in the positions the
+        model was trained for (`check_image_fits_context`): a grid edited in memory, checked before a call's work."""
+        layout = self.layout
+        where = "generation config" if self.grid_file == "generation_config.json" else "config"
+        check_image_fits_context((layout.height, layout.width), layout.sequence_length, self.max_sequence_length,
+                                 f"`{self.grid_key}` in the transformer's {where}",
+                                 "its config's `max_position_embeddings`")
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -233,6 +283,7 @@ class TransformersBackbone(SpatialBackbone):
         if self.pipe.processor is None:
             raise ValueError(f"`{name}` is text, but this pipeline has no `processor` ({self.processor_kind}); pass it "
                              "to the pipeline.")
+        self.check_image_positions()
 
     def check_tree_attention(self, attention: str) -> None:
         """A `ValueError` unless the trunk's attention implementation takes the arbitrary masks of draft trees."""
@@ -288,9 +339,6 @@ class TransformersBackbone(SpatialBackbone):
         return StaticKVCache(config.num_hidden_layers, rows, config.num_key_value_heads or config.num_attention_heads,
                              head_dim, max_length, dtype=self.dtype, device=device)  # the compute dtype
 
-
-#: The generation-config key that holds the image grid (codes) of a transformers family.
-GRID_KEY = "image_grid"
 
 
 def configure_generation(
