@@ -2,7 +2,7 @@
 prompts and generators, on one pipeline (the embedded model by default). Counts only, no timing: target passes
 and codes per pass per image, and whether each keyed image equals AR's for the same generator.
 
-    python scripts/keyed_noise_cost.py --num-prompts 30 --decoders sjd medusa eagle --out benchmarks/keyed_noise
+    python scripts/keyed_noise_cost.py --num-prompts 30 --decoders sjd medusa eagle --out docs/benchmarks/v2/keyed_noise
 
 Writes ``<out>/keyed_noise.json`` (device, versions, command, per decoder and noise: passes, codes, codes per pass).
 """
@@ -32,7 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--num-images-per-prompt", type=int, default=1)
     p.add_argument("--seed", type=int, default=0, help="prompt sample; image i of prompt j uses seed 1000 * j + i")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default="benchmarks/keyed_noise")
+    p.add_argument("--out", default="docs/benchmarks/v2/keyed_noise")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.num_images_per_prompt < 1:
         p.error("--num-prompts and --num-images-per-prompt must be at least 1")

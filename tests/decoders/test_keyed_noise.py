@@ -12,16 +12,15 @@ from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, MedusaDecode
 from spatial_pipelines.core.sampling import SamplingConfig, draw_seeds, keyed_gumbel, keyed_sample
 from spatial_pipelines.testing import dummy_pipeline
 
-#: Exact decoders whose config keyed noise applies to; the others (proactive SJD) draw from the generators.
+#: Every exact decoder: keyed noise applies to all of them (`supports_keyed_noise`).
 KEYED_CASES = [c for c in EXACT_CASES if c.values[0](**c.values[1]).supports_keyed_noise]
 PROMPTS = ["a red fox", "blue sky", "x"]
 SAMPLED = dict(guidance_scale=2.0, temperature=1.0, output_type="latent")
 
 
-def test_keyed_cases_leave_out_only_proactive_candidates():
-    left_out = [c.id for c in EXACT_CASES if c not in KEYED_CASES]
-    assert left_out and all("proactive" in i for i in left_out)
-    assert len(KEYED_CASES) >= 12
+def test_keyed_noise_applies_to_every_exact_decoder_and_no_relaxed_one():
+    assert KEYED_CASES == EXACT_CASES and any("proactive" in c.id for c in KEYED_CASES)
+    assert not MedusaDecoder(acceptance="lantern").supports_keyed_noise
 
 
 def _reference_gumbel(seed: int, index: int, code: int, num_codes: int) -> float:
@@ -148,7 +147,7 @@ def test_default_noise_is_keyed_where_the_decoder_supports_it():
     keyed = _tokens(pipe, JacobiDecoder(window_size=3), PROMPTS, sampling_noise="keyed").tokens
     assert torch.equal(_tokens(pipe, JacobiDecoder(window_size=3), PROMPTS).tokens, keyed)
     lantern = MedusaDecoder(acceptance="lantern")
-    assert not lantern.supports_keyed_noise and not JacobiDecoder(proactive_width=2).supports_keyed_noise
+    assert not lantern.supports_keyed_noise and JacobiDecoder(proactive_width=2).supports_keyed_noise
     pipe = dummy_pipeline("llamagen", lantern, "random", grid=(4, 5))
     out = pipe("a fox", generator=gen(0), output_type="latent")  # None: drawn for a relaxed rule
     assert out.tokens.shape == (1, 4, 5)

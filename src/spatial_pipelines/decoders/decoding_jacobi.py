@@ -18,7 +18,7 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import LATENT, OFFSET_LOGITS, HeadsNeed
-from ..core.sampling import one_hot, target_probs
+from ..core.sampling import logits_to_probs, one_hot, target_probs
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
 from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, MAX_FED_TOKENS, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
@@ -228,12 +228,6 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         """The window in use (``window_size``, or what ``"auto"`` resolved to): drafted positions."""
         return self.tree.max_depth
 
-    @property
-    def supports_keyed_noise(self) -> bool:
-        """As every exact decoder, except with proactive candidates (``proactive_width > 1``): they are drawn without
-        replacement from the distribution of an earlier pass, which keyed noise reduces to its sample."""
-        return super().supports_keyed_noise and self.config.proactive_width == 1
-
     def heads_needed(self) -> Optional[HeadsNeed]:
         """``init="heads"``: token-logit or latent heads with the vertical offset 1 (one row down); otherwise none."""
         if self.config.init != "heads":
@@ -384,6 +378,9 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         continuation = self.config.continuation
         old = state.drafts.clone() if continuation else None
         proactive = state.alternatives is not None
+        # proactive candidates are drawn without replacement from the pass's own distribution, which keyed noise
+        # reduces to its sample: keep p itself as the proposal (verification reads only the keyed point mass)
+        real = logits_to_probs(logits, state.sampling) if proactive and state.random.keyed else probs
         out = self._verify_step(logits, hidden_states, draft, state, state.node_q if proactive else state.q, probs=probs)
         n = out.num_accepted
         if state.above is not None:  # the fed slots on the accepted path predicted the n committed codes
@@ -395,9 +392,9 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             # they are re-drawn from this pass's p at the node before each (their new q); the window slides by n
             if proactive:  # from the fed slots along the first-candidate descent below the last accepted node
                 slots = state.descent[state.accepted_path[:, n - 1], n : n + left]  # (B, left)
-                redrawn = probs[state.rows[:, None], slots]  # (B, left, V)
+                redrawn, proposal = probs[state.rows[:, None], slots], real[state.rows[:, None], slots]  # (B, left, V)
             else:
-                redrawn = probs[:, n : n + left]  # (B, left, V)
+                redrawn = proposal = probs[:, n : n + left]  # (B, left, V)
             gumbel = state.noise is not None
             if gumbel:  # the same noise as every earlier draw of these positions (the window slides by n)
                 state.noise[:, :left] = state.noise[:, n : n + left].clone()
@@ -422,7 +419,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             elif gumbel:  # every redraw is now the race of its position's noise
                 state.raced[:, :left] = True
             state.drafts[:, :left] = codes
-            state.q[:, 1 : left + 1] = redrawn
+            state.q[:, 1 : left + 1] = proposal
             if self.config.anchor == "left":
                 self._anchor_left(state)
             if proactive:

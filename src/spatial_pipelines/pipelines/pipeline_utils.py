@@ -299,8 +299,8 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                              f"supports it), got {sampling_noise!r}.")
         if sampling_noise == "keyed" and not self.decoder.supports_keyed_noise:
             raise ValueError(f"`sampling_noise='keyed'` needs an exact decoder that tests drafts against the target's "
-                             f"sample; {type(self.decoder).__name__} with its config (a relaxed acceptance rule, SSD, or "
-                             "proactive candidates) draws from the generators: pass `sampling_noise='drawn'` or None.")
+                             f"sample; {type(self.decoder).__name__} with its config (a relaxed acceptance rule, or SSD) "
+                             "draws from the generators: pass `sampling_noise='drawn'` or None.")
         if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         if callback_on_step_end is not None and not callable(callback_on_step_end):
@@ -430,7 +430,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                 noise at every grid position is keyed by that seed, so every exact decoder (any draft size, batch or
                 machine) gives the image `AutoregressiveDecoder` gives for that generator; ``"drawn"``: random numbers
                 are drawn as the decoder uses them (the image then depends on the decoder). ``None``: keyed where the
-                decoder supports it (`supports_keyed_noise`: exact decoders without proactive candidates), else
+                decoder supports it (`supports_keyed_noise`: every exact decoder), else
                 drawn.
 
         Returns:
