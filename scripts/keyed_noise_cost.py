@@ -39,6 +39,18 @@ def parse_args(argv=None):
     return args
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def generate(pipe, prompts, images: int, noise: str):
     """Every prompt's images, one generator per image: the code grids, target passes per image (summed over rows) and
     codes committed."""
@@ -81,7 +93,7 @@ def main(argv=None):
         print(f"{name:8s} keyed / drawn: {keyed / drawn:.3f}", flush=True)
     report = {
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-        "device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "device": f"cpu ({cpu_name()})", "threads": torch.get_num_threads(),
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__},
         "num_prompts": args.num_prompts, "num_images_per_prompt": args.num_images_per_prompt, "rows": rows,
     }
