@@ -133,7 +133,9 @@ def keyed_sample(logits: torch.Tensor, config: SamplingConfig, seeds: torch.Tens
     v = logits.shape[-1]
     scores = filtered_logits(logits, config)  # (B, ..., V)
     index = index if isinstance(index, int) else index[..., None]  # (..., 1): one grid index per distribution
-    if config.top_k and config.top_k < v:  # noise for the k codes top-k kept only: the rest are -inf anyway
+    # noise for the k codes top-k kept only: the rest are -inf anyway (logits tied exactly at the k-th largest: k of
+    # them stay in the race here, where `apply_top_k` keeps every tied code)
+    if config.top_k and config.top_k < v:
         kept, codes = scores.topk(config.top_k, dim=-1)  # (B, ..., k)
         pick = (kept + keyed_gumbel(seeds, index, codes, v)).argmax(dim=-1, keepdim=True)
         return codes.gather(-1, pick).squeeze(-1)
