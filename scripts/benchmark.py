@@ -149,9 +149,9 @@ def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent", num_im
         if out.stats.padded_fraction is not None:
             cost["padded"].append(out.stats.padded_fraction)
         cost.setdefault("slowest_row_share", []).append(max(out.stats.row_forward_passes) / out.stats.num_forward_passes)
-        if out.stats.mean_tree_depth is not None:  # dynamic trees (EAGLE-2, ADT-Tree)
-            cost["tree_depth"].append(out.stats.mean_tree_depth)
-            cost["tree_width"].append(out.stats.mean_tree_width)
+        if "mean_tree_depth" in out.stats.decoder_stats:  # dynamic trees (EAGLE-2, ADT-Tree)
+            cost["tree_depth"].append(out.stats.decoder_stats["mean_tree_depth"])
+            cost["tree_width"].append(out.stats.decoder_stats["mean_tree_width"])
         outs.append(out.images.cpu() * 2 - 1 if output_type == "pt" else out.tokens)
         grids.append(out.tokens.cpu())
     return torch.cat(outs), torch.cat(grids), cost
