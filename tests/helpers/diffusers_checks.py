@@ -185,7 +185,7 @@ class DiffusersPipelineChecks:
         output = pipe(**self.get_dummy_inputs())[0]
         with tempfile.TemporaryDirectory() as tmpdir:
             pipe.save_pretrained(tmpdir)  # adaptation: safetensors, where diffusers asks for a pickle
-            loaded = self.pipeline_class.from_pretrained(tmpdir, torch_dtype=torch.float16)
+            loaded = self.pipeline_class.from_pretrained(tmpdir, dtype=torch.float16)
             loaded.set_progress_bar_config(disable=True)
         dtypes = {name: c.dtype for name, c in loaded.components.items() if isinstance(c, torch.nn.Module)}
         assert dtypes and all(d == torch.float16 for d in dtypes.values()), f"not loaded in float16: {dtypes}"
