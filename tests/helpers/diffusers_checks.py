@@ -13,18 +13,23 @@ The adaptations, and only these (each is marked where it happens):
 - **layerwise casting on a transformers target**: a target without diffusers' ``enable_layerwise_casting`` gets the
   hook it installs (``diffusers.hooks.apply_layerwise_casting``).
 
-Of the 33 test methods of diffusers' ``PipelineTesterMixin`` (at diffusers commit ``58eb52c``), 22 have their port
-here. The other 11 check what a pipeline of ours does not have, so they are not ported (a test that could only skip or
-return would pass while checking nothing):
+- **offloading on the CPU**: ``test_model_cpu_offload_forward_pass``, ``test_cpu_offload_forward_pass_twice`` and
+  ``test_pipeline_level_group_offloading_inference`` run with the CPU as the device the models are moved to (diffusers
+  uses an accelerator): the hooks are installed and run, and the output must not change.
+
+Of the 33 test methods of diffusers' ``PipelineTesterMixin`` (at diffusers commit ``58eb52c``), 25 have their port
+here. The other 8 are not ported (a test that could only skip or return would pass while checking nothing):
 
 - ``test_attention_slicing_forward_pass``, ``test_xformers_attention_forwardGenerator_pass``: the backbones attend with
   one fused SDPA call over a KV cache, without attention processors to slice or swap (diffusers sets
   ``test_attention_slicing = False`` for such pipelines).
-- ``test_sequential_cpu_offload_forward_pass``, ``test_model_cpu_offload_forward_pass``,
-  ``test_cpu_offload_forward_pass_twice``, ``test_sequential_offload_forward_pass_twice``,
-  ``test_group_offloading_inference``, ``test_pipeline_level_group_offloading_sanity_checks``,
-  ``test_pipeline_level_group_offloading_inference``: offloading moves weights between an accelerator and the CPU;
-  the decoding loop keeps its KV cache and draft heads on one device, and these pipelines offer no offloading.
+- ``test_sequential_cpu_offload_forward_pass``, ``test_sequential_offload_forward_pass_twice``: sequential offload
+  leaves the weights on the meta device between uses, and the pipelines refuse a model on the meta device (a
+  `ValueError` naming it); model CPU offload and group offloading are what they support.
+- ``test_group_offloading_inference``, ``test_pipeline_level_group_offloading_sanity_checks``: the first offloads the
+  diffusers models among the components one by one (``test_pipeline_level_group_offloading_inference`` offloads them
+  all, transformers models too); the second checks on which device each component is left, which with the CPU as
+  both onload and offload device cannot fail.
 - ``test_StableDiffusionMixin_component``, ``test_encode_prompt_works_in_isolation``: they apply to Stable Diffusion
   pipelines and to pipelines with their own ``encode_prompt``; no pipeline here is either
   (``tests/test_coverage.py`` checks it, so a pipeline that becomes one fails until its check is ported).
@@ -229,6 +234,37 @@ class DiffusersPipelineChecks:
         dtypes = [c.dtype for c in components.values() if getattr(c, "dtype", None)]
         assert all(d == torch.float16 for d in dtypes)
 
+    def _check_cpu_offload_hooks(self, pipe):
+        import accelerate
+
+        offloaded = {k: v for k, v in pipe.components.items()
+                     if isinstance(v, torch.nn.Module) and k not in pipe._exclude_from_cpu_offload}
+        assert offloaded, "no component to offload"
+        assert all(v.device.type == "cpu" for v in offloaded.values()), f"Not offloaded: {[k for k, v in offloaded.items() if v.device.type != 'cpu']}"
+        assert all(hasattr(v, "_hf_hook") for v in offloaded.values()), f"No hook attached: {[k for k, v in offloaded.items() if not hasattr(v, '_hf_hook')]}"
+        wrong = {k: type(v._hf_hook) for k, v in offloaded.items() if not isinstance(v._hf_hook, accelerate.hooks.CpuOffload)}
+        assert not wrong, f"Not installed correct hook: {wrong}"
+
+    def test_model_cpu_offload_forward_pass(self, expected_max_diff=2e-4):
+        pipe = self._pipe()
+        output_without_offload = pipe(**self.get_dummy_inputs())[0]
+        pipe.enable_model_cpu_offload(device="cpu")  # adaptation: the CPU is the device the models are moved to
+        assert pipe._execution_device.type == "cpu"
+        output_with_offload = pipe(**self.get_dummy_inputs())[0]
+        max_diff = np.abs(to_np(output_with_offload) - to_np(output_without_offload)).max()
+        assert max_diff < expected_max_diff, "CPU offloading should not affect the inference results"
+        self._check_cpu_offload_hooks(pipe)
+
+    def test_cpu_offload_forward_pass_twice(self, expected_max_diff=2e-4):
+        pipe = self._pipe()
+        pipe.enable_model_cpu_offload(device="cpu")  # adaptation: the CPU is the device the models are moved to
+        output_with_offload = pipe(**self.get_dummy_inputs())[0]
+        pipe.enable_model_cpu_offload(device="cpu")
+        output_with_offload_twice = pipe(**self.get_dummy_inputs())[0]
+        max_diff = np.abs(to_np(output_with_offload) - to_np(output_with_offload_twice)).max()
+        assert max_diff < expected_max_diff, "running CPU offloading 2nd time should not affect the inference results"
+        self._check_cpu_offload_hooks(pipe)
+
     def test_num_images_per_prompt(self):
         pipe = self._pipe()
         for batch_size in (1, 2):
@@ -387,6 +423,18 @@ class DiffusersPipelineChecks:
         assert modules, "no component with a dtype was loaded"
         for name, component in modules.items():
             assert component.dtype == torch.float16, f"Component '{name}' has dtype {component.dtype}"
+
+    def test_pipeline_level_group_offloading_inference(self, expected_max_difference=1e-4):
+        pipe = self._pipe()
+        output = pipe(**self.get_dummy_inputs())[0]
+        pipe.enable_group_offload(onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                                  offload_type="leaf_level")  # adaptation: the CPU is the onload device
+        modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
+        hooked = [any(hasattr(sub, "_diffusers_hook") for sub in m.modules()) for m in modules]
+        assert modules and all(hooked), "a model component has no group offloading hook"
+        output_offloaded = pipe(**self.get_dummy_inputs())[0]
+        max_diff = np.abs(to_np(output) - to_np(output_offloaded)).max()
+        assert max_diff < expected_max_difference, "group offloading should not affect the inference results"
 
     def test_pipeline_with_accelerator_device_map(self, expected_max_difference=1e-4):
         pipe = self._pipe()
