@@ -73,9 +73,8 @@ def acceptance_by_depth(decoder, committed: torch.Tensor):
     return rates
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+def load_with_heads(args):
+    """The pipeline, and the heads of ``--heads`` by kind (loaded, then detached until a decoder needs them)."""
     pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype)).to(args.device)
     pipe.set_progress_bar_config(disable=True)
     heads = {}
@@ -83,13 +82,11 @@ def main(argv=None):
         loaded = pipe.load_draft_heads(path)
         heads[loaded.provides.kind] = loaded
     pipe.set_draft_heads(None)
-    backbone = pipe.backbone
-    rows = 2 if backbone.default_guidance_scale != 1.0 else 1
-    cost = PassCost(backbone, rows, repeats=args.repeats, warmup=3)
-    c = cost.measure(args.sizes)
-    sync = torch.cuda.synchronize if str(args.device).startswith("cuda") else None
-    prompts = random.Random(args.seed).sample(TwemojiDataset("all", 96, limit=args.limit).captions, args.num_prompts)
+    return pipe, heads
 
+
+def build_decoders(args, heads) -> dict:
+    """``{spec: (decoder, heads it drafts with or None)}`` for every decoder spec."""
     decoders = {}
     for spec, decoder_cls, kwargs in args.decoders:
         if decoder_cls is None:
@@ -101,12 +98,20 @@ def main(argv=None):
             if need is None:
                 raise SystemExit(f"decoder {spec!r} needs {needed.describe()}: pass their folder with --heads")
         decoders[spec] = (decoder, heads.get(need))
+    return decoders
+
+
+def profile_decoders(args, pipe, decoders: dict, prompts) -> dict:
+    """Every decoder warmed up once (and its "auto" sizes resolved), then run on every prompt with its rounds
+    profiled, interleaved: a slow spell of the machine hits every decoder alike. Per decoder: seconds per section,
+    rounds, passes, wall clock and the codes each pass committed."""
+    sync = torch.cuda.synchronize if str(args.device).startswith("cuda") else None
     totals = {spec: {"seconds": {}, "rounds": 0, "passes": 0, "wall": 0.0, "accepted": []} for spec in decoders}
-    for spec, (decoder, h) in decoders.items():  # warm-up (and "auto" size resolution)
+    for spec, (decoder, h) in decoders.items():
         pipe.decoder = decoder
         pipe.set_draft_heads(h)
         pipe(prompts[:1], output_type="latent", generator=torch.Generator().manual_seed(0))
-    for i, prompt in enumerate(prompts):  # interleaved: a slow spell of the machine hits every decoder alike
+    for i, prompt in enumerate(prompts):
         for spec, (decoder, h) in decoders.items():
             pipe.decoder = decoder
             pipe.set_draft_heads(h)
@@ -119,65 +124,99 @@ def main(argv=None):
             totals[spec]["rounds"] += timer.rounds
             totals[spec]["passes"] += out.stats.num_forward_passes
             totals[spec]["accepted"].append(out.stats.accepted_lengths[1:, 0])  # codes per pass, prefill excluded
+    return totals
 
-    report_rows = {}
+
+def decoder_rows(totals: dict, decoders: dict, num_tokens: int, num_prompts: int) -> dict:
+    """Per decoder: the round's split in ms, codes per pass, acceptance by depth, and against AR's step the
+    predicted and measured speed-ups."""
+    rows = {}
     for spec, tot in totals.items():
         decoder = decoders[spec][0]
-        rnd = tot["seconds"]["round"]
+        round_ms = 1000 * tot["seconds"]["round"] / tot["rounds"]
         ms = {k: 1000 * tot["seconds"].get(k, 0.0) / tot["rounds"] for k in SECTIONS}
-        ms["other"] = 1000 * rnd / tot["rounds"] - sum(ms.values())
-        fed = decoder.max_draft_tokens
-        report_rows[spec] = {
+        ms["other"] = round_ms - sum(ms.values())
+        rows[spec] = {
             "decoder_class": type(decoder).__name__,
-            "fed_tokens_per_round": fed,
-            "codes_per_pass": backbone.layout.num_tokens * len(prompts) / tot["passes"],
-            "round_ms": 1000 * rnd / tot["rounds"],
+            "fed_tokens_per_round": decoder.max_draft_tokens,
+            "codes_per_pass": num_tokens * num_prompts / tot["passes"],
+            "round_ms": round_ms,
             "breakdown_ms": ms,
-            "outside_forward_share": 1 - ms["forward"] / (1000 * rnd / tot["rounds"]),
-            "seconds_per_image": tot["wall"] / len(prompts),
+            "outside_forward_share": 1 - ms["forward"] / round_ms,
+            "seconds_per_image": tot["wall"] / num_prompts,
             "acceptance_by_depth": acceptance_by_depth(decoder, torch.cat(tot["accepted"])),
         }
-    base = report_rows.get("ar")
-    for r in report_rows.values():
+    base = rows.get("ar")
+    for r in rows.values():
         if base:
             r["round_cost_vs_ar_step"] = r["round_ms"] / base["round_ms"]
             r["predicted_speedup"] = r["codes_per_pass"] / r["round_cost_vs_ar_step"]
             r["measured_speedup"] = base["seconds_per_image"] / r["seconds_per_image"]
-    report = {
+    return rows
+
+
+def run(args) -> dict:
+    """``c(T)`` for every ``--sizes``, and every decoder's rounds profiled: the report."""
+    pipe, heads = load_with_heads(args)
+    backbone = pipe.backbone
+    batch_rows = 2 if backbone.default_guidance_scale != 1.0 else 1
+    c = PassCost(backbone, batch_rows, repeats=args.repeats, warmup=3).measure(args.sizes)
+    prompts = random.Random(args.seed).sample(TwemojiDataset("all", 96, limit=args.limit).captions, args.num_prompts)
+    decoders = build_decoders(args, heads)
+    totals = profile_decoders(args, pipe, decoders, prompts)
+    return {
         "model": args.model or "embedded twemoji_llamagen",
         "device": (torch.cuda.get_device_name(args.device) if str(args.device).startswith("cuda")
                    else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')})"),
         "dtype": args.dtype,
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__},
-        "batch_rows": rows,
+        "batch_rows": batch_rows,
         "pass_cost_ms": {str(t): 1000 * s for t, s in c.items()},
         "num_prompts": len(prompts),
-        "decoders": report_rows,
+        "decoders": decoder_rows(totals, decoders, backbone.layout.num_tokens, len(prompts)),
     }
-    with open(os.path.join(args.out, "cost.json"), "w") as f:
-        json.dump(report, f, indent=2)
+
+
+def markdown_tables(report: dict) -> list:
+    """``cost.md``: c(T), the round split per decoder, and where each static draft loses its codes."""
+    c = {int(t): ms for t, ms in report["pass_cost_ms"].items()}
+    rows = report["decoders"]
     lines = ["| T fed | c(T) ms | c(T) / c(1) |", "|---|---|---|"]
-    lines += [f"| {t} | {1000 * s:.2f} | {s / c[min(c)]:.2f} |" for t, s in c.items()]
+    lines += [f"| {t} | {ms:.2f} | {ms / c[min(c)]:.2f} |" for t, ms in c.items()]
     lines += ["", "| decoder | fed / round | codes / pass | round ms | " + " | ".join(f"{k} ms" for k in SECTIONS)
               + " | other ms | outside forward | round / AR step | predicted speed-up | measured speed-up |",
               "|" + "---|" * (9 + len(SECTIONS))]
-    for spec, r in report_rows.items():
+    for spec, r in rows.items():
         b = r["breakdown_ms"]
         lines.append(f"| `{spec}` | {r['fed_tokens_per_round']} | {r['codes_per_pass']:.2f} | {r['round_ms']:.2f} | "
                      + " | ".join(f"{b[k]:.2f}" for k in SECTIONS) + f" | {b['other']:.2f} | {100 * r['outside_forward_share']:.0f}% | "
                      f"{r.get('round_cost_vs_ar_step', float('nan')):.2f} | {r.get('predicted_speedup', float('nan')):.2f}x | "
                      f"{r.get('measured_speedup', float('nan')):.2f}x |")
-    depths = {spec: r["acceptance_by_depth"] for spec, r in report_rows.items() if r["acceptance_by_depth"]}
+    depths = {spec: r["acceptance_by_depth"] for spec, r in rows.items() if r["acceptance_by_depth"]}
     if depths:  # where the codes per pass are lost
         shown = min(8, max(len(v) for v in depths.values()))
         lines += ["", "| decoder | " + " | ".join(f"draft {d + 1}" for d in range(shown)) + " |", "|" + "---|" * (shown + 1)]
         for spec, rates in depths.items():
             cells = [f"{rates[d]:.2f}" if d < len(rates) and rates[d] is not None else "-" for d in range(shown)]
             lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write(args, report: dict) -> None:
+    """``cost.json``, ``cost.md`` (also printed) and ``cost.png``."""
+    with open(os.path.join(args.out, "cost.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    lines = markdown_tables(report)
     with open(os.path.join(args.out, "cost.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(report, os.path.join(args.out, "cost.png"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    write(args, run(args))
 
 
 def plot(report, path):

@@ -34,6 +34,9 @@ import random
 import re
 import sys
 import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # must precede torch's OpenMP start-up
 
@@ -149,9 +152,9 @@ def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent", num_im
         if out.stats.padded_fraction is not None:
             cost["padded"].append(out.stats.padded_fraction)
         cost.setdefault("slowest_row_share", []).append(max(out.stats.row_forward_passes) / out.stats.num_forward_passes)
-        if out.stats.mean_tree_depth is not None:  # dynamic trees (EAGLE-2, ADT-Tree)
-            cost["tree_depth"].append(out.stats.mean_tree_depth)
-            cost["tree_width"].append(out.stats.mean_tree_width)
+        if "mean_tree_depth" in out.stats.decoder_stats:  # dynamic trees (EAGLE-2, ADT-Tree)
+            cost["tree_depth"].append(out.stats.decoder_stats["mean_tree_depth"])
+            cost["tree_width"].append(out.stats.decoder_stats["mean_tree_width"])
         outs.append(out.images.cpu() * 2 - 1 if output_type == "pt" else out.tokens)
         grids.append(out.tokens.cpu())
     return torch.cat(outs), torch.cat(grids), cost
@@ -247,11 +250,47 @@ def plot_batches(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+# -- running the rows --------------------------------------------------------------------------------------------
+class Setup(NamedTuple):
+    """One row of the report: its name, the spec it came from, and what runs it."""
+
+    name: str
+    spec: str
+    decoder_cls: Optional[type]  # None: the minimal AR loop
+    decoder: Any
+    need: Optional[str]  # the kind of loaded heads the row runs with
+    compiled: bool
+    images_per_prompt: int
+
+
+@dataclass
+class Bench:
+    """What every row shares: the pipelines (``{compiled: pipeline}``), their loaded heads (``{(compiled, kind): (heads,
+    folder)}``), what ``--compile`` reported, the prompts, the sampling settings, and the ``--quality`` references."""
+
+    pipes: Dict[bool, Any]
+    heads: Dict[Tuple[bool, str], Tuple[Any, str]]
+    compiled: Optional[Dict[str, Any]]
+    prompts: List[Any]
+    guidance: float
+    top_k: Optional[int]
+    quality: Optional[SimpleNamespace]
+
+    @property
+    def pipe(self):
+        return self.pipes[False]
+
+    def use(self, setup: Setup):
+        """The pipeline of ``setup``, with its decoder and heads set."""
+        p = self.pipes[setup.compiled]
+        p.decoder = setup.decoder
+        p.set_draft_heads(self.heads[setup.compiled, setup.need][0] if setup.need else None)
+        return p
+
+
+def load_pipelines(args):
+    """The pipeline, and with ``--compile`` a second copy of it with the target step compiled; what enabling
+    compilation reported; the heads of ``--heads`` loaded onto each."""
     pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype)).to(args.device)
     pipe.set_progress_bar_config(disable=True)
     pipes = {False: pipe}
@@ -271,6 +310,33 @@ def main(argv=None):
             loaded = p.load_draft_heads(path)
             heads[compiled_pipe, loaded.provides.kind] = (loaded, path)
         p.set_draft_heads(None)
+    return pipes, compiled, heads
+
+
+def quality_references(args, prompts, resolution) -> Optional[SimpleNamespace]:
+    """What ``--quality`` scores against: every Twemoji image's features, those of each prompt's own image, the
+    prompts of the diversity samples; ``None`` without ``--quality``."""
+    if not args.quality:
+        return None
+    from spatial_pipelines.evaluation import LPIPS, EffNetFeatures, extract_features
+
+    everything = TwemojiDataset("all", resolution, limit=args.limit)
+    real_images = torch.stack([everything[i]["pixel_values"] for i in range(len(everything))])
+    effnet, lpips = EffNetFeatures(), LPIPS()
+    real_feats = extract_features(effnet, real_images)
+    index = {c: i for i, c in enumerate(everything.captions)}
+    return SimpleNamespace(
+        everything=everything, effnet=effnet, lpips=lpips, real_feats=real_feats,
+        matched=real_feats[[index[c] for c in prompts]],
+        div_rep=[p for p in prompts[: args.diversity_prompts] for _ in range(args.diversity_samples)],
+    )
+
+
+def prepare(args) -> Bench:
+    """The pipelines and heads, the prompts (a seeded sample of Twemoji captions, or ``--prompts-file``) and the
+    quality references."""
+    pipes, compiled, heads = load_pipelines(args)
+    pipe = pipes[False]
     resolution = pipe.backbone.layout.height * pipe.backbone.vae_scale_factor
     real = TwemojiDataset(args.split, resolution, limit=args.limit)
     if args.prompts_file is not None:
@@ -279,135 +345,171 @@ def main(argv=None):
         prompts = random.Random(args.seed).sample(real.captions, args.num_prompts)
     guidance = args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale
     top_k = args.top_k if args.top_k is not None else pipe.backbone.default_top_k
+    return Bench(pipes, heads, compiled, prompts, guidance, top_k, quality_references(args, prompts, resolution))
 
-    if args.quality:
-        from spatial_pipelines.evaluation import (
-            LPIPS, EffNetFeatures, extract_features, frechet_distance, lpips_diversity, retrieval_accuracy, target_fit,
-        )
 
-        everything = TwemojiDataset("all", resolution, limit=args.limit)
-        real_images = torch.stack([everything[i]["pixel_values"] for i in range(len(everything))])
-        effnet, lpips = EffNetFeatures(), LPIPS()
-        real_feats = extract_features(effnet, real_images)
-        index = {c: i for i, c in enumerate(everything.captions)}
-        matched = real_feats[[index[c] for c in prompts]]
-        div_rep = [p for p in prompts[: args.diversity_prompts] for _ in range(args.diversity_samples)]
-
-    # every row's decoder and heads, then the timed runs interleaved prompt by prompt
-    setups = []  # (row name, spec, decoder class, decoder, heads class, compiled, images per prompt)
+def row_setups(args, bench: Bench) -> List[Setup]:
+    """Every row: each decoder spec at each ``--num-images-per-prompt``, eager and (with ``--compile``) compiled, each
+    with a fresh decoder and the loaded heads of the kind it drafts with."""
+    setups = []
     for n in args.num_images_per_prompt:
-        for compiled_row in pipes:
+        for compiled_row in bench.pipes:
             for spec, decoder_cls, kwargs in args.decoders:
                 name = spec + (f" x{n}" if n != 1 else "") + (" [compiled]" if compiled_row else "")
                 if decoder_cls is None:
                     if n == 1 and not compiled_row:  # the reference loop: one image, eager
-                        setups.append((name, spec, None, None, None, False, 1))
+                        setups.append(Setup(name, spec, None, None, None, False, 1))
                     continue
                 decoder = decoder_cls(**kwargs)  # a fresh config: no option leaks from another row
-                needed, need = decoder.heads_needed(), None  # need: the kind of loaded heads the row runs with
+                needed, need = decoder.heads_needed(), None
                 if needed is not None:
-                    need = next((k for k in needed.kinds if (compiled_row, k) in heads), None)
+                    need = next((k for k in needed.kinds if (compiled_row, k) in bench.heads), None)
                     if need is None:
                         raise SystemExit(f"decoder {spec!r} needs {needed.describe()}: pass their folder with --heads")
-                setups.append((name, spec, decoder_cls, decoder, need, compiled_row, n))
-    output_type = "pt" if args.quality or args.picture else "latent"
+                setups.append(Setup(name, spec, decoder_cls, decoder, need, compiled_row, n))
+    return setups
 
-    def use(setup):
-        *_, decoder, need, compiled_row, _ = setup
-        p = pipes[compiled_row]
-        p.decoder = decoder
-        p.set_draft_heads(heads[compiled_row, need][0] if need else None)
-        return p
 
-    # one untimed call per row first (the only warm-up): it resolves "auto" draft sizes (a one-time measurement of the
-    # pass cost per pipeline, charged otherwise to whichever row asks first), compiles the row's step shape and warms
-    # each row's code paths
+def warm_up(args, bench: Bench, setups: List[Setup]) -> Dict[str, float]:
+    """One untimed call per row (the only warm-up), its seconds per row: it resolves "auto" draft sizes (a one-time
+    measurement of the pass cost per pipeline, charged otherwise to whichever row asks first), compiles the row's step
+    shape and warms each row's code paths."""
     warmup = {}
     for setup in setups:
-        name, spec, decoder_cls, decoder, need, compiled_row, n = setup
         start = time.perf_counter()
-        if decoder_cls is None:
-            minimal_ar_generate(pipe, prompts[:1], guidance, args.temperature, top_k, [torch.Generator().manual_seed(args.seed)])
+        if setup.decoder_cls is None:
+            minimal_ar_generate(bench.pipe, bench.prompts[:1], bench.guidance, args.temperature, bench.top_k,
+                                [torch.Generator().manual_seed(args.seed)])
         else:
-            use(setup)(prompts[:1], guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
-                       generator=torch.Generator().manual_seed(args.seed), output_type="latent", num_images_per_prompt=n)
-        warmup[name] = time.perf_counter() - start
-    runs = {setup[0]: [] for setup in setups}
-    for i in range(0, len(prompts), args.batch_size):
-        for setup in setups:
-            name, spec, decoder_cls, decoder, need, compiled_row, n = setup
-            if decoder_cls is None:
-                gens = [torch.Generator().manual_seed(args.seed + i + j) for j in range(len(prompts[i : i + args.batch_size]))]
-                start = time.perf_counter()
-                grid = minimal_ar_generate(pipe, prompts[i : i + args.batch_size], guidance, args.temperature, top_k, gens)
-                runs[name].append((None, grid, {"passes": pipe.backbone.layout.num_tokens * len(gens), "draft_passes": 0, "images": len(gens),
-                                                "tokens": grid.numel(), "accepted": [torch.ones(1)], "seconds": time.perf_counter() - start}))
-                continue
-            quality_row = n == 1 and not compiled_row  # quality columns and pictures: the eager one-image rows
-            runs[name].append(run_decoder(use(setup), prompts[i : i + args.batch_size], args, seed_offset=i,
-                                          output_type=output_type if quality_row else "latent", num_images_per_prompt=n))
+            bench.use(setup)(bench.prompts[:1], guidance_scale=args.guidance_scale, temperature=args.temperature,
+                             top_k=args.top_k, generator=torch.Generator().manual_seed(args.seed), output_type="latent",
+                             num_images_per_prompt=setup.images_per_prompt)
+        warmup[setup.name] = time.perf_counter() - start
+    return warmup
 
+
+def run_minimal_ar(args, bench: Bench, prompts, seed: int) -> tuple:
+    """One timed batch of the minimal AR loop (prompt ``j`` seeded ``seed + j``), as `run_decoder` returns it."""
+    pipe = bench.pipe
+    gens = [torch.Generator().manual_seed(seed + j) for j in range(len(prompts))]
+    start = time.perf_counter()
+    grid = minimal_ar_generate(pipe, prompts, bench.guidance, args.temperature, bench.top_k, gens)
+    return None, grid, {"passes": pipe.backbone.layout.num_tokens * len(gens), "draft_passes": 0, "images": len(gens),
+                        "tokens": grid.numel(), "accepted": [torch.ones(1)], "seconds": time.perf_counter() - start}
+
+
+def timed_runs(args, bench: Bench, setups: List[Setup], output_type: str) -> Dict[str, list]:
+    """The timed runs, interleaved batch by batch (every row on batch 1, then on batch 2 ...): each row's
+    `run_decoder` results."""
+    runs = {setup.name: [] for setup in setups}
+    for i in range(0, len(bench.prompts), args.batch_size):
+        batch = bench.prompts[i : i + args.batch_size]
+        for setup in setups:
+            if setup.decoder_cls is None:
+                runs[setup.name].append(run_minimal_ar(args, bench, batch, args.seed + i))
+                continue
+            quality_row = setup.images_per_prompt == 1 and not setup.compiled  # quality columns and pictures: eager 1-image rows
+            runs[setup.name].append(run_decoder(bench.use(setup), batch, args, seed_offset=i,
+                                                output_type=output_type if quality_row else "latent",
+                                                num_images_per_prompt=setup.images_per_prompt))
+    return runs
+
+
+# -- the rows' numbers -------------------------------------------------------------------------------------------
+def summed_cost(parts, warmup_s: float):
+    """A row's cost over its runs, and its per-image figures."""
+    cost = {k: sum(c[k] for *_, c in parts) for k in ("passes", "draft_passes", "tokens", "seconds", "images")}
+    cost["accepted"] = [a for *_, c in parts for a in c["accepted"]]
+    per_image = {"target_forward_passes_per_image": cost["passes"] / cost["images"], "wall_clock_s": cost["seconds"],
+                 "seconds_per_image": cost["seconds"] / cost["images"], "images_per_s": cost["images"] / cost["seconds"],
+                 "tokens_per_s": cost["tokens"] / cost["seconds"], "warmup_s": warmup_s}
+    return cost, per_image
+
+
+def minimal_ar_row(spec: str, per_image: dict) -> dict:
+    return {"decoder": spec, "compiled": False, "images_per_prompt": 1,
+            "decoder_class": "minimal gpt-fast-style AR loop (scripts/minimal_ar.py)", "decoder_config": {}, "heads": None,
+            "exact": True, "draft_passes_per_image": 0.0, "mean_accepted_length": 1.0, **per_image}
+
+
+def decoder_row(setup: Setup, bench: Bench, parts, cost: dict, per_image: dict) -> dict:
+    """A decoder row's speed columns: its config (with what "auto" chose), passes, acceptance, padding, the graphs
+    compiled while timed, and a dynamic tree's mean shape."""
+    decoder = setup.decoder
+    config = {k: v for k, v in dict(decoder.config).items() if not k.startswith("_")}
+    if getattr(decoder, "sizes_from_pass_cost", False):
+        config["resolved_draft_tokens"] = decoder.tree.num_nodes - 1  # what "auto" chose on this device
+    row = {
+        "decoder": setup.spec,
+        "compiled": setup.compiled,
+        "images_per_prompt": setup.images_per_prompt,
+        "decoder_class": setup.decoder_cls.__name__,
+        "decoder_config": config,
+        "heads": bench.heads[setup.compiled, setup.need][1] if setup.need else None,
+        "exact": decoder.is_exact,
+        "draft_passes_per_image": cost["draft_passes"] / cost["images"],
+        "mean_accepted_length": torch.cat(cost["accepted"]).mean().item(),
+        **per_image,  # warmup_s: the untimed first call, with any one-time "auto" size measurement or compilation
+    }
+    padded = [f for *_, c in parts for f in c.get("padded", [])]
+    if padded:  # static shapes: the share of fed slots that were padding
+        row["padded_fraction"] = float(np.mean(padded))
+    shares = [f for *_, c in parts for f in c.get("slowest_row_share", [])]
+    if shares:  # the slowest row's passes over the call's (1: the batch took no pass more than its slowest row)
+        row["slowest_row_pass_share"] = float(np.mean(shares))
+    if setup.compiled:  # compilations during timed calls (0: every round replayed a warm graph)
+        row["graphs_compiled_while_timed"] = sum(c.get("compiled_graphs", 0) for *_, c in parts)
+    depths = [d for *_, c in parts for d in c.get("tree_depth", [])]
+    if depths:
+        row["mean_tree_depth"] = float(np.mean(depths))
+        row["mean_tree_width"] = float(np.mean([w for *_, c in parts for w in c["tree_width"]]))
+    return row
+
+
+def quality_columns(args, bench: Bench, pipe, images, grids) -> dict:
+    """FD-EffNet, caption retrieval, the target's score of the code grids and LPIPS diversity of one row."""
+    from spatial_pipelines.evaluation import extract_features, frechet_distance, lpips_diversity, retrieval_accuracy, target_fit
+
+    q, columns = bench.quality, {}
+    feats = extract_features(q.effnet, images)
+    columns["fd_effnet"] = frechet_distance(feats, q.matched)
+    columns["retrieval"] = retrieval_accuracy(feats, bench.prompts, q.real_feats, q.everything.captions)
+    fit = target_fit(pipe, bench.prompts, grids, args.guidance_scale, args.temperature, args.top_k)
+    columns["target_nll_per_code"] = fit["nll_per_code"].mean().item()
+    columns["outside_target_support"] = fit["outside_support"].mean().item()
+    div, _, _ = run_decoder(pipe, q.div_rep, args, seed_offset=10**6, output_type="pt")
+    k = args.diversity_samples
+    columns["lpips_diversity"] = float(np.mean([lpips_diversity(q.lpips, div[i : i + k]) for i in range(0, len(div), k)]))
+    return columns
+
+
+def report_rows(args, bench: Bench, setups: List[Setup], warmup: dict, runs: dict):
+    """Every row of the report (printed as it is made), and the pictures of the eager one-image rows."""
     rows, pictures = {}, {}
     for setup in setups:
-        name, spec, decoder_cls, decoder, need, compiled_row, n = setup
-        parts = runs[name]
-        cost = {k: sum(c[k] for *_, c in parts) for k in ("passes", "draft_passes", "tokens", "seconds", "images")}
-        cost["accepted"] = [a for *_, c in parts for a in c["accepted"]]
-        per_image = {"target_forward_passes_per_image": cost["passes"] / cost["images"], "wall_clock_s": cost["seconds"],
-                     "seconds_per_image": cost["seconds"] / cost["images"], "images_per_s": cost["images"] / cost["seconds"],
-                     "tokens_per_s": cost["tokens"] / cost["seconds"], "warmup_s": warmup[name]}
-        if decoder_cls is None:
-            rows[name] = {"decoder": spec, "compiled": False, "images_per_prompt": 1,
-                          "decoder_class": "minimal gpt-fast-style AR loop (scripts/minimal_ar.py)", "decoder_config": {}, "heads": None,
-                          "exact": True, "draft_passes_per_image": 0.0, "mean_accepted_length": 1.0, **per_image}
-            print(name, json.dumps(rows[name]))
+        parts = runs[setup.name]
+        cost, per_image = summed_cost(parts, warmup[setup.name])
+        if setup.decoder_cls is None:
+            rows[setup.name] = minimal_ar_row(setup.spec, per_image)
+            print(setup.name, json.dumps(rows[setup.name]))
             continue
         images = torch.cat([im for im, _, _ in parts])
         grids = torch.cat([g for _, g, _ in parts])
-        p = use(setup)
-        config = {k: v for k, v in dict(decoder.config).items() if not k.startswith("_")}
-        if getattr(decoder, "sizes_from_pass_cost", False):
-            config["resolved_draft_tokens"] = decoder.tree.num_nodes - 1  # what "auto" chose on this device
-        row = {
-            "decoder": spec,
-            "compiled": compiled_row,
-            "images_per_prompt": n,
-            "decoder_class": decoder_cls.__name__,
-            "decoder_config": config,
-            "heads": heads[compiled_row, need][1] if need else None,
-            "exact": decoder.is_exact,
-            "draft_passes_per_image": cost["draft_passes"] / cost["images"],
-            "mean_accepted_length": torch.cat(cost["accepted"]).mean().item(),
-            **per_image,  # warmup_s: the untimed first call, with any one-time "auto" size measurement or compilation
-        }
-        padded = [f for *_, c in parts for f in c.get("padded", [])]
-        if padded:  # static shapes: the share of fed slots that were padding
-            row["padded_fraction"] = float(np.mean(padded))
-        shares = [f for *_, c in parts for f in c.get("slowest_row_share", [])]
-        if shares:  # the slowest row's passes over the call's (1: the batch took no pass more than its slowest row)
-            row["slowest_row_pass_share"] = float(np.mean(shares))
-        if compiled_row:  # compilations during timed calls (0: every round replayed a warm graph)
-            row["graphs_compiled_while_timed"] = sum(c.get("compiled_graphs", 0) for *_, c in parts)
-        depths = [d for *_, c in parts for d in c.get("tree_depth", [])]
-        if depths:
-            row["mean_tree_depth"] = float(np.mean(depths))
-            row["mean_tree_width"] = float(np.mean([w for *_, c in parts for w in c["tree_width"]]))
-        if args.quality and n == 1 and not compiled_row:
-            feats = extract_features(effnet, images)
-            row["fd_effnet"] = frechet_distance(feats, matched)
-            row["retrieval"] = retrieval_accuracy(feats, prompts, real_feats, everything.captions)
-            fit = target_fit(p, prompts, grids, args.guidance_scale, args.temperature, args.top_k)
-            row["target_nll_per_code"] = fit["nll_per_code"].mean().item()
-            row["outside_target_support"] = fit["outside_support"].mean().item()
-            div, _, _ = run_decoder(p, div_rep, args, seed_offset=10**6, output_type="pt")
-            k = args.diversity_samples
-            row["lpips_diversity"] = float(np.mean([lpips_diversity(lpips, div[i : i + k]) for i in range(0, len(div), k)]))
-        if args.picture and n == 1 and not compiled_row:
-            pictures[spec] = images[: args.picture]
-        rows[name] = row
-        print(name, json.dumps(row))
+        p = bench.use(setup)
+        row = decoder_row(setup, bench, parts, cost, per_image)
+        eager_single = setup.images_per_prompt == 1 and not setup.compiled
+        if args.quality and eager_single:
+            row.update(quality_columns(args, bench, p, images, grids))
+        if args.picture and eager_single:
+            pictures[setup.spec] = images[: args.picture]
+        rows[setup.name] = row
+        print(setup.name, json.dumps(row))
+    return rows, pictures
 
-    # speed-ups within the run: against eager AR at the same images per prompt, and against AR run the same way
+
+def add_speedups(rows: dict) -> None:
+    """Speed-ups within the run: against eager AR at the same images per prompt, and against AR run the same way."""
+
     def ar_row(compiled_row, n):
         return next((r for r in rows.values() if r["decoder"] == "ar" and r["compiled"] == compiled_row and r["images_per_prompt"] == n), None)
 
@@ -417,29 +519,54 @@ def main(argv=None):
         r["speedup_vs_compiled_ar"] = r["images_per_s"] / same_ar["images_per_s"] if same_ar and r["compiled"] else None
         r["pass_reduction_vs_ar"] = (eager_ar["target_forward_passes_per_image"] / r["target_forward_passes_per_image"]
                                      if eager_ar else None)
-    report = {
+
+
+def run_benchmark(args):
+    """Every row, warmed up once and then timed interleaved: the shared setup, the rows and their pictures."""
+    bench = prepare(args)
+    setups = row_setups(args, bench)
+    output_type = "pt" if args.quality or args.picture else "latent"
+    warmup = warm_up(args, bench, setups)
+    runs = timed_runs(args, bench, setups, output_type)
+    rows, pictures = report_rows(args, bench, setups, warmup, runs)
+    add_speedups(rows)
+    return bench, rows, pictures
+
+
+# -- writing the report ------------------------------------------------------------------------------------------
+def make_report(args, bench: Bench, rows: dict) -> dict:
+    """``benchmark.json``: the run's settings, device and versions, and the rows."""
+    pipe = bench.pipe
+    quality = None
+    if args.quality:
+        quality = {"fd_effnet": "vs the real images of the same captions",
+                   "retrieval": f"top-k nearest of {len(bench.quality.everything)} real Twemoji carry the prompt's caption",
+                   "lpips_diversity": f"{args.diversity_prompts} prompts x {args.diversity_samples} seeds",
+                   "target_nll_per_code": "mean -log p(code | codes before it), CFG-mixed, temperature 1, no filtering",
+                   "outside_target_support": "share of codes the sampling distribution gives probability 0"}
+    device = (torch.cuda.get_device_name(args.device) if str(args.device).startswith("cuda")
+              else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')})")
+    return {
         "model": args.model or "embedded twemoji_llamagen",
-        "num_prompts": len(prompts),
+        "num_prompts": len(bench.prompts),
         "prompt_split": args.split,
         "batch_size": args.batch_size,
         "num_images_per_prompt": args.num_images_per_prompt,
         "sampling": {"guidance_scale": args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale,
                      "temperature": args.temperature,
                      "top_k": args.top_k if args.top_k is not None else pipe.backbone.default_top_k, "seed": args.seed},
-        "quality": {"fd_effnet": "vs the real images of the same captions", "retrieval": f"top-k nearest of {len(everything)} real Twemoji carry the prompt's caption",
-                    "lpips_diversity": f"{args.diversity_prompts} prompts x {args.diversity_samples} seeds",
-                    "target_nll_per_code": "mean -log p(code | codes before it), CFG-mixed, temperature 1, no filtering",
-                    "outside_target_support": "share of codes the sampling distribution gives probability 0"} if args.quality else None,
-        "device": (torch.cuda.get_device_name(args.device) if str(args.device).startswith("cuda")
-                   else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')})"),
+        "quality": quality,
+        "device": device,
         "dtype": str(pipe.transformer.dtype),
-        "compile": compiled,
+        "compile": bench.compiled,
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__,
                      "diffusers": diffusers.__version__, "transformers": transformers.__version__},
         "decoders": rows,
     }
-    with open(os.path.join(args.out, "benchmark.json"), "w") as f:
-        json.dump(report, f, indent=2)
+
+
+def markdown_table(args, rows: dict) -> List[str]:
+    """``benchmark.md``: one line per row."""
     header = "| decoder | exact | target passes / image | mean accepted length | s / image | images / s | speed-up vs AR |"
     if args.compile:
         header += " speed-up vs compiled AR |"
@@ -458,15 +585,33 @@ def main(argv=None):
             line += (f" {r['fd_effnet']:.1f} | {100 * r['retrieval']['top1']:.0f}% / {100 * r['retrieval']['top5']:.0f}% | "
                      f"{r['lpips_diversity']:.3f} | {r['target_nll_per_code']:.3f} | {100 * r['outside_target_support']:.1f}% |")
         lines.append(line)
+    return lines
+
+
+def write_outputs(args, bench: Bench, rows: dict, pictures: dict) -> None:
+    """``benchmark.json``, ``benchmark.md`` (also printed) and the pictures and plots the options ask for."""
+    report = make_report(args, bench, rows)
+    with open(os.path.join(args.out, "benchmark.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    lines = markdown_table(args, rows)
     with open(os.path.join(args.out, "benchmark.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     if args.picture:
-        side_by_side(pictures, prompts[: args.picture], os.path.join(args.out, "decoders_side_by_side.png"))
+        side_by_side(pictures, bench.prompts[: args.picture], os.path.join(args.out, "decoders_side_by_side.png"))
     if args.quality:
         plot_speed_quality(report, os.path.join(args.out, "speed_quality.png"))
     if args.compile or len(args.num_images_per_prompt) > 1:
         plot_batches(report, os.path.join(args.out, "batches.png"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bench, rows, pictures = run_benchmark(args)
+    write_outputs(args, bench, rows, pictures)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import os
 import platform
 import random
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -137,10 +138,9 @@ def contact_sheet(real, generated, captions, path, title):
     plt.close(fig)
 
 
-@torch.no_grad()
-def main(argv=None):
-    args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+def load_references(args):
+    """The pipeline with ``--decoder``, and every Twemoji image with its EffNet features: what samples are scored
+    against."""
     pipe = load_pipeline(args.model or default_model_path()).to(args.device)
     pipe.decoder = DECODERS[args.decoder].from_config(pipe.decoder.config)
     pipe.set_progress_bar_config(disable=True)
@@ -148,100 +148,149 @@ def main(argv=None):
     real = TwemojiDataset("all", resolution)
     real_images = torch.stack([real[i]["pixel_values"] for i in range(len(real))])
     effnet, lpips = EffNetFeatures(), LPIPS()
-    real_feats = extract_features(effnet, real_images)
-    index = {c: i for i, c in enumerate(real.captions)}
-    rng = random.Random(args.seed)
-    train_caps = rng.sample([it.caption for it in real.items if it.split == "train"], args.num_train_captions)
-    eval_caps = rng.sample([it.caption for it in real.items if it.split == "eval"], args.num_eval_captions)
-    prompts = train_caps + eval_caps
+    ref = SimpleNamespace(dataset=real, images=real_images, feats=extract_features(effnet, real_images),
+                          index={c: i for i, c in enumerate(real.captions)}, effnet=effnet, lpips=lpips)
+    return pipe, ref
 
-    t0 = time.perf_counter()
+
+def images_of(ref, captions):
+    """The real images of ``captions``."""
+    return ref.images[[ref.index[c] for c in captions]]
+
+
+def sample_scores(args, pipe, ref, rng, train_caps, eval_caps) -> dict:
+    """The samples of every caption and their scores: FD-EffNet against the real images of the same captions and two
+    controls, caption retrieval (and with shuffled prompts), and LPIPS diversity of a few prompts' seeds."""
+    prompts = train_caps + eval_caps
     generated, cost = generate(pipe, prompts, args)
-    gen_feats = extract_features(effnet, generated)
-    matched = real_feats[[index[c] for c in prompts]]
-    others = [c for c in real.captions if c not in set(prompts)]
-    control = real_feats[[index[c] for c in rng.sample(others, len(prompts))]]
-    n_train = len(train_caps)
+    gen_feats = extract_features(ref.effnet, generated)
+    matched = ref.feats[[ref.index[c] for c in prompts]]
+    others = [c for c in ref.dataset.captions if c not in set(prompts)]
+    control = ref.feats[[ref.index[c] for c in rng.sample(others, len(prompts))]]
     shuffled = prompts[:]
     rng.shuffle(shuffled)
-
     div_prompts = train_caps[: args.diversity_prompts // 2] + eval_caps[: args.diversity_prompts - args.diversity_prompts // 2]
     rep = [p for p in div_prompts for _ in range(args.diversity_samples)]
     div_images, _ = generate(pipe, rep, args, seed_offset=10**6)
-    diversity = [lpips_diversity(lpips, div_images[k : k + args.diversity_samples]) for k in range(0, len(rep), args.diversity_samples)]
+    diversity = [lpips_diversity(ref.lpips, div_images[k : k + args.diversity_samples]) for k in range(0, len(rep), args.diversity_samples)]
+    n, captions = len(train_caps), ref.dataset.captions
+    return {
+        "generated": generated, "prompts": prompts, "cost": cost, "num_diversity_prompts": len(div_prompts),
+        "fd_effnet_vs_real_same_captions": frechet_distance(gen_feats, matched),
+        "fd_effnet_label_shuffled_control": frechet_distance(gen_feats, control),
+        "fd_effnet_real_vs_real_control": frechet_distance(matched, control),
+        "retrieval_train": retrieval_accuracy(gen_feats[:n], prompts[:n], ref.feats, captions),
+        "retrieval_heldout": retrieval_accuracy(gen_feats[n:], prompts[n:], ref.feats, captions),
+        "retrieval_shuffled_prompts_control": retrieval_accuracy(gen_feats, shuffled, ref.feats, captions),
+        "lpips_diversity": float(np.mean(diversity)),
+    }
 
-    def reconstruct(images):  # through the grids the model is trained to reproduce
+
+def vq_scores(args, pipe, ref, train_caps, eval_caps) -> dict:
+    """The tokenizer: held-out images through the grids the model is trained to reproduce (PSNR, LPIPS), and the
+    retrieval ceiling of a model that reproduced each training image's exact codes."""
+
+    def reconstruct(images):
         grid = (pipe.backbone.layout.height, pipe.backbone.layout.width)
         return torch.cat([pipe.vqvae.decode_code(real_grids(pipe, images[i : i + 64], args.canonical_background).view(-1, *grid)).cpu()
                           for i in range(0, len(images), 64)])
 
-    heldout_real = real_images[[index[c] for c in eval_caps]]
+    heldout_real = images_of(ref, eval_caps)
     recon = reconstruct(heldout_real)
     mse = ((recon.clamp(-1, 1) - heldout_real) / 2).pow(2).flatten(1).mean(1)
-    # the ceiling of retrieval through this tokenizer: a model that reproduced each real image's exact codes
-    train_recon = reconstruct(real_images[[index[c] for c in train_caps]]).clamp(-1, 1)
-    ceiling = retrieval_accuracy(extract_features(effnet, train_recon), train_caps, real_feats, real.captions)
+    train_recon = reconstruct(images_of(ref, train_caps)).clamp(-1, 1)
+    return {
+        "heldout_real": heldout_real, "recon": recon,
+        "ceiling": retrieval_accuracy(extract_features(ref.effnet, train_recon), train_caps, ref.feats, ref.dataset.captions),
+        "psnr_db": (10 * torch.log10(1 / mse.clamp_min(1e-10))).mean().item(),
+        "lpips": ref.lpips(recon, heldout_real).mean().item(),
+    }
 
+
+def fit_scores(args, pipe, ref, train_caps, eval_caps) -> dict:
+    """The model's fit to the real grids: teacher-forced on training and held-out captions, greedy free-running on
+    the first ``--free-running-captions`` training ones."""
     canonical = args.canonical_background
-    fit_train = teacher_forced_fit(pipe, real_images[[index[c] for c in train_caps]], train_caps, args.device, canonical=canonical)
-    fit_heldout = teacher_forced_fit(pipe, heldout_real, eval_caps, args.device, canonical=canonical)
     guidance = args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale
-    k = min(args.free_running_captions, n_train)
-    free_running = free_running_fit(pipe, real_images[[index[c] for c in train_caps[:k]]], train_caps[:k], guidance,
-                                    args.batch_size, canonical)
+    k = min(args.free_running_captions, len(train_caps))
+    return {
+        "teacher_forced_train": teacher_forced_fit(pipe, images_of(ref, train_caps), train_caps, args.device, canonical=canonical),
+        "teacher_forced_heldout": teacher_forced_fit(pipe, images_of(ref, eval_caps), eval_caps, args.device, canonical=canonical),
+        "free_running_greedy_train": free_running_fit(pipe, images_of(ref, train_caps[:k]), train_caps[:k], guidance,
+                                                      args.batch_size, canonical),
+    }
 
-    report = {
+
+def make_report(args, pipe, samples: dict, vq: dict, fits: dict, num_train: int, num_heldout: int, seconds: float) -> dict:
+    """``eval_<decoder>.json``."""
+    cost, num_samples = samples["cost"], len(samples["prompts"])
+    return {
         "model": args.model or "embedded twemoji_llamagen",
         "decoder": args.decoder,
         "settings": {"guidance_scale": args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale,
                      "temperature": args.temperature, "top_k": args.top_k if args.top_k is not None else pipe.backbone.default_top_k,
                      "top_p": args.top_p, "seed": args.seed},
-        "num_samples": len(prompts),
-        "num_train_captions": n_train,
-        "num_heldout_captions": len(eval_caps),
-        "fd_effnet_vs_real_same_captions": frechet_distance(gen_feats, matched),
-        "fd_effnet_label_shuffled_control": frechet_distance(gen_feats, control),
-        "fd_effnet_real_vs_real_control": frechet_distance(matched, control),
-        "retrieval_train": retrieval_accuracy(gen_feats[:n_train], prompts[:n_train], real_feats, real.captions),
-        "retrieval_heldout": retrieval_accuracy(gen_feats[n_train:], prompts[n_train:], real_feats, real.captions),
-        "retrieval_shuffled_prompts_control": retrieval_accuracy(gen_feats, shuffled, real_feats, real.captions),
-        "retrieval_train_vq_reconstruction_ceiling": ceiling,
-        "fit_grids_canonical_background": canonical,
-        "teacher_forced_train": fit_train,
-        "teacher_forced_heldout": fit_heldout,
-        "free_running_greedy_train": free_running,
-        "lpips_diversity": float(np.mean(diversity)),
-        "lpips_diversity_prompts": len(div_prompts),
+        "num_samples": num_samples,
+        "num_train_captions": num_train,
+        "num_heldout_captions": num_heldout,
+        **{k: samples[k] for k in ("fd_effnet_vs_real_same_captions", "fd_effnet_label_shuffled_control",
+                                   "fd_effnet_real_vs_real_control", "retrieval_train", "retrieval_heldout",
+                                   "retrieval_shuffled_prompts_control")},
+        "retrieval_train_vq_reconstruction_ceiling": vq["ceiling"],
+        "fit_grids_canonical_background": args.canonical_background,
+        **fits,
+        "lpips_diversity": samples["lpips_diversity"],
+        "lpips_diversity_prompts": samples["num_diversity_prompts"],
         "lpips_diversity_samples_per_prompt": args.diversity_samples,
-        "vq_heldout_psnr_db": (10 * torch.log10(1 / mse.clamp_min(1e-10))).mean().item(),
-        "vq_heldout_lpips": lpips(recon, heldout_real).mean().item(),
+        "vq_heldout_psnr_db": vq["psnr_db"],
+        "vq_heldout_lpips": vq["lpips"],
         "target_forward_passes_per_image": cost["forward_passes_per_call"],  # every image of a call shares its passes
         "batch_size": args.batch_size,
         "generation_wall_time_s": cost["wall_time_s"],
-        "seconds_per_image": cost["wall_time_s"] / len(prompts),
-        "total_eval_time_s": time.perf_counter() - t0,
+        "seconds_per_image": cost["wall_time_s"] / num_samples,
+        "total_eval_time_s": seconds,
         "device": str(args.device) if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "dtype": str(pipe.transformer.dtype),
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__},
     }
-    with open(os.path.join(args.out, f"eval_{args.decoder}.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    print(json.dumps(report, indent=2))
 
+
+def write_pictures(args, ref, samples: dict, vq: dict, train_caps, eval_caps) -> None:
+    """``vq_reconstructions.png`` (held-out images over their reconstructions) and ``contact_sheet_<decoder>.png``."""
     from diffusers.utils import make_image_grid
     from PIL import Image
 
     def to_pil(t):
         return Image.fromarray(((t.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy())
 
+    heldout_real, recon = vq["heldout_real"], vq["recon"]
     k = min(12, len(heldout_real))
     strip = [to_pil(t) for t in torch.cat([heldout_real[:k], recon[:k]])]
     make_image_grid(strip, rows=2, cols=k).save(os.path.join(args.out, "vq_reconstructions.png"))
-
     sheet = train_caps[:16] + eval_caps[:16]
-    contact_sheet(real_images[[index[c] for c in sheet]], generated[[prompts.index(c) for c in sheet]], sheet,
+    prompts = samples["prompts"]
+    contact_sheet(images_of(ref, sheet), samples["generated"][[prompts.index(c) for c in sheet]], sheet,
                   os.path.join(args.out, f"contact_sheet_{args.decoder}.png"),
                   f"{args.decoder} decoder: first 4 rows training captions, last 4 rows held-out captions")
+
+
+@torch.no_grad()
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    pipe, ref = load_references(args)
+    rng = random.Random(args.seed)
+    train_caps = rng.sample([it.caption for it in ref.dataset.items if it.split == "train"], args.num_train_captions)
+    eval_caps = rng.sample([it.caption for it in ref.dataset.items if it.split == "eval"], args.num_eval_captions)
+    t0 = time.perf_counter()
+    samples = sample_scores(args, pipe, ref, rng, train_caps, eval_caps)
+    vq = vq_scores(args, pipe, ref, train_caps, eval_caps)
+    fits = fit_scores(args, pipe, ref, train_caps, eval_caps)
+    report = make_report(args, pipe, samples, vq, fits, len(train_caps), len(eval_caps), time.perf_counter() - t0)
+    with open(os.path.join(args.out, f"eval_{args.decoder}.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+    write_pictures(args, ref, samples, vq, train_caps, eval_caps)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def test_components_of_the_embedded_model_give_the_same_tokens():
     assert torch.equal(a, c)
 
 
-def test_sampling_defaults_survive_save_load_and_old_folders_migrate(tmp_path):
+def test_sampling_defaults_survive_save_load(tmp_path):
     pipe = dummy_pipeline("llamagen")
     pipe.transformer.register_to_config(default_guidance_scale=2.5, default_top_k=3)
     pipe.save_pretrained(tmp_path / "new")
@@ -79,20 +79,7 @@ def test_sampling_defaults_survive_save_load_and_old_folders_migrate(tmp_path):
     assert json.loads((tmp_path / "new" / "transformer" / "config.json").read_text())["default_top_k"] == 3
     loaded = LlamaGenPipeline.from_pretrained(tmp_path / "new")
     assert (loaded.backbone.default_guidance_scale, loaded.backbone.default_top_k) == (2.5, 3)
-    # a folder saved the old way (defaults in model_index.json) loads with its defaults, and saves the new way
-    old = tmp_path / "old"
-    shutil.copytree(tmp_path / "new", old)
-    index.update(default_guidance_scale=4.5, default_top_k=2)
-    (old / "model_index.json").write_text(json.dumps(index))
-    config = json.loads((old / "transformer" / "config.json").read_text())
-    del config["default_guidance_scale"], config["default_top_k"]
-    (old / "transformer" / "config.json").write_text(json.dumps(config))
-    migrated = LlamaGenPipeline.from_pretrained(old)
-    assert (migrated.backbone.default_guidance_scale, migrated.backbone.default_top_k) == (4.5, 2)
-    assert (LlamaGenPipeline(**migrated.components).backbone.default_top_k) == 2
-    migrated.save_pretrained(tmp_path / "resaved")
-    assert "default_top_k" not in json.loads((tmp_path / "resaved" / "model_index.json").read_text())
-    assert LlamaGenPipeline.from_pretrained(tmp_path / "resaved").backbone.default_guidance_scale == 4.5
+    assert LlamaGenPipeline(**loaded.components).backbone.default_top_k == 3
 
 
 def test_assigning_heads_and_decoders_is_checked(saved):

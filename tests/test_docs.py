@@ -1,7 +1,8 @@
 """The documentation site (`mkdocs.yml`, pages under `docs/`): it builds with ``mkdocs build --strict`` (a broken link,
 a missing page or an unresolved reference fails), and its decoder, family, heads and API pages render every public
 decoder, pipeline, heads class and `DecodingStats` field from the docstrings. A new public class that no page
-renders fails here."""
+renders fails here. The pages' examples (python blocks, inline calls, benchmark decoder specs) name only what the library
+takes."""
 
 import dataclasses
 import os
@@ -14,6 +15,8 @@ import pytest
 
 import spatial_pipelines
 from spatial_pipelines import DecodingStats, DraftHeadsMixin, SpatialARPipeline, SpatialDecoderMixin
+
+from helpers import benchmark_parse_decoder, example_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,3 +84,16 @@ def test_api_page_renders_every_public_class_and_stats_field(site):
     assert len(fields) > 5
     for field in fields:
         assert re.search(rf"\b{field}\b", stats), f"DecodingStats.{field} is not rendered on the API page"
+
+
+def test_the_pages_examples_name_only_arguments_the_library_takes():
+    """Every page under docs/ and the README: the imports and keyword arguments of its python examples, its inline
+    calls and its benchmark decoder specs (tables and commands) are ones the library takes now."""
+    parse_decoder = benchmark_parse_decoder()
+    pages = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+    checked, problems = 0, []
+    for page in pages:
+        more, found = example_problems(page.read_text(encoding="utf-8"), str(page.relative_to(ROOT)), parse_decoder)
+        checked, problems = checked + more, problems + found
+    assert problems == []
+    assert checked > 100, f"only {checked} examples found in {len(pages)} pages"

@@ -135,6 +135,6 @@ def test_shipped_eagle_drafter_keeps_greedy_exact_and_saves_passes(embedded_with
         out = pipe(SHIPPED_PROMPTS, guidance_scale=1.5, temperature=0, output_type="latent")
         assert torch.equal(out.tokens, refs[1.5, 3].tokens)
         assert out.stats.num_forward_passes < refs[1.5, 3].stats.num_forward_passes
-        assert out.stats.mean_tree_depth is not None and out.stats.mean_tree_depth > 0
+        assert out.stats.decoder_stats["mean_tree_depth"] > 0
     finally:
         pipe.set_draft_heads(heads)

@@ -1,6 +1,7 @@
 """Model cards for what we save and push (spatial_pipelines.hub): draft heads get an adapter card of their kind,
-pipelines a card that names the packages loading needs, both through ``save_pretrained`` and ``push_to_hub``, and
-the embedded model's cards stay what scripts/make_cards.py renders. Uploads are stubbed: no network."""
+pipelines a card that names the packages loading needs, both through ``save_pretrained`` and ``push_to_hub``, the
+embedded model's cards stay what scripts/make_cards.py renders, and every card's examples name only arguments the
+library takes. Uploads are stubbed: no network."""
 
 import json
 import re
@@ -27,7 +28,7 @@ from spatial_pipelines import (
 from spatial_pipelines.hub import default_training_command, heads_card, hub_model_id
 from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
 
-from helpers import load_script
+from helpers import benchmark_parse_decoder, example_problems, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"README.md", "config.json", "diffusion_pytorch_model.safetensors"}
@@ -331,3 +332,64 @@ def test_templates_ship_in_the_package():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"hub_cards/templates/*.md"' in pyproject
     assert issubclass(SpatialDraftHeads, DraftHeadsMixin)
+
+
+# -- the examples cards show ---------------------------------------------------------------------------------
+V2_BENCHMARK = ROOT / "docs" / "benchmarks" / "v2" / "benchmark.json"
+
+
+def template_cards():
+    """A card of every template and branch `spatial_pipelines.hub` renders, with the speed table of the shipped
+    benchmark report."""
+    facts = {"hidden_size": 8, "num_image_codes": 16, "grid_height": 4, "grid_width": 4, "num_layers": 1}
+    heads = {
+        "medusa heads": ("SpatialDraftHeads", {"horizontal_offsets": [1, 2, 3, 4], "vertical_offsets": []}),
+        "hawk heads": ("SpatialDraftHeads", {"horizontal_offsets": [1, 2, 3, 4], "vertical_offsets": [1, 2]}),
+        "ssd heads": ("LatentDraftHeads", {"horizontal_offsets": [1, 2, 3, 4, 5], "vertical_offsets": [1, 2]}),
+        "sjd latent heads": ("LatentDraftHeads", {"horizontal_offsets": [], "vertical_offsets": [1]}),
+        "eagle head": ("EagleDraftHead", {"num_attention_heads": 2}),
+        "other heads": (["ToyHeads", "DraftHeadsMixin"], {}),
+    }
+    cards = {name: heads_card(cls, {**facts, **config}, benchmark=V2_BENCHMARK).text for name, (cls, config) in heads.items()}
+    cards["pipeline"] = spatial_pipelines.hub.pipeline_card(dummy_pipeline("llamagen", "hawk", "random")).text
+    return cards
+
+
+@pytest.fixture(scope="module")
+def parse_decoder():
+    return benchmark_parse_decoder()
+
+
+def test_every_shipped_card_names_only_arguments_the_library_takes(parse_decoder):
+    """Every card we ship (the committed ones as scripts/make_cards.py renders them, and every template's branches):
+    its imports, the keyword arguments of its calls and its benchmark decoder specs are all ones the library takes."""
+    cards = {**load_script("make_cards.py").render_cards(), **template_cards()}
+    checked = {}
+    problems = []
+    for where, text in cards.items():
+        checked[where], found = example_problems(text, where, parse_decoder)
+        problems += found
+    assert problems == []
+    assert all(checked.values()), f"cards with no example checked: {[w for w, n in checked.items() if not n]}"
+    assert sum(checked.values()) > 3 * len(cards)
+
+
+def test_the_example_check_finds_what_the_library_no_longer_takes(parse_decoder):
+    """Control: a card with a removed argument, a removed name and a removed decoder spec option fails the check
+    above, wherever the example stands (python block, inline call, table row, shell command)."""
+    text = (
+        "```python\nfrom spatial_pipelines import MedusaDecoder\nfrom spatial_pipelines.core.layout import "
+        "RowEndOfRowInsertion\npipe.decoder = MedusaDecoder(lantern_delta=0.1)\n```\n"
+        "Or `HawkDecoder(num_heads=4)`.\n\n| `medusa:acceptance=lantern,lantern_delta=0.1 [compiled]` | no |\n\n"
+        "```bash\npython scripts/benchmark.py --decoders ar sjd:acceptance=lantern,lantern_k=3\n```\n"
+    )
+    checked, problems = example_problems(text, "card", parse_decoder)
+    assert checked == 6 and len(problems) == 5, problems
+    for name in ("RowEndOfRowInsertion", "takes no `lantern_delta`", "HawkDecoder takes no `num_heads`",
+                 "`medusa:acceptance=lantern,lantern_delta=0.1 [compiled]`", "`sjd:acceptance=lantern,lantern_k=3`"):
+        assert sum(name in p for p in problems) == 1, (name, problems)
+    fixed = text.replace("lantern_delta", "acceptance.delta").replace("lantern_k", "acceptance.k")
+    fixed = fixed.replace("MedusaDecoder(acceptance.delta=0.1)", "MedusaDecoder(acceptance={'name': 'lantern', 'delta': 0.1})")
+    fixed = fixed.replace("num_heads", "num_horizontal_heads").replace("core.layout import RowEndOfRowInsertion",
+                                                                     "core.layout import EndOfRowInsertion")
+    assert example_problems(fixed, "card", parse_decoder) == (6, [])

@@ -5,7 +5,6 @@ The relaxed rules are checked against an independent reference written here (a p
 siblings), on random distributions, and end to end on the tiny enumerable model.
 """
 
-import json
 import math
 
 import pytest
@@ -91,24 +90,6 @@ def test_decoder_config_saves_the_rule_as_json_and_loads_it_back(decoder_cls, ac
     assert loaded.acceptance_rule == decoder.acceptance_rule == resolve_acceptance(acceptance)
     assert loaded.config.acceptance == decoder.acceptance_rule.to_config()
     assert isinstance(decoder.config.acceptance, (str, dict))  # JSON, whatever form was passed
-
-
-def test_earlier_lantern_arguments_and_configs_still_load_with_a_deprecation_warning(tmp_path):
-    with pytest.warns(FutureWarning, match="acceptance="):
-        decoder = MedusaDecoder(acceptance="lantern", lantern_k=9, lantern_delta=0.3, lantern_lambda=4.0)
-    assert decoder.acceptance_rule == LanternAcceptance(k=9, delta=0.3)  # LANTERN reads no lambda
-    assert "lantern_k" not in decoder.config
-    with pytest.warns(FutureWarning):
-        assert HawkDecoder(acceptance="lantern++", lantern_lambda=5.0).acceptance_rule == LanternPlusPlusAcceptance(lambda_=5.0)
-    with pytest.warns(FutureWarning):
-        assert JacobiDecoder(lantern_k=3).acceptance_rule is EXACT  # the exact rule took them and read none
-    # a config file written by an earlier version
-    (tmp_path / "decoder_config.json").write_text(json.dumps({
-        "_class_name": "MedusaDecoder", "num_heads": 4, "top_k": 4, "acceptance": "lantern", "lantern_k": 11,
-        "lantern_delta": 0.05, "lantern_lambda": 2.0}))
-    with pytest.warns(FutureWarning, match="lantern_k"):
-        loaded = MedusaDecoder.from_pretrained(tmp_path)
-    assert loaded.acceptance_rule == LanternAcceptance(k=11, delta=0.05)
 
 
 def test_is_exact_is_a_property_of_the_instance():

@@ -273,13 +273,6 @@ def test_per_row_end_of_row_insertion_matches_each_row_alone():
     assert EndOfRowInsertion.for_positions(EOL_LAYOUT, EOL_LAYOUT.sequence_position(torch.tensor([[7, 8]]), 1), 1) is None
 
 
-def test_row_end_of_row_insertion_is_the_general_form_under_its_old_name():
-    import spatial_pipelines.core.layout as layout_module
-
-    with pytest.warns(FutureWarning, match="EndOfRowInsertion"):
-        assert layout_module.RowEndOfRowInsertion is EndOfRowInsertion
-
-
 @torch.no_grad()
 def test_kv_after_a_tree_through_a_row_end_equals_recompute():
     """Invariant 3 with EOLs: keeping an accepted path that crosses a row end leaves the cache (and the next

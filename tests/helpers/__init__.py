@@ -1,6 +1,7 @@
 """What several test files share, in one place (no test file imports another): the pipeline tester mixin, the
 decoder and family tables, reference computations, fixtures and the script runner."""
 
+from .examples import benchmark_parse_decoder, example_problems
 from .fixtures import (
     OracleHeads,
     chameleon_code,
@@ -30,11 +31,13 @@ __all__ = [
     "OracleHeads",
     "PipelineTesterMixin",
     "SCRIPTS",
+    "benchmark_parse_decoder",
     "chameleon_code",
     "chameleon_reference_greedy",
     "chi_square_pvalue",
     "code_ids_from_names",
     "exact_joint_distribution",
+    "example_problems",
     "expected_passes",
     "full_sequence_probs",
     "gen",

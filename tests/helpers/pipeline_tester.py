@@ -167,8 +167,10 @@ class PipelineTesterMixin(DiffusersPipelineChecks):
         pipe.save_pretrained(target)
         assert not (target / "transformer" / "stale.safetensors").exists()
         loaded = self.pipeline_class.from_pretrained(target)
-        for (n, p), q in zip(pipe.transformer.state_dict().items(), loaded.transformer.state_dict().values()):
-            assert torch.equal(p, q), n
+        saved, read = pipe.transformer.state_dict(), loaded.transformer.state_dict()
+        assert saved and list(read) == list(saved)
+        for n, p in saved.items():
+            assert torch.equal(p, read[n]), n
 
     def test_failed_save_leaves_old_folder(self, tmp_path, monkeypatch):
         target = tmp_path / "pipe"

@@ -12,7 +12,6 @@ config. A new rule is one subclass of `AcceptanceRule` with its own ``name``: de
 """
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Type, Union
 
@@ -239,33 +238,6 @@ def resolve_acceptance(acceptance: AcceptanceLike = "exact") -> AcceptanceRule:
     if name == "exact" and not settings:
         return EXACT  # one object: the walks take their vectorised exact path on sight of it
     return ACCEPTANCE_RULES[name].from_config(settings)
-
-
-#: Decoder arguments of earlier versions, folded into ``acceptance`` (`fold_legacy_acceptance`).
-LEGACY_ACCEPTANCE_ARGS = {"lantern_k": "k", "lantern_delta": "delta", "lantern_lambda": "lambda"}
-
-
-def fold_legacy_acceptance(kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """``kwargs`` with the earlier ``lantern_k``, ``lantern_delta`` and ``lantern_lambda`` folded into
-    ``acceptance`` (a `FutureWarning` says how to write them now); settings that the named rule does not take are
-    dropped with that warning (the exact rule took them all and read none)."""
-    legacy = {k: kwargs[k] for k in LEGACY_ACCEPTANCE_ARGS if k in kwargs}
-    if not legacy:
-        return kwargs
-    out = {k: v for k, v in kwargs.items() if k not in legacy}
-    acceptance = out.get("acceptance", "exact")
-    if isinstance(acceptance, str) and acceptance in ACCEPTANCE_RULES:
-        rule = ACCEPTANCE_RULES[acceptance]
-        taken = {p.rstrip("_") for p in rule.parameters}
-        settings = {LEGACY_ACCEPTANCE_ARGS[k]: v for k, v in legacy.items() if LEGACY_ACCEPTANCE_ARGS[k] in taken}
-        out["acceptance"] = {"name": acceptance, **settings} if settings else acceptance
-    warnings.warn(
-        f"{sorted(legacy)} are deprecated: pass `acceptance={out.get('acceptance', acceptance)!r}` instead (a rule name, "
-        "a dict of its settings, or a rule object). They will be removed in spatial_pipelines 1.0.",
-        FutureWarning,
-        stacklevel=3,
-    )
-    return out
 
 
 def codebook_neighbours(codebook: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:

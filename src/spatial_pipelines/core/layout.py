@@ -263,16 +263,6 @@ def _insertion(row_end: Tuple[bool, ...], depth_ends: Tuple[bool, ...], device: 
     return _tables(torch.tensor([row_end], device=device), sum(row_end), depth_ends)
 
 
-def __getattr__(name: str):
-    if name == "RowEndOfRowInsertion":  # the per-row case is the general form of `EndOfRowInsertion` now
-        import warnings
-
-        warnings.warn("`RowEndOfRowInsertion` is `EndOfRowInsertion` (its per-row form); use `EndOfRowInsertion`.",
-                      FutureWarning, stacklevel=2)
-        return EndOfRowInsertion
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @functools.lru_cache(maxsize=256)
 def _path_slots(depth_ends: Tuple[bool, ...], device: torch.device) -> torch.Tensor:
     """Which of a path's (node, slot after it) pairs are kept: every node, and the slot after a row-ending one."""

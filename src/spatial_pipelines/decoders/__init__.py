@@ -1,7 +1,8 @@
 """Decoders: one algorithm per file, weight-free, swappable with ``Decoder.from_config(pipe.decoder.config)``."""
 
 from .decoding_autoregressive import AutoregressiveDecoder
-from .decoding_eagle import ADT_PRESETS, ADTTreeDecoder, EagleDecoder
+from .decoding_adt import ADT_PRESETS, ADTTreeDecoder
+from .decoding_eagle import EagleDecoder
 from .decoding_hawk import HawkDecoder
 from .decoding_jacobi import JacobiDecoder
 from .decoding_medusa import MedusaDecoder

@@ -14,8 +14,6 @@ their logits are mixed like the target's):
 4. the target verifies it (point masses: the drafter's candidates are deterministic given the context).
 """
 
-import copy
-import random as pyrandom
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -26,7 +24,6 @@ from ..core.acceptance import AcceptanceLike
 from ..core.contracts import DRAFTER, HeadsNeed
 from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
-from ..utils import check_number
 from .decoding_tree import TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
 
@@ -256,143 +253,3 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         out = self._verify_step(logits, hidden_states[: state.batch_size], draft, state)
         self._keep_features(state, hidden_states, state.accepted_path)
         return out
-
-
-ADT_INITS = ("horizontal", "vertical", "random")
-#: The paper's settings per family (``beta``, steps and ranges), to pass as kwargs: ``ADTTreeDecoder(**ADT_PRESETS["llamagen"])``.
-ADT_PRESETS = {
-    "llamagen": {"beta": 1.0, "depth_step": 1, "width_step": 10, "depth_range": (1, 10), "width_range": (3, 40)},
-    "anole": {"beta": 1.0, "depth_step": 1, "width_step": 3, "depth_range": (1, 10), "width_range": (3, 14)},
-}
-
-
-@dataclass
-class ADTState(EagleState):
-    """`EagleState` plus ADT-Tree's host-side shape memory.
-
-    Args:
-        shapes (`list`): ``(depth, top_k)`` of the tree that committed each raster position (``None``: not yet).
-        last_shape (`tuple[int, int]`): this round's tree shape.
-        last_alpha (`float`, *optional*): the previous tree's acceptance rate (accepted drafts / depth).
-        shape_generator (`random.Random`, *optional*): host generator of ``tree_init="random"`` shapes (seeded from
-            the generation's random numbers, so a seed fixes the shapes too).
-    """
-
-    shared_fields = ("shapes", "last_shape", "last_alpha", "shape_generator")
-
-    shapes: List[Any] = field(default_factory=list)
-    last_shape: Any = None
-    last_alpha: Optional[float] = None
-    shape_generator: Any = None
-
-    def _after_split(self, parent, index) -> None:
-        super()._after_split(parent, index)
-        self.shape_generator = copy.deepcopy(parent.shape_generator)  # each part draws from its own copy
-
-
-class ADTTreeDecoder(EagleDecoder):
-    r"""ADT-Tree: EAGLE-2's dynamic tree whose depth and width adapt to the image region (implemented from the
-    paper; its public code has no adaptive rule).
-
-    Every raster position remembers the ``(depth, top_k)`` of the tree that committed it. A new tree starts from a
-    neighbour's: the left one (``tree_init="horizontal"``, the paper's choice), the one above (``"vertical"``; the left
-    one on the first row) or a uniform draw in the ranges (``"random"``): ``tree_init``. Bisectional adaptation then moves it by the
-    previous tree's acceptance rate ``alpha = accepted drafts / depth``: ``alpha >= beta`` gives a deeper, narrower
-    tree (``depth + depth_step``, ``top_k - width_step``), otherwise a shallower, wider one; both clamped to their
-    ranges. The rows of one decoder state (a batch's rows until their runs diverge, `RowBatch`) share one
-    ``(depth, top_k)`` per round.
-
-    Args:
-        depth (`int`), top_k (`int`): the first tree's shape (before any neighbour exists), held to the ranges like
-            every later one.
-        num_draft_tokens (`int` or `"auto"`): nodes kept per tree, as `EagleDecoder`.
-        tree_init (`str`): ``"horizontal"``, ``"vertical"`` or ``"random"`` (named apart from `JacobiDecoder`'s
-            ``init``, so either decoder still builds from the other's config).
-        beta (`float`): the acceptance-rate threshold.
-        depth_step (`int`), width_step (`int`): adaptation steps ``l_d``, ``l_k``.
-        depth_range (`tuple[int, int]`), width_range (`tuple[int, int]`): inclusive bounds (``ADT_PRESETS`` has the
-            paper's per family; its depth range ``(0, 10)`` starts at 1 here: a tree of depth 0 drafts nothing).
-        acceptance: as `EagleDecoder`.
-    """
-
-    @register_to_config
-    def __init__(
-        self,
-        depth: int = 5,
-        top_k: int = 8,
-        num_draft_tokens: Union[int, str] = AUTO,
-        tree_init: str = "horizontal",
-        beta: float = 1.0,
-        depth_step: int = 1,
-        width_step: int = 10,
-        depth_range: tuple = (1, 10),
-        width_range: tuple = (3, 40),
-        acceptance: AcceptanceLike = "exact",
-    ):
-        if tree_init not in ADT_INITS:
-            raise ValueError(f"`tree_init` must be one of {ADT_INITS}, got {tree_init!r}.")
-        check_number("beta", beta, 0)
-        check_int("depth_step", depth_step, 0)
-        check_int("width_step", width_step, 0)
-        for name, pair in (("depth_range", depth_range), ("width_range", width_range)):
-            if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in pair)
-                    or not 1 <= pair[0] <= pair[1]):
-                raise ValueError(f"`{name}` must be two ints (low, high) with 1 <= low <= high, got {pair!r}.")
-        check_draft_budget(f"`depth_range={list(depth_range)}` (one node per depth at the deepest)", 1 + depth_range[1])
-        check_draft_budget(f"`width_range={list(width_range)}` (the children of one node at the widest)", 1 + width_range[1])
-        check_draft_budget(f"`depth_range={list(depth_range)}` with `width_range={list(width_range)}` (the nodes grown "
-                           "before the best are kept)", 1 + (depth_range[1] - 1) * width_range[1])
-        super().__init__(depth=depth, top_k=top_k, num_draft_tokens=num_draft_tokens, acceptance=acceptance)
-        self.register_to_config(depth_range=list(depth_range), width_range=list(width_range))  # as JSON saves them
-
-    def _max_tree_slots(self) -> int:
-        return (self.config.depth_range[1] - 1) * self.config.width_range[1]
-
-    @property
-    def separate_rows(self) -> bool:
-        """``tree_init="random"`` draws each tree's shape from one row's random numbers: every image keeps its own
-        state from the start, as it would alone."""
-        return self.config.tree_init == "random"
-
-    state_class = ADTState
-
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> ADTState:
-        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        state.shapes = [None] * layout.num_tokens  # host-side (depth, top_k) per raster position
-        if self.config.tree_init == "random":  # host draws, seeded once from the generation's random numbers
-            state.shape_generator = pyrandom.Random(int(random.uniform(1)[0, 0].item() * 2**31))
-        return state
-
-    def _tree_shape(self, state: EagleState):
-        c = self.config
-        s = state.num_committed
-        neighbour = None
-        if c.tree_init == "vertical" and s - state.layout.width >= 0:
-            neighbour = state.shapes[s - state.layout.width]
-        elif c.tree_init in ("horizontal", "vertical") and s >= 1:
-            neighbour = state.shapes[s - 1]
-        if c.tree_init == "random":
-            neighbour = (state.shape_generator.randint(*c.depth_range), state.shape_generator.randint(*c.width_range))
-        depth, k = neighbour if neighbour is not None else (c.depth, c.top_k)
-        if state.last_alpha is not None:  # bisectional adaptation from the previous tree's acceptance rate
-            if state.last_alpha >= c.beta:
-                depth, k = depth + c.depth_step, k - c.width_step
-            else:
-                depth, k = depth - c.depth_step, k + c.width_step
-        depth = min(max(depth, c.depth_range[0]), c.depth_range[1])
-        k = min(max(k, c.width_range[0]), c.width_range[1], state.backbone.num_image_codes)
-        state.last_shape = (depth, k)
-        return depth, k
-
-    def step(self, logits, hidden_states, draft, state: EagleState, draft_heads=None) -> StepOutput:
-        first = state.num_committed
-        out = super().step(logits, hidden_states, draft, state, draft_heads)
-        if draft is not None:
-            depth, k = state.last_shape
-            # accepted drafts (the bonus excluded) over the depth the tree was grown to (`propose` caps it at the
-            # kept node count: deeper nodes are never kept)
-            state.last_alpha = (out.num_accepted - 1) / self._grown_shape(depth, k)[0]
-            for i in range(first, state.num_committed):  # the positions this tree committed remember its shape
-                state.shapes[i] = (depth, k)
-        return out
-

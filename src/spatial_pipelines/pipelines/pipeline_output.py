@@ -9,7 +9,6 @@ import torch
 from diffusers.utils import BaseOutput
 
 
-
 @dataclass
 class DecodingStats:
     """What one generation cost.
@@ -24,16 +23,15 @@ class DecodingStats:
             (``0`` in the passes after a row finished).
         acceptance_map (`torch.LongTensor` `(B, H, W)`): accepted length of the pass that committed each code.
         wall_time_s (`float`): wall-clock seconds of the whole call.
-        mean_tree_depth (`float`, *optional*): dynamic-tree decoders (EAGLE-2, ADT-Tree): mean depth of the trees
-            verified, over passes and rows.
-        mean_tree_width (`float`, *optional*): the same for the ``top_k`` the trees were grown with.
         padded_fraction (`float`, *optional*): with static shapes (`SpatialARPipeline.static_shapes`) or several
             images, the share of the slots the rounds fed to the target that were padding (the price of one
             fixed-shape step, of rows whose drafts are narrower than the widest, and of rows already finished).
         row_forward_passes (`list[int]`): per image, the target passes it took (prefill included): what it takes
             alone. Every row advances on its own, so ``num_forward_passes`` is their maximum.
-        decoder_stats (`dict`): what the decoder reports about its own rounds (`DecodingState.report`; EAGLE-2 and
-            ADT-Tree: ``mean_tree_depth``, ``mean_tree_width``). A new decoder reports here without a new field.
+        decoder_stats (`dict`): what the decoder reports about its own rounds (`DecodingState.report`). EAGLE-2 and
+            ADT-Tree report ``mean_tree_depth`` (mean depth of the trees verified, over passes and rows) and
+            ``mean_tree_width`` (the same for the ``top_k`` the trees were grown with); other decoders report
+            nothing. A new decoder reports here without a new field.
     """
 
     num_forward_passes: int
@@ -43,16 +41,9 @@ class DecodingStats:
     accepted_lengths: torch.Tensor
     acceptance_map: torch.Tensor
     wall_time_s: float
-    mean_tree_depth: Optional[float] = None
-    mean_tree_width: Optional[float] = None
     padded_fraction: Optional[float] = None
     row_forward_passes: List[int] = field(default_factory=list)
     decoder_stats: Dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self):
-        for name in ("mean_tree_depth", "mean_tree_width"):  # fields of their own before decoders reported them
-            if getattr(self, name) is None and name in self.decoder_stats:
-                setattr(self, name, self.decoder_stats[name])
 
 
 @dataclass
