@@ -2,8 +2,10 @@
 own AR loop is timed against (`scripts/benchmark.py` reports it as the ``minimal-ar`` row).
 
 Static KV cache written at a fixed index, one boolean mask row per step sliced from a table built once, RoPE rows
-sliced from a complex table built once, CFG rows as one batch, sampling by the exponential race (no host sync).
-It shares no code with the pipeline's loop, decoders or cache: only the weights and the prompt encoding.
+sliced from a complex table built once, CFG rows as one batch, sampling by the Gumbel-max race (no host sync) with the pipelines' default keyed noise
+(`spatial_pipelines.core.sampling.keyed_gumbel`: one seed per image, noise keyed by grid position and code) or noise
+drawn from the generators. It shares no code with the pipeline's loop, decoders or cache: only the weights, the
+prompt encoding and the noise function.
 """
 
 from typing import List, Optional
@@ -11,12 +13,17 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from spatial_pipelines.core.sampling import draw_seeds, keyed_gumbel
+
 
 @torch.no_grad()
 def minimal_ar_generate(
-    pipe, prompts: List[str], guidance_scale: float, temperature: float, top_k: Optional[int], generators
+    pipe, prompts: List[str], guidance_scale: float, temperature: float, top_k: Optional[int], generators,
+    sampling_noise: str = "keyed",
 ) -> torch.Tensor:
-    """Code grids ``(B, H, W)`` for ``prompts`` with plain AR decoding; ``generators`` one per image."""
+    """Code grids ``(B, H, W)`` for ``prompts`` with plain AR decoding; ``generators`` one per image;
+    ``sampling_noise`` ``"keyed"`` or ``"drawn"``, as the pipelines' argument."""
+    seeds = draw_seeds(generators, len(generators)) if sampling_noise == "keyed" and temperature != 0 else None
     t = pipe.transformer
     backbone = pipe.backbone
     cfg = guidance_scale != 1.0
@@ -62,10 +69,14 @@ def minimal_ar_generate(
             logits = uncond + guidance_scale * (cond - uncond)
         return logits
 
-    def sample(logits):
+    def sample(logits, j: int):  # the code at grid index j
         if temperature == 0:
             return logits.argmax(-1)
         logits = logits / temperature
+        if seeds is not None:  # Gumbel-max over the k largest (the rest would be -inf)
+            kept, codes = logits.topk(top_k or logits.shape[-1], -1)  # (B, k)
+            pick = (kept + keyed_gumbel(seeds.to(device), j, codes, logits.shape[-1])).argmax(-1, keepdim=True)
+            return codes.gather(-1, pick).squeeze(-1)
         if top_k:
             kth = logits.topk(top_k, -1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -77,7 +88,7 @@ def minimal_ar_generate(
     for i, layer in enumerate(t.layers):
         x = layer_forward(x, layer, i, pos, masks[:, None, :p, :].expand(rows, 1, p, total))
     tokens = torch.empty(b, n, dtype=torch.long, device=device)
-    tokens[:, 0] = sample(logits_of(x[:, -1]))
+    tokens[:, 0] = sample(logits_of(x[:, -1]), 0)
     positions = torch.arange(p, total, device=device)  # slot of each image code's input, built once
     for j in range(1, n):
         code = tokens[:, j - 1]
@@ -86,5 +97,5 @@ def minimal_ar_generate(
         mask = masks[:, None, p + j - 1 : p + j, :]  # (R, 1, 1, S) a view of the table
         for i, layer in enumerate(t.layers):
             x = layer_forward(x, layer, i, slot, mask)
-        tokens[:, j] = sample(logits_of(x[:, -1]))
+        tokens[:, j] = sample(logits_of(x[:, -1]), j)
     return tokens.view(b, t.config.grid_height, t.config.grid_width)
