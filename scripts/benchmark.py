@@ -437,8 +437,9 @@ def decoder_row(setup: Setup, bench: Bench, parts, cost: dict, per_image: dict) 
     compiled while timed, and a dynamic tree's mean shape."""
     decoder = setup.decoder
     config = {k: v for k, v in dict(decoder.config).items() if not k.startswith("_")}
-    if getattr(decoder, "sizes_from_pass_cost", False):
-        config["resolved_draft_tokens"] = decoder.tree.num_nodes - 1  # what "auto" chose on this device
+    if decoder.draft_size_name is not None:  # the size drafted with: a family's default for None, "auto"'s choice
+        config.update({f"resolved_{k}": v for k, v in decoder.fixed_sizes().items()})
+        config["resolved_draft_tokens"] = decoder.tree.num_nodes - 1
     row = {
         "decoder": setup.spec,
         "compiled": setup.compiled,

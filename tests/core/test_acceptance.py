@@ -253,13 +253,13 @@ def _first_drafted_marginal(pipe, seed):
 def test_lantern_output_tvd_grows_with_delta_within_the_bound():
     """Medusa with LANTERN on an 8-code model: at the first drafted position (the second code; the first comes
     from the prefill pass) the output's TVD to the model's own marginal stays within ``delta`` and grows with it."""
-    pipe = dummy_pipeline("llamagen", MedusaDecoder(num_heads=2, top_k=3, num_draft_tokens=None), "random", grid=(2, 2), num_codes=8)
+    pipe = dummy_pipeline("llamagen", MedusaDecoder(num_heads=2, top_k=3, num_draft_tokens=6), "random", grid=(2, 2), num_codes=8)
     sampling = SamplingConfig(2.0, 1.0)
     joint = exact_joint_distribution(pipe, "a fox", sampling).reshape(8, 8, 8, 8)
     marginal = joint.sum((0, 2, 3)).double()  # the AR marginal of code 1
     tvds = {}
     for delta in (0.0, 0.2, 0.5):
-        pipe.decoder = MedusaDecoder(num_heads=2, top_k=3, num_draft_tokens=None, acceptance={"name": "lantern", "k": 7, "delta": delta})
+        pipe.decoder = MedusaDecoder(num_heads=2, top_k=3, num_draft_tokens=6, acceptance={"name": "lantern", "k": 7, "delta": delta})
         freq = _first_drafted_marginal(pipe, seed=3) / N_SAMPLES
         tvds[delta] = 0.5 * (freq - marginal).abs().sum().item()
     noise = 0.03  # sampling noise of an 8-bin TVD estimate from 12,000 draws is about 0.01

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spatial_pipelines import ADTTreeDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
+from spatial_pipelines import ADTTreeDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, LlamaGenPipeline, MedusaDecoder
 from spatial_pipelines.core import RandomSource
 from spatial_pipelines.core.tree import tree_from_paths
 from spatial_pipelines.core.verification import verify_tree, verify_tree_sequential
@@ -141,12 +141,12 @@ def test_auto_size_follows_the_pass_cost(decoder_cls, size_arg):
 def test_auto_tree_size_weighs_the_drafter_passes(decoder_cls):
     """EAGLE-2 drafts with one drafter pass per depth: with a flat target cost the largest tree pays when drafting is
     free, and a single node (one drafter pass) when a drafter pass costs as much as a target pass."""
-    free = decoder_cls(depth=4, top_k=3)
+    free = decoder_cls(depth=4, top_k=3, num_draft_tokens="auto")
     free.resolve_draft_size(lambda t: 1.0, lambda t: 0.0)
     expected = {n: 1 + free._sized_tree(n)[1] for n in free._draft_sizes()}  # codes per pass, all at the same cost
     assert 1 + free._sized_tree(free.tree.num_nodes - 1)[1] >= (1 - AUTO_RATE_TOLERANCE) * max(expected.values())
     assert free.tree.num_nodes > 4
-    dear = decoder_cls(depth=4, top_k=3)
+    dear = decoder_cls(depth=4, top_k=3, num_draft_tokens="auto")
     dear.resolve_draft_size(lambda t: 1.0, lambda t: 1.0)
     assert dear.tree.num_nodes == 2
     assert dear._drafting_seconds(dear._sized_tree(5)[0], lambda t: 1.0) == 1 + 3  # a catch-up pass, then 3 expansions
@@ -154,7 +154,7 @@ def test_auto_tree_size_weighs_the_drafter_passes(decoder_cls):
 
 
 def test_pipeline_measures_the_drafter_pass_for_eagle_auto_sizes():
-    pipe = dummy_pipeline("llamagen", EagleDecoder(depth=3, top_k=2), "random", grid=(4, 5))
+    pipe = dummy_pipeline("llamagen", EagleDecoder(depth=3, top_k=2, num_draft_tokens="auto"), "random", grid=(4, 5))
     pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
     pass_cost, drafter, overhead, _ = pipe.decoder._resolved_for
     assert overhead is None  # a drafter's passes are timed as passes, not on dry rounds
@@ -163,7 +163,7 @@ def test_pipeline_measures_the_drafter_pass_for_eagle_auto_sizes():
 
 
 def test_auto_size_is_resolved_once_per_pipeline_and_serves_the_invariants():
-    pipe = dummy_pipeline("llamagen", JacobiDecoder(), None, grid=(4, 5))
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size="auto"), None, grid=(4, 5))
     assert pipe.decoder.sizes_from_pass_cost
     greedy = pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent")
     chosen = pipe.decoder.tree.num_nodes
@@ -235,7 +235,7 @@ def test_auto_size_counts_the_round_outside_the_pass(decoder_cls, size_arg):
 def test_pipeline_times_the_decoders_own_work_on_dry_rounds():
     """A call with "auto" Medusa times the decoder's own round (propose, CFG mix, step) per candidate tree on dry
     rounds, once per pipeline; the decoder keeps the tree it chose, and greedy output is unchanged by the choice."""
-    pipe = dummy_pipeline("llamagen", MedusaDecoder(), "random", grid=(4, 5))
+    pipe = dummy_pipeline("llamagen", MedusaDecoder(num_draft_tokens="auto"), "random", grid=(4, 5))
     out = pipe("a fox", temperature=0, output_type="latent")
     _, drafter, overhead, _ = pipe.decoder._resolved_for
     assert drafter is None and isinstance(overhead, RoundOverhead) and overhead.decoder is pipe.decoder
@@ -245,7 +245,7 @@ def test_pipeline_times_the_decoders_own_work_on_dry_rounds():
     assert pipe("a fox", temperature=0, output_type="latent").tokens.equal(out.tokens)
     assert pipe.decoder.tree is chosen and overhead.seconds == timed  # timed once
     other = pipe.decoder
-    pipe.decoder = MedusaDecoder()  # a benchmark swaps decoders prompt by prompt: each is timed once
+    pipe.decoder = MedusaDecoder(num_draft_tokens="auto")  # a benchmark swaps decoders prompt by prompt: each is timed once
     pipe("a fox", temperature=0, output_type="latent")
     pipe.decoder = other
     pipe("a fox", temperature=0, output_type="latent")
@@ -428,22 +428,85 @@ def test_tree_decoders_run_only_the_horizontal_heads_their_tree_drafts_from(deco
 @pytest.mark.parametrize("decoder_cls,kwargs,heads,name", [
     pytest.param(MedusaDecoder, {}, "random", "num_draft_tokens", id="medusa"),
     pytest.param(JacobiDecoder, {}, None, "window_size", id="sjd"),
+    pytest.param(EagleDecoder, {"depth": 3, "top_k": 2}, "random", "num_draft_tokens", id="eagle"),
 ])
-def test_tune_decoder_returns_the_chosen_sizes_as_config(decoder_cls, kwargs, heads, name, tmp_path):
+@pytest.mark.parametrize("size", [None, "auto", 2], ids=["family", "auto", "fixed"])
+def test_tune_decoder_returns_the_chosen_sizes_as_config(decoder_cls, kwargs, heads, name, size, tmp_path):
     """`tune_decoder(batch_size=...)` measures the device for that batch and returns a decoder whose config fixes the
-    sizes "auto" chose there: it decodes with no measurement of its own, and saves and loads like any config. The
-    pipeline's decoder keeps "auto"; a bad batch size is refused before any measurement."""
-    pipe = make(decoder_cls, kwargs, heads, grid=(4, 5))
+    size "auto" chooses there, whatever size the pipeline's decoder has: it decodes with no measurement of its own,
+    and saves and loads like any config. The pipeline's decoder keeps its size; a bad batch size is refused before
+    any measurement."""
+    pipe = make(decoder_cls, {**kwargs, name: size}, heads, grid=(4, 5))
     with pytest.raises(ValueError, match="batch_size"):
         pipe.tune_decoder(batch_size=0)
     tuned = pipe.tune_decoder(batch_size=2)
-    assert pipe.decoder.config[name] == "auto" and pipe.decoder.sizes_from_pass_cost
-    size = tuned.config[name]
-    assert isinstance(size, int) and size >= 1 and not tuned.sizes_from_pass_cost
+    assert pipe.decoder.config[name] == size and pipe.decoder.sizes_from_pass_cost == (size == "auto")
+    assert pipe.__dict__.get("_pass_costs"), "tune_decoder measured nothing"
+    chosen = tuned.config[name]
+    assert isinstance(chosen, int) and chosen >= 1 and not tuned.sizes_from_pass_cost and not tuned.sizes_from_family
     tuned.save_config(tmp_path)
     loaded = decoder_cls.from_config(decoder_cls.load_config(tmp_path))
-    assert loaded.config[name] == size and loaded.tree.num_nodes == tuned.tree.num_nodes
-    pipe.decoder = loaded
-    pipe.pass_cost = lambda rows: pytest.fail("a tuned decoder measures nothing")  # noqa: ARG005
-    out = pipe(["a fox", "sky"], generator=[gen(0), gen(1)], output_type="latent")
-    assert (out.tokens >= 0).all()
+    assert loaded.config[name] == chosen and loaded.tree.num_nodes == tuned.tree.num_nodes
+
+
+class _TwoFamily(LlamaGenPipeline):
+    """A family whose table names SJD's window and EAGLE-2's size (ADT-Tree inherits EAGLE-2's entry)."""
+
+    default_draft_sizes = {"JacobiDecoder": 3, "EagleDecoder": 2}
+
+
+class _NoTable(LlamaGenPipeline):
+    """A family that names no size: every decoder drafts with its class's default."""
+
+    default_draft_sizes = {}
+
+
+@pytest.mark.parametrize("decoder,family,expected", [
+    pytest.param(JacobiDecoder(), "none", JacobiDecoder.default_draft_size, id="sjd-class-default"),
+    pytest.param(JacobiDecoder(), "two", 3, id="sjd-family"),
+    pytest.param(EagleDecoder(depth=3, top_k=2), "two", 2, id="eagle-family"),
+    pytest.param(ADTTreeDecoder(depth=3, top_k=2), "two", 2, id="adt-inherits-eagle"),
+    pytest.param(MedusaDecoder(num_heads=2, top_k=2), "two", MedusaDecoder.default_draft_size, id="medusa-class-default"),
+])
+def test_a_size_left_at_none_is_the_familys_fixed_default(decoder, family, expected, monkeypatch):
+    """A decoder whose size is ``None`` drafts with its family's fixed size (or its class's), chosen before the first
+    round with nothing measured, the same tree a config naming that size builds; its own config keeps ``None``."""
+    heads = None if isinstance(decoder, JacobiDecoder) else "random"
+    pipe = dummy_pipeline("llamagen", decoder, heads, grid=(4, 5))
+    pipe = {"two": _TwoFamily, "none": _NoTable}[family](**pipe.components)
+    assert pipe.decoder.sizes_from_family and not pipe.decoder.sizes_from_pass_cost
+    monkeypatch.setattr(type(pipe), "pass_cost", lambda self, rows: pytest.fail("a fixed size measured the device"))
+    out = pipe("a fox", temperature=0, output_type="latent", generator=torch.Generator().manual_seed(0))
+    name = decoder.draft_size_name
+    assert pipe.decoder.config[name] is None and pipe.decoder.fixed_sizes() == {name: expected}
+    same = type(decoder).from_config(decoder.config, **{name: expected})
+    assert pipe.decoder.tree.num_nodes == same.tree.num_nodes and torch.equal(pipe.decoder.tree.parents, same.tree.parents)
+    pipe.decoder = same
+    assert torch.equal(pipe("a fox", temperature=0, output_type="latent", generator=torch.Generator().manual_seed(0)).tokens, out.tokens)
+
+
+def test_a_decoder_that_forgets_its_size_name_fails_loudly():
+    class NoName(JacobiDecoder):
+        draft_size_name = None
+
+    with pytest.raises(KeyError):
+        NoName().sizes_from_family
+
+
+@pytest.mark.parametrize("family", ["LlamaGenPipeline", "JanusProPipeline", "Emu3Pipeline", "ChameleonARPipeline"])
+def test_every_family_names_its_fixed_draft_sizes(family):
+    """Each family says its own sizes (in its class body, with where they come from) for every decoder that has one;
+    Anole and Lumina-mGPT take Chameleon's."""
+    import spatial_pipelines.pipelines
+    from spatial_pipelines.decoders import DECODERS
+    from spatial_pipelines.decoders.decoding_utils import check_draft_size
+
+    cls = getattr(spatial_pipelines.pipelines, family)
+    assert "default_draft_sizes" in vars(cls)
+    sized = [d for d in set(DECODERS.values()) if d.draft_size_name is not None]
+    assert sized, "no decoder has a draft size"
+    pipe = cls.__new__(cls)
+    for decoder_cls in sized:
+        size = pipe.default_draft_size(decoder_cls.__new__(decoder_cls))
+        assert any(c.__name__ in cls.default_draft_sizes for c in decoder_cls.__mro__), (family, decoder_cls.__name__)
+        check_draft_size(decoder_cls.draft_size_name, size)

@@ -1,5 +1,6 @@
-"""scripts/check_auto_sizes.py: fresh processes resolve "auto" draft sizes on a saved pipeline and the report says
-whether they agreed (the choice itself depends on the machine's timings, so only its form is asserted)."""
+"""scripts/check_auto_sizes.py: fresh processes tune draft sizes (`tune_decoder`) at several batch sizes on a saved
+pipeline and the report says whether they agreed (the choice itself depends on the machine's timings, so only its
+form is asserted)."""
 
 import json
 
@@ -14,11 +15,12 @@ def test_fresh_processes_report_their_choices(tmp_path):
     pipe.save_pretrained(tmp_path / "model")
     random_draft_heads(pipe, MedusaDecoder()).save_pretrained(tmp_path / "heads")
     run_script("check_auto_sizes.py", "--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--processes", "2",
-               "--decoders", "sjd", "medusa", "--threads", "1", "--out", str(tmp_path / "out"))
+               "--decoders", "sjd", "medusa", "--images", "1", "2", "--threads", "1", "--out", str(tmp_path / "out"))
     report = json.loads((tmp_path / "out" / "auto_sizes.json").read_text())
     assert len(report["processes"]) == 2 and set(report["agreed"]) == {"sjd", "medusa"}
+    assert all(set(agreed) == {"1", "2"} for agreed in report["agreed"].values())
     for run in report["processes"]:
-        assert all(isinstance(n, int) and n >= 1 for n in run["chosen"].values())
+        assert all(set(sizes) == {"1", "2"} and all(isinstance(n, int) and n >= 1 for n in sizes.values()) for sizes in run["chosen"].values())
         assert run["pass_cost_ms"] and all(ms > 0 for ms in run["pass_cost_ms"].values())
         assert run["fitted_pass_cost_ms"]["base"] >= 0 and run["fitted_pass_cost_ms"]["slope"] >= 0
         # the decoders' own work per round was timed on dry rounds, per candidate tree

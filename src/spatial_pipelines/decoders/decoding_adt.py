@@ -61,7 +61,7 @@ class ADTTreeDecoder(EagleDecoder):
     Args:
         depth (`int`), top_k (`int`): the first tree's shape (before any neighbour exists), held to the ranges like
             every later one.
-        num_draft_tokens (`int` or `"auto"`): nodes kept per tree, as `EagleDecoder`.
+        num_draft_tokens (`int`, `None` or `"auto"`): nodes kept per tree, as `EagleDecoder`.
         tree_init (`str`): ``"horizontal"``, ``"vertical"`` or ``"random"`` (named apart from `JacobiDecoder`'s
             ``init``, so either decoder still builds from the other's config).
         beta (`float`): the acceptance-rate threshold.
@@ -76,7 +76,7 @@ class ADTTreeDecoder(EagleDecoder):
         self,
         depth: int = 5,
         top_k: int = 8,
-        num_draft_tokens: Union[int, str] = AUTO,
+        num_draft_tokens: Union[int, str, None] = None,
         tree_init: str = "horizontal",
         beta: float = 1.0,
         depth_step: int = 1,

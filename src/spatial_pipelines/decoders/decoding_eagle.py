@@ -69,9 +69,12 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     Args:
         depth (`int`): tree depth (expansions + 1).
         top_k (`int`): children per expanded node, and nodes expanded per depth.
-        num_draft_tokens (`int` or `"auto"`): nodes kept in the tree (root excluded). ``"auto"`` (default) keeps the
-            count that maximises expected codes per second from the target pass cost measured on the device (the
-            prior of `TreeDecoderMixin` on a ``top_k``-ary tree of ``depth``), up to `MAX_DRAFT_TOKENS`.
+        num_draft_tokens (`int`, `None` or `"auto"`): nodes kept in the tree (root excluded). ``None`` (default):
+            the pipeline family's fixed size (`SpatialARPipeline.default_draft_sizes`; 60, EAGLE-2's, where the family
+            names none). ``"auto"`` keeps the count that maximises expected codes per second from the target pass
+            cost the pipeline measures on the device in the first call (the prior of `TreeDecoderMixin` on a
+            ``top_k``-ary tree of ``depth``), up to `MAX_DRAFT_TOKENS`; `SpatialARPipeline.tune_decoder` measures ahead
+            and returns a fixed size.
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
             (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
             settings in `LANTERN_PRESETS`).
@@ -84,13 +87,15 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     # the drafter's top candidate is accepted more often than a head's: 0.65 per kept node measured on the embedded
     # model (a 1-node tree, 50 prompts, docs/benchmarks/archive-cost.md); siblings as `TreeDecoderMixin`
     acceptance_prior = (0.65, 0.5)
+    draft_size_name = "num_draft_tokens"
+    default_draft_size = 60  # EAGLE-2's released setting (60 draft tokens per round)
 
     @register_to_config
     def __init__(
         self,
         depth: int = 5,
         top_k: int = 8,
-        num_draft_tokens: Union[int, str] = AUTO,
+        num_draft_tokens: Union[int, str, None] = None,
         acceptance: AcceptanceLike = "exact",
     ):
         super().__init__()
@@ -106,7 +111,8 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             frontier = [p + (r,) for p in frontier for r in range(top_k)][: MAX_DRAFT_TOKENS]
             paths += frontier
         full = tree_from_paths(paths[:MAX_DRAFT_TOKENS] if num_draft_tokens == AUTO else paths)
-        self._set_tree(full, num_draft_tokens if num_draft_tokens == AUTO else min(num_draft_tokens, full.num_nodes - 1))
+        size = self.default_draft_size if num_draft_tokens is None else num_draft_tokens
+        self._set_tree(full, size if size == AUTO else min(size, full.num_nodes - 1))
 
     def heads_needed(self) -> HeadsNeed:
         """A drafter (`EagleDraftHead`)."""

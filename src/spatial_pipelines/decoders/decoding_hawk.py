@@ -58,15 +58,19 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_horizontal_heads (`int`): horizontal heads (offsets ``1..n``); the tree depth.
         vertical_speculation_depth (`int`): VSD, vertical heads at ``1..VSD`` rows below.
         top_k (`int`): candidates each head contributes to a pool (vertical: per cached prediction).
-        num_draft_tokens (`int` or `"auto"`): bound on the tree's draft nodes (root excluded). ``"auto"`` (default)
-            picks the bound that maximises expected codes per second from the target pass cost measured on the
-            device (see `TreeDecoderMixin`), up to `MAX_DRAFT_TOKENS`.
+        num_draft_tokens (`int`, `None` or `"auto"`): bound on the tree's draft nodes (root excluded). ``None``
+            (default): the pipeline family's fixed bound (`SpatialARPipeline.default_draft_sizes`; 32 where the family
+            names none). ``"auto"`` picks the bound that maximises expected codes per second from the target pass
+            cost the pipeline measures on the device in the first call (see `TreeDecoderMixin`), up to
+            `MAX_DRAFT_TOKENS`; `SpatialARPipeline.tune_decoder` measures ahead and returns a fixed bound.
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
             (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
             settings in `LANTERN_PRESETS`).
     """
 
     state_class = HawkState
+    draft_size_name = "num_draft_tokens"
+    default_draft_size = 32  # on a GPU a pass over 1-256 tokens costs one AR step (docs/performance.md)
     distinct_siblings = True  # duplicate pool slots are offered as -1
 
     @register_to_config
@@ -75,7 +79,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_horizontal_heads: int = 4,
         vertical_speculation_depth: int = 2,
         top_k: int = 2,
-        num_draft_tokens: Union[int, str] = AUTO,
+        num_draft_tokens: Union[int, str, None] = None,
         acceptance: AcceptanceLike = "exact",
     ):
         super().__init__()
@@ -88,7 +92,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         check_draft_budget(f"`top_k={top_k}` x (1 + `vertical_speculation_depth={vertical_speculation_depth}`) (the candidates "
                            "of one depth)", 1 + top_k * (1 + vertical_speculation_depth))
         self.pool_size = top_k * (1 + vertical_speculation_depth)  # slots: rank r of [horizontal, vertical 1..VSD]
-        bound = MAX_DRAFT_TOKENS if num_draft_tokens == AUTO else num_draft_tokens
+        bound = MAX_DRAFT_TOKENS if num_draft_tokens == AUTO else self.default_draft_size if num_draft_tokens is None else num_draft_tokens
         full: DraftTree = tree_from_paths(bounded_product_paths(num_horizontal_heads, self.pool_size, bound))
         self._set_tree(full, num_draft_tokens if num_draft_tokens == AUTO else None)
 

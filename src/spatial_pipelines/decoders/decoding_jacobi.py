@@ -129,9 +129,11 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     ``q``.
 
     Args:
-        window_size (`int` or `"auto"`): drafts verified per pass (L; the paper uses 16). ``"auto"`` (default) picks
-            the window that maximises expected codes per second from the target pass cost measured on the device
-            (see `TreeDecoderMixin`), up to `MAX_WINDOW`.
+        window_size (`int`, `None` or `"auto"`): drafts verified per pass (L; the paper uses 16). ``None``
+            (default): the pipeline family's fixed window (`SpatialARPipeline.default_draft_sizes`; 32 where the family
+            names none). ``"auto"`` picks the window that maximises expected codes per second from the target pass
+            cost the pipeline measures on the device in the first call (see `TreeDecoderMixin`), up to `MAX_WINDOW`;
+            `SpatialARPipeline.tune_decoder` does that measurement ahead, once, and returns a fixed window.
         init (`str`): how a position entering the window is first drafted: ``"above"`` (default: a copy of the
             committed code one row above; training-free, and the fastest measured on the embedded model),
             ``"random"`` (uniform over the codes: the SJD paper's), ``"left"`` (a copy of its left neighbour's draft)
@@ -166,6 +168,10 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     """
 
     state_class = JacobiState
+    draft_size_name = "window_size"
+    # what "auto" chose on one H100 (bf16, embedded model, 2026-11-26: 33 slots): a pass over 1-256 tokens costs one
+    # AR step there, so the window is bounded by what acceptance still gains, not by the pass
+    default_draft_size = 32
     # P(draft d accepted | drafts 1..d-1 accepted): (d = 1, d > 1), measured on the embedded model with a window of 32
     # (docs/archive.md): the first draft is a guess, the later ones have had passes to settle
     acceptance_prior = (0.3, 0.85)
@@ -175,7 +181,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     @register_to_config
     def __init__(
         self,
-        window_size: Union[int, str] = AUTO,
+        window_size: Union[int, str, None] = None,
         init: str = "above",
         coupling: str = "gumbel",
         continuation: bool = False,
@@ -197,7 +203,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         check_int("proactive_width", proactive_width)
         check_int("proactive_depth", proactive_depth)
         self._set_acceptance(acceptance)
-        window = MAX_WINDOW if window_size == AUTO else window_size
+        window = MAX_WINDOW if window_size == AUTO else self.default_draft_size if window_size is None else window_size
         check_draft_budget(f"`proactive_width={proactive_width}`, `proactive_depth={proactive_depth}` (a window of {window})",
                            proactive_nodes(window, proactive_width, proactive_depth))
         self._set_tree(proactive_tree(window, proactive_width, proactive_depth), window_size if window_size == AUTO else None)

@@ -51,15 +51,20 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         tree_paths (`list[list[int]]`, *optional*): the tree as candidate-rank paths, one per node and
             prefix-closed as Medusa's ``medusa_choices`` (``[[0], [0, 0], [1]]``); overrides the default caterpillar
             tree of ``num_heads`` x ``top_k``.
-        num_draft_tokens (`int`, `"auto"` or `None`): draft nodes fed per pass: the likeliest nodes of that tree.
-            ``"auto"`` (default) picks the count that maximises expected codes per second from the target pass cost
-            measured on the device (see `TreeDecoderMixin`); ``None`` feeds the whole tree.
+        num_draft_tokens (`int`, `None` or `"auto"`): draft nodes fed per pass: the likeliest nodes of that tree (an
+            int at least its size feeds all of it). ``None`` (default): the pipeline family's fixed size
+            (`SpatialARPipeline.default_draft_sizes`; 16, the whole default tree, where the family names none).
+            ``"auto"`` picks the count that maximises expected codes per second from the target pass cost the
+            pipeline measures on the device in the first call (see `TreeDecoderMixin`; `SpatialARPipeline.tune_decoder`
+            measures ahead and returns a fixed size).
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
             (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
             settings in `LANTERN_PRESETS`).
     """
 
     distinct_siblings = True  # top-k candidates are distinct
+    draft_size_name = "num_draft_tokens"
+    default_draft_size = 16  # the whole default tree (4 heads x top-4): on a GPU a 17-token pass costs one AR step
 
     @register_to_config
     def __init__(
@@ -67,13 +72,12 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_heads: int = 4,
         top_k: int = 4,
         tree_paths: Optional[Sequence[Sequence[int]]] = None,
-        num_draft_tokens: Union[int, str, None] = AUTO,
+        num_draft_tokens: Union[int, str, None] = None,
         acceptance: AcceptanceLike = "exact",
     ):
         super().__init__()
         self._set_acceptance(acceptance)
-        if num_draft_tokens is not None:
-            check_draft_size("num_draft_tokens", num_draft_tokens)
+        check_draft_size("num_draft_tokens", num_draft_tokens)
         check_int("num_heads", num_heads)
         check_int("top_k", top_k)
         if tree_paths is None:  # counted before the tree is built
@@ -83,7 +87,7 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             check_draft_budget(f"`num_heads={num_heads}` (the tree depth)", 1 + num_heads)
             paths = check_tree_paths(tree_paths, num_heads)
             check_draft_budget(f"`tree_paths` ({len(paths)} paths)", 1 + len(paths))
-        self._set_tree(tree_from_paths(paths), num_draft_tokens)
+        self._set_tree(tree_from_paths(paths), self.default_draft_size if num_draft_tokens is None else num_draft_tokens)
         self._num_ranks = 1 + max(r for p in paths for r in p)  # candidates needed per head (host int)
 
     def heads_needed(self) -> HeadsNeed:

@@ -12,7 +12,7 @@ from ..core.acceptance import AcceptanceLike, resolve_acceptance
 from ..core.sampling import sample_from_probs, target_probs
 from ..core.tree import DraftTree, tree_from_parents
 from ..core.verification import TreeAcceptance, verify_tree
-from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, RowsDiverged, StepOutput
+from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, RowsDiverged, StepOutput, check_draft_size
 
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
@@ -113,7 +113,7 @@ class TreeDecoderMixin:
 
     def _set_tree(self, full_tree: DraftTree, size) -> None:
         self._full_tree, self._size = full_tree, size
-        self._resolved_for = None
+        self._resolved_for, self._resolved_size = None, None
         nodes = full_tree.num_nodes - 1
         self.tree = self._subtree(nodes if size in (None, AUTO) else min(size, nodes))
 
@@ -132,13 +132,29 @@ class TreeDecoderMixin:
     def sizes_from_pass_cost(self) -> bool:
         return self._size == AUTO
 
+    @property
+    def sizes_from_family(self) -> bool:
+        return self.config[self.draft_size_name] is None
+
+    def use_default_size(self, size: int) -> None:
+        """Draft exactly as a config with ``draft_size_name=size`` does (built by that config, so the tree is the same
+        one), keeping ``None`` in this decoder's own config. Called by the pipeline before decoding."""
+        if not self.sizes_from_family or self._resolved_size == size:
+            return
+        check_draft_size(self.draft_size_name, size)
+        built = type(self).from_config(self.config, **{self.draft_size_name: size})
+        self._full_tree, self._size, self.tree = built._full_tree, built._size, built.tree
+        self._resolved_size = size
+
     def fixed_sizes(self) -> Dict[str, int]:
-        """The config values that fix this decoder's ``"auto"`` sizes to what `resolve_draft_size` chose (``{}`` when
-        nothing is ``"auto"`` or nothing was chosen yet): ``type(d).from_config(d.config, **d.fixed_sizes())`` is a
+        """The config values that fix this decoder's ``None`` or ``"auto"`` size to the one in use (``{}`` when it is
+        fixed already, or ``"auto"`` not chosen yet): ``type(d).from_config(d.config, **d.fixed_sizes())`` is a
         decoder with fixed sizes (`SpatialARPipeline.tune_decoder`)."""
+        name = self.draft_size_name
+        if self.config[name] is None:
+            return {name: self._resolved_size if self._resolved_size is not None else self.default_draft_size}
         if self._size != AUTO or self._resolved_for is None:
             return {}
-        name = next(k for k, v in self.config.items() if v == AUTO)
         return {name: self._resolved_size}
 
     def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None,

@@ -58,11 +58,13 @@ def check_int(name: str, value, low: int = 1) -> None:
 
 
 def check_draft_size(name: str, value, low: int = 1) -> None:
-    """Raise `ValueError` naming ``name`` unless ``value`` is ``"auto"`` or an int in ``[low, MAX_FED_TOKENS)``."""
-    if value == AUTO:
+    """Raise `ValueError` naming ``name`` unless ``value`` is ``None`` (the pipeline family's fixed default),
+    ``"auto"`` or an int in ``[low, MAX_FED_TOKENS)``."""
+    if value is None or value == AUTO:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"`{name}` must be \"auto\" or an int >= {low}, got {value!r}.")
+        raise ValueError(f"`{name}` must be None (the model family's default), \"auto\" (measured on the device) or an "
+                         f"int >= {low}, got {value!r}.")
     check_draft_budget(f"`{name}={value}`", value + 1)
 
 
@@ -375,6 +377,19 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def sizes_from_pass_cost(self) -> bool:
         """Whether a draft size is ``"auto"``: the pipeline then calls `resolve_draft_size` before decoding."""
         return False
+
+    #: The config key of this decoder's draft size (``None``: it has none). A decoder that has one sets it, with
+    #: ``default_draft_size``: the size a config left at ``None`` drafts with where the pipeline family names none.
+    draft_size_name: Optional[str] = None
+
+    @property
+    def sizes_from_family(self) -> bool:
+        """Whether the draft size is left at ``None``: the pipeline then fixes it to its family's default
+        (`SpatialARPipeline.default_draft_sizes`, the same on every machine) before decoding."""
+        return False
+
+    def use_default_size(self, size: int) -> None:
+        """Draft with ``size`` where the config leaves the draft size at ``None`` (nothing happens otherwise)."""
 
     uses_drafter_passes: bool = False  # drafts with passes of a drafter model (EAGLE-2): "auto" sizes weigh their cost
 

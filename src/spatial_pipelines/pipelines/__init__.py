@@ -1,7 +1,7 @@
 """The generation loop (pipeline_utils) and one file per backbone family."""
 
 from .backbone import PromptEmbeddings, SpatialBackbone
-from .pass_cost import DraftPassCost, PassCost
+from .pass_cost import GPU_DRAFT_SIZES, DraftPassCost, PassCost
 from .pipeline_chameleon import AnoleBackbone, AnolePipeline, ChameleonARPipeline, ChameleonBackbone
 from .pipeline_emu3 import Emu3Backbone, Emu3Pipeline
 from .pipeline_janus import JanusProBackbone, JanusProPipeline
@@ -17,6 +17,7 @@ __all__ = [
     "ChameleonBackbone",
     "DecodingStats",
     "DraftPassCost",
+    "GPU_DRAFT_SIZES",
     "Emu3Backbone",
     "Emu3Pipeline",
     "JanusProBackbone",

@@ -10,7 +10,7 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -350,10 +350,31 @@ class PerRowCost:
         return lambda x: self.rows * curve(x)
 
 
+#: Fixed draft sizes for the families whose checkpoints (1-8B parameters) run on GPUs: on an H100 (bf16,
+#: `scripts/gpu_check.py`, 2026-11-26) a target pass over 1 to 256 fed tokens costs one AR step, so a draft is bounded
+#: by what acceptance still gains, not by its pass. SJD: the window "auto" chose there (32); Medusa: its whole default
+#: tree (4 heads x top-4); Hawk: as SJD; EAGLE-2 and ADT-Tree: EAGLE-2's released 60 draft tokens. The decoders' own
+#: class defaults are the same numbers.
+GPU_DRAFT_SIZES: Dict[str, int] = {"JacobiDecoder": 32, "MedusaDecoder": 16, "HawkDecoder": 32, "EagleDecoder": 60}
+
+
 class DraftSizingMixin:
-    """The pipeline side of ``"auto"`` draft sizes: the measured costs, kept per pipeline, and `resolve_draft_sizes`.
-    `SpatialARPipeline` inherits it; it reads the pipeline's ``backbone``, ``decoder``, ``draft_heads``,
-    ``static_shapes`` and ``_execution_device``."""
+    """The pipeline side of draft sizes: the family's fixed defaults (`default_draft_sizes`), ``"auto"`` sizes from
+    the measured costs (kept per pipeline), `resolve_draft_sizes` and `tune_decoder`. `SpatialARPipeline` inherits it;
+    it reads the pipeline's ``backbone``, ``decoder``, ``draft_heads``, ``static_shapes`` and ``_execution_device``."""
+
+    #: The family's fixed draft size per decoder class name (a subclass inherits its base's entry): what a decoder whose
+    #: size is left at ``None`` drafts with, the same on every machine. A decoder the family does not name drafts with
+    #: its class's ``default_draft_size``. Each family says where its numbers come from.
+    default_draft_sizes: ClassVar[Dict[str, int]] = {}
+
+    def default_draft_size(self, decoder) -> int:
+        """The size ``decoder`` (a decoder with a ``draft_size_name``) drafts with when its config leaves it at ``None``:
+        this family's entry for its class or the nearest base class that has one, else the class's own default."""
+        for cls in type(decoder).__mro__:
+            if cls.__name__ in self.default_draft_sizes:
+                return self.default_draft_sizes[cls.__name__]
+        return type(decoder).default_draft_size
 
     def pass_cost(self, rows: int) -> PassCost:
         """The measured cost ``c(T)`` of a target pass with ``rows`` batch rows on this pipeline's device and dtype,
@@ -378,6 +399,9 @@ class DraftSizingMixin:
             sampling (`SamplingConfig`, *optional*): the calls' sampling settings (default: the backbone's defaults).
             prefix_length (`int`): prompt positions before the first code (where dry rounds place their codes).
         """
+        if self.decoder.sizes_from_family:  # the family's fixed size: nothing is measured
+            self.decoder.use_default_size(self.default_draft_size(self.decoder))
+            return
         if not self.decoder.sizes_from_pass_cost:
             return
         if sampling is None:
@@ -393,16 +417,27 @@ class DraftSizingMixin:
 
     def tune_decoder(self, batch_size: int = 1, guidance_scale: Optional[float] = None, temperature: float = 1.0,
                      top_k: Optional[int] = None, prefix_length: int = 16):
-        """Measure this device at ``batch_size`` images per call and return a copy of the pipeline's decoder whose
-        ``"auto"`` draft sizes are fixed to the sizes that measurement picks (its config says them: save it with
-        ``decoder.save_config(...)`` and reuse it, on this device, with no measurement inside a call). A decoder with
-        no ``"auto"`` size comes back as a copy of itself. The pipeline's own decoder is left as it is.
+        """Measure this device at ``batch_size`` images per call and return a copy of the pipeline's decoder with the
+        draft size that measurement picks, fixed in its config (save it with ``decoder.save_config(...)`` and reuse
+        it on this device: nothing is measured inside a call). The size is the one ``"auto"`` would pick: the most
+        expected codes per second from the measured target pass cost ``c(T)`` and the decoder's own work per round.
+        The decoder's size may be ``None``, ``"auto"`` or an int (every size is weighed); a decoder without a draft
+        size (AR, SSD) comes back as a copy of itself. The pipeline's own decoder is left as it is.
 
         Args:
             batch_size (`int`): images per call the decoder will serve (>= 1).
             guidance_scale (`float`, *optional*), temperature (`float`), top_k (`int`, *optional*): the calls'
                 sampling settings (defaults: the family's).
             prefix_length (`int`): prompt positions before the first code.
+
+        Examples:
+
+        ```py
+        >>> decoder = pipe.tune_decoder(batch_size=4)  # measures c(T) here, a few seconds
+        >>> decoder.config.window_size  # e.g. 8
+        >>> decoder.save_config("my_decoder")  # later: pipe.decoder = JacobiDecoder.from_config(...)
+        >>> pipe.decoder = decoder
+        ```
         """
         from ..utils import check_number
 
@@ -411,10 +446,10 @@ class DraftSizingMixin:
         backbone = self.backbone
         sampling = SamplingConfig(backbone.default_guidance_scale if guidance_scale is None else guidance_scale, temperature,
                                   backbone.default_top_k if top_k is None else top_k)
-        decoder = self.decoder
-        if not decoder.sizes_from_pass_cost:
+        decoder, name = self.decoder, self.decoder.draft_size_name
+        if name is None:
             return type(decoder).from_config(decoder.config)
-        tuned = type(decoder).from_config(decoder.config)  # measured on a copy: the pipeline's decoder keeps "auto"
+        tuned = type(decoder).from_config(decoder.config, **{name: "auto"})  # measured on a copy: the pipeline keeps its own
         self.decoder, kept = tuned, decoder
         try:
             self.resolve_draft_sizes(batch_size, sampling, prefix_length)
