@@ -33,7 +33,7 @@ DECODER_CASES = [
     pytest.param(JacobiDecoder, {"window_size": 5, "init": "heads", "coupling": "gumbel", "continuation": True, "proactive_width": 3,
                                  "anchor": "left"}, "random", id="sjd-heads-gumbel-continuation-proactive-anchor"),
     pytest.param(EagleDecoder, {"depth": 3, "top_k": 2, "num_draft_tokens": 5}, "random", id="eagle"),
-    pytest.param(EagleDecoder, {"depth": 4, "top_k": 3}, "random", id="eagle-auto"),
+    pytest.param(EagleDecoder, {"depth": 4, "top_k": 3}, "random", id="eagle-default"),
     pytest.param(ADTTreeDecoder, {"depth": 2, "top_k": 2, "depth_range": (1, 4), "width_range": (1, 4), "width_step": 1, "beta": 0.5}, "random", id="adt"),
     pytest.param(ADTTreeDecoder, {"depth": 3, "top_k": 3, "tree_init": "vertical", "num_draft_tokens": 6, "width_range": (2, 5), "width_step": 2}, "random", id="adt-vertical"),
     pytest.param(ADTTreeDecoder, {"depth": 2, "top_k": 3, "tree_init": "random", "depth_range": (1, 3), "width_range": (1, 3), "width_step": 1}, "random", id="adt-random"),
