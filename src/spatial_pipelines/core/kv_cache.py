@@ -183,32 +183,38 @@ class StaticKVCache:
         what the pass attends to: that layer's keys/values over ``[0, length + T)`` (growing), or over
         ``[0, attend_length)`` (fixed shape: written by index, `prepare_write` first). ``length`` moves on in `advance`.
         Per row: row ``r`` writes at ``write_index[r]`` and the pass attends to ``[0, attend_length)``."""
-        if self.per_row:
-            if self.write_index is None or self.write_index.shape[1] != key.shape[2]:
-                raise ValueError(f"Call `prepare_write({key.shape[2]})` before a pass on a per-row cache.")
-            keys, values = self.storage[layer_idx, 0], self.storage[layer_idx, 1]  # (R, H_kv, S, D)
-            r, h, t, d = key.shape
-            index = self.write_index[:, None, :, None].expand(r, h, t, d)  # (R, H_kv, T, D) each row's own slots
-            keys.scatter_(2, index, key)
-            values.scatter_(2, index, value)
+        if self.per_row or self.fixed_shape:
+            if self.write_index is None or self.write_index.shape[-1] != key.shape[2]:  # (R, T) per row, else (T,)
+                kind = "per-row" if self.per_row else "fixed-shape"
+                raise ValueError(f"Call `prepare_write({key.shape[2]})` before a pass on a {kind} cache.")
+            self._index_write(layer_idx, key, value, key.shape[0] if self.per_row else None)
             a = self.attend_length
-            return keys[:, :, :a], values[:, :, :a]  # (R, H_kv, A, D)
-        if self.fixed_shape:
-            if self.write_index is None or self.write_index.shape[0] != key.shape[2]:
-                raise ValueError(f"Call `prepare_write({key.shape[2]})` before a pass on a fixed-shape cache.")
-            # views of `storage` taken here, not the `keys` / `values` lists: a compiled step then has one mutated
-            # input, the storage (marked static), where per-layer views alias it and make CUDA graphs skip the step
-            keys, values = self.storage[layer_idx, 0], self.storage[layer_idx, 1]  # (B, H_kv, S, D)
-            keys.index_copy_(2, self.write_index, key)  # a fixed-shape write
-            values.index_copy_(2, self.write_index, value)
-            a = self.attend_length
-            return keys[:, :, :a], values[:, :, :a]  # (B, H_kv, A, D)
+            return self.storage[layer_idx, 0, :, :, :a], self.storage[layer_idx, 1, :, :, :a]  # (B, H_kv, A, D)
         end = self.length + key.shape[2]
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
         self.keys[layer_idx][:, :, self.length : end] = key
         self.values[layer_idx][:, :, self.length : end] = value
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def _index_write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, rows: Optional[int]) -> None:
+        """Write one layer's keys and values ``(B, H_kv, T, D)`` at ``write_index`` (per row: row ``r`` at its own
+        ``write_index[r]``) with one ``index_put_`` on ``storage`` itself, every index a tensor.
+
+        Why not ``storage[layer, 0].index_copy_(...)``: under torch.compile a write into a *view* of a graph input is
+        functionalized into a scatter of the whole base, which inductor materializes as a copy of the storage per
+        write (a compiled step then moved ~20x the cache's bytes and ran ~8x slower than eager on a CPU); a write
+        into the graph input itself is lowered to an in-place store of just the new slots (gpt-fast's pattern), and
+        the storage keeps its address, which CUDA graphs replay. The layer index is a tensor made from a host int
+        that is the same at every call of that layer (a constant of the graph, not a per-step input).
+        """
+        layer = torch.full((1,), layer_idx, dtype=torch.long, device=key.device)
+        kv = torch.stack([key, value])  # (2, B, H_kv, T, D): keys and values in one write
+        if rows is None:  # advanced indices on dims 0 and 4 -> the written block is (T, 2, B, H_kv, D)
+            self.storage[layer, :, :, :, self.write_index] = kv.permute(3, 0, 1, 2, 4)
+        else:  # layer, row (R, 1) and slot (R, T) indices -> the written block is (R, T, 2, H_kv, D)
+            row = torch.arange(rows, device=key.device)[:, None]
+            self.storage[layer, :, row, :, self.write_index] = kv.permute(1, 3, 0, 2, 4)
 
     def attention_mask(self, new_mask: torch.Tensor, new_valid: Optional[torch.Tensor]) -> torch.Tensor:
         """Boolean mask ``(B, 1, T, length + T)`` for ``T`` new queries (fixed shape: ``(B, 1, T, attend_length)``).
