@@ -108,6 +108,9 @@ class StaticKVCache:
         self.keys: List[torch.Tensor] = [self.storage[i, 0] for i in range(num_layers)]  # (B, H_kv, S, D) views
         self.values: List[torch.Tensor] = [self.storage[i, 1] for i in range(num_layers)]
         self.key_valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)  # (B, S)
+        # index tensors of the fixed-shape write, built once: nothing is made from Python values inside a round
+        self._layer_index = torch.arange(num_layers, device=device)[:, None]  # (L, 1): row i is layer i's index
+        self._row_index = torch.arange(batch_size, device=device)[:, None]  # (B, 1)
         self.length = 0  # host-side int: filled slots (never read back from the device)
         self.max_length = max_length
         self.fixed_shape = fixed_shape
@@ -205,15 +208,15 @@ class StaticKVCache:
         functionalized into a scatter of the whole base, which inductor materializes as a copy of the storage per
         write (a compiled step then moved ~20x the cache's bytes and ran ~8x slower than eager on a CPU); a write
         into the graph input itself is lowered to an in-place store of just the new slots (gpt-fast's pattern), and
-        the storage keeps its address, which CUDA graphs replay. The layer index is a tensor made from a host int
-        that is the same at every call of that layer (a constant of the graph, not a per-step input).
+        the storage keeps its address, which CUDA graphs replay. The layer and row indices are slices of tensors built
+        with the cache.
         """
-        layer = torch.full((1,), layer_idx, dtype=torch.long, device=key.device)
+        layer = self._layer_index[layer_idx]  # (1,)
         kv = torch.stack([key, value])  # (2, B, H_kv, T, D): keys and values in one write
         if rows is None:  # advanced indices on dims 0 and 4 -> the written block is (T, 2, B, H_kv, D)
             self.storage[layer, :, :, :, self.write_index] = kv.permute(3, 0, 1, 2, 4)
         else:  # layer, row (R, 1) and slot (R, T) indices -> the written block is (R, T, 2, H_kv, D)
-            row = torch.arange(rows, device=key.device)[:, None]
+            row = self._row_index[:rows]  # (R, 1)
             self.storage[layer, :, row, :, self.write_index] = kv.permute(1, 3, 0, 2, 4)
 
     def attention_mask(self, new_mask: torch.Tensor, new_valid: Optional[torch.Tensor]) -> torch.Tensor:
