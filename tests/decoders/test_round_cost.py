@@ -77,6 +77,7 @@ def test_at_most_one_host_read_per_round(decoder_cls, kwargs, heads, batch, end_
     that diverged step apart), end-of-row layouts included. Decoders with one tree per row make a second read in the
     rounds whose trees can reach a row end, and only there."""
     pipe = make(decoder_cls, kwargs, heads, grid=(4, 5), end_of_row=end_of_row)
+    pipe.device_rounds = False  # the row-group loop (chain rounds on the device: tests/pipelines/test_device_loop.py)
     pipe("warm", generator=torch.Generator().manual_seed(0), output_type="latent")  # "auto" sizes resolved here
     counts = _count_host_reads(monkeypatch, pipe)
     out = pipe(["a red fox", "blue sky", "x"][:batch], guidance_scale=2.0, generator=torch.Generator().manual_seed(1), output_type="latent")

@@ -37,6 +37,7 @@ def test_keyed_ar_reads_nothing_and_a_read_per_round_is_counted(monkeypatch):
     """Keyed AR rounds read nothing from the device; a ``.item()`` and a ``.tolist()`` added to every round are
     counted once per round each, and reads outside rounds are not."""
     pipe = _pipe(AutoregressiveDecoder())
+    pipe.device_rounds = False  # the row-group loop's rounds (the device loop's: tests/pipelines/test_device_loop.py)
     with count_rounds(pipe) as counts:
         pipe(PROMPTS, output_type="latent")
     assert counts.host_reads == 0

@@ -119,6 +119,8 @@ class StaticKVCache:
         self.write_index: Optional[torch.Tensor] = None  # (T,) slots the next pass writes (fixed shape); (R, T) per row
         self.attend_length = max_length  # slots the next pass attends to (fixed shape; a host int a graph is made for)
         self.row_lengths: Optional[List[int]] = None  # per row: filled slots of each row (`track_rows`); None: shared
+        self.row_starts: Optional[torch.Tensor] = None  # (R,) per row on the device (`track_rows_on_device`)
+        self._slot_offsets: Optional[torch.Tensor] = None  # (T,) 0..T-1 for the device-row write index, built once
         self._row_written = 0  # slots the last pass wrote per row (per-row mode)
 
     def reset(self) -> None:
@@ -128,6 +130,7 @@ class StaticKVCache:
         self.length = 0
         self.write_index = None
         self.row_lengths = None
+        self.row_starts = None
 
     @property
     def num_rows(self) -> int:
@@ -151,8 +154,8 @@ class StaticKVCache:
 
     @property
     def per_row(self) -> bool:
-        """Whether rows advance on their own (`track_rows`)."""
-        return self.row_lengths is not None
+        """Whether rows advance on their own (`track_rows` or `track_rows_on_device`)."""
+        return self.row_lengths is not None or self.row_starts is not None
 
     def track_rows(self) -> None:
         """From now on every row keeps its own length (all rows start at the current ``length``): passes write each
@@ -160,9 +163,41 @@ class StaticKVCache:
         of a batch accept different runs, and a shared length makes every row wait for the shortest."""
         self.row_lengths = [self.length] * self.key_valid.shape[0]
 
+    def track_rows_on_device(self, fed: int) -> None:
+        """Like `track_rows`, with each row's filled slots kept on the device (``row_starts`` ``(R,)``), for a round
+        that runs whole on the device (`spatial_pipelines.pipelines.device_loop`): every pass feeds ``fed`` slots per
+        row, written at ``row_starts[r] + [0, fed)``; `keep_prefixes` moves the starts by each row's accepted count.
+        The host never learns a row's length: ``length`` and ``attend_length`` are an upper bound the caller sets
+        (`set_bound`). Why on the device: the lengths come from acceptance, and reading them would sync every round."""
+        device = self.key_valid.device
+        self.row_starts = torch.full((self.key_valid.shape[0],), self.length, dtype=torch.long, device=device)
+        self._slot_offsets = torch.arange(fed, device=device)  # (T,)
+        self.row_lengths = None
+
+    def set_bound(self, end: int) -> None:
+        """Device rows: no row's next pass writes past slot ``end`` (a host-side bound); the pass attends to the
+        shortest length that holds it (fixed shape: a bucket counted back from the end; growing: ``end`` itself)."""
+        if end > self.max_length:
+            raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
+        self.length = end
+        if self.fixed_shape:
+            self.attend_length = self.max_length - ((self.max_length - end) // self.attend_step) * self.attend_step
+        else:
+            self.attend_length = end
+
+    def keep_prefixes(self, counts: torch.Tensor) -> None:
+        """Device rows, after a pass: row ``r`` keeps the first ``counts[r]`` ``(R,)`` of the slots it was fed (an
+        accepted chain is a prefix: nothing moves); the rest stay invalid and the next pass overwrites them."""
+        valid = self._slot_offsets[None] < counts[:, None]  # (R, T)
+        self.key_valid.scatter_(1, self.write_index, valid)
+        self.row_starts.add_(counts)
+
     def prepare_write(self, t: int) -> None:
         """Before a pass over ``t`` new tokens: they go to slots ``[length, length + t)``. Fixed shape: the slots as
         a tensor, so the compiled step reads them as data (a host int would be baked into the graph)."""
+        if self.row_starts is not None:  # device rows: (R, T) slots from the device starts, no host value
+            self.write_index = self.row_starts[:, None] + self._slot_offsets[:t]  # (R, T)
+            return
         end = self.length + t
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
@@ -258,6 +293,8 @@ class StaticKVCache:
     def advance(self, new_valid: Optional[torch.Tensor], t: Optional[int] = None) -> None:
         """Account for the ``T`` slots just written by every layer (``new_valid`` ``(B, T)``, or ``None`` and ``t``:
         all valid). Per row: the slots stay invalid until `keep_rows` says which of them each row keeps."""
+        if self.row_starts is not None:  # device rows: `keep_prefixes` validates what each row keeps
+            return
         if self.per_row:
             self.length = max(self.row_lengths) + (new_valid.shape[1] if new_valid is not None else t)
             return

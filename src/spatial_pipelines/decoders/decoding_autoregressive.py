@@ -31,6 +31,10 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
     def __init__(self):
         super().__init__()
 
+    def chain_window(self) -> Optional[int]:
+        """A chain of no drafts: one code per row per round, on the device (`spatial_pipelines.pipelines.device_loop`)."""
+        return 0
+
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> AutoregressiveState:
         state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
         state.mask = torch.ones(1, 1, dtype=torch.bool, device=device)

@@ -234,6 +234,15 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         """The window in use (``window_size``, or what ``"auto"`` resolved to): drafted positions."""
         return self.tree.max_depth
 
+    def chain_window(self) -> Optional[int]:
+        """The window, for a round run whole on the device under keyed noise (`spatial_pipelines.pipelines.device_loop`):
+        exact acceptance, one draft per position and ``init="above"``. Under keyed noise every redraw is the pass's own
+        sample, so ``coupling``, ``continuation`` and ``anchor`` change nothing there."""
+        c = self.config
+        if not self.is_exact or c.proactive_width != 1 or c.init != "above" or self.tree is None:
+            return None
+        return self.window
+
     def heads_needed(self) -> Optional[HeadsNeed]:
         """``init="heads"``: token-logit or latent heads with the vertical offset 1 (one row down); otherwise none."""
         if self.config.init != "heads":

@@ -329,6 +329,13 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         SSD; they draw their noise from the generators."""
         return self.is_exact
 
+    def chain_window(self) -> Optional[int]:
+        """Drafts per row of a round that runs whole on the device under keyed noise
+        (`spatial_pipelines.pipelines.device_loop`), for a decoder that feeds its newest code and a chain of drafts
+        after it, commits the drafts equal to the target's keyed samples, and redraws the rest from the pass (AR: 0).
+        ``None`` (the default): the decoder's own `propose` and `step` run, in row groups."""
+        return None
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")

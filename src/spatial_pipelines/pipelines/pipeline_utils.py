@@ -16,7 +16,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import logging
 
 from ..core.kv_cache import StaticKVCache
-from ..core.sampling import SAMPLING_NOISE, SamplingConfig, cfg_mix
+from ..core.sampling import SAMPLING_NOISE, SamplingConfig, cfg_mix, draw_seeds
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import DecodingState, RowsDiverged, SpatialDecoderMixin, StepOutput, split_rows
 from ..heads.heads_utils import DraftHeadsMixin
@@ -24,6 +24,7 @@ from ..utils import (NULL_TIMER, RoundTimer, check_number, check_path_or_repo_id
                      check_weights_folder)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .callbacks import CallbackStateMixin
+from .device_loop import ChainLoop, fed_slots
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
@@ -470,22 +471,30 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         prefix = self._encode_prompts(prompts, negative_prompt, num_images_per_prompt, sampling, device)  # (R, P, D)
         self.check_prompt_length(prefix.embeds.shape[1])
 
-        # 3. Prepare one decoding state per image (its random numbers, its cursor) and the KV cache ("auto" sizes: c(T))
-        batch, cache = self._prepare(prefix, sampling, generator, batch_size, device)
+        self.resolve_draft_sizes(batch_size, sampling, prefix.embeds.shape[1])  # "auto" sizes: c(T)
+        window = self._chain_window(sampling, callback_on_step_end)
+        if window is not None:  # 3-5. a chain decoder's rounds, run whole on the device (`device_loop`)
+            flat, stats = self._generate_chain(backbone, prefix, sampling, generator, batch_size, window, start_time)
+        else:
+            # 3. Prepare one decoding state per image (its random numbers, its cursor) and the KV cache
+            batch, cache = self._prepare(prefix, sampling, generator, batch_size, device)
 
-        # 4. Prefill: the prompt pass predicts each row's first code
-        self._prefill(backbone, prefix, batch, cache)
+            # 4. Prefill: the prompt pass predicts each row's first code
+            self._prefill(backbone, prefix, batch, cache)
 
-        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`), every
-        #    row at its own pace until every grid is full
-        num_forward_passes = 1 + self._rounds(backbone, batch, cache, callback_on_step_end, callback_on_step_end_tensor_inputs)
+            # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`),
+            #    every row at its own pace until every grid is full
+            num_forward_passes = 1 + self._rounds(backbone, batch, cache, callback_on_step_end, callback_on_step_end_tensor_inputs)
+            flat, stats = batch.tokens, None
 
         # 6. VQ decode, 7. post-process
-        tokens = backbone.layout.grid(batch.tokens)  # (B, H, W)
+        tokens = backbone.layout.grid(flat)  # (B, H, W)
         images = tokens if output_type == "latent" else self._decode(tokens, output_type)
         self.maybe_free_model_hooks()
 
-        stats = self._stats(batch, num_forward_passes, batch_size, start_time)
+        if stats is None:
+            stats = self._stats(batch, num_forward_passes, batch_size, start_time)
+        stats.wall_time_s = time.perf_counter() - start_time
         if not return_dict:
             return images, tokens, stats
         return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats)
@@ -501,13 +510,51 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             negative_rows = [n for n in negatives for _ in range(num_images_per_prompt)]
         return self.backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)
 
+    def _chain_window(self, sampling: SamplingConfig, callback) -> Optional[int]:
+        """The window of a round that runs whole on the device (`device_loop`), or ``None`` for the row-group loop:
+        a chain decoder (`SpatialDecoderMixin.chain_window`) under keyed noise or greedy, no ``callback_on_step_end`` (it sees every round: the row-group loop serves it) and no
+        `profile_rounds` (it times the row-group loop's parts). `device_rounds` ``False`` turns it off."""
+        if (self.device_rounds is False or callback is not None or self._round_timer is not None
+                or not (sampling.keyed or sampling.greedy)):
+            return None
+        return self.decoder.chain_window()
+
+    #: Chain decoders' rounds run whole on the device where they can (`_chain_window`); ``False``: always the
+    #: row-group loop (every decoder's own `propose` and `step`).
+    device_rounds: Optional[bool] = None
+
+    def _generate_chain(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, sampling: SamplingConfig, generator,
+                        batch_size: int, window: int, start_time: float) -> Tuple[torch.Tensor, DecodingStats]:
+        """Steps 3-5 by `ChainLoop`: the cache, the prompt pass, then rounds on the device with a host read per sync
+        (the progress bar moves at each). Returns the grids ``(B, N)`` and the stats."""
+        layout, rows = backbone.layout, prefix.embeds.shape[0]
+        seeds = draw_seeds(generator, batch_size) if sampling.keyed else torch.zeros(batch_size, dtype=torch.long)
+        cache = self._make_cache(backbone, rows, prefix.embeds.shape[1] + layout.sequence_length + fed_slots(layout, window))
+        loop = ChainLoop(backbone, window, sampling, seeds, prefix, cache, self._compiled_chain_round())
+        loop.prefill(prefix)
+        with self.progress_bar(total=layout.num_tokens * batch_size) as progress_bar:
+            rounds = self._run_chain(loop, lambda done: progress_bar.update(done - progress_bar.n))
+        self._num_timesteps = rounds
+        accepted = loop.accepted_lengths()  # (passes, B): one host read after the last round
+        row_passes = (accepted > 0).sum(0).tolist()
+        fed = rounds * batch_size * loop.fed
+        stats = DecodingStats(
+            num_forward_passes=1 + rounds, num_draft_passes=0, num_tokens=batch_size * layout.num_tokens,
+            mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1), accepted_lengths=accepted.cpu(),
+            acceptance_map=layout.grid(loop.state.acceptance_map[:, :-1]).cpu(), wall_time_s=0.0,
+            padded_fraction=1 - sum(p - 1 for p in row_passes) * loop.fed / fed if fed and batch_size > 1 else None,
+            row_forward_passes=row_passes)
+        return loop.grid_tokens(), stats
+
+    def _run_chain(self, loop: ChainLoop, on_sync: Callable[[int], None]) -> int:
+        """Step 5 on the device (`ChainLoop.run`); returns the rounds run."""
+        return loop.run(on_sync)
+
     def _prepare(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int,
                  device: torch.device) -> Tuple[RowBatch, StaticKVCache]:
-        """Step 3: ``"auto"`` draft sizes, one typed decoder state per image with its random numbers (`RowBatch`), and
-        the KV cache."""
+        """Step 3: one typed decoder state per image with its random numbers (`RowBatch`), and the KV cache."""
         backbone, layout = self.backbone, self.backbone.layout
         prefix_length = prefix.embeds.shape[1]
-        self.resolve_draft_sizes(batch_size, sampling, prefix_length)
         batch = RowBatch.create(self.decoder, layout, sampling, generator, batch_size, prefix_length, device, backbone)
         max_fed = self.decoder.max_fed_tokens(layout) * (2 if layout.has_eol else 1)  # an EOL may follow every fed code
         cache = self._make_cache(backbone, prefix.embeds.shape[0], prefix_length + layout.sequence_length + max_fed)

@@ -48,9 +48,15 @@ def language_model_forward(
     position_ids = position_ids.expand(r, t) if position_ids.dim() == 1 else position_ids
     captured = pre_norm_capture(language_model)
     cache_kwarg = {cache_argument(type(language_model)): TransformersCacheView(cache)}
+    # the slots written (our cache reads none of it; the mask is given): rows on the device take row 0's, so a
+    # round compiled whole bakes no host length into its graph
+    if getattr(cache, "row_starts", None) is not None:
+        cache_position = cache.write_index[0]  # (T,)
+    else:
+        cache_position = torch.arange(cache.length, cache.length + t, device=device)
     language_model(
         inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=mask, use_cache=True, **cache_kwarg,
-        cache_position=torch.arange(cache.length, cache.length + t, device=device),
+        cache_position=cache_position,
     )
     cache.advance(token_valid, t)
     hidden, captured.value = captured.value, None  # hold no activation between passes
