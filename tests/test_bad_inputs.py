@@ -28,6 +28,8 @@ from spatial_pipelines import (
 from spatial_pipelines.heads import DraftHeadsMixin
 from spatial_pipelines.testing import dummy_llamagen_components, dummy_pipeline
 
+from helpers import lay_out_hub_cache
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -268,6 +270,174 @@ def test_original_checkpoints_that_match_load_and_a_grid_argument_past_the_posit
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("weights were read before the check")))
     with pytest.raises(ValueError, match=r"`image_grid` asks for a 64x64 grid, which takes 4160 positions, but .*`max_position_embeddings` is 4096"):
         Emu3Pipeline.from_backbone(saved_transformers / "emu3-original", image_grid=(64, 64))
+
+
+def _pickle_only(folder):
+    from safetensors.torch import load_file
+
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+
+
+def _pickle_planted(folder):
+    torch.save({"model.planted.weight": torch.zeros(2, 2)}, folder / "model.safetensors")
+
+
+def _truncated(folder):
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) * 3 // 4])
+
+
+def _deep_config(folder):
+    (folder / "config.json").write_text('{"a": ' * 200_000 + "1" + "}" * 200_000)
+
+
+def _index_outside(folder):
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.planted.weight": "../../../other.safetensors"}}))
+
+
+ORIGINAL_FILE_CASES = [  # (id, edit of the checkpoint folder, what the message names): its files, not its config
+    ("pickle-only", _pickle_only, r"holds pickled weights \(pytorch_model.bin\) and no safetensors.*pickles are refused"),
+    ("pickle-planted", _pickle_planted, r"model.safetensors' is a pickle.*pickles are refused"),
+    ("truncated-weights", _truncated, r"model.safetensors' is truncated or corrupt: it holds \d+ bytes but its header lists"),
+    ("deep-config", _deep_config, r"config.json' nests 200000 levels"),
+    ("shard-outside-the-repo", _index_outside, r"model.safetensors.index.json': `weight_map` maps 'model.planted.weight' to '../../../other.safetensors', not a safetensors file beside the index"),
+]
+
+
+def _nothing_loaded(monkeypatch):
+    from transformers import PreTrainedModel
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("weights were read before the check")))
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a pickle was loaded"))
+
+
+@pytest.mark.parametrize("family", ["janus", "emu3"])
+@pytest.mark.parametrize("edit,names", [c[1:] for c in ORIGINAL_FILE_CASES], ids=[c[0] for c in ORIGINAL_FILE_CASES])
+def test_bad_original_checkpoint_files(saved_transformers, tmp_path, family, edit, names, monkeypatch):
+    folder = tmp_path / "original"
+    shutil.copytree(saved_transformers / f"{family}-original", folder)
+    edit(folder)
+    before = snapshot(folder)
+    _nothing_loaded(monkeypatch)
+    with pytest.raises(ValueError, match=names) as caught:
+        TRANSFORMERS_PIPELINES[family].from_backbone(folder)
+    assert str(folder) in str(caught.value)
+    assert snapshot(folder) == before
+
+
+# the same checkpoints by Hub id: a Hub cache laid out as huggingface_hub lays it out (``models--org--name/snapshots/
+# <commit>/``, ``refs/main``) and read offline (conftest sets ``HF_HUB_OFFLINE=1``) through ``cache_dir``, as
+# transformers reads it. Every check of the local folder runs on the repo's config, index and weights' headers before
+# transformers reads a weight (or would download one), and nothing is written into the cache.
+HUB_COMMIT = "c" * 40
+
+
+def _hub_id_of(tmp_path, family, folder, refs=("main",)):
+    hub = tmp_path / "hub"
+    lay_out_hub_cache(hub, f"org/{family}-tiny", folder, HUB_COMMIT, refs)
+    return f"org/{family}-tiny", hub
+
+
+@pytest.mark.parametrize("family", ["janus", "emu3"])
+@pytest.mark.parametrize("make_edit,names", [(c[1], c[2]) for c in TRANSFORMERS_CASES] + [((lambda edit: lambda family: edit)(c[1]), c[2]) for c in ORIGINAL_FILE_CASES],
+                         ids=[c[0] for c in TRANSFORMERS_CASES] + [c[0] for c in ORIGINAL_FILE_CASES])
+def test_bad_original_checkpoints_by_hub_id(saved_transformers, tmp_path, family, make_edit, names, monkeypatch):
+    folder = tmp_path / "original"
+    shutil.copytree(saved_transformers / f"{family}-original", folder)
+    make_edit(family)(folder)
+    repo_id, hub = _hub_id_of(tmp_path, family, folder)
+    before = snapshot(hub)
+    _nothing_loaded(monkeypatch)
+    with pytest.raises(ValueError, match=names) as caught:
+        TRANSFORMERS_PIPELINES[family].from_backbone(repo_id, cache_dir=hub)
+    message = str(caught.value)
+    assert f"models--org--{family}-tiny/snapshots/{HUB_COMMIT}/" in message or f"Hub checkpoint {repo_id} " in message
+    assert snapshot(hub) == before
+
+
+NOT_DOWNLOADED_CASES = [  # (id, edit of the checkpoint, what the message names)
+    ("fewer-layers", _edit_config(_layers(1)), r"config.json' does not match the weights: they hold `[\w.]*layers\.1\."),
+    ("pickle-planted", _pickle_planted, r"'model.safetensors' of org/janus-tiny \(revision 'c{40}'\) is not a safetensors file.*pickles are refused"),
+]
+
+
+@pytest.mark.parametrize("edit,names", [c[1:] for c in NOT_DOWNLOADED_CASES], ids=[c[0] for c in NOT_DOWNLOADED_CASES])
+def test_weights_not_yet_downloaded_are_checked_by_their_header(saved_transformers, tmp_path, edit, names, monkeypatch):
+    """Online, a weights file the cache does not hold is checked by its header alone (huggingface_hub's ranged read,
+    `HfApi.parse_safetensors_file_metadata`, served here from the laid-out file; nothing else goes online: the configs
+    are cached and the Hub stays offline for them) before transformers would download it."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import SafetensorsParsingError
+    from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo
+
+    from spatial_pipelines.pipelines import folder_checks
+    from spatial_pipelines.utils import safetensors_header
+
+    folder = tmp_path / "original"
+    shutil.copytree(saved_transformers / "janus-original", folder)
+    edit(folder)
+    repo_id, hub = _hub_id_of(tmp_path, "janus", folder)
+    read = []
+
+    def parse(self, repo, filename, **kwargs):
+        read.append((repo, filename, kwargs.get("revision")))
+        try:
+            header = safetensors_header(str(folder / filename))
+        except ValueError as err:
+            raise SafetensorsParsingError(str(err)) from None
+        return SafetensorsFileMetadata(metadata=header.pop("__metadata__", {}), tensors={
+            k: TensorInfo(dtype=v["dtype"], shape=v["shape"], data_offsets=tuple(v["data_offsets"])) for k, v in header.items()})
+
+    init = folder_checks._HubCheckpoint.__init__
+
+    def online(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.offline = False
+
+    monkeypatch.setattr(HfApi, "parse_safetensors_file_metadata", parse)
+    monkeypatch.setattr(folder_checks._HubCheckpoint, "__init__", online)
+    monkeypatch.setattr(folder_checks._HubCheckpoint, "cached", lambda self, name: None)
+    _nothing_loaded(monkeypatch)
+    with pytest.raises(ValueError, match=names):
+        JanusProPipeline.from_backbone(repo_id, cache_dir=hub, revision=HUB_COMMIT)
+    assert read == [(repo_id, "model.safetensors", HUB_COMMIT)]
+
+
+def test_use_safetensors_false_is_refused(saved_transformers, monkeypatch):
+    _nothing_loaded(monkeypatch)
+    for family in ("janus", "emu3"):
+        with pytest.raises(ValueError, match=r"`use_safetensors=False` asks for pickled weights: pickles are refused"):
+            TRANSFORMERS_PIPELINES[family].from_backbone(saved_transformers / f"{family}-original", use_safetensors=False)
+
+
+@pytest.mark.parametrize("family,shards", [("janus", False), ("janus", True), ("emu3", False)], ids=["janus", "janus-sharded", "emu3"])
+def test_an_original_checkpoint_loads_by_hub_id(saved_transformers, tmp_path, family, shards):
+    """A valid checkpoint in the Hub cache loads by its id (``cache_dir``, ``revision``: a branch or a commit), checked
+    first, and decodes as the same folder loaded by path; a revision the cache does not hold is transformers'
+    `OSError`."""
+    folder = tmp_path / "original"
+    shutil.copytree(saved_transformers / f"{family}-original", folder)
+    if shards:  # model.safetensors.index.json and its shards, as large checkpoints are published
+        (folder / "model.safetensors").unlink()
+        TRANSFORMERS_PIPELINES[family].from_backbone(saved_transformers / f"{family}-original").transformer.save_pretrained(
+            folder, max_shard_size="200KB")
+        assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("model-*.safetensors"))) > 1
+    repo_id, hub = _hub_id_of(tmp_path, family, folder, refs=("main", "v1"))
+    before = snapshot(hub)
+    local = TRANSFORMERS_PIPELINES[family].from_backbone(folder)
+    local.set_progress_bar_config(disable=True)
+    ref = local(["a red fox", "x"], temperature=0, output_type="latent").tokens
+    for revision in (None, "v1", HUB_COMMIT):
+        pipe = TRANSFORMERS_PIPELINES[family].from_backbone(repo_id, cache_dir=hub, revision=revision)
+        pipe.set_progress_bar_config(disable=True)
+        assert pipe.config._name_or_path == repo_id
+        assert torch.equal(pipe(["a red fox", "x"], temperature=0, output_type="latent").tokens, ref)
+    with pytest.raises(OSError):
+        TRANSFORMERS_PIPELINES[family].from_backbone(repo_id, cache_dir=hub, revision="not-in-the-cache")
+    assert snapshot(hub) == before
 
 
 @pytest.mark.parametrize("family", ["janus", "emu3", "anole", "lumina_mgpt"])

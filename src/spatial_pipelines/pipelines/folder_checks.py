@@ -18,8 +18,9 @@ is downloaded). Every finding is a `ValueError` naming the file and the key:
 - a transformers family's grid (``image_grid`` in its generation config; Janus: ``vision_config.num_image_tokens``)
   leaves room for a prompt in the positions its config says the model was trained for (``max_position_embeddings``).
 
-`check_backbone_checkpoint` gives ``from_backbone`` the same weights and grid checks on a local original transformers
-checkpoint.
+`check_backbone_checkpoint` gives ``from_backbone`` the same weights and grid checks on an original transformers
+checkpoint, a local folder or a Hub id (its config, index and weights' headers resolved as transformers resolves them,
+before any weight is downloaded); `precheck_backbone` checks its JSON files before transformers parses them.
 """
 
 import collections.abc
@@ -432,37 +433,248 @@ def check_model_folder(model_cls, key: str, folder: str, component_dir: str, var
                                 f"{config_path!r}: `max_position_embeddings`", grid_file)
 
 
+#: transformers' names for a checkpoint's weights: the safetensors it loads, the pickles it would fall back to.
+SAFE_WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_WEIGHTS_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+#: ``from_pretrained`` arguments that say where a checkpoint's files are, as transformers reads them.
+HUB_FILE_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
+
+
+def _variant(name: str, variant: Optional[str]) -> str:
+    """transformers' ``_add_variant``: ``model.safetensors`` -> ``model.<variant>.safetensors``."""
+    if variant is None:
+        return name
+    stem, ext = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{ext}"
+
+
+class _HubCheckpoint:
+    """A Hub repo's checkpoint files found as transformers finds them (`transformers.utils.hub.cached_file` and
+    ``has_file``: the cache first; ``HF_HUB_OFFLINE`` / ``local_files_only``, ``cache_dir``, ``revision``, ``token``,
+    ``subfolder`` and ``variant`` as ``from_pretrained`` takes them). Only small files (configs, the safetensors
+    index) are downloaded; a weights file is read from the cache when it is there, else by its header alone."""
+
+    def __init__(self, repo_id: str, kwargs: Dict[str, Any]):
+        from transformers.utils.hub import is_offline_mode
+
+        self.repo_id = repo_id
+        self.opts = {k: v for k, v in kwargs.items() if k in HUB_FILE_KWARGS and v is not None}
+        self.subfolder = self.opts.pop("subfolder", "") or ""
+        self.variant = kwargs.get("variant")
+        self.offline = bool(self.opts.get("local_files_only")) or is_offline_mode()
+        self.where = repo_id + (f" (revision {self.opts['revision']!r})" if self.opts.get("revision") else "")
+
+    def path(self, name: str) -> str:
+        return f"{self.subfolder.strip('/')}/{name}" if self.subfolder else name
+
+    def small_file(self, name: str) -> Optional[str]:
+        """The local path of the small file ``name`` (downloaded unless cached); ``None`` when the repo has none."""
+        from transformers.utils.hub import cached_file
+
+        return cached_file(self.repo_id, name, subfolder=self.subfolder, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **self.opts)
+
+    def has(self, name: str) -> bool:
+        """Whether the repo holds ``name``, never downloading it (a HEAD request, or the cache when offline)."""
+        from transformers.utils.hub import has_file
+
+        return has_file(self.repo_id, self.path(name), revision=self.opts.get("revision"),
+                        proxies=self.opts.get("proxies"), token=self.opts.get("token"), local_files_only=self.offline,
+                        cache_dir=self.opts.get("cache_dir"))
+
+    def cached(self, name: str) -> Optional[str]:
+        """The cached copy of ``name`` at this revision, if any (``force_download`` trusts none)."""
+        from huggingface_hub import try_to_load_from_cache
+
+        if self.opts.get("force_download"):
+            return None
+        found = try_to_load_from_cache(self.repo_id, self.path(name), cache_dir=self.opts.get("cache_dir"),
+                                       revision=self.opts.get("revision"))
+        return found if isinstance(found, str) else None
+
+    def remote_header(self, name: str) -> dict:
+        """The header of the weights file ``name`` on the Hub (``get_safetensors_metadata``'s ranged reads: no tensor
+        is downloaded), in `safetensors_header`'s form."""
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import SafetensorsParsingError
+
+        try:
+            meta = HfApi(token=self.opts.get("token")).parse_safetensors_file_metadata(
+                self.repo_id, self.path(name), revision=self.opts.get("revision"))
+        except SafetensorsParsingError as err:
+            raise ValueError(f"The checkpoint weights file {self.path(name)!r} of {self.where} is not a safetensors "
+                             f"file (a pickle or a corrupt file?): {str(err).rstrip('.')}. Pickles are refused here, "
+                             "because loading one can run any code.") from None
+        except RecursionError:
+            raise ValueError(f"The checkpoint weights file {self.path(name)!r} of {self.where} has a header nested too "
+                             "deep to be a safetensors header.") from None
+        except Exception as err:
+            raise OSError(f"Cannot read the header of the checkpoint weights file {self.path(name)!r} of {self.where} "
+                          f"to check it before loading: {type(err).__name__}: {err}") from err
+        header = {"__metadata__": dict(meta.metadata or {})}
+        for tensor, info in meta.tensors.items():
+            header[tensor] = {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": list(info.data_offsets)}
+        return header
+
+
+def _index_shards(index_path: str) -> list:
+    """The shard files a ``model.safetensors.index.json`` names (``weight_map``'s values): plain safetensors file
+    names beside it, or a `ValueError` naming the file and key."""
+    index = read_json_file(index_path, "safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path!r}: `weight_map` must be an object of tensor names to safetensors files, got "
+                         f"{type(weight_map).__name__}.")
+    shards = []
+    for tensor, shard in weight_map.items():
+        if not (isinstance(shard, str) and shard.endswith(".safetensors") and "/" not in shard and "\\" not in shard
+                and shard not in (".", "..")):
+            raise ValueError(f"{index_path!r}: `weight_map` maps {tensor!r} to {shard!r}, not a safetensors file "
+                             "beside the index.")
+        shards.append(shard)
+    return sorted(set(shards))
+
+
+def _weights_names(raw, variant: Optional[str]):
+    """``(single file, index)``: the safetensors names transformers looks for, in that order (the config's
+    ``transformers_weights`` where it names one; ``None`` for the kind it does not name)."""
+    explicit = raw.get("transformers_weights") if isinstance(raw, dict) else None
+    if isinstance(explicit, str) and explicit.endswith(".safetensors.index.json"):
+        return None, explicit
+    if isinstance(explicit, str) and explicit.endswith(".safetensors"):
+        return explicit, None
+    return tuple(_variant(n, variant) for n in SAFE_WEIGHTS_NAMES)
+
+
+def _local_headers(folder: str, config_path: str, variant: Optional[str]) -> Dict[str, dict]:
+    """The headers of a local checkpoint's safetensors, the files transformers would load (``model.safetensors``, else
+    the shards its index names; else every safetensors file there); pickles alone are a `ValueError`."""
+    single, index = _weights_names(read_json_file(config_path, "model config"), variant)
+    if single is not None and os.path.isfile(os.path.join(folder, single)):
+        files = [os.path.join(folder, single)]
+    elif index is not None and os.path.isfile(os.path.join(folder, index)):
+        index_path = os.path.join(folder, index)
+        files = [os.path.join(folder, shard) for shard in _index_shards(index_path)]
+        for path in files:
+            if not os.path.isfile(path):
+                raise ValueError(f"{index_path!r}: `weight_map` names {os.path.basename(path)!r}, which is not in "
+                                 f"{folder!r} (an incomplete download or copy?).")
+    else:
+        files, pickles = _weights_files(folder)
+        if not files and pickles:
+            raise ValueError(f"The checkpoint folder {folder!r} holds pickled weights ({', '.join(pickles)}) and no "
+                             "safetensors: pickles are refused here, because loading one can run any code. Convert "
+                             "them to safetensors where you trust them.")
+    return {p: safetensors_header(p, "checkpoint weights") for p in files}
+
+
+def _hub_checkpoint(repo_id: str, kwargs: Dict[str, Any]):
+    """``(config path, headers or None)`` of a Hub checkpoint, its small files in the cache: ``None`` headers where the
+    weights cannot be read without downloading them and the Hub is offline (transformers then says they are not in
+    the cache). A repo with pickled weights and no safetensors is a `ValueError` (nothing downloaded)."""
+    hub = _HubCheckpoint(repo_id, kwargs)
+    config_path = hub.small_file("config.json")
+    if config_path is None:
+        return None, None  # transformers' AutoConfig has said what is missing
+    folder = os.path.dirname(config_path)
+    hub.small_file("generation_config.json")  # beside the config, for the grid check
+    single, index = _weights_names(read_json_file(config_path, "model config"), hub.variant)
+    shards = []
+    if single is not None and hub.has(single):
+        shards = [single]
+    elif index is not None:
+        index_path = hub.small_file(index)
+        if index_path is not None:
+            shards = _index_shards(index_path)
+    if not shards:
+        pickles = [n for n in (_variant(p, hub.variant) for p in PICKLE_WEIGHTS_NAMES) if hub.has(n)]
+        if pickles:
+            raise ValueError(f"The Hub checkpoint {hub.where} holds pickled weights ({', '.join(pickles)}) and no "
+                             f"safetensors ({' or '.join(n for n in (single, index) if n)}): pickles are refused here, "
+                             "because loading one can run any code; nothing was downloaded. Convert them to "
+                             "safetensors where you trust them.")
+        return config_path, None  # transformers says that no weights file is there
+    headers = {}
+    for shard in shards:
+        shown = os.path.join(folder, shard)
+        cached = hub.cached(shard)
+        if cached is not None:
+            headers[shown] = safetensors_header(cached, "checkpoint weights")
+        elif hub.offline:
+            return config_path, None  # not in the cache, and the Hub is offline: transformers says so
+        else:
+            headers[shown] = hub.remote_header(shard)
+    return config_path, headers
+
+
+def _checkpoint_folder(repo_or_path, subfolder: Optional[str]) -> Optional[str]:
+    path = os.fspath(repo_or_path)
+    return os.path.join(path, subfolder or "") if os.path.isdir(path) else None
+
+
+def precheck_backbone(repo_or_path, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """What a family's ``from_backbone`` checks before transformers reads even the config: ``config.json`` and
+    ``generation_config.json`` (of the local folder, or of the Hub repo, downloaded into the cache as transformers
+    would: they are small) nest at most `MAX_JSON_DEPTH` levels (a `ValueError` naming the file, not a
+    `RecursionError`); ``use_safetensors=False`` is refused (the model is loaded with ``use_safetensors=True``: never
+    a pickle). Returns ``kwargs`` without ``use_safetensors``."""
+    kwargs = dict(kwargs)
+    if kwargs.pop("use_safetensors", None) is False:
+        raise ValueError("`use_safetensors=False` asks for pickled weights: pickles are refused here, because loading "
+                         "one can run any code.")
+    folder = _checkpoint_folder(repo_or_path, kwargs.get("subfolder"))
+    hub = None if folder is not None else _HubCheckpoint(os.fspath(repo_or_path), kwargs)
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(folder, name) if folder is not None else hub.small_file(name)
+        if path is not None and os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                check_json_text(f.read(), path, "model config" if name == "config.json" else "generation config")
+    return kwargs
+
+
 def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=None, image_grid=None,
-                              subfolder: Optional[str] = None) -> None:
+                              subfolder: Optional[str] = None, hub_kwargs: Optional[Dict[str, Any]] = None) -> None:
     """What a family's ``from_backbone`` reads, checked before transformers reads a weight. ``image_grid`` (the
     argument) against the positions the model was trained for (``config``: its transformers config, read first and
-    completed as the family completes it; the model is built from it on the meta device); and a
-    local checkpoint folder (``config.json`` + safetensors, the original transformers layout) as a pipeline folder's
-    ``transformer`` is: every tensor its config builds is in its safetensors files, of that shape, and nothing else
-    (`check_shapes`), and the grid its generation config asks for fits those positions. A Hub id is downloaded and
-    loaded by transformers in one step; its grid is checked again at every call. A folder without safetensors files
-    (pickled weights) is left to transformers. ``subfolder``: where in ``repo_or_path`` the checkpoint is."""
-    folder = os.path.join(os.fspath(repo_or_path), subfolder or "")
-    local = os.path.isdir(folder)
-    config_path = os.path.join(folder, "config.json")
-    if local and os.path.isfile(config_path):
+    completed as the family completes it; the model is built from it on the meta device); and the checkpoint (the
+    original transformers layout: ``config.json`` + safetensors) as a pipeline folder's ``transformer`` is: every
+    tensor its config builds is in its safetensors files, of that shape, and nothing else (`check_shapes`), and the
+    grid its generation config asks for fits those positions. Pickled weights without safetensors are refused.
+
+    A local folder is read where it is. A Hub id is resolved as transformers resolves it (``hub_kwargs``: ``revision``,
+    ``cache_dir``, ``token``, ``local_files_only``, ``variant``; ``HF_HUB_OFFLINE`` honoured): its ``config.json``,
+    ``generation_config.json`` and ``model.safetensors.index.json`` are downloaded into the Hub cache (small), its
+    weights' headers are read from the cached files, or from the Hub by ranged reads when they are not cached; no
+    weight is downloaded before the checks pass. ``subfolder``: where in ``repo_or_path`` the checkpoint is."""
+    hub_kwargs = {**(hub_kwargs or {}), **({"subfolder": subfolder} if subfolder else {})}
+    folder = _checkpoint_folder(repo_or_path, subfolder)
+    if folder is not None:
+        config_path = os.path.join(folder, "config.json")
+        headers = None
+        if os.path.isfile(config_path):
+            headers = _local_headers(folder, config_path, hub_kwargs.get("variant"))
+        else:
+            config_path = None
+    else:
+        config_path, headers = _hub_checkpoint(os.fspath(repo_or_path), hub_kwargs)
+        folder = os.path.dirname(config_path) if config_path is not None else None
+    if config_path is not None:
         raw = read_json_file(config_path, "model config")
         if not isinstance(raw, dict):
             raise ValueError(f"{config_path!r} must hold a JSON object, got {type(raw).__name__}.")
-        safe, _ = _weights_files(folder)
-        if safe:
-            headers = {p: safetensors_header(p, "checkpoint weights") for p in safe}
+        if headers:
             model = _meta_model(model_cls, config if config is not None else raw, config_path)
             check_shapes(model, headers, folder, strict=False)
     if config is None:
         return
-    generation = _generation_config(folder) if local else {}
-    grid_file = os.path.join(folder, backbone_class.grid_file) if local else None
-    grid_where = f"{grid_file!r}: `{backbone_class.grid_key}`" if local else f"the checkpoint's `{backbone_class.grid_key}`"
+    known = config_path is not None
+    generation = _generation_config(folder) if known else {}
+    grid_file = os.path.join(folder, backbone_class.grid_file) if known else None
+    grid_where = f"{grid_file!r}: `{backbone_class.grid_key}`" if known else f"the checkpoint's `{backbone_class.grid_key}`"
     if image_grid is not None:
         generation = {**generation, "image_grid": list(image_grid) if isinstance(image_grid, (list, tuple)) else image_grid}
         grid_where, grid_file = "`image_grid`", None
-    limit_where = f"{config_path!r}: `max_position_embeddings`" if local else "the config's `max_position_embeddings`"
+    limit_where = f"{config_path!r}: `max_position_embeddings`" if known else "the config's `max_position_embeddings`"
     check_trained_positions(backbone_class, config, generation, grid_where, limit_where, grid_file)
 
 

@@ -33,7 +33,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
 from .backbone import PromptEmbeddings
-from .folder_checks import check_backbone_checkpoint
+from .folder_checks import check_backbone_checkpoint, precheck_backbone
 from .pass_cost import GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import (
@@ -307,6 +307,7 @@ class ChameleonARPipeline(SpatialARPipeline):
         from transformers import AutoConfig, AutoTokenizer, ChameleonProcessor
 
         weights_dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
+        hub_kwargs = precheck_backbone(repo_or_path, hub_kwargs)
         config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
         if config.model_type != "chameleon":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a "
@@ -319,9 +320,9 @@ class ChameleonARPipeline(SpatialARPipeline):
         if not config.vocabulary_map:  # the image-token names are the tokenizer's
             config.vocabulary_map = dict(getattr(processor, "tokenizer", processor).get_vocab())
         check_backbone_checkpoint(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config, image_grid,
-                                  hub_kwargs.get("subfolder"))
+                                  hub_kwargs.get("subfolder"), hub_kwargs)
         model = ChameleonForConditionalGeneration.from_pretrained(
-            repo_or_path, config=config, attn_implementation=attn_implementation,
+            repo_or_path, config=config, attn_implementation=attn_implementation, use_safetensors=True,
             dtype=weights_dtype if weights_dtype is not None else "auto", **device_map_kwargs(device_map), **hub_kwargs,
         ).eval()
         check_device_map(model)

@@ -23,7 +23,7 @@ from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
-from .folder_checks import check_backbone_checkpoint
+from .folder_checks import check_backbone_checkpoint, precheck_backbone
 from .pass_cost import GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, left_padded
@@ -254,14 +254,16 @@ class Emu3Pipeline(SpatialARPipeline):
         from transformers import AutoConfig
 
         dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
+        kwargs = precheck_backbone(repo_or_path, kwargs)
         hub_kwargs = {k: v for k, v in kwargs.items() if k in HUB_KWARGS}
         config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
         if config.model_type != "emu3":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not an Emu3 checkpoint.")
         check_backbone_checkpoint(cls.backbone_class, Emu3ForConditionalGeneration, repo_or_path, config, image_grid,
-                                  hub_kwargs.get("subfolder"))
+                                  hub_kwargs.get("subfolder"), kwargs)
         transformer = Emu3ForConditionalGeneration.from_pretrained(
             repo_or_path, dtype=dtype if dtype is not None else "auto", attn_implementation=attn_implementation,
+            use_safetensors=True,
             **device_map_kwargs(device_map), **kwargs
         ).eval()
         check_device_map(transformer)

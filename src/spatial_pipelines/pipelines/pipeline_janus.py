@@ -24,7 +24,7 @@ from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
-from .folder_checks import check_backbone_checkpoint
+from .folder_checks import check_backbone_checkpoint, precheck_backbone
 from .pass_cost import GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, use_tree_attention
@@ -261,13 +261,14 @@ class JanusProPipeline(SpatialARPipeline):
         from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
 
         weights_dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
+        hub_kwargs = precheck_backbone(repo_or_path, hub_kwargs)
         config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
         if config.model_type != "janus":
             raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a Janus checkpoint.")
         check_backbone_checkpoint(cls.backbone_class, JanusForConditionalGeneration, repo_or_path, config,
-                                  subfolder=hub_kwargs.get("subfolder"))
+                                  subfolder=hub_kwargs.get("subfolder"), hub_kwargs=hub_kwargs)
         model = JanusForConditionalGeneration.from_pretrained(
-            repo_or_path, attn_implementation=attn_implementation,
+            repo_or_path, attn_implementation=attn_implementation, use_safetensors=True,
             **({"dtype": weights_dtype} if weights_dtype is not None else {}), **device_map_kwargs(device_map), **hub_kwargs,
         )
         check_device_map(model)
