@@ -28,6 +28,11 @@ from .decoding_tree import TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
+#: The acceptance prior ``(first_rate, sibling_decay)`` of EAGLE-2's and ADT-Tree's ``"auto"`` size: the drafter's top
+#: candidate is accepted more often than a head's, 0.65 per kept node, measured on the embedded model v2 with its
+#: shipped drafter (a 1-node tree, 50 prompts, 2-core AMD EPYC VM, CPU, fp32; commit `8f02ca7`,
+#: docs/benchmarks/archive-cost.md, "The embedded model v2"); siblings as `HEADS_ACCEPTANCE_PRIOR`.
+EAGLE_ACCEPTANCE_PRIOR = (0.65, 0.5)
 
 
 @dataclass
@@ -72,8 +77,8 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_draft_tokens (`int`, `None` or `"auto"`): nodes kept in the tree (root excluded). ``None`` (default):
             the pipeline family's fixed size (`SpatialARPipeline.default_draft_sizes`; 60, EAGLE-2's, where the family
             names none). ``"auto"`` keeps the count that maximises expected codes per second from the target pass
-            cost the pipeline measures on the device in the first call (the prior of `TreeDecoderMixin` on a
-            ``top_k``-ary tree of ``depth``), up to `MAX_DRAFT_TOKENS`; `SpatialARPipeline.tune_decoder` measures ahead
+            cost the pipeline measures on the device in the first call (the acceptance is not measured: the prior
+            `EAGLE_ACCEPTANCE_PRIOR` on a ``top_k``-ary tree of ``depth``), up to `MAX_DRAFT_TOKENS`; `SpatialARPipeline.tune_decoder` measures ahead
             and returns a fixed size.
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
             (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
@@ -84,9 +89,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     distinct_siblings = True  # top-k children are distinct
     uses_all_rows = True  # the drafter reads the unconditional rows' features too
     uses_drafter_passes = True  # a deeper tree costs one more drafter pass: "auto" weighs it
-    # the drafter's top candidate is accepted more often than a head's: 0.65 per kept node measured on the embedded
-    # model (a 1-node tree, 50 prompts, docs/benchmarks/archive-cost.md); siblings as `TreeDecoderMixin`
-    acceptance_prior = (0.65, 0.5)
+    acceptance_prior = EAGLE_ACCEPTANCE_PRIOR  # fitted on the embedded model: "auto" uses it on any checkpoint
     draft_size_name = "num_draft_tokens"
     default_draft_size = 60  # EAGLE-2's released setting (60 draft tokens per round)
 
