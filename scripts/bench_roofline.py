@@ -185,47 +185,80 @@ def median_ms(step, reset, repeats: int, warmup: int, device: torch.device) -> f
 def bench_preset(name: str, args) -> dict:
     """AR step, its bandwidth floor and the verification cost at every K for one preset."""
     config = PRESETS[name]
+    # 1. the backbone, and a cache holding a real prefill of random tokens
     start = time.perf_counter()
     model = build_backbone(config, args.device, args.dtype)
     build_s = time.perf_counter() - start
     cache_length = default_cache_length(model) if args.cache_length is None else args.cache_length
-    b, d, last = args.batch, model.config.hidden_size, model.freqs_cis.shape[0] - 1
     gen = torch.Generator(args.device).manual_seed(args.seed)
+    cache = prefilled_cache(model, args, cache_length, gen)
+    # 2. one pass over K fed tokens (compiled: one static graph per K), timed at K = 1 (an AR step) and every K
+    step = verify_step(model, cache, args)
+    ar_ms = time_fed(model, cache, step, args, cache_length, gen, 1)
+    verify = []
+    for k in args.ks:  # K = 1 is timed again: its ratio shows the noise of the measurement
+        ms = time_fed(model, cache, step, args, cache_length, gen, k)
+        verify.append({"K": k, "ms": ms, "relative_to_ar": ms / ar_ms})
+    # 3. the bytes an AR step moves, against the peak bandwidth
+    row = roofline_row(model, args, config, cache_length, build_s, ar_ms, verify)
+    del model, cache, step
+    if args.compile:
+        torch._dynamo.reset()  # drops the compiled graphs (and their CUDA-graph pools) of this preset
+    gc.collect()
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def prefilled_cache(model: LlamaGenTransformer, args, cache_length: int, gen: torch.Generator):
+    """A cache with room for the largest K after ``cache_length`` prefilled slots (the keys and values of random
+    tokens, from a real prefill)."""
+    b, d, last = args.batch, model.config.hidden_size, model.freqs_cis.shape[0] - 1
     cache = model.make_cache(b, cache_length + max(args.ks))
-    if cache_length:  # a real prefill, so the cached keys/values are those of random tokens
+    if cache_length:
         embeds = torch.randn(b, cache_length, d, generator=gen, device=args.device, dtype=args.dtype)  # (B, L, D)
         model(embeds, torch.arange(cache_length, device=args.device).clamp(max=last), past_key_values=cache)
+    return cache
+
+
+def verify_step(model: LlamaGenTransformer, cache, args):
+    """One pass over fed tokens through ``cache``: the logits ``(B, K, V)`` of every fed token; with ``--compile`` one
+    static graph per K (the cache tensors keep their addresses, so CUDA graphs may mutate them)."""
 
     def step(embeds, positions, mask):
         out = model(embeds, positions, attention_mask=mask, past_key_values=cache)
         return model.output(out.last_hidden_state).float()  # (B, K, V): logits of every fed token
 
-    if args.compile:  # one static graph per K; the cache tensors keep their addresses, so CUDA graphs may mutate them
-        dynamo = torch._dynamo.config
-        limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-        setattr(dynamo, limit, max(getattr(dynamo, limit), 4 * len(args.ks)))
-        for t in [*cache.keys, *cache.values, cache.key_valid]:
-            torch._dynamo.mark_static_address(t)
-        step = torch.compile(step, mode="reduce-overhead" if args.device.type == "cuda" else None, dynamic=False)
+    if not args.compile:
+        return step
+    dynamo = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, limit, max(getattr(dynamo, limit), 4 * len(args.ks)))
+    for t in [*cache.keys, *cache.values, cache.key_valid]:
+        torch._dynamo.mark_static_address(t)
+    return torch.compile(step, mode="reduce-overhead" if args.device.type == "cuda" else None, dynamic=False)
 
-    def time_fed(k: int) -> float:
-        embeds = torch.randn(b, k, d, generator=gen, device=args.device, dtype=args.dtype)  # (B, K, D)
-        positions = (cache_length + torch.arange(k, device=args.device)).clamp(max=last)  # (K,)
-        mask = torch.ones(k, k, dtype=torch.bool, device=args.device).tril()  # (K, K): a chain is a tree
-        return median_ms(
-            lambda: step(embeds, positions, mask), lambda: cache.crop(cache_length), args.repeats,
-            max(args.warmup, 3) if args.compile else args.warmup, args.device,
-        )
 
-    ar_ms = time_fed(1)
-    verify = []
-    for k in args.ks:  # K = 1 is timed again: its ratio shows the noise of the measurement
-        ms = time_fed(k)
-        verify.append({"K": k, "ms": ms, "relative_to_ar": ms / ar_ms})
-    weight_bytes, kv_bytes = step_bytes(model, b, cache_length)
+def time_fed(model: LlamaGenTransformer, cache, step, args, cache_length: int, gen: torch.Generator, k: int) -> float:
+    """Median ms of one pass over ``k`` random tokens fed as a chain after the cached ones (the cache cropped back
+    after each)."""
+    b, d, last = args.batch, model.config.hidden_size, model.freqs_cis.shape[0] - 1
+    embeds = torch.randn(b, k, d, generator=gen, device=args.device, dtype=args.dtype)  # (B, K, D)
+    positions = (cache_length + torch.arange(k, device=args.device)).clamp(max=last)  # (K,)
+    mask = torch.ones(k, k, dtype=torch.bool, device=args.device).tril()  # (K, K): a chain is a tree
+    return median_ms(
+        lambda: step(embeds, positions, mask), lambda: cache.crop(cache_length), args.repeats,
+        max(args.warmup, 3) if args.compile else args.warmup, args.device,
+    )
+
+
+def roofline_row(model: LlamaGenTransformer, args, config: dict, cache_length: int, build_s: float, ar_ms: float,
+                 verify: list) -> dict:
+    """One preset's report row: sizes, the AR step against its bandwidth floor, and the verification costs."""
+    weight_bytes, kv_bytes = step_bytes(model, args.batch, cache_length)
     moved = weight_bytes + kv_bytes
     peak = args.peak_bandwidth_gbs
-    row = {
+    return {
         "config": dict(config),
         "params": sum(p.numel() for p in model.parameters()),
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -239,13 +272,6 @@ def bench_preset(name: str, args) -> dict:
         "fraction_of_peak": moved / (ar_ms * 1e-3) / 1e9 / peak if peak else None,
         "verify": verify,
     }
-    del model, cache, step
-    if args.compile:
-        torch._dynamo.reset()  # drops the compiled graphs (and their CUDA-graph pools) of this preset
-    gc.collect()
-    if args.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
 
 
 def plot(report: dict, path: str):

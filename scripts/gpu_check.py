@@ -312,94 +312,122 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.save_captions:
-        save_captions(args.save_captions)
-        return None
-    os.makedirs(args.out, exist_ok=True)
-    began = time.perf_counter()
-    lines = []
+class CheckRun:
+    """One check's report, log and time budget: `save` writes the report after each step, so a run stopped from
+    outside still leaves what it measured."""
 
-    def log(text: str) -> None:
+    def __init__(self, args):
+        self.args = args
+        self.began = time.perf_counter()
+        self.report = new_report(args)
+
+    def log(self, text: str) -> None:
         print(text, flush=True)
-        lines.append(text)
 
-    def save() -> None:  # after each step, so a run stopped from outside still leaves what it measured
-        report["seconds"] = time.perf_counter() - began
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(report, f, indent=2)
+    def save(self) -> None:
+        self.report["seconds"] = time.perf_counter() - self.began
+        with open(os.path.join(self.args.out, "gpu_check.json"), "w") as f:
+            json.dump(self.report, f, indent=2)
 
-    def left() -> float:
-        return args.budget_s - (time.perf_counter() - began)
+    def left(self) -> float:
+        """Seconds left of ``--budget-s``."""
+        return self.args.budget_s - (time.perf_counter() - self.began)
 
+
+def new_report(args) -> dict:
+    """The report before any step: the device, the versions and the settings."""
     name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
-    report = {
+    return {
         "device": name, "dtype": str(args.dtype).removeprefix("torch."), "dry_run": args.dry_run, "compile_backend": args.compile_backend,
         "num_prompts": args.num_prompts, "num_images_per_prompt": args.num_images_per_prompt, "budget_s": args.budget_s,
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__, "diffusers": diffusers.__version__,
                      "transformers": transformers.__version__, "cuda": torch.version.cuda},
         "roofline": None, "decoding": {},
     }
+
+
+def run_roofline(run: CheckRun) -> None:
+    """Step 1: `bench_roofline.py` on the embedded model's layout and Janus-Pro-1B's trunk (the tiny preset in a dry
+    run), kept inside the report."""
+    args, report = run.args, run.report
+    bench_roofline.PRESETS.setdefault("janus-pro-1b", dict(JANUS_PRO_1B, condition_type="class", num_classes=1))
+    presets = ["tiny"] if args.dry_run else ["embedded-v2", "janus-pro-1b"]
+    ks = ["1", "4"] if args.dry_run else ["1", "4", "16", "64", "256"]
+    roof_args = ["--presets", *presets, "--device", args.device.type, "--dtype", report["dtype"], "--ks", *ks,
+                 "--repeats", "2" if args.dry_run else "20", "--warmup", "1" if args.dry_run else "5", "--out", args.out]
+    start = time.perf_counter()
+    report["roofline"] = bench_roofline.main(roof_args)
+    report["roofline"]["seconds"] = time.perf_counter() - start
+    os.remove(os.path.join(args.out, "roofline.json"))  # kept inside gpu_check.json
+    run.save()
+
+
+def build_model(run: CheckRun, model: str) -> LlamaGenPipeline:
+    """The pipeline of one of `MODELS` (tiny ones in a dry run)."""
+    args = run.args
+    if model == "embedded":
+        return embedded_pipeline(args.device, args.dtype, args.captions) if not args.dry_run else big_pipeline(TINY, args.device, args.dtype)
+    return big_pipeline(TINY if args.dry_run else JANUS_PRO_1B, args.device, args.dtype)
+
+
+def check_model(run: CheckRun, model: str) -> None:
+    """Step 2 on one model: its round breakdown and timed rows eager, then compiled while the budget lasts."""
+    args, report, log, left = run.args, run.report, run.log, run.left
+    if left() < 60 and not args.dry_run:
+        report["decoding"][model] = {"skipped": f"time budget ({args.budget_s:.0f} s) nearly spent"}
+        log(f"{model}: skipped (budget)")
+        return
+    log(f"{model}:")
+    start = time.perf_counter()
+    pipe = build_model(run, model)
+    prompts = PROMPTS[: args.num_prompts] if pipe.backbone.is_text else list(range(args.num_prompts))
+    breakdown = {}
+    if not (args.skip_breakdown or args.skip_eager):
+        breakdown.update(round_breakdown(pipe, prompts, args, compiled=False, log=log))
+    rows = {} if args.skip_eager else time_rows(pipe, prompts, args, compiled=False, log=log, left=left)
+    compile_info = None
+    if left() > 90 or args.dry_run:
+        compile_info = pipe.enable_compile(backend=args.compile_backend, keep_if_slower=True)
+        report["decoding"][model] = {"rows": rows, "breakdown": breakdown, "partial": True}
+        run.save()
+        rows.update(time_rows(pipe, prompts, args, compiled=True, log=log, left=left))
+        if not args.skip_breakdown and (left() > 30 or args.dry_run):
+            breakdown.update(round_breakdown(pipe, prompts, args, compiled=True, log=log))
+    else:
+        log("  compiled rows skipped (budget)")
+    add_speedups(rows)
+    report["decoding"][model] = {"rows": rows, "breakdown": breakdown, "compile": compile_info, "seconds": time.perf_counter() - start,
+                                 "params": sum(p.numel() for p in pipe.transformer.parameters())}
+    run.save()
+    del pipe
+    torch._dynamo.reset()
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.save_captions:
+        save_captions(args.save_captions)
+        return None
+    os.makedirs(args.out, exist_ok=True)
+    run = CheckRun(args)
     # one graph per decoder row, batch and mode: more than dynamo's default limit of 8 per function in one process
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-
     # 1. roofline
     if not args.skip_roofline:
-        bench_roofline.PRESETS.setdefault("janus-pro-1b", dict(JANUS_PRO_1B, condition_type="class", num_classes=1))
-        presets = ["tiny"] if args.dry_run else ["embedded-v2", "janus-pro-1b"]
-        ks = ["1", "4"] if args.dry_run else ["1", "4", "16", "64", "256"]
-        roof_args = ["--presets", *presets, "--device", args.device.type, "--dtype", report["dtype"], "--ks", *ks,
-                     "--repeats", "2" if args.dry_run else "20", "--warmup", "1" if args.dry_run else "5", "--out", args.out]
-        start = time.perf_counter()
-        report["roofline"] = bench_roofline.main(roof_args)
-        report["roofline"]["seconds"] = time.perf_counter() - start
-        os.remove(os.path.join(args.out, "roofline.json"))  # kept inside gpu_check.json
-        save()
-
+        run_roofline(run)
     # 2. decoding, eager then compiled, on each model
-    models = {"embedded": lambda: embedded_pipeline(args.device, args.dtype, args.captions) if not args.dry_run else big_pipeline(TINY, args.device, args.dtype),
-              "janus-pro-1b-layout": lambda: big_pipeline(TINY if args.dry_run else JANUS_PRO_1B, args.device, args.dtype)}
     for model in args.models:
-        build = models[model]
-        if left() < 60 and not args.dry_run:
-            report["decoding"][model] = {"skipped": f"time budget ({args.budget_s:.0f} s) nearly spent"}
-            log(f"{model}: skipped (budget)")
-            continue
-        log(f"{model}:")
-        start = time.perf_counter()
-        pipe = build()
-        prompts = PROMPTS[: args.num_prompts] if pipe.backbone.is_text else list(range(args.num_prompts))
-        breakdown = {}
-        if not (args.skip_breakdown or args.skip_eager):
-            breakdown.update(round_breakdown(pipe, prompts, args, compiled=False, log=log))
-        rows = {} if args.skip_eager else time_rows(pipe, prompts, args, compiled=False, log=log, left=left)
-        compile_info = None
-        if left() > 90 or args.dry_run:
-            compile_info = pipe.enable_compile(backend=args.compile_backend, keep_if_slower=True)
-            report["decoding"][model] = {"rows": rows, "breakdown": breakdown, "partial": True}
-            save()
-            rows.update(time_rows(pipe, prompts, args, compiled=True, log=log, left=left))
-            if not args.skip_breakdown and (left() > 30 or args.dry_run):
-                breakdown.update(round_breakdown(pipe, prompts, args, compiled=True, log=log))
-        else:
-            log("  compiled rows skipped (budget)")
-        add_speedups(rows)
-        report["decoding"][model] = {"rows": rows, "breakdown": breakdown, "compile": compile_info, "seconds": time.perf_counter() - start,
-                                     "params": sum(p.numel() for p in pipe.transformer.parameters())}
-        save()
-        del pipe
-        torch._dynamo.reset()
-        if args.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    save()
-    table = markdown(report)
+        check_model(run, model)
+    # 3. the tables and the plot
+    run.save()
+    table = markdown(run.report)
     with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
         f.write(table + "\n")
-    plot_speed(report, os.path.join(args.out, "speed.png"))
+    plot_speed(run.report, os.path.join(args.out, "speed.png"))
     print(table)
-    return report
+    return run.report
 
 
 if __name__ == "__main__":

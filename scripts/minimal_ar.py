@@ -25,77 +25,107 @@ def minimal_ar_generate(
     ``sampling_noise`` ``"keyed"`` or ``"drawn"``, as the pipelines' argument."""
     seeds = draw_seeds(generators, len(generators)) if sampling_noise == "keyed" and temperature != 0 else None
     t = pipe.transformer
-    backbone = pipe.backbone
     cfg = guidance_scale != 1.0
     device = pipe._execution_device
-    prefix = backbone.encode_prompt(list(prompts), None, cfg, device)  # (R, P, D), valid (R, P)
-    rows, p, d = prefix.embeds.shape
-    b = len(prompts)
-    h, hkv = t.config.num_attention_heads, t.layers[0].attention.num_kv_heads
-    hd = d // h
-    n = t.config.grid_height * t.config.grid_width
-    total = p + n
-    keys = [torch.zeros(rows, hkv, total, hd, dtype=prefix.embeds.dtype, device=device) for _ in t.layers]
-    values = [torch.zeros_like(k) for k in keys]
-    # mask table, built once: row i lets position i see valid prefix slots and every image slot <= i
-    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
-    valid = torch.cat([prefix.valid, torch.ones(rows, n, dtype=torch.bool, device=device)], 1)  # (R, S)
-    masks = (causal[None] & valid[:, None, :]) | torch.eye(total, dtype=torch.bool, device=device)  # (R, S, S)
-    rope = torch.view_as_complex(t.freqs_cis.float().contiguous())  # (S, hd/2)
-
-    def apply_rope(x, heads, pos):  # x (R, T, heads*hd) -> (R, T, heads, hd)
-        # in fp32 (view_as_complex has no bf16; as the model's own apply_rope), back to the weights' dtype
-        z = torch.view_as_complex(x.float().reshape(rows, -1, heads, hd // 2, 2)) * rope[pos][None, :, None]
-        return torch.view_as_real(z).flatten(3).type_as(x)
-
-    def layer_forward(x, layer, i, pos, mask):  # x (R, T, D); pos (T,) slots written
-        a = layer.attention
-        y = F.rms_norm(x, (d,), layer.attention_norm.weight, layer.attention_norm.eps)
-        qkv = F.linear(y, a.wqkv.weight)
-        q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], -1)
-        q, k = apply_rope(q, h, pos), apply_rope(k, hkv, pos)
-        keys[i].index_copy_(2, pos, k.transpose(1, 2))  # fixed-shape cache write
-        values[i].index_copy_(2, pos, v.reshape(rows, -1, hkv, hd).transpose(1, 2))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[i], values[i], attn_mask=mask, enable_gqa=h != hkv)
-        x = x + F.linear(o.transpose(1, 2).reshape(rows, -1, d), a.wo.weight)
-        ff = layer.feed_forward
-        y = F.rms_norm(x, (d,), layer.ffn_norm.weight, layer.ffn_norm.eps)
-        return x + F.linear(F.silu(F.linear(y, ff.w1.weight)) * F.linear(y, ff.w3.weight), ff.w2.weight)
-
-    def logits_of(x):  # (R, D) -> (B, V) guided
-        logits = F.linear(F.rms_norm(x, (d,), t.norm.weight, t.norm.eps), t.output.weight).float()
-        if cfg:
-            cond, uncond = logits.chunk(2)
-            logits = uncond + guidance_scale * (cond - uncond)
-        return logits
+    # 1. the prompt's prefix, then the static cache, mask and RoPE tables (built once)
+    prefix = pipe.backbone.encode_prompt(list(prompts), None, cfg, device)  # (R, P, D), valid (R, P)
+    model = StaticModel(t, prefix, guidance_scale if cfg else None, device)
+    rows, p, total = model.rows, model.prefix_length, model.total
+    b, n = len(prompts), total - p
 
     def sample(logits, j: int):  # the code at grid index j
-        if temperature == 0:
-            return logits.argmax(-1)
-        logits = logits / temperature
-        if seeds is not None:  # Gumbel-max over the k largest (the rest would be -inf)
-            kept, codes = logits.topk(top_k or logits.shape[-1], -1)  # (B, k)
-            pick = (kept + keyed_gumbel(seeds.to(device), j, codes, logits.shape[-1])).argmax(-1, keepdim=True)
-            return codes.gather(-1, pick).squeeze(-1)
-        if top_k:
-            kth = logits.topk(top_k, -1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators]).to(device)
-        return (logits.softmax(-1) / noise).argmax(-1)
+        return sample_code(logits, j, temperature, top_k, seeds, generators, device)
 
-    x = prefix.embeds
-    pos = torch.arange(p, device=device)
-    for i, layer in enumerate(t.layers):
-        x = layer_forward(x, layer, i, pos, masks[:, None, :p, :].expand(rows, 1, p, total))
+    # 2. prefill: the prompt in one pass; its last position gives the first code
+    x = model.forward(prefix.embeds, torch.arange(p, device=device), model.masks[:, None, :p, :].expand(rows, 1, p, total))
     tokens = torch.empty(b, n, dtype=torch.long, device=device)
-    tokens[:, 0] = sample(logits_of(x[:, -1]), 0)
+    tokens[:, 0] = sample(model.logits(x[:, -1]), 0)
+    # 3. one code per step: feed the last code at its slot, attend through one row of the mask table
     positions = torch.arange(p, total, device=device)  # slot of each image code's input, built once
     for j in range(1, n):
         code = tokens[:, j - 1]
         x = t.tok_embeddings.weight[code.repeat(2) if cfg else code][:, None]  # (R, 1, D)
         slot = positions[j - 1 : j]
-        mask = masks[:, None, p + j - 1 : p + j, :]  # (R, 1, 1, S) a view of the table
-        for i, layer in enumerate(t.layers):
-            x = layer_forward(x, layer, i, slot, mask)
-        tokens[:, j] = sample(logits_of(x[:, -1]), j)
+        mask = model.masks[:, None, p + j - 1 : p + j, :]  # (R, 1, 1, S) a view of the table
+        x = model.forward(x, slot, mask)
+        tokens[:, j] = sample(model.logits(x[:, -1]), j)
     return tokens.view(b, t.config.grid_height, t.config.grid_width)
+
+
+class StaticModel:
+    """A `LlamaGenTransformer`'s forward over a static KV cache written at fixed slots: the cache, the mask table
+    (row ``i`` lets position ``i`` see the valid prefix slots and every image slot ``<= i``) and the complex RoPE table
+    are built once, for ``R`` rows (CFG rows as one batch) and ``S = P + H * W`` slots.
+
+    Args:
+        transformer (`LlamaGenTransformer`): the weights.
+        prefix: the encoded prompt (``embeds`` ``(R, P, D)``, ``valid`` ``(R, P)``).
+        guidance_scale (`float`, *optional*): mixes the two halves of the rows' logits; ``None``: no CFG.
+        device (`torch.device`): where the cache and tables live.
+    """
+
+    def __init__(self, transformer, prefix, guidance_scale: Optional[float], device):
+        t = self.t = transformer
+        self.guidance_scale = guidance_scale
+        self.rows, self.prefix_length, self.d = prefix.embeds.shape
+        self.h, self.hkv = t.config.num_attention_heads, t.layers[0].attention.num_kv_heads
+        self.hd = self.d // self.h
+        self.total = self.prefix_length + t.config.grid_height * t.config.grid_width
+        rows, total = self.rows, self.total
+        self.keys = [torch.zeros(rows, self.hkv, total, self.hd, dtype=prefix.embeds.dtype, device=device) for _ in t.layers]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+        valid = torch.cat([prefix.valid, torch.ones(rows, total - self.prefix_length, dtype=torch.bool, device=device)], 1)  # (R, S)
+        self.masks = (causal[None] & valid[:, None, :]) | torch.eye(total, dtype=torch.bool, device=device)  # (R, S, S)
+        self.rope = torch.view_as_complex(t.freqs_cis.float().contiguous())  # (S, hd/2)
+
+    def apply_rope(self, x, heads, pos):  # x (R, T, heads*hd) -> (R, T, heads, hd)
+        # in fp32 (view_as_complex has no bf16; as the model's own apply_rope), back to the weights' dtype
+        z = torch.view_as_complex(x.float().reshape(self.rows, -1, heads, self.hd // 2, 2)) * self.rope[pos][None, :, None]
+        return torch.view_as_real(z).flatten(3).type_as(x)
+
+    def layer_forward(self, x, layer, i, pos, mask):  # x (R, T, D); pos (T,) slots written
+        h, hkv, hd, d = self.h, self.hkv, self.hd, self.d
+        a = layer.attention
+        y = F.rms_norm(x, (d,), layer.attention_norm.weight, layer.attention_norm.eps)
+        qkv = F.linear(y, a.wqkv.weight)
+        q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], -1)
+        q, k = self.apply_rope(q, h, pos), self.apply_rope(k, hkv, pos)
+        self.keys[i].index_copy_(2, pos, k.transpose(1, 2))  # fixed-shape cache write
+        self.values[i].index_copy_(2, pos, v.reshape(self.rows, -1, hkv, hd).transpose(1, 2))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), self.keys[i], self.values[i], attn_mask=mask, enable_gqa=h != hkv)
+        x = x + F.linear(o.transpose(1, 2).reshape(self.rows, -1, d), a.wo.weight)
+        ff = layer.feed_forward
+        y = F.rms_norm(x, (d,), layer.ffn_norm.weight, layer.ffn_norm.eps)
+        return x + F.linear(F.silu(F.linear(y, ff.w1.weight)) * F.linear(y, ff.w3.weight), ff.w2.weight)
+
+    def forward(self, x, pos, mask):  # x (R, T, D) -> (R, T, D) through every layer
+        for i, layer in enumerate(self.t.layers):
+            x = self.layer_forward(x, layer, i, pos, mask)
+        return x
+
+    def logits(self, x):  # (R, D) -> (B, V) guided
+        t = self.t
+        logits = F.linear(F.rms_norm(x, (self.d,), t.norm.weight, t.norm.eps), t.output.weight).float()
+        if self.guidance_scale is not None:
+            cond, uncond = logits.chunk(2)
+            logits = uncond + self.guidance_scale * (cond - uncond)
+        return logits
+
+
+def sample_code(logits, j: int, temperature: float, top_k: Optional[int], seeds, generators, device) -> torch.Tensor:
+    """The code ``(B,)`` at grid index ``j`` from guided ``logits`` ``(B, V)``: argmax at temperature 0, else the
+    Gumbel-max race over the ``top_k`` largest with keyed noise (``seeds``) or exponentials drawn from the
+    ``generators``."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if seeds is not None:  # Gumbel-max over the k largest (the rest would be -inf)
+        kept, codes = logits.topk(top_k or logits.shape[-1], -1)  # (B, k)
+        pick = (kept + keyed_gumbel(seeds.to(device), j, codes, logits.shape[-1])).argmax(-1, keepdim=True)
+        return codes.gather(-1, pick).squeeze(-1)
+    if top_k:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators]).to(device)
+    return (logits.softmax(-1) / noise).argmax(-1)

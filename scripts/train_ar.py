@@ -189,8 +189,8 @@ def lm_loss(transformer: LlamaGenTransformer, codes, captions, masks, drop, inpu
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), codes.reshape(-1))
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def check_args(args) -> None:
+    """Refuse out-of-range training options before any work."""
     if args.ema_decay is not None and not 0 <= args.ema_decay < 1:
         raise ValueError(f"`--ema-decay` must be in [0, 1), got {args.ema_decay}.")
     if not 0 <= args.input_noise < 1:
@@ -199,30 +199,26 @@ def main(argv=None):
         raise ValueError(f"`--self-feed` must be in [0, 1), got {args.self_feed}.")
     if args.self_feed_top_k < 1:
         raise ValueError(f"`--self-feed-top-k` must be a positive integer, got {args.self_feed_top_k}.")
-    accelerator, log = setup(args)
 
-    vqvae = load_vq_model(args.vq).eval()
-    grid = args.resolution // vqvae.downsample_factor
-    text_encoder, tokenizer = load_packaged_text_encoder(TEXT_ENCODER_PACKAGE)
-    if args.init_from:
-        transformer = init_transformer(args, vqvae, grid)
-        old_folder = os.path.join(args.init_from, "vqvae")
-        if os.path.isfile(os.path.join(old_folder, "config.json")):
-            old_vq = load_vq_model(old_folder).eval()
-            if not same_tokenizer(old_vq, vqvae):  # a new tokenizer: start its codes' rows from the old ones
-                images = TwemojiDataset("train", args.resolution, limit=args.limit).images[:1024].float() / 127.5 - 1.0
-                mapping = remap_code_rows(transformer, old_vq, vqvae, images)
-                accelerator.print(f"--init-from: a new tokenizer; its code rows start from {mapping.unique().numel()} old codes' rows")
-    else:
-        transformer = new_transformer(args, vqvae, grid, caption_dim=text_encoder.config.hidden_size)
-    pipe = LlamaGenPipeline(
-        transformer=transformer, vqvae=vqvae, decoder=AutoregressiveDecoder(), text_encoder=text_encoder,
-        tokenizer=tokenizer, text_encoder_package=TEXT_ENCODER_PACKAGE,
-    )
-    data = prepare_data(args, vqvae, pipe, os.path.join(args.out, "train_data_canonical.safetensors" if args.canonical_background else "train_data.safetensors"), accelerator)
-    dataset = torch.utils.data.TensorDataset(data["codes"], data["captions"], data["masks"])
-    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
 
+def build_transformer(args, vqvae: LlamaGenVQModel, grid: int, text_encoder, accelerator) -> LlamaGenTransformer:
+    """A new transformer, or one grown from ``--init-from`` (its code rows remapped when that run's tokenizer
+    differs from ``--vq``)."""
+    if not args.init_from:
+        return new_transformer(args, vqvae, grid, caption_dim=text_encoder.config.hidden_size)
+    transformer = init_transformer(args, vqvae, grid)
+    old_folder = os.path.join(args.init_from, "vqvae")
+    if os.path.isfile(os.path.join(old_folder, "config.json")):
+        old_vq = load_vq_model(old_folder).eval()
+        if not same_tokenizer(old_vq, vqvae):  # a new tokenizer: start its codes' rows from the old ones
+            images = TwemojiDataset("train", args.resolution, limit=args.limit).images[:1024].float() / 127.5 - 1.0
+            mapping = remap_code_rows(transformer, old_vq, vqvae, images)
+            accelerator.print(f"--init-from: a new tokenizer; its code rows start from {mapping.unique().numel()} old codes' rows")
+    return transformer
+
+
+def make_optimizer(args, transformer: LlamaGenTransformer):
+    """AdamW (no weight decay on vectors) and a linear warmup into a cosine decay to a tenth of ``--lr``."""
     decay = [p for n, p in transformer.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in transformer.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -233,14 +229,11 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     )
-    transformer.train()
-    model, opt, sched, batches, step = prepare_and_resume(accelerator, args, log, NextCodeLoss(transformer), opt, loader, sched)
-    gen = torch.Generator().manual_seed(args.seed + step)
-    ema = None
-    if args.ema_decay is not None:
-        ema = WeightEMA(transformer, args.ema_decay)
-        if step and not ema.load(latest_checkpoint(args.out)):
-            accelerator.print(f"--ema-decay: checkpoint {step} has no average yet; it starts from its weights")
+    return opt, sched
+
+
+def make_loss_fn(args, model, transformer: LlamaGenTransformer, vqvae: LlamaGenVQModel, gen: torch.Generator):
+    """One batch's loss: captions dropped for CFG, inputs partly self-fed and corrupted, next-code targets."""
 
     def loss_fn(batch):
         codes, captions, masks = batch
@@ -253,11 +246,11 @@ def main(argv=None):
         inputs = corrupt_inputs(inputs, args.input_noise, vqvae.config.codebook_size, gen)
         return model(codes, captions, masks, drop, inputs), {}
 
-    fit(accelerator, model=model, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn,
-        steps=args.steps, out=args.out, log=log, start_step=step, log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every, title="AR transformer training on Twemoji (next-code cross-entropy)",
-        plot_keys=["loss"], clip_grad_norm=1.0, desc="train AR", ema=ema)
+    return loss_fn
 
+
+def save_pipeline(args, accelerator, model, ema, pipe: LlamaGenPipeline) -> None:
+    """``<out>/pipeline`` with the trained (or averaged) weights, and the arguments of the run."""
     if accelerator.is_main_process:
         trained = accelerator.unwrap_model(model).transformer.eval()
         if ema is not None:
@@ -267,6 +260,43 @@ def main(argv=None):
         with open(os.path.join(args.out, "train_args.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
     accelerator.wait_for_everyone()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_args(args)
+    accelerator, log = setup(args)
+    # 1. the tokenizer, the text encoder and the transformer
+    vqvae = load_vq_model(args.vq).eval()
+    grid = args.resolution // vqvae.downsample_factor
+    text_encoder, tokenizer = load_packaged_text_encoder(TEXT_ENCODER_PACKAGE)
+    transformer = build_transformer(args, vqvae, grid, text_encoder, accelerator)
+    pipe = LlamaGenPipeline(
+        transformer=transformer, vqvae=vqvae, decoder=AutoregressiveDecoder(), text_encoder=text_encoder,
+        tokenizer=tokenizer, text_encoder_package=TEXT_ENCODER_PACKAGE,
+    )
+    # 2. the training codes and captions
+    data = prepare_data(args, vqvae, pipe, os.path.join(args.out, "train_data_canonical.safetensors" if args.canonical_background else "train_data.safetensors"), accelerator)
+    dataset = torch.utils.data.TensorDataset(data["codes"], data["captions"], data["masks"])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    # 3. the optimiser, schedule and weight average, resumed from the newest checkpoint
+    opt, sched = make_optimizer(args, transformer)
+    transformer.train()
+    model, opt, sched, batches, step = prepare_and_resume(accelerator, args, log, NextCodeLoss(transformer), opt, loader, sched)
+    gen = torch.Generator().manual_seed(args.seed + step)
+    ema = None
+    if args.ema_decay is not None:
+        ema = WeightEMA(transformer, args.ema_decay)
+        if step and not ema.load(latest_checkpoint(args.out)):
+            accelerator.print(f"--ema-decay: checkpoint {step} has no average yet; it starts from its weights")
+    # 4. train
+    fit(accelerator, model=model, optimizer=opt, scheduler=sched, batches=batches,
+        loss_fn=make_loss_fn(args, model, transformer, vqvae, gen),
+        steps=args.steps, out=args.out, log=log, start_step=step, log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every, title="AR transformer training on Twemoji (next-code cross-entropy)",
+        plot_keys=["loss"], clip_grad_norm=1.0, desc="train AR", ema=ema)
+    # 5. the pipeline folder
+    save_pipeline(args, accelerator, model, ema, pipe)
     accelerator.end_training()  # destroys the process group: left to exit, gloo's threads can abort the process
 
 

@@ -14,7 +14,7 @@ for pipelines. ``DraftHeadsMixin.save_pretrained``/``push_to_hub`` and ``Spatial
 
 import json
 import os
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from huggingface_hub import ModelCard, ModelCardData, create_repo
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -253,6 +253,26 @@ def heads_card(
     config = {k: v for k, v in dict(config).items() if not k.startswith("_")}
     base_path = config.get("base_model_name_or_path")
     base_id = base_model or hub_model_id(base_path)
+    # 1. the card's metadata: an adapter of the backbone, tagged with the decoders that use this kind
+    data = ModelCardData(
+        library_name=LIBRARY_NAME,
+        base_model=base_id,
+        base_model_relation="adapter" if base_id else None,
+        tags=_heads_tags(kind, config),
+    )
+    # 2. the speed table, from a benchmark report
+    report = load_benchmark(benchmark)
+    if report is not None and "benchmark_source" not in fields and not isinstance(benchmark, Mapping):
+        fields["benchmark_source"] = os.fspath(benchmark)
+    # 3. the template's fields: defaults, then the caller's
+    values = _heads_template_values(classes, kind, config, base_id, repo_id, training_command, report)
+    values.update(fields)
+    values["example_prompt"] = _literal(values["example_prompt"])
+    return _render(HEADS_TEMPLATES.get(kind, GENERIC_HEADS_TEMPLATE), data, **values)
+
+
+def _heads_tags(kind: Optional[str], config: Mapping[str, Any]) -> List[str]:
+    """The card tags of heads of ``kind``: the library's, then the decoders that use them."""
     tags = list(HEADS_TAGS)
     if kind == "SpatialDraftHeads":
         tags += ["medusa"] + (["hawk"] if config.get("vertical_offsets") else [])
@@ -260,17 +280,15 @@ def heads_card(
         tags += ["ssd"]
     elif kind == "EagleDraftHead":
         tags += ["eagle"]
-    data = ModelCardData(
-        library_name=LIBRARY_NAME,
-        base_model=base_id,
-        base_model_relation="adapter" if base_id else None,
-        tags=tags,
-    )
-    report = load_benchmark(benchmark)
-    if report is not None and "benchmark_source" not in fields and not isinstance(benchmark, Mapping):
-        fields["benchmark_source"] = os.fspath(benchmark)
+    return tags
+
+
+def _heads_template_values(classes, kind, config, base_id, repo_id, training_command, report) -> Dict[str, Any]:
+    """The heads template's fields before the caller's ``fields``: the config's offsets, where the backbone and the
+    heads live, how the heads were trained, the speed table and the defaults of the optional fields."""
+    base_path = config.get("base_model_name_or_path")
     horizontal, vertical = list(config.get("horizontal_offsets") or []), list(config.get("vertical_offsets") or [])
-    values = dict(
+    return dict(
         class_name=classes[0],
         kind=kind,
         config=config,
@@ -289,9 +307,6 @@ def heads_card(
         example_prompt="a red heart",
         pipeline_class="LlamaGenPipeline",
     )
-    values.update(fields)
-    values["example_prompt"] = _literal(values["example_prompt"])
-    return _render(HEADS_TEMPLATES.get(kind, GENERIC_HEADS_TEMPLATE), data, **values)
 
 
 # -- pipelines ---------------------------------------------------------------------------------------------

@@ -82,46 +82,75 @@ def verify_tree(
         return verify_tree_sequential(tree, tokens, probs, random, q, rule, neighbours)
     b, t, v = probs.shape
     if t == 1:  # nothing drafted: the bonus is a plain draw from the root's p
-        noise = -torch.log(random.uniform(v))  # (B, V) Exp(1); u = 0 gives inf: that code scores 0, never NaN
-        bonus = (probs[:, 0] / noise).argmax(-1)
-        zero = torch.zeros(b, dtype=torch.long, device=probs.device)
-        return TreeAcceptance(path=zero[:, None], num_accepted=zero, bonus=bonus, last_node=zero)
+        return _bonus_only(probs, random)
+    # 1. one random call per round: a uniform per node, then the exponentials of the bonus draw
     rows = torch.arange(b, device=probs.device)
-    draws = random.uniform(t - 1 + v)  # (B, T - 1 + V): one random call per round
+    draws = random.uniform(t - 1 + v)  # (B, T - 1 + V)
     u, noise = draws[:, : t - 1], -torch.log(draws[:, t - 1 :])  # (B, T-1) uniforms, (B, V) Exp(1)
-    batched = tree.per_row  # `RowTrees`: one tree per row; the tables gain a leading batch dimension
-    if tree.max_children == 1 and not batched:
+    if tree.max_children == 1 and not tree.per_row:
         return _verify_chain(tokens, probs, u, noise, q, rows, rule, neighbours)
+    # 2. the nodes each row offers (point masses, q is None here: sums over earlier siblings and over ancestors are
+    #    matmuls with the tree's tables)
     x = tokens[:, 1:]  # (B, T-1) candidate of every node
-    valid = x >= 0
-    # point masses (q is None here): sums over earlier siblings and over ancestors are matmuls with the tree's tables
     tables = _walk_tables(tree, v)
-    if batched:
+    valid = _offered_nodes(tree, x, tables, distinct_siblings)  # (B, T-1)
+    # 3. the accepted path: every node tested at once, the deepest taken node ends it
+    num_accepted, last = _accepted_run(probs, x, valid, u, tables)  # (B,), (B,)
+    path = tree.node_paths[rows, last] if tree.per_row else tree.node_paths[last]  # (B, D + 1)
+    # 4. the bonus, from the last node's p less what its children (all tried and rejected) took
+    bonus = _bonus_after_children(tree, tokens, probs, valid, noise, rows, last)  # (B,)
+    return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=last)
+
+
+def _bonus_only(probs: torch.Tensor, random: RandomSource) -> TreeAcceptance:
+    """`verify_tree` when nothing was drafted (``probs`` ``(B, 1, V)``): the bonus is a plain draw from the root's p."""
+    b, _, v = probs.shape
+    noise = -torch.log(random.uniform(v))  # (B, V) Exp(1); u = 0 gives inf: that code scores 0, never NaN
+    bonus = (probs[:, 0] / noise).argmax(-1)
+    zero = torch.zeros(b, dtype=torch.long, device=probs.device)
+    return TreeAcceptance(path=zero[:, None], num_accepted=zero, bonus=bonus, last_node=zero)
+
+
+def _offered_nodes(tree, x: torch.Tensor, tables: "_WalkTables", distinct_siblings: bool) -> torch.Tensor:
+    """Which nodes ``(B, T-1)`` a row offers: a code (not ``-1``), not padding of `RowTrees`, and not a repeat of an
+    earlier sibling's code (offered nothing: its p(x) is 0 by then) unless the caller guarantees distinct siblings."""
+    valid = x >= 0  # (B, T-1)
+    if tree.per_row:
         valid = valid & tree.valid[:, 1:]  # padding offers nothing
-    if not distinct_siblings:  # a repeat of an earlier sibling's code is offered nothing (its p(x) is 0 by then)
+    if not distinct_siblings:
         valid = valid & ~((x[:, :, None] == x[:, None, :]) & tables.siblings & (x[:, None, :] >= 0)).any(-1)
+    return valid
+
+
+def _accepted_run(probs: torch.Tensor, x: torch.Tensor, valid: torch.Tensor, u: torch.Tensor, tables: "_WalkTables"):
+    """``(num_accepted (B,), last node (B,))`` of the vectorised walk over point masses: a node is taken when it is
+    the first accepted of its siblings and every ancestor was taken too; taken nodes form one path."""
+    b, t, v = probs.shape
     # p(x) under the parent's distribution, read straight from the flat (B, T*V) view: no (B, T-1, V) copy
     px = probs.reshape(b, t * v).gather(1, tables.offsets + x.clamp_min(0)) * valid  # (B, T-1)
     # after rejecting earlier siblings s, p is renormalised over 1 - sum p(s): accept when u < p(x) / left
     accept = valid & (u * (1.0 - tables.summed(px, tables.siblings_t)) < px)  # (B, T-1)
-    # a node is taken when it is the first accepted sibling and every ancestor was taken too
     first = accept & (tables.summed(accept.float(), tables.siblings_t) == 0)
     taken = tables.summed((~first).float(), tables.ancestors_t) == 0  # (B, T-1)
     depth = torch.where(taken, tables.depths, 0)  # (B, T-1)
     num_accepted, deepest = depth.max(-1)  # taken nodes form one path: its deepest node ends it
     last = torch.where(num_accepted > 0, deepest + 1, 0)  # (B,)
-    path = tree.node_paths[rows, last] if batched else tree.node_paths[last]  # (B, D + 1)
-    # the bonus: from the last node's p, less what its children (all tried and rejected) took
+    return num_accepted, last
+
+
+def _bonus_after_children(tree, tokens, probs, valid, noise, rows, last) -> torch.Tensor:
+    """The bonus code ``(B,)``: an exponential race over the last node's p with its offered children's codes zeroed
+    (all tried and rejected: a point mass's residual)."""
+    b = probs.shape[0]
     p_last = probs[rows, last]  # (B, V)
-    kids = tree.children[rows, last] if batched else tree.children[last]  # (B, K) -1 where there is no such child
+    kids = tree.children[rows, last] if tree.per_row else tree.children[last]  # (B, K) -1 where there is no such child
     node_valid = torch.cat([valid.new_zeros(b, 1), valid], 1)  # (B, T) the root is never a child
     kid_valid = (kids >= 0) & node_valid.gather(1, kids.clamp_min(0))
     kid_codes = torch.where(kid_valid, tokens.gather(1, kids.clamp_min(0)), 0)  # (B, K)
     removed = torch.zeros_like(p_last).scatter_add_(1, kid_codes, kid_valid.to(p_last.dtype)) > 0  # (B, V)
     p_left = p_last.masked_fill(removed, 0.0)
     p_left = torch.where(p_left.sum(-1, keepdim=True) > 0, p_left, p_last)  # nothing left: cannot happen exactly
-    bonus = (p_left / noise).argmax(-1)  # exponential race: a draw from p_left (no normalising needed)
-    return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=last)
+    return (p_left / noise).argmax(-1)  # exponential race: a draw from p_left (no normalising needed)
 
 
 @dataclass
@@ -235,8 +264,7 @@ def verify_tree_sequential(
     """
     b, t, v = probs.shape
     depth, k = tree.max_depth, tree.children.shape[-1]
-    batched = tree.per_row  # `RowTrees`
-    levels = depth if batched else tree.chain_from  # walked sibling by sibling; the chain below is vectorised
+    levels = depth if tree.per_row else tree.chain_from  # walked sibling by sibling; the chain below is vectorised
     rows = torch.arange(b, device=probs.device)
     uniforms = random.uniform(max(depth, 1), k)  # (B, D, K)
     cur = torch.zeros(b, dtype=torch.long, device=probs.device)  # (B,) current node
@@ -244,51 +272,70 @@ def verify_tree_sequential(
     path = torch.full((b, depth + 1), -1, dtype=torch.long, device=probs.device)
     path[:, 0] = 0
     p_left = probs[:, 0]  # (B, V) what the bonus is drawn from
-    budget = rule.tvd_budget
+    # 1. level by level: try the current node's children in order; rows that stop draw the bonus from their residual
     for d in range(levels):
-        p = probs[rows, cur]  # (B, V)
-        moved = torch.zeros(b, dtype=torch.bool, device=probs.device)
-        nxt = cur.clone()
-        spent = torch.zeros(b, dtype=probs.dtype, device=probs.device)  # TVD used by this step's rejected siblings
-        scale = torch.ones(b, dtype=probs.dtype, device=probs.device)  # mass of the step's p that p now stands for
-        for j in range(k):
-            node = tree.children[rows, cur, j] if batched else tree.children[cur, j]  # (B,) -1 where there is no such sibling
-            safe = node.clamp_min(0)
-            valid = alive & ~moved & (node >= 0) & (tokens[rows, safe] >= 0)
-            x = torch.where(valid, tokens[rows, safe], 0)  # (B,) code 0 stands in where there is no candidate
-            left = None if budget is None else ((budget - spent) / scale).clamp_min(0)  # in p's own units
-            relaxed = rule.relax(p, x, neighbours, left)
-            px = relaxed.mass
-            qx = torch.ones_like(px) if q is None else q[rows, safe].gather(1, x[:, None]).squeeze(1)
-            accept = valid & (uniforms[:, d, j] * qx < px)  # u < min(1, p~/q) without dividing
-            nxt = torch.where(accept, safe, nxt)
-            moved |= accept
-            reject = valid & ~accept
-            rest = relaxed.removed(p, x) if q is None else (relaxed.target(p, x) - q[rows, safe]).clamp_min(0)  # (B, V)
-            total = rest.sum(-1)  # (B,)
-            spent = torch.where(reject, spent + relaxed.moved * scale, spent)
-            scale = torch.where(reject, scale * total, scale)
-            p = torch.where(reject[:, None] & (total[:, None] > 0), rest / total.clamp_min(1e-30)[:, None], p)
-        # rows that stop here draw the bonus from their residual; rows that moved go one level down
+        moved, nxt, p = _walk_level(tree, tokens, probs, q, rule, neighbours, uniforms[:, d], rows, cur, alive)
         stop = alive & ~moved
         p_left = torch.where(stop[:, None], p, p_left)
         cur = torch.where(moved, nxt, cur)
         path[:, d + 1] = torch.where(moved, nxt, torch.full_like(nxt, -1))
         alive &= moved
-    p_left = torch.where(alive[:, None], probs[rows, cur], p_left)  # reached the last walked level (a leaf or the chain head)
+    # 2. the bonus of rows that reached the last walked level (a leaf or the chain head): a draw from its p
+    p_left = torch.where(alive[:, None], probs[rows, cur], p_left)
     noise = random.exponential(v)  # (B, V) Exp(1)
     bonus = (p_left / noise).argmax(-1)  # exponential race: a draw from p_left
-    if levels < depth:  # rows at the chain's head go down the chain in one step
-        index = tree.chain_index  # (m + 1,) the head, then one node per depth
-        chain = _verify_chain(tokens[:, index], probs[:, index], uniforms[:, levels:, 0], noise,
-                              None if q is None else q[:, index], rows, rule, neighbours)
-        on = alive & (cur == index[0])  # (B,)
-        below = torch.where(chain.path >= 0, index[chain.path.clamp_min(0)], -1)  # (B, m + 1) tree nodes
-        path[:, levels:] = torch.where(on[:, None], below, path[:, levels:])
-        cur = torch.where(on, index[chain.last_node], cur)
-        bonus = torch.where(on, chain.bonus, bonus)
+    # 3. rows at the chain's head go down the chain in one step
+    if levels < depth:
+        cur, bonus = _walk_chain_tail(tree, tokens, probs, q, rule, neighbours, uniforms[:, levels:, 0], noise, rows,
+                                      levels, path, cur, alive, bonus)
     num_accepted = (path[:, 1:] >= 0).sum(-1)
     return TreeAcceptance(path=path, num_accepted=num_accepted, bonus=bonus, last_node=cur)
+
+
+def _walk_level(tree, tokens, probs, q, rule, neighbours, uniforms, rows, cur, alive):
+    """One level of `verify_tree_sequential`: the children of each row's current node ``cur`` tried in order against
+    ``uniforms`` ``(B, K)``, each rejection replacing ``p`` by its residual (a relaxed rule's TVD budget shared by
+    the level's siblings). Returns ``(moved (B,), the accepted child (B,), the residual p (B, V))``."""
+    b, k = probs.shape[0], tree.children.shape[-1]
+    budget = rule.tvd_budget
+    p = probs[rows, cur]  # (B, V)
+    moved = torch.zeros(b, dtype=torch.bool, device=probs.device)
+    nxt = cur.clone()
+    spent = torch.zeros(b, dtype=probs.dtype, device=probs.device)  # TVD used by this step's rejected siblings
+    scale = torch.ones(b, dtype=probs.dtype, device=probs.device)  # mass of the step's p that p now stands for
+    for j in range(k):
+        node = tree.children[rows, cur, j] if tree.per_row else tree.children[cur, j]  # (B,) -1: no such sibling
+        safe = node.clamp_min(0)
+        valid = alive & ~moved & (node >= 0) & (tokens[rows, safe] >= 0)
+        x = torch.where(valid, tokens[rows, safe], 0)  # (B,) code 0 stands in where there is no candidate
+        left = None if budget is None else ((budget - spent) / scale).clamp_min(0)  # in p's own units
+        relaxed = rule.relax(p, x, neighbours, left)
+        px = relaxed.mass
+        qx = torch.ones_like(px) if q is None else q[rows, safe].gather(1, x[:, None]).squeeze(1)
+        accept = valid & (uniforms[:, j] * qx < px)  # u < min(1, p~/q) without dividing
+        nxt = torch.where(accept, safe, nxt)
+        moved |= accept
+        reject = valid & ~accept
+        rest = relaxed.removed(p, x) if q is None else (relaxed.target(p, x) - q[rows, safe]).clamp_min(0)  # (B, V)
+        total = rest.sum(-1)  # (B,)
+        spent = torch.where(reject, spent + relaxed.moved * scale, spent)
+        scale = torch.where(reject, scale * total, scale)
+        p = torch.where(reject[:, None] & (total[:, None] > 0), rest / total.clamp_min(1e-30)[:, None], p)
+    return moved, nxt, p
+
+
+def _walk_chain_tail(tree, tokens, probs, q, rule, neighbours, uniforms, noise, rows, levels, path, cur, alive, bonus):
+    """The chain below `DraftTree.chain_from` in one `_verify_chain` step, for the rows that reached its head: writes
+    their path below ``levels`` in place and returns their ``(last node (B,), bonus (B,))``."""
+    index = tree.chain_index  # (m + 1,) the head, then one node per depth
+    chain = _verify_chain(tokens[:, index], probs[:, index], uniforms, noise,
+                          None if q is None else q[:, index], rows, rule, neighbours)
+    on = alive & (cur == index[0])  # (B,)
+    below = torch.where(chain.path >= 0, index[chain.path.clamp_min(0)], -1)  # (B, m + 1) tree nodes
+    path[:, levels:] = torch.where(on[:, None], below, path[:, levels:])
+    cur = torch.where(on, index[chain.last_node], cur)
+    bonus = torch.where(on, chain.bonus, bonus)
+    return cur, bonus
 
 
 def accept_independently(

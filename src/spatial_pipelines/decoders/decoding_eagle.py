@@ -28,6 +28,11 @@ from .decoding_tree import TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
+#: The acceptance prior ``(first_rate, sibling_decay)`` of EAGLE-2's and ADT-Tree's ``"auto"`` size: the drafter's top
+#: candidate is accepted more often than a head's, 0.65 per kept node, measured on the embedded model v2 with its
+#: shipped drafter (a 1-node tree, 50 prompts, 2-core AMD EPYC VM, CPU, fp32; commit `8f02ca7`,
+#: docs/benchmarks/archive-cost.md, "The embedded model v2"); siblings as `HEADS_ACCEPTANCE_PRIOR`.
+EAGLE_ACCEPTANCE_PRIOR = (0.65, 0.5)
 
 
 @dataclass
@@ -72,8 +77,8 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_draft_tokens (`int`, `None` or `"auto"`): nodes kept in the tree (root excluded). ``None`` (default):
             the pipeline family's fixed size (`SpatialARPipeline.default_draft_sizes`; 60, EAGLE-2's, where the family
             names none). ``"auto"`` keeps the count that maximises expected codes per second from the target pass
-            cost the pipeline measures on the device in the first call (the prior of `TreeDecoderMixin` on a
-            ``top_k``-ary tree of ``depth``), up to `MAX_DRAFT_TOKENS`; `SpatialARPipeline.tune_decoder` measures ahead
+            cost the pipeline measures on the device in the first call (the acceptance is not measured: the prior
+            `EAGLE_ACCEPTANCE_PRIOR` on a ``top_k``-ary tree of ``depth``), up to `MAX_DRAFT_TOKENS`; `SpatialARPipeline.tune_decoder` measures ahead
             and returns a fixed size.
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
             (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
@@ -84,9 +89,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     distinct_siblings = True  # top-k children are distinct
     uses_all_rows = True  # the drafter reads the unconditional rows' features too
     uses_drafter_passes = True  # a deeper tree costs one more drafter pass: "auto" weighs it
-    # the drafter's top candidate is accepted more often than a head's: 0.65 per kept node measured on the embedded
-    # model (a 1-node tree, 50 prompts, docs/benchmarks/archive-cost.md); siblings as `TreeDecoderMixin`
-    acceptance_prior = (0.65, 0.5)
+    acceptance_prior = EAGLE_ACCEPTANCE_PRIOR  # fitted on the embedded model: "auto" uses it on any checkpoint
     draft_size_name = "num_draft_tokens"
     default_draft_size = 60  # EAGLE-2's released setting (60 draft tokens per round)
 
@@ -146,12 +149,24 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     def propose(self, state: EagleState, draft_heads=None) -> Draft:
         depth, k = self._grown_shape(*self._tree_shape(state))
-        n_keep = self.num_nodes
-        cache = state.drafter_cache
-        rows_r = state.features.shape[0]
-        b = state.batch_size
-        first = state.num_committed - state.features.shape[1]  # raster index of the first code to feed
         # 1. the committed codes and the features that predicted them (the previous tree is cropped away)
+        logp, feature = self._feed_committed(state, draft_heads)  # (B, V) of the next code, (R, 1, D)
+        # 2. expand: depth-1 candidates, then the top_k likeliest nodes of each depth propose top_k children each
+        scores, codes, parents = self._expand(state, draft_heads, logp, feature, depth, k)  # per depth (B, k^...)
+        # 3. keep the num_draft_tokens best nodes, parents before children and siblings best first
+        tree, nodes, offered = self._keep_best(scores, codes, parents, depth, k)  # RowTrees, (B, N), (B, N + 1)
+        state.tree = tree
+        state.tree_depths.append(torch.where(offered, tree.depths, 0).max(-1).values)
+        state.tree_widths.append(k)
+        # 4. the target verifies it (point masses)
+        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
+
+    def _feed_committed(self, state: EagleState, draft_heads):
+        """Feed the drafter the codes the last pass committed with the features that predicted them, after cropping
+        the previous round's tree from its cache. Returns ``(log-probabilities of the next code (B, V), the newest
+        predicted feature (R, 1, D))``."""
+        cache = state.drafter_cache
+        first = state.num_committed - state.features.shape[1]  # raster index of the first code to feed
         cache.crop(state.committed_steps)
         codes = state.tokens[:, first : state.num_committed]  # (B, n)
         codes_r = codes.repeat(2, 1) if state.cfg else codes  # (R, n)
@@ -160,49 +175,76 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         predicted = draft_heads(state.features, embeds, positions, cache=cache)  # (R, n, D)
         state.committed_steps = cache.length
         state.num_draft_passes += 1
-        logp = self._drafter_logits(state, predicted[:, -1:])[:, 0]  # (B, V) of the next code
-        # 2. expand: depth-1 candidates, then the top_k likeliest nodes of each depth propose top_k children each
+        newest = predicted[:, -1:]  # (R, 1, D)
+        return self._drafter_logits(state, newest)[:, 0], newest
+
+    def _expand(self, state: EagleState, draft_heads, logp, feature, depth: int, k: int):
+        """Grow the tree ``depth - 1`` times from the depth-1 candidates (the ``top_k`` of ``logp`` ``(B, V)``): the
+        ``top_k`` likeliest nodes of each depth (by cumulative log-probability) read their parent's predicted
+        feature and propose ``top_k`` children each. Returns per depth the cumulative scores, codes and parents
+        (global node ids, -1: the root) of every generated node, each ``(B, nodes at that depth)``."""
+        b, rows_r = state.batch_size, feature.shape[0]
         score, code = logp.topk(k, dim=-1)  # (B, k)
         all_scores, all_codes, all_parents = [score], [code], [torch.full_like(code, -1)]  # parent -1: the root
-        feature = predicted[:, -1:].expand(rows_r, k, -1)  # (R, k, D) the feature each frontier node reads
+        feature = feature.expand(rows_r, k, -1)  # (R, k, D) the feature each frontier node reads
         frontier_ids = torch.arange(k, device=code.device).expand(b, k)  # global ids of the frontier nodes
         ancestors = torch.zeros(rows_r, k, 0, dtype=torch.bool, device=code.device)  # over tree slots fed so far
         for d in range(1, depth):
-            raster = state.num_committed - 1 + d  # the frontier's codes sit d positions after the newest code
-            code_r = code.repeat(2, 1) if state.cfg else code  # (R, k)
-            slots = cache.length - state.committed_steps  # tree slots already in the cache
-            mask_new = torch.eye(k, dtype=torch.bool, device=code.device)
-            past = torch.cat([torch.ones(rows_r, k, state.committed_steps, dtype=torch.bool, device=code.device), ancestors], -1)
-            predicted = draft_heads(feature, state.backbone.embed_image_tokens(code_r),
-                                    torch.full((k,), min(raster, state.layout.num_tokens - 1), device=code.device),
-                                    attention_mask=mask_new, cache=cache, past_visible=past)  # (R, k, D)
-            state.num_draft_passes += 1
-            child_logp = self._drafter_logits(state, predicted)  # (B, k, V)
+            slots = state.drafter_cache.length - state.committed_steps  # tree slots already in the cache
+            predicted, child_logp = self._expansion_pass(state, draft_heads, d, code, feature, ancestors)
             child_score, child_code = (score[..., None] + child_logp).topk(k, dim=-1)  # (B, k, k) cumulative
             base = sum(s.shape[1] for s in all_scores)
             all_scores.append(child_score.flatten(1))
             all_codes.append(child_code.flatten(1))
             all_parents.append(frontier_ids[..., None].expand(b, k, k).flatten(1))
-            # the next frontier: the top_k children by cumulative score
-            score, pick = child_score.flatten(1).topk(k, dim=-1)  # (B, k)
-            code = child_code.flatten(1).gather(1, pick)
-            parent_slot = pick // k  # which frontier node each came from
-            pick_r = parent_slot.repeat(2, 1) if state.cfg else parent_slot
-            new_slot = torch.zeros(rows_r, k, slots + k, dtype=torch.bool, device=code.device)
-            new_slot[..., :slots] = ancestors.gather(1, pick_r[..., None].expand(rows_r, k, slots))
-            new_slot[torch.arange(rows_r)[:, None], torch.arange(k)[None], slots + pick_r] = True  # the parent itself
-            ancestors = new_slot
-            feature = predicted.gather(1, pick_r[..., None].expand(rows_r, k, predicted.shape[-1]))
+            score, code, pick, feature, ancestors = self._next_frontier(state, child_score, child_code, predicted,
+                                                                        ancestors, slots, k)
             frontier_ids = base + pick
-        # 3. keep the num_draft_tokens best nodes, parents before children and siblings best first
+        return all_scores, all_codes, all_parents
+
+    def _expansion_pass(self, state: EagleState, draft_heads, d: int, code, feature, ancestors):
+        """One drafter pass over the frontier ``code`` ``(B, k)`` at depth ``d``: each node attends to the accepted
+        prefix and its own ancestors in the tree. Returns ``(predicted features (R, k, D), children's
+        log-probabilities (B, k, V))``."""
+        k, rows_r = code.shape[1], feature.shape[0]
+        raster = state.num_committed - 1 + d  # the frontier's codes sit d positions after the newest code
+        code_r = code.repeat(2, 1) if state.cfg else code  # (R, k)
+        mask_new = torch.eye(k, dtype=torch.bool, device=code.device)
+        past = torch.cat([torch.ones(rows_r, k, state.committed_steps, dtype=torch.bool, device=code.device), ancestors], -1)
+        predicted = draft_heads(feature, state.backbone.embed_image_tokens(code_r),
+                                torch.full((k,), min(raster, state.layout.num_tokens - 1), device=code.device),
+                                attention_mask=mask_new, cache=state.drafter_cache, past_visible=past)  # (R, k, D)
+        state.num_draft_passes += 1
+        return predicted, self._drafter_logits(state, predicted)  # (R, k, D), (B, k, V)
+
+    @staticmethod
+    def _next_frontier(state: EagleState, child_score, child_code, predicted, ancestors, slots: int, k: int):
+        """The ``top_k`` children ``(B, k, k)`` by cumulative score form the next frontier. Returns its ``(scores
+        (B, k), codes (B, k), picks among the k * k children (B, k), features (R, k, D), ancestor slots
+        (R, k, slots + k))``."""
+        rows_r = predicted.shape[0]
+        score, pick = child_score.flatten(1).topk(k, dim=-1)  # (B, k)
+        code = child_code.flatten(1).gather(1, pick)
+        parent_slot = pick // k  # which frontier node each came from
+        pick_r = parent_slot.repeat(2, 1) if state.cfg else parent_slot
+        new_slot = torch.zeros(rows_r, k, slots + k, dtype=torch.bool, device=code.device)
+        new_slot[..., :slots] = ancestors.gather(1, pick_r[..., None].expand(rows_r, k, slots))
+        new_slot[torch.arange(rows_r)[:, None], torch.arange(k)[None], slots + pick_r] = True  # the parent itself
+        feature = predicted.gather(1, pick_r[..., None].expand(rows_r, k, predicted.shape[-1]))
+        return score, code, pick, feature, new_slot
+
+    def _keep_best(self, all_scores, all_codes, all_parents, depth: int, k: int):
+        """The ``num_draft_tokens`` best generated nodes as one tree per row, parents before children and siblings
+        best first. Returns ``(RowTrees, each kept node's code or -1 where it is not offered (B, N), offered
+        (B, N + 1))``."""
         scores = torch.cat(all_scores, 1)  # (B, M)
         codes_all = torch.cat(all_codes, 1)
         parents = torch.cat(all_parents, 1)  # (B, M) global ids, -1: the root
         depths = torch.cat([torch.full_like(s, i + 1) for i, s in enumerate(all_scores)], 1)
-        keep_score, keep = scores.clamp_min(-1e4).topk(min(n_keep, scores.shape[1]), dim=-1)  # (B, N)
+        b, m = scores.shape
+        keep_score, keep = scores.clamp_min(-1e4).topk(min(self.num_nodes, m), dim=-1)  # (B, N)
         order = (depths.gather(1, keep) * 1e6 - keep_score).argsort(-1)  # depth first, then likeliest first
         keep = keep.gather(1, order)  # (B, N) global ids in tree order
-        m = scores.shape[1]
         position = torch.full((b, m), -1, dtype=torch.long, device=keep.device)
         position.scatter_(1, keep, torch.arange(1, keep.shape[1] + 1, device=keep.device).expand_as(keep))
         parent_ids = parents.gather(1, keep)  # (B, N)
@@ -213,12 +255,9 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         tree = row_trees_from_parents(tree_parents, tree_valid, depth, k)
         # a dropped node's descendants are unreachable: no path from the root offers them
         reachable = tree.node_paths[..., 0] == 0
-        offered = tree_valid & reachable
-        nodes = torch.where(offered[:, 1:], codes_all.gather(1, keep), -1)
-        state.tree = tree
-        state.tree_depths.append(torch.where(offered, tree.depths, 0).max(-1).values)
-        state.tree_widths.append(k)
-        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
+        offered = tree_valid & reachable  # (B, N + 1)
+        nodes = torch.where(offered[:, 1:], codes_all.gather(1, keep), -1)  # (B, N)
+        return tree, nodes, offered
 
     def _grown_shape(self, depth: int, k: int, num_nodes: Optional[int] = None):
         """The ``(depth, top_k)`` a tree of that shape is grown to: at most the kept node count each.

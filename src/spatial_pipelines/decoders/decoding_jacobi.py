@@ -27,6 +27,17 @@ INITS = ("random", "left", "above", "heads")
 COUPLINGS = ("none", "gumbel")
 ANCHORS = ("none", "left")
 MAX_WINDOW = 32  # the largest window "auto" considers
+# The two-rate priors of "auto" windows: ``(first, later)`` = P(draft 1 accepted), P(draft d accepted | drafts 1..d-1
+# were), d > 1. Fitted on the embedded model, CPU (2-core AMD EPYC VM, fp32), and used for every checkpoint.
+#: Plain SJD: measured on the embedded model v1 with a 32-draft window, 4 prompts (first draft 0.31; the later rate
+#: rises from about 0.7 at the second draft to 0.85-0.95 after the fourth). Commit `4c80c36`, docs/archive.md
+#: ("auto" draft sizes).
+SJD_ACCEPTANCE_PRIOR = (0.3, 0.85)
+#: With coupling, continuation or ``init="heads"``: the same probe, first draft 0.36-0.39.
+SJD_SETTLED_PRIOR = (0.37, 0.9)
+#: The first draft's rate with ``anchor="left"`` (0.35 without): embedded model v2, 40 captions, a 16-token window.
+#: Commit `0e5fd09`, docs/benchmarks/archive-cost.md ("Where SJD loses codes: the first draft").
+SJD_ANCHORED_FIRST_RATE = 0.42
 
 
 def proactive_nodes(window: int, width: int, depth: int) -> int:
@@ -132,7 +143,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         window_size (`int`, `None` or `"auto"`): drafts verified per pass (L; the paper uses 16). ``None``
             (default): the pipeline family's fixed window (`SpatialARPipeline.default_draft_sizes`; 32 where the family
             names none). ``"auto"`` picks the window that maximises expected codes per second from the target pass
-            cost the pipeline measures on the device in the first call (see `TreeDecoderMixin`), up to `MAX_WINDOW`;
+            cost the pipeline measures on the device in the first call and the acceptance prior (`SJD_ACCEPTANCE_PRIOR`,
+            fitted on the embedded model; see `TreeDecoderMixin`), up to `MAX_WINDOW`;
             `SpatialARPipeline.tune_decoder` does that measurement ahead, once, and returns a fixed window.
         init (`str`): how a position entering the window is first drafted: ``"above"`` (default: a copy of the
             committed code one row above; training-free, and the fastest measured on the embedded model),
@@ -172,11 +184,10 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     # what "auto" chose on one H100 (bf16, embedded model, 2026-11-26: 33 slots): a pass over 1-256 tokens costs one
     # AR step there, so the window is bounded by what acceptance still gains, not by the pass
     default_draft_size = 32
-    # P(draft d accepted | drafts 1..d-1 accepted): (d = 1, d > 1), measured on the embedded model with a window of 32
-    # (docs/archive.md): the first draft is a guess, the later ones have had passes to settle
-    acceptance_prior = (0.3, 0.85)
-    settled_prior = (0.37, 0.9)  # with coupling, continuation or init="heads"
-    anchored_first_rate = 0.42  # the first draft's with anchor="left" (40 captions, a 16-token window; 0.35 without)
+    # the first draft is a guess, the later ones have had passes to settle (fitted on the embedded model)
+    acceptance_prior = SJD_ACCEPTANCE_PRIOR
+    settled_prior = SJD_SETTLED_PRIOR  # with coupling, continuation or init="heads"
+    anchored_first_rate = SJD_ANCHORED_FIRST_RATE  # the first draft's with anchor="left"
 
     @register_to_config
     def __init__(
@@ -209,8 +220,9 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         self._set_tree(proactive_tree(window, proactive_width, proactive_depth), window_size if window_size == AUTO else None)
 
     def _prior(self):
-        """The two-rate prior ``(first, later)`` of this configuration (proactive candidates raise the first rate to
-        ``1 - (1 - r1)^K``)."""
+        """The two-rate prior ``(first, later)`` of this configuration: `SJD_ACCEPTANCE_PRIOR`, `SJD_SETTLED_PRIOR` with
+        coupling, continuation or ``init="heads"``, the first rate at least `SJD_ANCHORED_FIRST_RATE` with the left
+        anchor (proactive candidates raise the first rate to ``1 - (1 - r1)^K``)."""
         c = self.config
         settled = c.coupling != "none" or c.continuation or c.init == "heads"
         first, later = self.settled_prior if settled else self.acceptance_prior

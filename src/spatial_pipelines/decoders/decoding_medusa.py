@@ -55,8 +55,8 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             int at least its size feeds all of it). ``None`` (default): the pipeline family's fixed size
             (`SpatialARPipeline.default_draft_sizes`; 16, the whole default tree, where the family names none).
             ``"auto"`` picks the count that maximises expected codes per second from the target pass cost the
-            pipeline measures on the device in the first call (see `TreeDecoderMixin`; `SpatialARPipeline.tune_decoder`
-            measures ahead and returns a fixed size).
+            pipeline measures on the device in the first call and the acceptance prior `HEADS_ACCEPTANCE_PRIOR` (not
+            measured; see `TreeDecoderMixin`; `SpatialARPipeline.tune_decoder` measures ahead and returns a fixed size).
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
             (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
             settings in `LANTERN_PRESETS`).

@@ -16,8 +16,18 @@ from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, RowsDiverged,
 
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
-#: ``"auto"`` keeps the smallest draft whose predicted codes per second are within this share of the best size's.
+#: ``"auto"`` keeps the smallest draft whose predicted codes per second are within this share of the best size's:
+#: near the optimum the predicted rate is flat, and the argmax followed the timing noise left in the fitted curves.
+#: Chosen on the embedded model on the 2-core AMD EPYC VM (CPU, fp32; commit `eeb25e7`, docs/benchmarks/archive-cost.md,
+#: '"Auto" draft sizes that hold from process to process'): sizes then repeat from process to process; a 5% margin
+#: tried earlier chose 2-4 drafts and lost 0.04-0.14x (docs/archive.md).
 AUTO_RATE_TOLERANCE = 0.03
+#: The acceptance prior ``(first_rate, sibling_decay)`` of a tree of head candidates (Medusa, Hawk): the sibling tried
+#: ``r``-th is accepted with ``first_rate * sibling_decay**r`` once its parent is reached. An assumed round value set
+#: with ``"auto"`` sizes (commit `81d140f`, docs/archive.md), not fitted; on the embedded model v2 the first draft was
+#: later measured at 0.58 (Hawk) to 0.67 (Medusa) (8 prompts, 2-core AMD EPYC VM, docs/benchmarks/archive-cost.md,
+#: "Where SJD loses codes: the first draft").
+HEADS_ACCEPTANCE_PRIOR = (0.5, 0.5)
 
 
 def node_priors(tree: DraftTree, first_rate: float, sibling_decay: float) -> List[float]:
@@ -96,13 +106,15 @@ class TreeDecoderMixin:
     A subclass calls ``self._set_tree(full_tree, size)`` in ``__init__``: ``full_tree`` is the largest tree it drafts,
     ``size`` an int (keep the ``size`` likeliest nodes, or all of them with ``None``) or ``"auto"``: the pipeline then
     measures the pass cost ``c(T)`` and the decoder's own work per round on its device, and `resolve_draft_size` keeps
-    the node count that maximises the expected codes per second, ``(1 + E[accepted]) / (c(1 + nodes) + overhead)``,
-    under the prior `node_priors` with the class's
-    ``acceptance_prior`` ``(first_rate, sibling_decay)``. Its ``state_class`` must be a `TreeState`.
+    the node count that maximises the expected codes per second, ``(1 + E[accepted]) / (c(1 + nodes) + overhead)``.
+    The costs are measured on the device; ``E[accepted]`` is not: it comes from the prior `node_priors` with the
+    class's ``acceptance_prior`` ``(first_rate, sibling_decay)``, fitted on the embedded model (`HEADS_ACCEPTANCE_PRIOR`,
+    `EAGLE_ACCEPTANCE_PRIOR`, the SJD priors; docs/decoders.md, "Fitted constants"), also for other checkpoints. Its
+    ``state_class`` must be a `TreeState`.
     """
 
     state_class = TreeState
-    acceptance_prior: Tuple[float, float] = (0.5, 0.5)
+    acceptance_prior: Tuple[float, float] = HEADS_ACCEPTANCE_PRIOR
     distinct_siblings: bool = False  # True when the decoder never offers one code twice among siblings
 
     def _set_acceptance(self, acceptance: AcceptanceLike) -> None:

@@ -22,7 +22,8 @@ from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
 
 
 #: Timed sweeps per cost measurement (after 2 untimed ones): enough for "auto" sizes that repeat from process to
-#: process on a noisy 2-core VM (docs/benchmarks/archive-cost.md). The test suite lowers it: its tiny models' sizes are not
+#: process on a noisy 2-core AMD EPYC VM (commit `27dc985`, docs/benchmarks/archive-cost.md, '"Auto" draft sizes that
+#: hold from process to process'). The test suite lowers it: its tiny models' sizes are not
 #: what most tests check.
 SWEEPS = 15
 
