@@ -30,7 +30,8 @@ def _tester_families():
 
 def test_every_family_has_a_pipeline_tester():
     testers = _tester_families()
-    assert set(FAMILIES) - set(testers) == set(), f"families without a PipelineTesterMixin subclass: {set(FAMILIES) - set(testers)}"
+    shipped = {f for f, cls in FAMILIES.items() if cls.__module__.startswith("spatial_pipelines.")}  # not a test module's
+    assert shipped and shipped - set(testers) == set(), f"families without a PipelineTesterMixin subclass: {shipped - set(testers)}"
     assert set(testers) <= set(FAMILIES)
 
 

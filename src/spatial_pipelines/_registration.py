@@ -11,7 +11,16 @@ module; our pipeline classes are bound there (only names diffusers does not defi
 ``import spatial_pipelines`` it returns a `LlamaGenPipeline` as ``LlamaGenPipeline.from_pretrained`` would.
 Every pipeline is also a text-to-image entry of ``AutoPipelineForText2Image`` (its
 ``AUTO_TEXT2IMAGE_PIPELINES_MAPPING``, keyed ``spatial-pipelines-<class name>``), so that loads a saved folder too.
+
+The library's own registries are read off the loaded classes (`spatial_pipelines.utils.subclasses`), never listed:
+`decoder_classes` (a `SpatialDecoderMixin` subclass that sets its own ``short_name``), `family_pipelines` (a
+`SpatialARPipeline` subclass that defines its own ``dummy_components``), acceptance rules (`ACCEPTANCE_RULES`, filled
+as `AcceptanceRule` subclasses are defined) and draft heads (`heads_class_for`, by ``kind``). A class defined in a
+user's file or a test module joins them by being defined; `find_registered` resolves it by name (as
+``spatial_pipelines.<Name>``, which is how diffusers loads a saved folder's decoder).
 """
+
+from typing import Dict, Optional
 
 LIBRARY = "spatial_pipelines"
 ENTRY = {
@@ -57,3 +66,46 @@ def bind_pipelines_on_diffusers() -> None:
             getattr(diffusers, cls.__name__)  # a diffusers name (lazily importable too) is never replaced
         except AttributeError:
             setattr(diffusers, cls.__name__, cls)
+
+
+def decoder_classes() -> Dict[str, type]:
+    """``{short name: decoder class}``: every loaded `SpatialDecoderMixin` subclass that sets its own ``short_name``
+    (the CLI's ``--decoder`` choices, benchmark specs, `DECODERS`), in definition order."""
+    from .decoders.decoding_utils import SpatialDecoderMixin
+    from .utils import subclasses
+
+    found = {}
+    for cls in subclasses(SpatialDecoderMixin):
+        name = cls.__dict__.get("short_name")
+        if name is not None:
+            found.setdefault(name, cls)
+    return found
+
+
+def family_pipelines() -> Dict[str, type]:
+    """``{family: pipeline class}``: every loaded `SpatialARPipeline` subclass that defines its own
+    ``dummy_components`` (the tiny random components `spatial_pipelines.testing.dummy_pipeline` builds it from), keyed by
+    its backbone's ``family``. Bases shared by several families (`ChameleonARPipeline`) define none."""
+    from .pipelines.pipeline_utils import SpatialARPipeline
+    from .utils import subclasses
+
+    found = {}
+    for cls in subclasses(SpatialARPipeline):
+        if "dummy_components" in cls.__dict__ and cls.backbone_class is not None:
+            found.setdefault(cls.backbone_class.family, cls)
+    return found
+
+
+def find_registered(name: str) -> Optional[type]:
+    """The loaded decoder, draft heads, pipeline or acceptance rule class called ``name`` (``None``: none is)."""
+    from .core.acceptance import AcceptanceRule
+    from .decoders.decoding_utils import SpatialDecoderMixin
+    from .heads.heads_utils import DraftHeadsMixin
+    from .pipelines.pipeline_utils import SpatialARPipeline
+    from .utils import find_subclass
+
+    for base in (SpatialDecoderMixin, SpatialARPipeline, DraftHeadsMixin, AcceptanceRule):
+        found = find_subclass(base, name)
+        if found is not None:
+            return found
+    return None

@@ -1,5 +1,6 @@
 """Tiny random pipelines for tests (ours and users'): CPU, built in well under a second, no downloads."""
 
+import inspect
 import string
 from typing import Any, Dict, Tuple, Union
 
@@ -7,12 +8,16 @@ import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
+from ._registration import family_pipelines
 from .decoders import DECODERS, AutoregressiveDecoder, SpatialDecoderMixin
 from .heads import DraftHeadsMixin, heads_class_for
 from .models import LlamaGenTransformer, LlamaGenVQModel
-from .pipelines import LlamaGenPipeline, SpatialARPipeline
+from .pipelines import SpatialARPipeline
+from .utils import DerivedMapping
 
-FAMILIES = ("llamagen", "janus", "emu3", "anole", "lumina_mgpt")
+#: ``{family: pipeline class}`` of every loaded family (`family_pipelines`: a pipeline class with its own
+#: ``dummy_components``), read off the classes at each access: a family defined in a test module is in it.
+FAMILIES = DerivedMapping(family_pipelines)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -80,7 +85,8 @@ def dummy_pipeline(
     """A tiny random pipeline of ``family`` on CPU.
 
     Args:
-        family (`str`): one of ``"llamagen"``, ``"janus"``, ``"emu3"``, ``"anole"``, ``"lumina_mgpt"``.
+        family (`str`): a key of `FAMILIES` (``"llamagen"``, ``"janus"``, ``"emu3"``, ...: its pipeline class's
+            ``dummy_components`` builds the components).
         decoder: a decoder, a short name from ``DECODERS`` (``"ar"`` ...), or ``None`` for `AutoregressiveDecoder`.
         draft_heads: heads, ``"random"`` for randomly initialised heads of the kind the decoder needs, or ``None``.
         grid (`tuple[int, int]`): the code grid (height, width).
@@ -90,11 +96,13 @@ def dummy_pipeline(
         end_of_row (`bool`): LlamaGen only: give the transformer an end-of-row token fed after every row (the
             layout Emu3 and Lumina-mGPT use), to exercise EOL handling on a small model.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"`family` must be one of {FAMILIES}, got {family!r}.")
-    if family not in FAMILY_BUILDERS:
-        raise ValueError(f"`family` {family!r} has no pipeline in this version; available: {tuple(FAMILY_BUILDERS)}.")
-    if family != "llamagen" and (condition_type != "text" or end_of_row):
+    pipeline_class = FAMILIES.get(family)
+    if pipeline_class is None:
+        raise ValueError(f"`family` must be one of {tuple(FAMILIES)}, got {family!r}.")
+    options = {**({"condition_type": condition_type} if condition_type != "text" else {}),
+               **({"end_of_row": end_of_row} if end_of_row else {})}  # LlamaGen's, passed only when set
+    accepted = inspect.signature(pipeline_class.dummy_components).parameters
+    if any(k not in accepted for k in options):
         raise ValueError("`condition_type` and `end_of_row` are LlamaGen options (a family's own layout is fixed).")
     if isinstance(decoder, str):
         if decoder not in DECODERS:
@@ -103,7 +111,7 @@ def dummy_pipeline(
     decoder = decoder if decoder is not None else AutoregressiveDecoder()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        pipe = FAMILY_BUILDERS[family](decoder, grid, num_codes, condition_type=condition_type, end_of_row=end_of_row)
+        pipe = pipeline_class(**pipeline_class.dummy_components(grid, num_codes, **options), decoder=decoder)
         if isinstance(draft_heads, str):
             if draft_heads != "random":
                 raise ValueError(f"`draft_heads` must be heads, 'random' or None, got {draft_heads!r}.")
@@ -113,10 +121,6 @@ def dummy_pipeline(
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
-
-def _llamagen(decoder: SpatialDecoderMixin, grid: Tuple[int, int], num_codes: int, condition_type: str = "text",
-              end_of_row: bool = False) -> SpatialARPipeline:
-    return LlamaGenPipeline(**dummy_llamagen_components(grid, num_codes, condition_type, end_of_row=end_of_row), decoder=decoder)
 
 
 #: The tiny Janus tokenizer's special tokens (the real checkpoints' image tokens; short BOS/EOS/pad names).
@@ -185,11 +189,6 @@ def dummy_janus_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16) 
     return {"transformer": model, "processor": processor}
 
 
-def _janus(decoder: SpatialDecoderMixin, grid: Tuple[int, int], num_codes: int, **llamagen_options) -> SpatialARPipeline:
-    from .pipelines import JanusProPipeline
-
-    return JanusProPipeline(**dummy_janus_components(grid, num_codes), decoder=decoder)
-
 
 #: The tiny Emu3 tokenizer's special tokens: Emu3's names (BOS ``<|extra_203|>``, EOS ``<|extra_204|>``, pad, image
 #: start/end/wrapper, EOL ``<|extra_200|>``, EOF ``<|extra_201|>``, the ``<image>`` placeholder).
@@ -252,15 +251,7 @@ def dummy_emu3_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16) -
     return {"transformer": model, "processor": processor}
 
 
-def _emu3(decoder: SpatialDecoderMixin, grid: Tuple[int, int], num_codes: int, **llamagen_options) -> SpatialARPipeline:
-    from .pipelines import Emu3Pipeline
 
-    return Emu3Pipeline(**dummy_emu3_components(grid, num_codes), decoder=decoder)
-
-
-#: family -> ``builder(decoder, grid, num_codes, **family_options)`` returning the tiny pipeline (under a fixed seed).
-#: A new family adds one entry.
-FAMILY_BUILDERS: Dict[str, Any] = {"llamagen": _llamagen, "janus": _janus, "emu3": _emu3}
 
 
 #: The tiny Chameleon tokenizer's special tokens (Chameleon's names): BOS/pad/EOS/unk at ids 0..3 as in the released
@@ -345,19 +336,8 @@ def dummy_chameleon_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 
     return {"transformer": model, "processor": processor, "vqgan": vqgan}
 
 
-def _anole(decoder: SpatialDecoderMixin, grid: Tuple[int, int], num_codes: int, **llamagen_options) -> SpatialARPipeline:
-    from .pipelines import AnolePipeline
-
-    return AnolePipeline(**dummy_chameleon_components(grid, num_codes), decoder=decoder)
 
 
-def _lumina_mgpt(decoder: SpatialDecoderMixin, grid: Tuple[int, int], num_codes: int, **llamagen_options) -> SpatialARPipeline:
-    from .pipelines import LuminaMGPTPipeline
-
-    return LuminaMGPTPipeline(**dummy_chameleon_components(grid, num_codes, lumina=True), decoder=decoder)
-
-
-FAMILY_BUILDERS.update({"anole": _anole, "lumina_mgpt": _lumina_mgpt})
 
 
 def random_draft_heads(pipe: SpatialARPipeline, decoder: SpatialDecoderMixin) -> DraftHeadsMixin:

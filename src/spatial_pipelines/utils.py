@@ -8,7 +8,8 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Iterable, Iterator
+from collections.abc import Mapping
+from typing import Callable, Dict, Iterable, Iterator
 
 import torch
 
@@ -23,6 +24,49 @@ def subclasses(base: type) -> list:
             found.append(sub)
             todo.append(sub)
     return found
+
+
+class DerivedMapping(Mapping):
+    """A read-only mapping computed again at every access from ``derive()`` (a registry read off the loaded classes):
+    a class defined after import, in a user's file or a test module, is in it as soon as it is defined."""
+
+    def __init__(self, derive: Callable[[], Dict], doc: str = ""):
+        self._derive = derive
+        self.__doc__ = doc or derive.__doc__
+
+    def __getitem__(self, key):
+        return self._derive()[key]
+
+    def __iter__(self):
+        return iter(self._derive())
+
+    def __len__(self) -> int:
+        return len(self._derive())
+
+    def __repr__(self) -> str:
+        return repr(self._derive())
+
+
+def import_modules(package: dict, prefix: str, defines: Callable[[type], bool]) -> list:
+    """Import every module of a package (``package``: its ``globals()``) whose name starts with ``prefix``, bind what
+    each exports in the package and return those names: the module's ``__all__``, or where it has none, the classes it
+    defines for which ``defines(cls)`` holds. A new file is then a new export, with no list to edit."""
+    import importlib
+    import pkgutil
+
+    names = []
+    for info in pkgutil.iter_modules(package["__path__"]):
+        if not info.name.startswith(prefix):
+            continue
+        module = importlib.import_module(f"{package['__name__']}.{info.name}")
+        own = getattr(module, "__all__", None)
+        if own is None:
+            own = [name for name, value in vars(module).items()
+                   if isinstance(value, type) and value.__module__ == module.__name__ and defines(value)]
+        for name in own:
+            package[name] = getattr(module, name)
+        names += [name for name in own if name not in names]
+    return names
 
 
 def find_subclass(base: type, name) -> "type | None":

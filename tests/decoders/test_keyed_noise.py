@@ -97,7 +97,7 @@ def test_every_exact_decoder_samples_the_autoregressive_image(decoder_cls, kwarg
     assert out.stats.num_forward_passes <= ref.stats.num_forward_passes
 
 
-@pytest.mark.parametrize("decoder_cls,kwargs,heads", [c for c in KEYED_CASES if c.id in ("medusa-paths", "sjd-default", "eagle", "adt-vertical")])
+@pytest.mark.parametrize("decoder_cls,kwargs,heads", [c for c in KEYED_CASES if c.id in ("medusa-paths", "sjd", "eagle", "adt-vertical")])
 def test_every_exact_decoder_samples_the_autoregressive_image_on_janus(decoder_cls, kwargs, heads):
     pipe = make(decoder_cls, kwargs, heads, "janus", grid=(4, 5))
     decoder = pipe.decoder

@@ -1,24 +1,18 @@
-"""Decoders: one algorithm per file, weight-free, swappable with ``Decoder.from_config(pipe.decoder.config)``."""
+"""Decoders: one algorithm per file (``decoding_<name>.py``), weight-free, swappable with
+``Decoder.from_config(pipe.decoder.config)``.
 
-from .decoding_autoregressive import AutoregressiveDecoder
-from .decoding_adt import ADT_PRESETS, ADTTreeDecoder
-from .decoding_eagle import EagleDecoder
-from .decoding_hawk import HawkDecoder
-from .decoding_jacobi import JacobiDecoder
-from .decoding_medusa import MedusaDecoder
-from .decoding_ssd import SSD_PRESETS, SSDDecoder
+Every ``decoding_*.py`` module here is imported with the package and exports the names in its ``__all__`` (where it
+has none: its decoder classes, those that set their own ``short_name``). A new decoder is its file."""
+
+from .._registration import decoder_classes
+from ..utils import DerivedMapping, import_modules
 from .decoding_tree import TreeDecoderMixin, TreeState
 from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput
 
-#: Short names used by the CLI and benchmarks.
-DECODERS = {
-    "ar": AutoregressiveDecoder,
-    "medusa": MedusaDecoder,
-    "hawk": HawkDecoder,
-    "sjd": JacobiDecoder,
-    "ssd": SSDDecoder,
-    "eagle": EagleDecoder,
-    "adt": ADTTreeDecoder,
-}
+#: ``{short name: decoder class}`` (the CLI's ``--decoder``, benchmark specs): every loaded decoder class that sets
+#: its own ``short_name``, read off the classes at each access (`decoder_classes`), so a decoder defined in a user's
+#: file or a test module is in it once defined.
+DECODERS = DerivedMapping(decoder_classes)
 
-__all__ = ["ADT_PRESETS", "ADTTreeDecoder", "DECODERS", "SSD_PRESETS", "SSDDecoder", "AutoregressiveDecoder", "EagleDecoder", "HawkDecoder", "JacobiDecoder", "MedusaDecoder", "TreeDecoderMixin", "TreeState", "DecodingState", "Draft", "DraftKind", "SpatialDecoderMixin", "StepOutput"]
+__all__ = ["DECODERS", "DecodingState", "Draft", "DraftKind", "SpatialDecoderMixin", "StepOutput", "TreeDecoderMixin", "TreeState",
+           *import_modules(globals(), "decoding_", lambda c: issubclass(c, SpatialDecoderMixin) and "short_name" in c.__dict__)]

@@ -14,6 +14,8 @@ from ..utils import check_number
 from .decoding_eagle import EagleDecoder, EagleState
 from .decoding_utils import AUTO, StepOutput, check_draft_budget, check_int
 
+__all__ = ["ADT_PRESETS", "ADTTreeDecoder"]  # what `spatial_pipelines.decoders` exports from this file
+
 ADT_INITS = ("horizontal", "vertical", "random")
 #: The paper's settings per family (``beta``, steps and ranges), to pass as kwargs: ``ADTTreeDecoder(**ADT_PRESETS["llamagen"])``.
 ADT_PRESETS = {
@@ -70,6 +72,8 @@ class ADTTreeDecoder(EagleDecoder):
             paper's per family; its depth range ``(0, 10)`` starts at 1 here: a tree of depth 0 drafts nothing).
         acceptance: as `EagleDecoder`.
     """
+
+    short_name = "adt"  # the CLI's and benchmark specs' name (`DECODERS`)
 
     @register_to_config
     def __init__(

@@ -25,6 +25,8 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
     Takes no options; it is the baseline the speculative decoders are measured against.
     """
 
+    short_name = "ar"  # the CLI's and benchmark specs' name (`DECODERS`)
+
     state_class = AutoregressiveState
 
     @register_to_config

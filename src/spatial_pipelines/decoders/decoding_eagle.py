@@ -85,6 +85,8 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             settings in `LANTERN_PRESETS`).
     """
 
+    short_name = "eagle"  # the CLI's and benchmark specs' name (`DECODERS`)
+
     state_class = EagleState
     distinct_siblings = True  # top-k children are distinct
     uses_all_rows = True  # the drafter reads the unconditional rows' features too

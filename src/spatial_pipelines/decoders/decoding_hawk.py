@@ -68,6 +68,8 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             settings in `LANTERN_PRESETS`).
     """
 
+    short_name = "hawk"  # the CLI's and benchmark specs' name (`DECODERS`)
+
     state_class = HawkState
     draft_size_name = "num_draft_tokens"
     default_draft_size = 32  # on a GPU a pass over 1-256 tokens costs one AR step (docs/performance.md)

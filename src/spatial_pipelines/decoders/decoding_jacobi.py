@@ -110,9 +110,11 @@ class JacobiState(TreeState):
             the first ``P`` positions, drawn without replacement from the position's ``q`` after its draft (``-1``:
             none, e.g. behind a point mass).
         descent (`torch.LongTensor` `(T, L + 1)`, *optional*): `descent_table` of the window's tree.
-        candidates (`torch.LongTensor` `(B, L, K)`), node_q (`torch.Tensor` `(B, T, V)`), earlier_rank
-            (`torch.BoolTensor` `(T - 1, K)`), *optional*: proactive drafting's buffers, allocated once: every
-            position's candidates, every node's ``q``, and which ranks come before each node's.
+        candidates (`torch.LongTensor` `(B, L, K)`, *optional*): proactive drafting's buffer (allocated once) of
+            every position's candidates.
+        node_q (`torch.Tensor` `(B, T, V)`, *optional*): proactive drafting's buffer of every node's ``q``.
+        earlier_rank (`torch.BoolTensor` `(T - 1, K)`, *optional*): proactive drafting's buffer of which ranks come
+            before each node's.
         above (`torch.LongTensor` `(B, N)`, *optional*): ``init="heads"``: the code the vertical head predicted for
             each raster position when the row above was committed (``-1``: none yet).
     """
@@ -178,6 +180,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
             settings in `LANTERN_PRESETS`).
     """
+
+    short_name = "sjd"  # the CLI's and benchmark specs' name (`DECODERS`)
 
     state_class = JacobiState
     draft_size_name = "window_size"

@@ -33,6 +33,8 @@ from ..core.sampling import logits_to_probs, sample_from_probs
 from ..utils import check_number
 from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput, check_draft_budget
 
+__all__ = ["SSD_PRESETS", "SSDDecoder"]  # what `spatial_pipelines.decoders` exports from this file
+
 DRAFT_MODES = ("argmax", "sample")
 #: The most verification rounds a drafted row (or group of rows) may take: each is a target pass, so past a grid row's
 #: width a row costs more passes than decoding it code by code (the paper uses 1 to 6; the widest grid served, Emu3's,
@@ -100,6 +102,8 @@ class SSDDecoder(SpatialDecoderMixin):
             ``"sample"`` (drafts drawn from the heads' distribution ``q`` under the sampling settings, verified
             with ``min(1, p/q)``).
     """
+
+    short_name = "ssd"  # the CLI's and benchmark specs' name (`DECODERS`)
 
     lossless = False  # verification as auto-correction: positions do not wait for their left neighbours
     state_class = SSDState

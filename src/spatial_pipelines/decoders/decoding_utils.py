@@ -20,6 +20,7 @@ from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.contracts import HeadsNeed, check_heads
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig
+from .._registration import LIBRARY
 from ..utils import check_number, check_save_directory, subclasses
 
 DECODER_CONFIG_NAME = "decoder_config.json"
@@ -34,6 +35,11 @@ def _decoder_init(init):
     def wrapped(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.register_to_config(_class_name=type(self).__name__)
+        if not type(self).__module__.startswith(LIBRARY + "."):
+            # diffusers records a pipeline component under its class's top-level module and loads it only from
+            # libraries it knows: a decoder defined elsewhere (a user's file, a test module) is recorded as
+            # ["spatial_pipelines", "<Name>"], which the package resolves among the loaded decoders (`find_registered`)
+            self.__dict__["__module__"] = LIBRARY
 
     return wrapped
 
@@ -301,6 +307,9 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     that drafts with heads says which in `heads_needed`.
 
     Class attributes:
+        short_name (`str`): the decoder's name in `DECODERS` (the CLI's ``--decoder``, benchmark specs); a class that
+            sets its own is a public decoder (`spatial_pipelines._registration.decoder_classes`), one that does not
+            (a helper base, a variant) is not listed.
         lossless (`bool`): the method keeps the model's own distribution under exact acceptance (SSD: ``False``).
         acceptance_rule (`AcceptanceRule`): the rule candidates are accepted by; decoders that take
             ``acceptance=...`` set their own from the config (`resolve_acceptance`).
@@ -338,6 +347,12 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("short_name")
+        known = next((c for c in subclasses(SpatialDecoderMixin) if c.__dict__.get("short_name") == name
+                      and c.__qualname__ != cls.__qualname__), None) if name is not None else None
+        if known is not None:
+            raise ValueError(f"A decoder with the short name {name!r} exists already ({known.__qualname__}); give "
+                             f"{cls.__qualname__} another `short_name`.")
         init = cls.__dict__.get("__init__")
         if init is not None:
             cls.__init__ = _decoder_init(init)

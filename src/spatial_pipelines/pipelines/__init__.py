@@ -1,34 +1,15 @@
-"""The generation loop (pipeline_utils) and one file per backbone family."""
+"""The generation loop (pipeline_utils) and one file per backbone family (``pipeline_<family>.py``).
 
+Every ``pipeline_*.py`` module here is imported with the package and exports the names in its ``__all__`` (where it
+has none: the pipeline and backbone classes it defines). A new family is its file: its pipeline class, with its own
+``dummy_components``, joins `spatial_pipelines._registration.family_pipelines` by being defined."""
+
+from ..utils import import_modules
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .pass_cost import GPU_DRAFT_SIZES, DraftPassCost, PassCost
-from .pipeline_chameleon import AnoleBackbone, AnolePipeline, ChameleonARPipeline, ChameleonBackbone
-from .pipeline_emu3 import Emu3Backbone, Emu3Pipeline
-from .pipeline_janus import JanusProBackbone, JanusProPipeline
-from .pipeline_llamagen import LlamaGenBackbone, LlamaGenPipeline
-from .pipeline_lumina_mgpt import LuminaMGPTBackbone, LuminaMGPTPipeline
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .pipeline_utils import SpatialARPipeline
 
-__all__ = [
-    "AnoleBackbone",
-    "AnolePipeline",
-    "ChameleonARPipeline",
-    "ChameleonBackbone",
-    "DecodingStats",
-    "DraftPassCost",
-    "GPU_DRAFT_SIZES",
-    "Emu3Backbone",
-    "Emu3Pipeline",
-    "JanusProBackbone",
-    "JanusProPipeline",
-    "LlamaGenBackbone",
-    "LlamaGenPipeline",
-    "LuminaMGPTBackbone",
-    "LuminaMGPTPipeline",
-    "PassCost",
-    "PromptEmbeddings",
-    "SpatialARPipeline",
-    "SpatialBackbone",
-    "SpatialPipelineOutput",
-]
+__all__ = ["DecodingStats", "DraftPassCost", "GPU_DRAFT_SIZES", "PassCost", "PromptEmbeddings", "SpatialBackbone",
+           "SpatialPipelineOutput",
+           *import_modules(globals(), "pipeline_", lambda c: issubclass(c, (SpatialARPipeline, SpatialBackbone)))]

@@ -343,6 +343,14 @@ class AnolePipeline(ChameleonARPipeline):
 
     backbone_class = AnoleBackbone
 
+    @classmethod
+    def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
+        """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
+        fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
+        from ..testing import dummy_chameleon_components
+
+        return dummy_chameleon_components(grid, num_codes)
+
 
 def load_vq(vq: Union[str, os.PathLike, ChameleonVQModel], torch_dtype: Optional[torch.dtype] = None,
             **hub_kwargs) -> ChameleonVQModel:

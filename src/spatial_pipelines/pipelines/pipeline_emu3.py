@@ -210,6 +210,14 @@ class Emu3Pipeline(SpatialARPipeline):
     model_cpu_offload_seq = "transformer"
     _optional_components = ["draft_heads"]
 
+    @classmethod
+    def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
+        """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
+        fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
+        from ..testing import dummy_emu3_components
+
+        return dummy_emu3_components(grid, num_codes)
+
     def __init__(
         self,
         transformer: Emu3ForConditionalGeneration,

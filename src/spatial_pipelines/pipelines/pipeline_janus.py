@@ -218,6 +218,14 @@ class JanusProPipeline(SpatialARPipeline):
     model_cpu_offload_seq = "transformer"
     _optional_components = ["draft_heads"]
 
+    @classmethod
+    def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
+        """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
+        fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
+        from ..testing import dummy_janus_components
+
+        return dummy_janus_components(grid, num_codes)
+
     def __init__(
         self,
         transformer: PreTrainedModel,

@@ -248,6 +248,14 @@ class LlamaGenPipeline(SpatialARPipeline):
     model_cpu_offload_seq = "text_encoder->transformer->vqvae"
     _optional_components = ["text_encoder", "tokenizer", "draft_heads"]
 
+    @classmethod
+    def dummy_components(cls, grid=(4, 4), num_codes: int = 16, condition_type: str = "text", end_of_row: bool = False) -> Dict[str, Any]:
+        """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
+        fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
+        from ..testing import dummy_llamagen_components
+
+        return dummy_llamagen_components(grid, num_codes, condition_type, end_of_row=end_of_row)
+
     def __init__(
         self,
         transformer: LlamaGenTransformer,

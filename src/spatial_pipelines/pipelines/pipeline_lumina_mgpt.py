@@ -101,6 +101,14 @@ class LuminaMGPTPipeline(ChameleonARPipeline):
     backbone_class = LuminaMGPTBackbone
 
     @classmethod
+    def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
+        """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
+        fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
+        from ..testing import dummy_chameleon_components
+
+        return dummy_chameleon_components(grid, num_codes, lumina=True)
+
+    @classmethod
     def default_image_grid_for(cls, repo_or_path, vae_scale_factor: int) -> Tuple[int, int]:
         """The checkpoint's training size when its name ends in it (``Lumina-mGPT-7B-512/-768/-1024``), else 768 px."""
         match = re.search(r"-(512|768|1024)$", os.path.basename(os.fspath(repo_or_path).rstrip("/")))
