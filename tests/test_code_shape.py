@@ -11,11 +11,8 @@ MAX_LINES = 60
 
 # (file, qualified name) -> why it is still long
 ALLOWED = {
-    # being split with the generation-loop refactor
-    ("src/spatial_pipelines/pipelines/pipeline_utils.py", "SpatialARPipeline.__call__"): "generation-loop refactor",
-    ("src/spatial_pipelines/pipelines/pipeline_utils.py", "SpatialARPipeline.check_inputs"): "generation-loop refactor",
-    # being edited with the static-shapes work (61 lines: its docstring)
-    ("src/spatial_pipelines/pipelines/static_shapes.py", "StaticShapesMixin.enable_compile"): "static-shapes work",
+    # diffusers' `__call__` documents every argument in its docstring (about 55 lines); its body is the numbered steps
+    ("src/spatial_pipelines/pipelines/pipeline_utils.py", "SpatialARPipeline.__call__"): "a diffusers-style Args docstring",
 }
 
 

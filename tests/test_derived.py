@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import DiffusionPipeline
 
 import spatial_pipelines
 from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, LlamaGenPipeline
@@ -79,6 +80,7 @@ def test_the_pipeline_runs_and_reloads_them(tmp_path):
     assert json.loads((tmp_path / "model_index.json").read_text())["decoder"] == ["spatial_pipelines", "ToyDecoder"]
     loaded = ToyPipeline.from_pretrained(tmp_path)
     assert type(loaded) is ToyPipeline and type(loaded.decoder) is ToyDecoder
+    assert type(DiffusionPipeline.from_pretrained(tmp_path)) is ToyPipeline  # found as diffusers finds its own
     assert torch.equal(loaded("a fox", temperature=0, output_type="latent").tokens, ref)
     saved = JacobiDecoder(acceptance="toy-exact")
     saved.save_pretrained(tmp_path / "sjd")

@@ -37,7 +37,6 @@ def load_pipeline(model: str, torch_dtype: torch.dtype = torch.float32, revision
             raise ValueError(f"`--model` {model!r} is not a pipeline folder (no model_index.json).")
         if revision is not None:
             raise ValueError(f"`--revision` applies to Hub repo ids; `--model` {model!r} is a local folder.")
-    spatial_pipelines.register_with_diffusers()  # a family defined since the import (a user's file) is bound too
     try:
         pipe = DiffusionPipeline.from_pretrained(model, revision=revision, dtype=torch_dtype)
     except (OSError, AttributeError) as err:  # not in the cache when offline, unknown repo, unknown class

@@ -49,6 +49,15 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
     backbone_class: type = None
     _round_timer = None  # a RoundTimer while `profile_rounds` is active
 
+    def __init_subclass__(cls, **kwargs):
+        """A family defined anywhere (a user's module, a test) is found by ``DiffusionPipeline.from_pretrained`` and
+        ``AutoPipelineForText2Image`` as the shipped ones are (`spatial_pipelines._registration`)."""
+        super().__init_subclass__(**kwargs)
+        from .._registration import bind_pipelines_on_diffusers, register_auto_pipelines
+
+        bind_pipelines_on_diffusers()
+        register_auto_pipelines()
+
     # -- components -------------------------------------------------------------------------------------
     @property
     def backbone(self) -> SpatialBackbone:
@@ -284,17 +293,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         check_number("top_k", top_k, 0, integer=True, optional=True, meaning="0 keeps every code")
         check_number("top_p", top_p, 0, 1, low_open=True, optional=True)
         check_number("num_images_per_prompt", num_images_per_prompt, 1, integer=True)
-        batch_size = len(prompts) * num_images_per_prompt
-        if isinstance(generator, (list, tuple)):
-            if len(generator) != batch_size:
-                raise ValueError(
-                    f"`generator` is a list of {len(generator)} generators, but the batch has {batch_size} images "
-                    f"({len(prompts)} prompts x num_images_per_prompt={num_images_per_prompt}); pass one per image or a single one."
-                )
-            if not all(isinstance(g, torch.Generator) for g in generator):
-                raise ValueError("`generator` list must hold only `torch.Generator` objects.")
-        elif generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"`generator` must be a torch.Generator, a list of them, or None; got {type(generator).__name__}.")
+        _check_generator(generator, len(prompts), num_images_per_prompt)
         if sampling_noise is not None and (not isinstance(sampling_noise, str) or sampling_noise not in SAMPLING_NOISE):
             raise ValueError(f"`sampling_noise` must be one of {SAMPLING_NOISE} or None (keyed where the decoder "
                              f"supports it), got {sampling_noise!r}.")
@@ -304,6 +303,11 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
                              "draws from the generators: pass `sampling_noise='drawn'` or None.")
         if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
+        self._check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
+        return prompts
+
+    def _check_callback(self, callback_on_step_end, callback_on_step_end_tensor_inputs) -> None:
+        """`check_inputs`' part for ``callback_on_step_end`` and the state tensors it is given."""
         if callback_on_step_end is not None and not callable(callback_on_step_end):
             raise ValueError(f"`callback_on_step_end` must be callable or None, got {type(callback_on_step_end).__name__}.")
         if callback_on_step_end is not None:
@@ -318,7 +322,6 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             raise ValueError(
                 f"`callback_on_step_end_tensor_inputs` has {unknown}; allowed: {self._callback_tensor_inputs}."
             )
-        return prompts
 
     def check_components(self) -> None:
         """Raise `ValueError` naming every required component that is ``None`` (a pipeline built with ``vqvae=None``
@@ -438,68 +441,78 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             `SpatialPipelineOutput` (or ``(images, tokens, stats)``).
         """
         start_time = time.perf_counter()
-        self.check_components()
         backbone = self.backbone
-        if guidance_scale is None:
-            guidance_scale = backbone.default_guidance_scale
-        if top_k is None:
-            top_k = backbone.default_top_k
 
-        # 1. Check inputs
+        # 1. Check inputs; the sampling settings (the family's defaults where not given)
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):  # as diffusers: its own inputs
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
-        prompts = self.check_inputs(
+        prompts, sampling = self._check_call(
             prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt, generator,
-            output_type, callback_on_step_end_tensor_inputs, callback_on_step_end, sampling_noise,
+            output_type, return_dict, callback_on_step_end_tensor_inputs, callback_on_step_end, sampling_noise,
         )
-        if not isinstance(return_dict, bool):
-            raise ValueError(f"`return_dict` must be True or False, got {return_dict!r}.")
-        self.decoder.check_compatibility(backbone.layout, self.draft_heads)
-        if self.draft_heads is not None:
-            if self.decoder.heads_needed() is None:
-                logger.warning(f"The pipeline's draft heads ({type(self.draft_heads).__name__}) are not used by "
-                               f"{type(self.decoder).__name__}, which drafts without heads.")
         batch_size = len(prompts) * num_images_per_prompt
-        if sampling_noise is None:
-            sampling_noise = "keyed" if self.decoder.supports_keyed_noise else "drawn"
-        sampling = SamplingConfig(guidance_scale, temperature, top_k, top_p, noise=sampling_noise)
-        self.check_memory(batch_size, sampling.do_cfg)
-        self._start_call(guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt` (callbacks.py)
-        device = self._execution_device
+        self._start_call(sampling.guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt`
 
         # 2. Encode prompts: one row per image, then (with CFG) the unconditional rows
-        prefix = self._encode_prompts(prompts, negative_prompt, num_images_per_prompt, sampling, device)  # (R, P, D)
-        self.check_prompt_length(prefix.embeds.shape[1])
+        prefix = self._encode_prompts(prompts, negative_prompt, num_images_per_prompt, sampling, self._execution_device)
+        self.check_prompt_length(prefix.embeds.shape[1])  # (R, P, D)
 
+        # 3-5. The cache, the prompt pass and the rounds: a chain decoder's run whole on the device (`device_loop`),
+        #      any other decoder's in row groups (`_generate_groups`)
         self.resolve_draft_sizes(batch_size, sampling, prefix.embeds.shape[1])  # "auto" sizes: c(T)
         window = self._chain_window(sampling, callback_on_step_end)
-        if window is not None:  # 3-5. a chain decoder's rounds, run whole on the device (`device_loop`)
-            flat, stats = self._generate_chain(backbone, prefix, sampling, generator, batch_size, window, start_time)
+        if window is not None:
+            flat, stats = self._generate_chain(backbone, prefix, sampling, generator, batch_size, window)
         else:
-            # 3. Prepare one decoding state per image (its random numbers, its cursor) and the KV cache
-            batch, cache = self._prepare(prefix, sampling, generator, batch_size, device)
-
-            # 4. Prefill: the prompt pass predicts each row's first code
-            self._prefill(backbone, prefix, batch, cache)
-
-            # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`),
-            #    every row at its own pace until every grid is full
-            num_forward_passes = 1 + self._rounds(backbone, batch, cache, callback_on_step_end, callback_on_step_end_tensor_inputs)
-            flat, stats = batch.tokens, None
+            flat, stats = self._generate_groups(backbone, prefix, sampling, generator, batch_size, callback_on_step_end,
+                                                callback_on_step_end_tensor_inputs)
 
         # 6. VQ decode, 7. post-process
         tokens = backbone.layout.grid(flat)  # (B, H, W)
         images = tokens if output_type == "latent" else self._decode(tokens, output_type)
         self.maybe_free_model_hooks()
-
-        if stats is None:
-            stats = self._stats(batch, num_forward_passes, batch_size, start_time)
         stats.wall_time_s = time.perf_counter() - start_time
         if not return_dict:
             return images, tokens, stats
         return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats)
 
     # -- the loop's steps -------------------------------------------------------------------------------
+    def _check_call(self, prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt,
+                    generator, output_type, return_dict, tensor_inputs, callback, sampling_noise):
+        """Step 1: every argument checked before any work (`check_inputs`), the decoder and heads against the backbone,
+        the memory the batch needs; returns the prompts and the `SamplingConfig` (the family's defaults filled in)."""
+        self.check_components()
+        backbone = self.backbone
+        guidance_scale = backbone.default_guidance_scale if guidance_scale is None else guidance_scale
+        top_k = backbone.default_top_k if top_k is None else top_k
+        prompts = self.check_inputs(prompt, negative_prompt, guidance_scale, temperature, top_k, top_p,
+                                    num_images_per_prompt, generator, output_type, tensor_inputs, callback, sampling_noise)
+        if not isinstance(return_dict, bool):
+            raise ValueError(f"`return_dict` must be True or False, got {return_dict!r}.")
+        self.decoder.check_compatibility(backbone.layout, self.draft_heads)
+        if self.draft_heads is not None and self.decoder.heads_needed() is None:
+            logger.warning(f"The pipeline's draft heads ({type(self.draft_heads).__name__}) are not used by "
+                           f"{type(self.decoder).__name__}, which drafts without heads.")
+        if sampling_noise is None:
+            sampling_noise = "keyed" if self.decoder.supports_keyed_noise else "drawn"
+        sampling = SamplingConfig(guidance_scale, temperature, top_k, top_p, noise=sampling_noise)
+        self.check_memory(len(prompts) * num_images_per_prompt, sampling.do_cfg)
+        return prompts, sampling
+
+    def _generate_groups(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, sampling: SamplingConfig, generator,
+                         batch_size: int, callback, tensor_inputs) -> Tuple[torch.Tensor, DecodingStats]:
+        """Steps 3-5 in row groups (`RowBatch`): every decoder's own `propose` and `step`. Returns the grids ``(B, N)``
+        and the stats."""
+        start_time = time.perf_counter()
+        # 3. Prepare one decoding state per image (its random numbers, its cursor) and the KV cache
+        batch, cache = self._prepare(prefix, sampling, generator, batch_size, self._execution_device)
+        # 4. Prefill: the prompt pass predicts each row's first code
+        self._prefill(backbone, prefix, batch, cache)
+        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`), every
+        #    row at its own pace until every grid is full
+        num_forward_passes = 1 + self._rounds(backbone, batch, cache, callback, tensor_inputs)
+        return batch.tokens, self._stats(batch, num_forward_passes, batch_size, start_time)
+
     def _encode_prompts(self, prompts, negative_prompt, num_images_per_prompt: int, sampling: SamplingConfig,
                         device: torch.device) -> PromptEmbeddings:
         """Step 2: one conditional row per image, then (with CFG) one unconditional row per image."""
@@ -524,7 +537,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
     device_rounds: Optional[bool] = None
 
     def _generate_chain(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, sampling: SamplingConfig, generator,
-                        batch_size: int, window: int, start_time: float) -> Tuple[torch.Tensor, DecodingStats]:
+                        batch_size: int, window: int) -> Tuple[torch.Tensor, DecodingStats]:
         """Steps 3-5 by `ChainLoop`: the cache, the prompt pass, then rounds on the device with a host read per sync
         (the progress bar moves at each). Returns the grids ``(B, N)`` and the stats."""
         layout, rows = backbone.layout, prefix.embeds.shape[0]
@@ -807,6 +820,21 @@ def available_memory(device: torch.device) -> Optional[int]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _check_generator(generator, num_prompts: int, num_images_per_prompt: int) -> None:
+    """``generator``: ``None``, one `torch.Generator`, or one per image (``num_prompts * num_images_per_prompt``)."""
+    batch_size = num_prompts * num_images_per_prompt
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != batch_size:
+            raise ValueError(
+                f"`generator` is a list of {len(generator)} generators, but the batch has {batch_size} images "
+                f"({num_prompts} prompts x num_images_per_prompt={num_images_per_prompt}); pass one per image or a single one."
+            )
+        if not all(isinstance(g, torch.Generator) for g in generator):
+            raise ValueError("`generator` list must hold only `torch.Generator` objects.")
+    elif generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"`generator` must be a torch.Generator, a list of them, or None; got {type(generator).__name__}.")
 
 
 def _check_text(prompts: Sequence[Any], name: str, max_characters: Optional[int] = None) -> None:

@@ -190,12 +190,9 @@ class StaticShapesMixin:
         on_gpu = self._execution_device.type == "cuda"
         if mode is None and on_gpu and backend == "inductor":
             mode = "reduce-overhead"
-        options = dict(backend=backend, dynamic=dynamic,
-                       fullgraph=backbone.supports_fullgraph if fullgraph is None else fullgraph, **kwargs)
-        if mode is not None:
-            options["mode"] = mode
-        rows = 2 if backbone.default_guidance_scale != 1.0 else 1
-        sizes = [1, 8]
+        options = dict(backend=backend, dynamic=dynamic, fullgraph=backbone.supports_fullgraph if fullgraph is None else fullgraph,
+                       **({} if mode is None else {"mode": mode}), **kwargs)
+        rows, sizes = (2 if backbone.default_guidance_scale != 1.0 else 1), [1, 8]
         self.disable_compile()
         # a graph per fed size and attended length (`attend_buckets`): swapping decoders passes dynamo's default of 8
         # graphs per function, past which it would fail (fullgraph) or run eagerly without a word
