@@ -40,6 +40,7 @@ def test_heads_init_uses_the_prediction_for_the_position():
     """With heads whose vertical guess is the code above (what a copy would give on a vertically uniform image),
     `init="heads"` drafts exactly what `init="above"` drafts: same tokens, same passes, for the same seed."""
     pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="above"), None, grid=(4, 4))
+    pipe.device_rounds = False  # both inits in the decoder's own rounds (the device round drafts row 0 otherwise)
     ref = pipe("a fox", generator=gen(3), output_type="latent")
 
     class CopyAbove(JacobiDecoder):  # the heads' prediction for a position = the committed code one row above

@@ -99,7 +99,8 @@ def test_benchmark_compiled_rows_and_batches(tmp_path):
             assert r["graphs_compiled_while_timed"] == 0 and r["speedup_vs_compiled_ar"] > 0 and 0 <= r["padded_fraction"] < 1
         else:
             assert r["speedup_vs_compiled_ar"] is None
-            assert ("padded_fraction" in r) == (" x2" in name)  # eager: a batch's rows pad to the round's widest draft
+            # AR and SJD run device rounds (fixed shapes: a finished row's slots are padding), so every row reports it
+            assert 0 <= r["padded_fraction"] < 1 and (r["padded_fraction"] == 0 or " x2" in name)
         if " x2" in name:
             assert r["slowest_row_pass_share"] == 1.0  # the batch took no pass more than its slowest row
     assert rows["ar x2"]["speedup_vs_ar"] == 1.0 and rows["ar [compiled]"]["speedup_vs_compiled_ar"] == 1.0

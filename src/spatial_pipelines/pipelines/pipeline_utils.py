@@ -555,7 +555,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             num_forward_passes=1 + rounds, num_draft_passes=0, num_tokens=batch_size * layout.num_tokens,
             mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1), accepted_lengths=accepted.cpu(),
             acceptance_map=layout.grid(loop.state.acceptance_map[:, :-1]).cpu(), wall_time_s=0.0,
-            padded_fraction=1 - sum(p - 1 for p in row_passes) * loop.fed / fed if fed and batch_size > 1 else None,
+            padded_fraction=1 - sum(p - 1 for p in row_passes) * loop.fed / fed if fed else None,  # finished rows' slots
             row_forward_passes=row_passes)
         return loop.grid_tokens(), stats
 
