@@ -10,10 +10,7 @@ FOLDERS = ("src", "scripts")
 MAX_LINES = 60
 
 # (file, qualified name) -> why it is still long
-ALLOWED = {
-    # diffusers' `__call__` documents every argument in its docstring (about 55 lines); its body is the numbered steps
-    ("src/spatial_pipelines/pipelines/pipeline_utils.py", "SpatialARPipeline.__call__"): "a diffusers-style Args docstring",
-}
+ALLOWED = {}  # none today
 
 
 def function_lengths():

@@ -106,12 +106,12 @@ def _sync_reads_allowed(rounds: int, num_tokens: int, window: int) -> int:
 @pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[0], DECODERS[2]], ids=["ar", "sjd-3"])
 @pytest.mark.parametrize("family,end_of_row", [FAMILIES[0], FAMILIES[2]], ids=["llamagen", "janus"])
 def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row, decoder_cls, kwargs, monkeypatch):
-    """The counted test of a second compiled generation: no recompile (dynamo raises on one), one compiled region per
-    round, at most 10 aten ops per round outside it (the sync's), and the device read once per sync; the state and
+    """The counted test of a second compiled generation (other prompts, another CFG scale): no recompile (dynamo
+    raises on one), one compiled region per round, at most 10 aten ops per round outside it (the sync's), and the device read once per sync; the state and
     the cache keep their addresses from round to round; the round has no graph break (`torch._dynamo.explain`)."""
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=(8, 8))
     pipe.enable_compile(backend="eager", keep_if_slower=True, measure=False)  # dynamo's graphs, no inductor time
-    pipe(PROMPTS[:2], output_type="latent")  # the first generation compiles
+    pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent")  # the first generation compiles
     addresses = []
     step = ChainLoop.step
 
@@ -121,8 +121,8 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
         return step(loop)
 
     monkeypatch.setattr(ChainLoop, "step", recorded_step)
-    with torch._dynamo.config.patch(error_on_recompile=True), count_rounds(pipe) as counts:
-        out = pipe(PROMPTS[:2], generator=_generators(2), output_type="latent")
+    with torch._dynamo.config.patch(error_on_recompile=True), count_rounds(pipe) as counts:  # another scale, prompts
+        out = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, generator=_generators(2), output_type="latent")
     assert counts.rounds == out.stats.num_forward_passes - 1 > 0
     assert counts.recompiles == 0
     assert counts.compiled_calls == counts.rounds
@@ -139,7 +139,8 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
         return step(loop)
 
     monkeypatch.setattr(ChainLoop, "step", explain_first_round)
-    assert torch.equal(pipe(PROMPTS[:2], generator=_generators(2), output_type="latent").tokens, out.tokens)
+    again = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, generator=_generators(2), output_type="latent")
+    assert torch.equal(again.tokens, out.tokens)
     assert explained[0].graph_break_count == 0 and explained[0].graph_count == 1
 
 

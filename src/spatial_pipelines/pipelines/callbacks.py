@@ -16,7 +16,23 @@ CALLBACK_TENSOR_INPUTS = ["tokens", "latents", "acceptance_map"]
 
 
 class CallbackStateMixin:
-    """The per-call attributes of a diffusers pipeline, kept by `SpatialARPipeline.__call__`."""
+    """The per-call attributes of a diffusers pipeline, kept by `SpatialARPipeline.__call__`, and the
+    ``callback_on_step_end`` contract.
+
+    ``callback_on_step_end(pipe, step_index, num_committed, callback_kwargs)`` is called after every target pass
+    (``step_index`` from 0, as diffusers' ``i``); ``callback_kwargs`` holds copies of the state tensors named in
+    ``callback_on_step_end_tensor_inputs`` (``tokens``, or diffusers' name ``latents``: the ``(B, H, W)`` grid, ``-1``
+    where not yet decoded; ``acceptance_map``), so changing them in place changes nothing. Return the dict (diffusers'
+    habit) or ``None``: a returned ``acceptance_map`` replaces the record; a returned grid must be as it was before the
+    last round (a `ValueError` otherwise: committed codes cannot be changed mid-generation, the KV cache holds them) and
+    replaces the output after it (codes in ``[0, V)``). As in diffusers, the callback may read ``pipe.guidance_scale``,
+    ``pipe.do_classifier_free_guidance`` and ``pipe.num_timesteps`` (rounds run, plus one while the grid is not full:
+    the last round is ``step_index == pipe.num_timesteps - 1``; after the call, the rounds run), set
+    ``pipe._guidance_scale`` (used from the next round; a call with ``guidance_scale=1`` cannot turn guidance on) and
+    set ``pipe._interrupt = True`` (the call stops after this round; undecoded codes stay ``-1`` and are mid-grey in
+    images). A callback sees every round, so a call with one runs the row-group loop, which reads the device every
+    round (chain decoders otherwise run their rounds on the device and read it once per sync: `device_loop`).
+    """
 
     _callback_tensor_inputs = CALLBACK_TENSOR_INPUTS
     _guidance_scale = None

@@ -27,8 +27,8 @@ exactly what it commits alone (its noise is keyed by its own seed).
 
 import math
 import types
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, List, Optional
+from dataclasses import dataclass, fields, replace
+from typing import Callable, List, Optional
 
 import torch
 
@@ -36,10 +36,6 @@ from ..core.kv_cache import StaticKVCache
 from ..core.sampling import SamplingConfig, cfg_mix, keyed_sample
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
-
-if TYPE_CHECKING:
-    from ..decoders.decoding_utils import SpatialDecoderMixin
-
 
 #: At most this many rounds run between two reads of the device. Between reads the host bounds every row's cache
 #: length by ``L + 1`` slots a round, and each pass attends to that bound, so a long stretch attends to slots no row
@@ -83,12 +79,14 @@ class ChainLoop:
         seeds (`torch.LongTensor` `(B,)`): one noise seed per image.
         prefix (`PromptEmbeddings`): the prompt rows ``(R, P, D)``.
         cache (`StaticKVCache`): a cache for the ``R`` rows, empty.
-        compiled (`bool`): run the round as one compiled graph (`compile_round`).
+        round_fn (`Callable`, *optional*): what runs a round: `chain_round` (the default), or `compile_round`'s graph.
     """
 
     def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
                  prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
-        layout = backbone.layout
+        layout, guidance_scale = backbone.layout, sampling.guidance_scale
+        # the round sees the CFG scale as a tensor only, so its graph does not depend on the scale's value
+        sampling = replace(sampling, guidance_scale=0.0, cfg=sampling.do_cfg) if sampling.do_cfg else sampling
         self.backbone, self.layout, self.window, self.sampling, self.cache = backbone, layout, window, sampling, cache
         self.prefix_length = prefix.embeds.shape[1]
         device = prefix.embeds.device
@@ -108,12 +106,12 @@ class ChainLoop:
         )
         # constants of every round, built once: nothing is made from Python values inside a round
         self.slots = torch.arange(fed, device=device)  # (T,)
-        # the prompt's length as data: a new prompt length is not a new graph
+        # the prompt's length and the CFG scale as data: a new prompt length or scale is not a new graph
         self.first_position = torch.tensor(self.prefix_length, device=device)
+        self.guidance_scale = torch.tensor(float(guidance_scale), device=device)
         self.code_offsets = torch.arange(window + 1, device=device)  # (L + 1,) code slot k predicts grid index n + k
         self.draft_offsets = torch.arange(window, device=device)  # (L,)
         self.mask = torch.ones(fed, fed, dtype=torch.bool, device=device).tril()  # (T, T) causal chain
-        self.rows = torch.arange(b, device=device)  # (B,)
         self.round_fn = round_fn or chain_round
         self.num_rounds = 0
         self.bound = 0  # host-side: no cache row holds more than this many filled slots
@@ -128,7 +126,7 @@ class ChainLoop:
         with eager_target(backbone.target_module):  # the prompt's length varies: never a graph per length
             hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, self.cache)  # (R, P, D)
         logits = backbone.image_logits(hidden[:, -1:])  # (R, 1, V)
-        logits = cfg_mix(logits, self.sampling.guidance_scale) if self.sampling.do_cfg else logits  # (B, 1, V)
+        logits = cfg_mix(logits, self.guidance_scale) if self.sampling.do_cfg else logits  # (B, 1, V)
         first = keyed_sample(logits[:, 0], self.sampling, s.seeds, 0)  # (B,)
         s.tokens[:, 0] = first
         s.acceptance_map[:, 0] = 1
@@ -138,12 +136,15 @@ class ChainLoop:
         s.accepted[0] = 1
         self.cache.track_rows_on_device(self.fed)
         self.bound = self.prefix_length
-        mark_static_cache(self.cache, uses_cuda_graphs(backbone.target_module, self.cache.storage.device))
+        if uses_cuda_graphs(backbone.target_module, self.cache.storage.device):  # replayed graphs write them in place
+            mark_static_cache(self.cache, True)
+            for tensor in state_tensors(s) + [self.cache.row_starts]:
+                torch._dynamo.mark_static_address(tensor)
 
-    def run(self, on_sync: Optional[Callable[[int], None]] = None, sync_every: Optional[int] = None) -> int:
+    def run(self, on_sync: Optional[Callable[[int], None]] = None) -> int:
         """Rounds until every grid is full; returns how many. Between two reads of the device run the fewest rounds
-        the slowest row still needs (or ``sync_every`` rounds, which may run rounds after the last row is done);
-        ``on_sync(codes committed over the batch)`` is called after each read (the progress bar)."""
+        the slowest row still needs, at most ``max_rounds_per_sync``; ``on_sync(codes committed over the batch)`` is
+        called after each read (the progress bar)."""
         n, committed = self.layout.num_tokens, self.state.committed
         while True:
             slowest, fastest, total = torch.stack([committed.min(), committed.max(), committed.sum()]).tolist()  # the sync
@@ -153,7 +154,7 @@ class ChainLoop:
             if slowest >= n:
                 return self.num_rounds
             needed = math.ceil((n - slowest) / (self.window + 1))  # rounds the slowest row needs at least
-            for _ in range(min(needed, self.max_rounds_per_sync) if sync_every is None else sync_every):
+            for _ in range(min(needed, self.max_rounds_per_sync)):
                 self.step()
 
     def step(self) -> None:
@@ -210,7 +211,7 @@ def chain_round(loop: ChainLoop) -> None:
         hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, L + 1, D)
     logits = backbone.image_logits(hidden)  # (R, L + 1, V) fp32
     # 3. CFG mix and every code slot's keyed sample
-    logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, L + 1, V)
+    logits = cfg_mix(logits, loop.guidance_scale) if sampling.do_cfg else logits  # (B, L + 1, V)
     samples = keyed_sample(logits, sampling, s.seeds, codes.clamp_max(n - 1))  # (B, L + 1)
     # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position
     matches = (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)

@@ -406,75 +406,53 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         Args:
             prompt (`str`, `int` or a list of them): text prompts, or class labels for class-conditional models.
             negative_prompt (*optional*): replaces the unconditional prompt of CFG (one, or one per prompt).
-            guidance_scale (`float`, *optional*): CFG scale ``s`` in ``uncond + s * (cond - uncond)``; 1 disables
-                CFG; default: the family's.
-            temperature (`float`): 0 is greedy.
-            top_k (`int`, *optional*): keep the ``k`` most likely codes; ``None``: the checkpoint's default, 0: all.
-            top_p (`float`, *optional*): nucleus filtering of the target distribution.
+            guidance_scale (`float`, *optional*): CFG scale ``s`` in ``uncond + s * (cond - uncond)``; 1 disables CFG.
+            temperature (`float`): 0 is greedy. top_k (`int`, *optional*): keep the ``k`` most likely codes (0: all).
+            top_p (`float`, *optional*): nucleus filtering. Unset ``guidance_scale`` / ``top_k``: the family's.
             num_images_per_prompt (`int`): images per prompt.
             generator (`torch.Generator` or a list, one per image): a list makes each image reproducible alone.
             output_type (`str`): ``"pil"``, ``"np"``, ``"pt"`` or ``"latent"`` (the token grids).
             return_dict (`bool`): return a `SpatialPipelineOutput` rather than a tuple.
-            callback_on_step_end (`Callable`, *optional*): called after every target pass as
-                ``callback(pipe, step_index, num_committed, callback_kwargs)`` (``step_index`` from 0, as diffusers'
-                ``i``); ``callback_kwargs`` holds copies of
-                the state tensors named below (``tokens``, or diffusers' name ``latents``: the ``(B, H, W)`` grid,
-                ``-1`` where not yet decoded; ``acceptance_map``), so changing them in place changes nothing. Return
-                the dict (diffusers' habit) or ``None``: a returned ``acceptance_map`` replaces the record; a returned
-                grid must be as it was before the last round (a `ValueError` otherwise: committed codes cannot be
-                changed mid-generation, the KV cache holds them) and replaces the output after it (codes in
-                ``[0, V)``). As in diffusers, the callback may read ``pipe.guidance_scale``,
-                ``pipe.do_classifier_free_guidance`` and ``pipe.num_timesteps`` (rounds run, plus one while the grid
-                is not full: the last round is ``step_index == pipe.num_timesteps - 1``; after the call, the rounds
-                run), set ``pipe._guidance_scale`` (used from the next round;
-                a call with ``guidance_scale=1`` cannot turn guidance on) and set ``pipe._interrupt = True`` (the
-                call stops after this round; undecoded codes stay ``-1`` and are mid-grey in images).
+            callback_on_step_end (`Callable`, *optional*): ``callback(pipe, step_index, num_committed,
+                callback_kwargs)`` after every round, as in diffusers (the contract: `CallbackStateMixin`).
             callback_on_step_end_tensor_inputs (`list[str]`): state tensors put in ``callback_kwargs``.
-            sampling_noise (`str`, *optional*): ``"keyed"``: each image draws one seed from its generator and its
-                noise at every grid position is keyed by that seed, so every exact decoder (any draft size, batch or
-                machine) gives the image `AutoregressiveDecoder` gives for that generator; ``"drawn"``: random numbers
-                are drawn as the decoder uses them (the image then depends on the decoder). ``None``: keyed where the
-                decoder supports it (`supports_keyed_noise`: every exact decoder), else
-                drawn.
+            sampling_noise (`str`, *optional*): ``"keyed"`` (noise keyed by each image's seed and grid position: every
+                exact decoder gives AR's image for a seed), ``"drawn"``, or ``None``: keyed where the decoder can.
 
         Returns:
             `SpatialPipelineOutput` (or ``(images, tokens, stats)``).
         """
         start_time = time.perf_counter()
-        backbone = self.backbone
-
-        # 1. Check inputs; the sampling settings (the family's defaults where not given)
+        # 1. Check inputs (the family's defaults filled in)
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):  # as diffusers: its own inputs
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         prompts, sampling = self._check_call(
             prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt, generator,
             output_type, return_dict, callback_on_step_end_tensor_inputs, callback_on_step_end, sampling_noise,
         )
-        batch_size = len(prompts) * num_images_per_prompt
-        self._start_call(sampling.guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt`
-
         # 2. Encode prompts: one row per image, then (with CFG) the unconditional rows
         prefix = self._encode_prompts(prompts, negative_prompt, num_images_per_prompt, sampling, self._execution_device)
-        self.check_prompt_length(prefix.embeds.shape[1])  # (R, P, D)
-
-        # 3-5. The cache, the prompt pass and the rounds: a chain decoder's run whole on the device (`device_loop`),
-        #      any other decoder's in row groups (`_generate_groups`)
-        self.resolve_draft_sizes(batch_size, sampling, prefix.embeds.shape[1])  # "auto" sizes: c(T)
-        window = self._chain_window(sampling, callback_on_step_end)
-        if window is not None:
-            flat, stats = self._generate_chain(backbone, prefix, sampling, generator, batch_size, window)
-        else:
-            flat, stats = self._generate_groups(backbone, prefix, sampling, generator, batch_size, callback_on_step_end,
-                                                callback_on_step_end_tensor_inputs)
-
+        # 3-5. The cache, the prompt pass and the rounds (`_generate`)
+        flat, stats = self._generate(prefix, sampling, generator, len(prompts) * num_images_per_prompt,
+                                     callback_on_step_end, callback_on_step_end_tensor_inputs)
         # 6. VQ decode, 7. post-process
-        tokens = backbone.layout.grid(flat)  # (B, H, W)
+        tokens = self.backbone.layout.grid(flat)  # (B, H, W)
         images = tokens if output_type == "latent" else self._decode(tokens, output_type)
         self.maybe_free_model_hooks()
         stats.wall_time_s = time.perf_counter() - start_time
-        if not return_dict:
-            return images, tokens, stats
-        return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats)
+        return SpatialPipelineOutput(images=images, tokens=tokens, stats=stats) if return_dict else (images, tokens, stats)
+
+    def _generate(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int, callback,
+                  tensor_inputs) -> Tuple[torch.Tensor, DecodingStats]:
+        """Steps 3-5: the draft sizes ("auto": measured), then a chain decoder's rounds run whole on the device
+        (`device_loop`) or any other decoder's in row groups (`_generate_groups`). Returns the grids ``(B, N)``."""
+        self.check_prompt_length(prefix.embeds.shape[1])  # (R, P, D)
+        self._start_call(sampling.guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt`
+        self.resolve_draft_sizes(batch_size, sampling, prefix.embeds.shape[1])
+        window = self._chain_window(sampling, callback)
+        if window is not None:
+            return self._generate_chain(self.backbone, prefix, sampling, generator, batch_size, window)
+        return self._generate_groups(self.backbone, prefix, sampling, generator, batch_size, callback, tensor_inputs)
 
     # -- the loop's steps -------------------------------------------------------------------------------
     def _check_call(self, prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt,
