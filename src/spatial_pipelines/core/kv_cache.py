@@ -174,6 +174,10 @@ class StaticKVCache:
         self._slot_offsets = torch.arange(fed, device=device)  # (T,)
         self.row_lengths = None
 
+    def _bucket(self, end: int) -> int:
+        """The shortest attended length, counted back from the end by ``attend_step``, that holds slot ``end``."""
+        return self.max_length - ((self.max_length - end) // self.attend_step) * self.attend_step
+
     def set_bound(self, end: int) -> None:
         """Device rows: no row's next pass writes past slot ``end`` (a host-side bound); the pass attends to the
         shortest length that holds it (fixed shape: a bucket counted back from the end; growing: ``end`` itself)."""
@@ -181,7 +185,7 @@ class StaticKVCache:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
         self.length = end
         if self.fixed_shape:
-            self.attend_length = self.max_length - ((self.max_length - end) // self.attend_step) * self.attend_step
+            self.attend_length = self._bucket(end)
         else:
             self.attend_length = end
 
@@ -207,14 +211,14 @@ class StaticKVCache:
             self.write_index = starts[:, None] + torch.arange(t, device=device)  # (R, T)
             self._row_written = t
             if self.fixed_shape:
-                self.attend_length = self.max_length - ((self.max_length - end) // self.attend_step) * self.attend_step
+                self.attend_length = self._bucket(end)
             else:
                 self.attend_length = end  # the longest row's slots and its new ones
             return
         if self.fixed_shape:
             self.write_index = torch.arange(self.length, end, device=self.key_valid.device)  # (T,) no host sync
             # the shortest length, counted back from the end by attend_step, that holds every filled slot
-            self.attend_length = self.max_length - ((self.max_length - end) // self.attend_step) * self.attend_step
+            self.attend_length = self._bucket(end)
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write ``key``/``value`` ``(B, H_kv, T, D)`` into slots ``[length, length + T)`` of one layer and return

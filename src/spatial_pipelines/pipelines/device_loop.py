@@ -115,6 +115,7 @@ class ChainLoop:
         self.round_fn = round_fn or chain_round
         self.num_rounds = 0
         self.bound = 0  # host-side: no cache row holds more than this many filled slots
+        self.last_start = self.prefix_length + layout.sequence_offset(n - 1)  # a row's filled slots when it is done
         self.max_rounds_per_sync = MAX_ROUNDS_PER_SYNC
 
     # -- the loop's steps ------------------------------------------------------------------------------------
@@ -159,7 +160,7 @@ class ChainLoop:
 
     def step(self) -> None:
         """One round (`chain_round`), after telling the cache the host's bound on its rows' filled slots."""
-        end = min(self.bound, self.prefix_length + self.layout.sequence_offset(self.layout.num_tokens - 1)) + self.fed
+        end = min(self.bound, self.last_start) + self.fed
         self.cache.set_bound(end)
         self.round_fn(self)
         self.bound = end

@@ -449,10 +449,10 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         self.check_prompt_length(prefix.embeds.shape[1])  # (R, P, D)
         self._start_call(sampling.guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt`
         self.resolve_draft_sizes(batch_size, sampling, prefix.embeds.shape[1])
-        window = self._chain_window(sampling, callback)
+        window, backbone = self._chain_window(sampling, callback), self.backbone  # the adapter, built once
         if window is not None:
-            return self._generate_chain(self.backbone, prefix, sampling, generator, batch_size, window)
-        return self._generate_groups(self.backbone, prefix, sampling, generator, batch_size, callback, tensor_inputs)
+            return self._generate_chain(backbone, prefix, sampling, generator, batch_size, window)
+        return self._generate_groups(backbone, prefix, sampling, generator, batch_size, callback, tensor_inputs)
 
     # -- the loop's steps -------------------------------------------------------------------------------
     def _check_call(self, prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt,
