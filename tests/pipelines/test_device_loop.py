@@ -1,4 +1,4 @@
-"""Chain decoders' rounds run whole on the device (`device_loop.ChainLoop`): the same codes as the row-group loop and
+"""Chain decoders' rounds run whole on the device (`device_loop.DeviceLoop`): the same codes as the row-group loop and
 as AR, every row as alone, one graph per round with nothing around it, and the device read once per sync."""
 
 import math
@@ -8,7 +8,7 @@ import torch
 
 from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, MedusaDecoder
 from spatial_pipelines.pipelines import device_loop
-from spatial_pipelines.pipelines.device_loop import MAX_ROUNDS_PER_SYNC, ChainLoop, chain_round, state_tensors
+from spatial_pipelines.pipelines.device_loop import MAX_ROUNDS_PER_SYNC, ChainLoop, DeviceLoop, HeadTreeLoop, chain_round, state_tensors
 from spatial_pipelines.pipelines.round_counts import count_rounds
 from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
 
@@ -18,11 +18,17 @@ FAMILY_IDS = ["llamagen", "llamagen-eol", "janus"]
 DECODERS = [(AutoregressiveDecoder, {}), (JacobiDecoder, {"window_size": 1}), (JacobiDecoder, {"window_size": 3}),
             (JacobiDecoder, {"window_size": 8})]
 DECODER_IDS = ["ar", "sjd-1", "sjd-3", "sjd-8"]
+#: head trees: Medusa's default caterpillar tree, a small one, and a tree of its own paths
+TREES = [{}, {"num_draft_tokens": 4}, {"num_heads": 2, "tree_paths": [[0], [1], [2], [0, 0], [0, 1], [1, 0]]}]
+TREE_IDS = ["medusa-16", "medusa-4", "medusa-paths"]
 
 
 def _pipe(family, end_of_row, decoder, grid=(4, 5)):
     pipe = dummy_pipeline(family, decoder, grid=grid, end_of_row=end_of_row)
     pipe.set_progress_bar_config(disable=True)
+    if decoder.heads_needed() is not None:
+        torch.manual_seed(0)
+        pipe.draft_heads = random_draft_heads(pipe, decoder)
     return pipe
 
 
@@ -30,35 +36,32 @@ def _generators(n, offset=0):
     return [torch.Generator().manual_seed(offset + i) for i in range(n)]
 
 
-def _chain_runs(monkeypatch, pipe):
-    """Record the `ChainLoop` of every call (and fail if a call takes the row-group loop)."""
+def _device_runs(monkeypatch, pipe):
+    """Record the `DeviceLoop` of every call (and fail if a call takes the row-group loop)."""
     loops = []
-    run_chain = pipe._run_chain
+    run_device = pipe._run_device
 
     def recorded(loop, *args, **kwargs):
         loops.append(loop)
-        return run_chain(loop, *args, **kwargs)
+        return run_device(loop, *args, **kwargs)
 
-    monkeypatch.setattr(pipe, "_run_chain", recorded)
-    monkeypatch.setattr(pipe, "_round", lambda *a, **k: pytest.fail("a chain decoder took the row-group loop"))
+    monkeypatch.setattr(pipe, "_run_device", recorded)
+    monkeypatch.setattr(pipe, "_round", lambda *a, **k: pytest.fail("a device-round decoder took the row-group loop"))
     return loops
 
 
-@pytest.mark.parametrize("decoder_cls,kwargs", DECODERS, ids=DECODER_IDS)
-@pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
-def test_device_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+def _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch):
     """Keyed noise, CFG, three prompts in one call: the device rounds give the row-group loop's codes and AR's, and
     each row gives what its prompt gives alone, in the passes it takes alone (the batch's: their maximum)."""
-    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
     reference = _pipe(family, end_of_row, AutoregressiveDecoder())
     reference.device_rounds = False
     ar = reference(PROMPTS, guidance_scale=2.0, generator=_generators(3), output_type="latent").tokens
     pipe.device_rounds = False
     grouped = pipe(PROMPTS, guidance_scale=2.0, generator=_generators(3), output_type="latent")
     pipe.device_rounds = None
-    loops = _chain_runs(monkeypatch, pipe)
+    loops = _device_runs(monkeypatch, pipe)
     out = pipe(PROMPTS, guidance_scale=2.0, generator=_generators(3), output_type="latent")
-    assert len(loops) == 1 and loops[0].window == pipe.decoder.chain_window()
+    assert len(loops) == 1
     assert torch.equal(out.tokens, ar) and torch.equal(out.tokens, grouped.tokens)
     alone = [pipe([p], guidance_scale=2.0, generator=_generators(1, i), output_type="latent") for i, p in enumerate(PROMPTS)]
     for i, single in enumerate(alone):
@@ -69,8 +72,30 @@ def test_device_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_
     assert stats.accepted_lengths.shape == (stats.num_forward_passes, 3)
     assert stats.accepted_lengths.sum() == stats.num_tokens == 3 * pipe.backbone.layout.num_tokens
     assert torch.equal(stats.acceptance_map.flatten(1).sum(1) > 0, torch.ones(3, dtype=torch.bool))
+    return loops[0], out, grouped
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs", DECODERS, ids=DECODER_IDS)
+@pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
+def test_device_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
+    loop, out, _ = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
+    assert isinstance(loop, ChainLoop) and loop.window == pipe.decoder.chain_window()
     if decoder_cls is AutoregressiveDecoder:
-        assert stats.num_forward_passes == pipe.backbone.layout.num_tokens
+        assert out.stats.num_forward_passes == pipe.backbone.layout.num_tokens
+
+
+@pytest.mark.parametrize("kwargs", TREES, ids=TREE_IDS)
+@pytest.mark.parametrize("family,end_of_row", [FAMILIES[0], FAMILIES[2]], ids=["llamagen", "janus"])
+def test_head_tree_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, kwargs, monkeypatch):
+    """Medusa's tree on the device: AR's codes, the row-group loop's codes and passes, every row as alone, and the
+    heads' passes one per round."""
+    pipe = _pipe(family, end_of_row, MedusaDecoder(**kwargs))
+    loop, out, grouped = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
+    assert isinstance(loop, HeadTreeLoop) and loop.fed == pipe.decoder.tree.num_nodes
+    assert out.stats.row_forward_passes == grouped.stats.row_forward_passes  # the same walk: the same passes
+    assert out.stats.num_draft_passes == out.stats.num_forward_passes - 1
+    assert out.stats.accepted_lengths[1:].max() > 1  # some drafts accepted: the tree walk is exercised
 
 
 @pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
@@ -83,27 +108,27 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
 
 
 @pytest.mark.parametrize("decoder,call", [
-    (MedusaDecoder(num_draft_tokens=4), {}),  # drafts a tree with heads
+    (MedusaDecoder(num_draft_tokens=4), {"end_of_row": True}),  # a head tree drafts no end-of-row tokens
+    (MedusaDecoder(acceptance="lantern"), {"sampling_noise": "drawn"}),  # a relaxed rule
     (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
     (JacobiDecoder(window_size=3, init="random"), {}),  # drafts what the device round does not
     (JacobiDecoder(window_size=3), {"sampling_noise": "drawn"}),  # random draws as the decoder goes
     (JacobiDecoder(window_size=3), {"callback_on_step_end": lambda pipe, i, n, kwargs: kwargs}),  # sees every round
-], ids=["medusa", "proactive", "init-random", "drawn-noise", "callback"])
+], ids=["medusa-eol", "medusa-lantern", "proactive", "init-random", "drawn-noise", "callback"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
-    pipe = _pipe("llamagen", False, decoder)
-    if decoder.heads_needed() is not None:
-        pipe.draft_heads = random_draft_heads(pipe, decoder)
-    monkeypatch.setattr(pipe, "_run_chain", lambda *a, **k: pytest.fail("the device round ran"))
+    call = dict(call)
+    pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)
+    monkeypatch.setattr(pipe, "_run_device", lambda *a, **k: pytest.fail("the device round ran"))
     assert pipe("a fox", output_type="latent", **call).tokens.min() >= 0
 
 
-def _sync_reads_allowed(rounds: int, num_tokens: int, window: int) -> int:
+def _sync_reads_allowed(rounds: int, num_tokens: int, drafts: bool) -> int:
     """Reads a generation may make: one per sync, a sync every `MAX_ROUNDS_PER_SYNC` rounds while the slowest row
     needs that many, then one per stretch the slowest row surely needs, and the last read that finds every row done."""
-    return math.ceil(rounds / MAX_ROUNDS_PER_SYNC) + math.ceil(math.log2(num_tokens)) * (window > 0) + 1
+    return math.ceil(rounds / MAX_ROUNDS_PER_SYNC) + math.ceil(math.log2(num_tokens)) * drafts + 1
 
 
-@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[0], DECODERS[2]], ids=["ar", "sjd-3"])
+@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[0], DECODERS[2], (MedusaDecoder, TREES[1])], ids=["ar", "sjd-3", "medusa-4"])
 @pytest.mark.parametrize("family,end_of_row", [FAMILIES[0], FAMILIES[2]], ids=["llamagen", "janus"])
 def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row, decoder_cls, kwargs, monkeypatch):
     """The counted test of a second compiled generation (other prompts, another CFG scale): no recompile (dynamo
@@ -113,14 +138,14 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
     pipe.enable_compile(backend="eager", keep_if_slower=True, measure=False)  # dynamo's graphs, no inductor time
     pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent")  # the first generation compiles
     addresses = []
-    step = ChainLoop.step
+    step = DeviceLoop.step
 
     def recorded_step(loop):
         addresses.append(tuple(t.data_ptr() for t in state_tensors(loop.state)) + (loop.cache.storage.data_ptr(),
                                                                                    loop.cache.row_starts.data_ptr()))
         return step(loop)
 
-    monkeypatch.setattr(ChainLoop, "step", recorded_step)
+    monkeypatch.setattr(DeviceLoop, "step", recorded_step)
     with torch._dynamo.config.patch(error_on_recompile=True), count_rounds(pipe) as counts:  # another scale, prompts
         out = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, generator=_generators(2), output_type="latent")
     assert counts.rounds == out.stats.num_forward_passes - 1 > 0
@@ -128,17 +153,17 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
     assert counts.compiled_calls == counts.rounds
     assert counts.eager_ops_per_round <= 10, counts.as_dict()
     num_tokens = pipe.backbone.layout.num_tokens
-    assert 0 < counts.host_reads <= _sync_reads_allowed(counts.rounds, num_tokens, pipe.decoder.chain_window())
+    assert 0 < counts.host_reads <= _sync_reads_allowed(counts.rounds, num_tokens, decoder_cls is not AutoregressiveDecoder)
     assert len(set(addresses)) == 1
     explained = []
 
     def explain_first_round(loop):
         if not explained:
-            explained.append(torch._dynamo.explain(chain_round)(loop))
+            explained.append(torch._dynamo.explain(loop.default_round())(loop))
             loop.num_rounds += 1  # explain ran the round
         return step(loop)
 
-    monkeypatch.setattr(ChainLoop, "step", explain_first_round)
+    monkeypatch.setattr(DeviceLoop, "step", explain_first_round)
     again = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, generator=_generators(2), output_type="latent")
     assert torch.equal(again.tokens, out.tokens)
     assert explained[0].graph_break_count == 0 and explained[0].graph_count == 1
@@ -150,7 +175,7 @@ def test_reads_are_counted_where_the_round_reads(monkeypatch):
     with count_rounds(pipe) as counts:
         pipe("a fox", output_type="latent")
     baseline = counts.host_reads
-    assert 0 < baseline <= _sync_reads_allowed(counts.rounds, 64, 0)
+    assert 0 < baseline <= _sync_reads_allowed(counts.rounds, 64, False)
 
     def reading_round(loop):
         loop.state.committed.sum().item()
@@ -165,7 +190,7 @@ def test_reads_are_counted_where_the_round_reads(monkeypatch):
 def test_the_state_is_typed_and_the_cache_rows_advance_on_the_device():
     pipe = _pipe("llamagen", False, JacobiDecoder(window_size=3))
     loops = []
-    pipe._run_chain = lambda loop, on_sync: (loops.append(loop), ChainLoop.run(loop, on_sync))[1]
+    pipe._run_device = lambda loop, on_sync: (loops.append(loop), ChainLoop.run(loop, on_sync))[1]
     pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent")
     loop = loops[0]
     assert loop.cache.row_starts.shape == (4,) and loop.cache.row_lengths is None  # CFG: 2 rows per image

@@ -196,6 +196,24 @@ class StaticKVCache:
         self.key_valid.scatter_(1, self.write_index, valid)
         self.row_starts.add_(counts)
 
+    def keep_paths(self, paths: torch.Tensor, counts: torch.Tensor) -> None:
+        """Device rows, after a pass over a tree: row ``r`` keeps the fed slots ``paths[r, :counts[r]]`` (``paths``
+        ``(R, C)`` slot offsets from its start, root first), moved to its first ``counts[r]`` fed slots; the rest stay
+        invalid. Every row moves all ``C`` entries (fixed shape; the ones past its count land in slots that stay
+        invalid). Called before the next pass's writes (`HeadTreeLoop`), so the slots come from the row's start.
+
+        One advanced-index read, cloned, and one ``index_put_`` on ``storage`` itself for every layer and row. Why:
+        compiled by inductor (CPU, torch 2.13) after a pass had read the cache, a ``scatter_`` over an expanded index,
+        or the same moves, became two copies of the whole storage per round (~17 ms against 0.17 ms for a 12-layer
+        cache of 768 slots); before the pass's writes and reads, with the clone, the write happens in place."""
+        rows = self._row_index[: paths.shape[0]]  # (R, 1)
+        starts = self.row_starts[:, None]  # (R, 1)
+        picked = self.storage[:, :, rows, :, starts + paths].clone()  # (R, C, L, 2, H_kv, D)
+        self.storage[:, :, rows, :, starts + self._slot_offsets[: paths.shape[1]]] = picked
+        valid = self._slot_offsets[None] < counts[:, None]  # (R, T)
+        self.key_valid.scatter_(1, starts + self._slot_offsets, valid)
+        self.row_starts.add_(counts)
+
     def prepare_write(self, t: int) -> None:
         """Before a pass over ``t`` new tokens: they go to slots ``[length, length + t)``. Fixed shape: the slots as
         a tensor, so the compiled step reads them as data (a host int would be baked into the graph)."""

@@ -101,6 +101,10 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self._num_ranks > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 
+    def head_tree(self):
+        """The tree in use (after the pipeline fixed its size), when the acceptance is exact (`device_loop`)."""
+        return self.tree if self.is_exact else None
+
     def propose(self, state: TreeState, draft_heads=None) -> Draft:
         logits_h, _ = self._heads_logits(state, draft_heads)  # (B, K, V) offsets 1..K, K: the tree's depth
         top = logits_h.topk(self._num_ranks, dim=-1).indices  # (B, K, k)

@@ -345,6 +345,13 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         ``None`` (the default): the decoder's own `propose` and `step` run, in row groups."""
         return None
 
+    def head_tree(self):
+        """The static `DraftTree` a round that runs whole on the device drafts under keyed noise
+        (`device_loop.HeadTreeLoop`), for a decoder whose node at depth ``d`` with rank ``r`` is the ``r``-th likeliest
+        code of the horizontal head at offset ``d``, siblings distinct, accepted exactly. ``None`` (the default): not
+        such a decoder."""
+        return None
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("short_name")

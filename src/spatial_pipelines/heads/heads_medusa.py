@@ -93,6 +93,25 @@ class SpatialDraftHeads(DraftHeadsMixin):
         n = len(horizontal)
         return out[:, :n], out[:, n:]
 
+    def frozen(self, horizontal: Sequence[int], vertical: Sequence[int]):
+        """The heads ``horizontal`` and ``vertical`` (indices) as a function of post-norm hidden states ``(B, D)``,
+        their weights looked up once: what a round compiled whole calls (`device_loop.HeadTreeLoop`), with no check of
+        the weights' version counters inside it. Made per generation: a later weight change needs a new one."""
+        horizontal, vertical = list(horizontal), list(vertical)
+        heads = [self.horizontal[i] for i in horizontal] + [self.vertical[i] for i in vertical]
+        if self.training or self.config.num_layers != 1 or not heads:
+            return lambda hidden_states: self(hidden_states, horizontal, vertical)
+        weight, bias = self._stacked(tuple(horizontal), tuple(vertical), heads)  # (K * D, D), (K * D,)
+        n, k = len(horizontal), len(heads)
+
+        def run(hidden_states: torch.Tensor):
+            b, d = hidden_states.shape
+            mixed = torch.nn.functional.linear(hidden_states, weight, bias).view(b, k, d)  # (B, K, D)
+            out = hidden_states[:, None] + torch.nn.functional.silu(mixed)
+            return out[:, :n], out[:, n:]
+
+        return run
+
     def _stacked(self, horizontal, vertical, heads):
         """The heads' ResBlock weights stacked ``(K * D_out, D_in)`` and biases ``(K * D,)`` (one plain linear: faster
         than a batched einsum for a few rows), rebuilt only when a weight changed (its version counter moved) or other

@@ -1,9 +1,10 @@
-"""A round that runs whole on the device: chain decoders (AR and SJD) under keyed noise, every row on its own.
+"""Rounds that run whole on the device, every row on its own, under keyed noise (or greedy): chain decoders (AR and
+SJD, `ChainLoop`) and head trees (Medusa, `HeadTreeLoop`).
 
 A chain decoder feeds, per row, its newest committed code and ``L`` drafts for the positions after it (``L = 0``:
 AR), and commits the longest prefix of drafts that equal the target's own keyed samples, plus the sample after it.
 Under keyed noise (`keyed_sample`) that rule needs no random draw, so the whole round is a function of device
-tensors with fixed shapes (`ChainLoop.round`):
+tensors with fixed shapes (`chain_round`):
 
 1. feed every row ``[last code, drafts]`` at its own positions (``(B, L + 1)``; a finished row feeds them too and
    keeps nothing), the CFG rows the same;
@@ -15,11 +16,17 @@ tensors with fixed shapes (`ChainLoop.round`):
    row above each new position (``init="above"``; the newest code where the row above is not decoded yet);
 7. each cache row keeps its first ``a`` fed slots (a prefix: nothing moves), and its start moves by ``a``.
 
+A head tree (`head_tree_round`) drafts a static tree of the draft heads' top-k candidates from the hidden state that
+predicted each row's newest code, feeds it with the tree mask, and accepts the deepest node whose path matches the
+keyed samples node by node (a sibling is accepted exactly when it equals its parent's sample, as `verify_tree` does
+with a point mass); the codes are the samples along that path, and the cache moves the path's slots to the row's
+first ones (`StaticKVCache.keep_paths`).
+
 Nothing in a round reads the device or branches on a device value, and no tensor is built from Python values, so
 the round compiles with ``fullgraph=True`` and its buffers keep their addresses (CUDA graphs replay it). The host
-reads the device once per *sync*: the fewest rounds the slowest row still needs (``ceil(remaining / (L + 1))``) run
-without a read, so no round runs after the last row is done and a generation of ``R`` rounds reads the device about
-``log R`` times, plus once per round at the very end.
+reads the device once per *sync*: the fewest rounds the slowest row still needs (``ceil(remaining / codes a round
+commits at most)``) run without a read, so no round runs after the last row is done and a generation of ``R``
+rounds reads the device about ``log R`` times, plus once per round at the very end.
 
 The rows never wait for each other: a batch takes as many passes as its slowest row alone, and each row commits
 exactly what it commits alone (its noise is keyed by its own seed).
@@ -34,17 +41,18 @@ import torch
 
 from ..core.kv_cache import StaticKVCache
 from ..core.sampling import SamplingConfig, cfg_mix, keyed_sample
+from ..core.tree import DraftTree
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
 
 #: At most this many rounds run between two reads of the device. Between reads the host bounds every row's cache
-#: length by ``L + 1`` slots a round, and each pass attends to that bound, so a long stretch attends to slots no row
+#: length by the slots a round feeds, and each pass attends to that bound, so a long stretch attends to slots no row
 #: has filled yet; 8 keeps the excess to a few dozen slots.
 MAX_ROUNDS_PER_SYNC = 8
 
 
 @dataclass
-class ChainState:
+class DeviceState:
     """Every row's progress, as device tensors that keep their addresses for the whole generation.
 
     Args:
@@ -53,7 +61,6 @@ class ChainState:
         acceptance_map (`torch.LongTensor` `(B, N + 1)`): the accepted length of the pass that committed each code.
         committed (`torch.LongTensor` `(B,)`): codes committed per row.
         last (`torch.LongTensor` `(B,)`): each row's newest committed code.
-        drafts (`torch.LongTensor` `(B, L)`): each row's drafts for the ``L`` positions after its newest code.
         accepted (`torch.LongTensor` `(P, B)`): codes each pass committed per row (row 0: the prompt pass).
         rounds (`torch.LongTensor` `()`): rounds run (the next row of ``accepted``).
         seeds (`torch.LongTensor` `(B,)`): the rows' noise seeds.
@@ -63,60 +70,97 @@ class ChainState:
     acceptance_map: torch.Tensor
     committed: torch.Tensor
     last: torch.Tensor
-    drafts: torch.Tensor
     accepted: torch.Tensor
     rounds: torch.Tensor
     seeds: torch.Tensor
 
 
-class ChainLoop:
-    """Prefill, rounds and syncs of one generation by a chain decoder (`SpatialDecoderMixin.chain_window`).
+@dataclass
+class ChainState(DeviceState):
+    """`DeviceState` plus each row's drafts.
+
+    Args:
+        drafts (`torch.LongTensor` `(B, L)`): each row's drafts for the ``L`` positions after its newest code.
+    """
+
+    drafts: torch.Tensor
+
+
+@dataclass
+class HeadTreeState(DeviceState):
+    """`DeviceState` plus the hidden state the heads draft from.
+
+    Args:
+        hidden (`torch.Tensor` `(B, D)`): per row, the pre-norm hidden state that predicted its newest code.
+        path (`torch.LongTensor` `(R, D + 1)`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots of the
+            last round's accepted path and how many of them it keeps: the next round moves them first
+            (`StaticKVCache.keep_paths`).
+    """
+
+    hidden: torch.Tensor
+    path: torch.Tensor
+    kept: torch.Tensor
+
+
+class DeviceLoop:
+    """Prefill, rounds and syncs of one generation whose rounds run whole on the device. A subclass says what a round
+    feeds (`fed`), commits at most (`max_codes`), what its state holds (`new_state`) and what runs a round
+    (`default_round`).
 
     Args:
         backbone (`SpatialBackbone`): the family adapter.
-        window (`int`): drafts per row per round (``0``: AR).
         sampling (`SamplingConfig`): keyed noise (or greedy).
         seeds (`torch.LongTensor` `(B,)`): one noise seed per image.
         prefix (`PromptEmbeddings`): the prompt rows ``(R, P, D)``.
         cache (`StaticKVCache`): a cache for the ``R`` rows, empty.
-        round_fn (`Callable`, *optional*): what runs a round: `chain_round` (the default), or `compile_round`'s graph.
+        round_fn (`Callable`, *optional*): what runs a round: the subclass's round function (the default), or
+            `compile_round`'s graph of it.
     """
 
-    def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
-                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
+    fed: int  # slots a round feeds per row
+    max_codes: int  # codes a round commits per row at most
+
+    def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
+                 cache: StaticKVCache, round_fn: Optional[Callable] = None):
         layout, guidance_scale = backbone.layout, sampling.guidance_scale
         # the round sees the CFG scale as a tensor only, so its graph does not depend on the scale's value
         sampling = replace(sampling, guidance_scale=0.0, cfg=sampling.do_cfg) if sampling.do_cfg else sampling
-        self.backbone, self.layout, self.window, self.sampling, self.cache = backbone, layout, window, sampling, cache
+        self.backbone, self.layout, self.sampling, self.cache = backbone, layout, sampling, cache
         self.prefix_length = prefix.embeds.shape[1]
         device = prefix.embeds.device
-        b, n = seeds.shape[0], layout.num_tokens
-        fed = fed_slots(layout, window)
-        self.batch_size, self.fed = b, fed
+        self.batch_size = b = seeds.shape[0]
+        n = layout.num_tokens
         # every round commits at least one code per unfinished row: N rounds at most, and the prompt pass
-        self.state = ChainState(
+        self.state = self.new_state(
             tokens=torch.full((b, n + 1), -1, dtype=torch.long, device=device),
             acceptance_map=torch.zeros(b, n + 1, dtype=torch.long, device=device),
             committed=torch.zeros(b, dtype=torch.long, device=device),
             last=torch.zeros(b, dtype=torch.long, device=device),
-            drafts=torch.zeros(b, window, dtype=torch.long, device=device),
             accepted=torch.zeros(n + 1, b, dtype=torch.long, device=device),
             rounds=torch.zeros((), dtype=torch.long, device=device),
             seeds=seeds.to(device),
         )
         # constants of every round, built once: nothing is made from Python values inside a round
-        self.slots = torch.arange(fed, device=device)  # (T,)
+        self.slots = torch.arange(self.fed, device=device)  # (T,)
         # the prompt's length and the CFG scale as data: a new prompt length or scale is not a new graph
         self.first_position = torch.tensor(self.prefix_length, device=device)
         self.guidance_scale = torch.tensor(float(guidance_scale), device=device)
-        self.code_offsets = torch.arange(window + 1, device=device)  # (L + 1,) code slot k predicts grid index n + k
-        self.draft_offsets = torch.arange(window, device=device)  # (L,)
-        self.mask = torch.ones(fed, fed, dtype=torch.bool, device=device).tril()  # (T, T) causal chain
-        self.round_fn = round_fn or chain_round
+        self.code_offsets = torch.arange(self.max_codes, device=device)  # (C,) the codes a round may commit
+        self.round_fn = round_fn or self.default_round()
         self.num_rounds = 0
         self.bound = 0  # host-side: no cache row holds more than this many filled slots
         self.last_start = self.prefix_length + layout.sequence_offset(n - 1)  # a row's filled slots when it is done
         self.max_rounds_per_sync = MAX_ROUNDS_PER_SYNC
+
+    def new_state(self, **common) -> DeviceState:
+        raise NotImplementedError(f"{type(self).__name__} must define `new_state`.")
+
+    def default_round(self) -> Callable:
+        raise NotImplementedError(f"{type(self).__name__} must define `default_round`.")
+
+    def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After the prompt pass: what the subclass's state needs besides the first code ``first`` ``(B,)`` (``hidden``:
+        the pass's last pre-norm outputs ``(R, D)``)."""
 
     # -- the loop's steps ------------------------------------------------------------------------------------
     def prefill(self, prefix: PromptEmbeddings) -> None:
@@ -133,8 +177,8 @@ class ChainLoop:
         s.acceptance_map[:, 0] = 1
         s.committed.fill_(1)
         s.last.copy_(first)
-        s.drafts.copy_(first[:, None].expand_as(s.drafts))  # the first row has nothing above: the newest code
         s.accepted[0] = 1
+        self.start_rows(first, hidden[:, -1])
         self.cache.track_rows_on_device(self.fed)
         self.bound = self.prefix_length
         if uses_cuda_graphs(backbone.target_module, self.cache.storage.device):  # replayed graphs write them in place
@@ -154,12 +198,12 @@ class ChainLoop:
                 on_sync(total)
             if slowest >= n:
                 return self.num_rounds
-            needed = math.ceil((n - slowest) / (self.window + 1))  # rounds the slowest row needs at least
+            needed = math.ceil((n - slowest) / self.max_codes)  # rounds the slowest row needs at least
             for _ in range(min(needed, self.max_rounds_per_sync)):
                 self.step()
 
     def step(self) -> None:
-        """One round (`chain_round`), after telling the cache the host's bound on its rows' filled slots."""
+        """One round, after telling the cache the host's bound on its rows' filled slots."""
         end = min(self.bound, self.last_start) + self.fed
         self.cache.set_bound(end)
         self.round_fn(self)
@@ -173,6 +217,90 @@ class ChainLoop:
     def accepted_lengths(self) -> torch.Tensor:
         """``(passes, B)``: what each pass committed per row, the prompt pass first."""
         return self.state.accepted[: self.num_rounds + 1]
+
+
+class ChainLoop(DeviceLoop):
+    """A chain decoder's generation (`SpatialDecoderMixin.chain_window`): `chain_round`, steps 1-7 of the module
+    docstring.
+
+    Args:
+        window (`int`): drafts per row per round (``0``: AR); the other arguments are `DeviceLoop`'s.
+    """
+
+    def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
+        self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
+        device = prefix.embeds.device
+        self.draft_offsets = torch.arange(window, device=device)  # (L,)
+        self.mask = torch.ones(self.fed, self.fed, dtype=torch.bool, device=device).tril()  # (T, T) causal chain
+
+    @staticmethod
+    def fed_slots(layout, window: int, **_) -> int:
+        """Slots a round feeds per row, before the loop is made (the cache's size)."""
+        return fed_slots(layout, window)
+
+    def new_state(self, **common) -> ChainState:
+        drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=common["tokens"].device)
+        return ChainState(drafts=drafts, **common)
+
+    def default_round(self) -> Callable:
+        return chain_round  # looked up when the loop is made (a test may swap the module's)
+
+    def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.state.drafts.copy_(first[:, None].expand_as(self.state.drafts))  # the first row has nothing above
+
+
+class HeadTreeLoop(DeviceLoop):
+    """A static tree of draft-head candidates (`SpatialDecoderMixin.head_tree`: Medusa), verified exactly under keyed
+    noise: `head_tree_round`. Layouts without end-of-row tokens.
+
+    Args:
+        tree (`DraftTree`): the tree (root first); node ``i`` at depth ``d >= 1`` with rank ``r`` is head ``d``'s
+            ``r``-th likeliest code.
+        draft_heads (`SpatialDraftHeads`): the heads; ``horizontal_offsets`` ``1..D`` are the ones it runs.
+        The other arguments are `DeviceLoop`'s.
+    """
+
+    def __init__(self, backbone: SpatialBackbone, tree: DraftTree, draft_heads, sampling: SamplingConfig,
+                 seeds: torch.Tensor, prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
+        if backbone.layout.has_eol:
+            raise ValueError("`HeadTreeLoop` drafts no end-of-row tokens: a layout with EOLs takes the row-group loop.")
+        self.fed, self.max_codes, self.hidden_size = tree.num_nodes, tree.max_depth + 1, prefix.embeds.shape[-1]
+        self.hidden_dtype = prefix.embeds.dtype
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
+        device = prefix.embeds.device
+        tree = tree.to(device)
+        head_index = [draft_heads.horizontal_index(d) for d in range(1, tree.max_depth + 1)]  # host ints, once
+        self.heads = draft_heads.frozen(head_index, [])  # (B, D) -> (B, D_tree, D), (B, 0, D): weights looked up once
+        self.num_ranks = int(tree.ranks.max()) + 1
+        self.depths, self.mask = tree.depths, tree.attention_mask  # (T,), (T, T) each node sees its ancestors
+        self.node_depth, self.node_rank = tree.depths[1:] - 1, tree.ranks[1:]  # (T - 1,) head and rank of each draft
+        self.parents = tree.parents.clamp_min(0)  # (T,) the root is its own parent (and always accepted)
+        self.is_root = self.slots == 0  # (T,)
+        self.ancestors = tree.attention_mask.float()  # (T, T) [i, j]: j is i or an ancestor (a matmul counts misses)
+        self.paths = torch.where(tree.node_paths < 0, self.slots[:, None], tree.node_paths)  # (T, D + 1) padded: itself
+        # the deepest matching node wins; siblings never both match (distinct candidates against one sample)
+        self.score = (tree.depths + 1) * tree.num_nodes - self.slots  # (T,) > 0
+
+    @staticmethod
+    def fed_slots(layout, tree: DraftTree, **_) -> int:
+        """Slots a round feeds per row, before the loop is made (the cache's size)."""
+        return tree.num_nodes
+
+    def new_state(self, **common) -> HeadTreeState:
+        device = common["tokens"].device
+        hidden = torch.zeros(self.batch_size, self.hidden_size, dtype=self.hidden_dtype, device=device)
+        rows = self.cache.num_rows
+        path = torch.zeros(rows, self.max_codes, dtype=torch.long, device=device)
+        kept = torch.zeros(rows, dtype=torch.long, device=device)  # the prompt pass left nothing to move
+        return HeadTreeState(hidden=hidden, path=path, kept=kept, **common)
+
+    def default_round(self) -> Callable:
+        return head_tree_round
+
+    def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.state.hidden.copy_(hidden[: self.batch_size])  # the conditional rows' (the heads read no CFG twin)
 
 
 def fed_slots(layout, window: int) -> int:
@@ -240,16 +368,67 @@ def chain_round(loop: ChainLoop) -> None:
     cache.keep_prefixes(kept.repeat(2) if sampling.do_cfg else kept)
 
 
-def compile_round(fullgraph: bool = True, **options) -> Callable[[ChainLoop], None]:
-    """`chain_round` compiled whole (``torch.compile(fullgraph=True)``): one graph per batch, window and attended
-    length. Under CUDA graphs (``mode="reduce-overhead"``) each round is a new graph step."""
-    # a copy of `chain_round` with its own code object: dynamo keeps graphs, and counts them against its recompile
+def head_tree_round(loop: HeadTreeLoop) -> None:
+    """One round of a head tree (`HeadTreeLoop`) on device tensors only: draft, one target pass, keyed samples, the
+    deepest node whose path matches them, commit, and the path's cache slots moved to the row's first ones."""
+    s, backbone, sampling, cache = loop.state, loop.backbone, loop.sampling, loop.cache
+    n = loop.layout.num_tokens
+    active = s.committed < n  # (B,)
+    # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
+    cache.keep_paths(s.path, s.kept)
+    # 1. draft: head d's top-k from the hidden state that predicted the newest code; node i is head d_i's r_i-th code
+    feats, _ = loop.heads(backbone.final_norm(s.hidden))  # (B, D, H)
+    top = backbone.output_head(feats).topk(loop.num_ranks, dim=-1).indices  # (B, D, k)
+    fed = torch.cat([s.last[:, None], top[:, loop.node_depth, loop.node_rank]], 1)  # (B, T) the root first
+    # 2. one target pass with the tree mask, node i at the position of grid index (newest + depth); past the grid the
+    #    positions are clamped (those nodes are never committed)
+    newest = s.committed[:, None] - 1 + loop.depths  # (B, T)
+    position_ids = loop.first_position + loop.layout.sequence_offset(newest.clamp_max(n - 1))  # (B, T)
+    embeds = backbone.embed_image_tokens(fed.repeat(2, 1) if sampling.do_cfg else fed)  # (R, T, D)
+    position_ids = position_ids.repeat(2, 1) if sampling.do_cfg else position_ids  # (R, T)
+    hidden = backbone.forward(embeds, position_ids, loop.mask, None, cache)  # (R, T, D)
+    logits = backbone.image_logits(hidden)  # (R, T, V) fp32
+    # 3. CFG mix and every node's keyed sample (node i's output is for grid index newest + depth + 1)
+    logits = cfg_mix(logits, loop.guidance_scale) if sampling.do_cfg else logits  # (B, T, V)
+    samples = keyed_sample(logits, sampling, s.seeds, (newest + 1).clamp_max(n - 1))  # (B, T)
+    # 4. a node matches when it equals its parent's sample; the accepted node is the deepest whose path all matches
+    matches = (fed == samples[:, loop.parents]) | loop.is_root  # (B, T)
+    on_path = ((~matches).float() @ loop.ancestors.T) == 0  # (B, T) no miss among the node and its ancestors
+    best = (on_path * loop.score).argmax(1)  # (B,)
+    path = loop.paths[best]  # (B, D + 1) root ... best, then best again
+    accepted = torch.minimum(loop.depths[best] + 1, n - s.committed) * active  # (B,) 0 once finished
+    codes = samples.gather(1, path)  # (B, D + 1) the samples along the path: its drafts, then the bonus
+    # 5. commit the run; the slots past it write the spare column N
+    taken = loop.code_offsets < accepted[:, None]  # (B, D + 1)
+    target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, D + 1)
+    s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
+    s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
+    s.rounds.add_(1)
+    s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
+    last = (accepted - 1).clamp_min(0)[:, None]  # (B, 1)
+    s.last.copy_(torch.where(active, codes.gather(1, last)[:, 0], s.last))
+    # 6. the heads' next input: the hidden state of the node that predicted the newest code (conditional rows)
+    node = path.gather(1, last)  # (B, 1)
+    picked = hidden[: loop.batch_size].gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # (B, D)
+    s.hidden.copy_(torch.where(active[:, None], picked, s.hidden))
+    # 7. each cache row keeps the path's slots, moved to its first ones by the next round (step 0); its CFG twin the same
+    s.committed.add_(accepted)
+    s.path.copy_(path.repeat(2, 1) if sampling.do_cfg else path)
+    s.kept.copy_(accepted.repeat(2) if sampling.do_cfg else accepted)
+
+
+def compile_round(round_fn: Callable = None, fullgraph: bool = True, **options) -> Callable[[DeviceLoop], None]:
+    """A round function (`chain_round` by default, or `head_tree_round`) compiled whole
+    (``torch.compile(fullgraph=True)``): one graph per batch, draft shape and attended length. Under CUDA graphs
+    (``mode="reduce-overhead"``) each round is a new graph step."""
+    round_fn = round_fn or chain_round
+    # a copy of the function with its own code object: dynamo keeps graphs, and counts them against its recompile
     # limit, per code object, so each compiled pipeline gets its own rather than sharing one with every other
-    own = types.FunctionType(chain_round.__code__.replace(), chain_round.__globals__, chain_round.__name__)
+    own = types.FunctionType(round_fn.__code__.replace(), round_fn.__globals__, round_fn.__name__)
     compiled = torch.compile(own, fullgraph=fullgraph, **options)
     graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
 
-    def run(loop: ChainLoop) -> None:
+    def run(loop: DeviceLoop) -> None:
         if graphs and loop.cache.storage.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         with eager_target(loop.backbone.target_module):  # the module is traced inside this graph, not called compiled
@@ -258,6 +437,6 @@ def compile_round(fullgraph: bool = True, **options) -> Callable[[ChainLoop], No
     return run
 
 
-def state_tensors(state: ChainState) -> List[torch.Tensor]:
+def state_tensors(state: DeviceState) -> List[torch.Tensor]:
     """The state's tensors (their ``data_ptr`` must not change from round to round)."""
     return [getattr(state, f.name) for f in fields(state)]

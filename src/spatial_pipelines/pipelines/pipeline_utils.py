@@ -24,7 +24,7 @@ from ..utils import (NULL_TIMER, RoundTimer, check_number, check_path_or_repo_id
                      check_weights_folder)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .callbacks import CallbackStateMixin
-from .device_loop import ChainLoop, fed_slots
+from .device_loop import ChainLoop, DeviceLoop, HeadTreeLoop, chain_round, head_tree_round
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
@@ -449,9 +449,9 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         self.check_prompt_length(prefix.embeds.shape[1])  # (R, P, D)
         self._start_call(sampling.guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt`
         self.resolve_draft_sizes(batch_size, sampling, prefix.embeds.shape[1])
-        window, backbone = self._chain_window(sampling, callback), self.backbone  # the adapter, built once
-        if window is not None:
-            return self._generate_chain(backbone, prefix, sampling, generator, batch_size, window)
+        plan, backbone = self._device_plan(sampling, callback), self.backbone  # the adapter, built once
+        if plan is not None:
+            return self._generate_on_device(backbone, prefix, sampling, generator, batch_size, plan)
         return self._generate_groups(backbone, prefix, sampling, generator, batch_size, callback, tensor_inputs)
 
     # -- the loop's steps -------------------------------------------------------------------------------
@@ -501,44 +501,56 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             negative_rows = [n for n in negatives for _ in range(num_images_per_prompt)]
         return self.backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)
 
-    def _chain_window(self, sampling: SamplingConfig, callback) -> Optional[int]:
-        """The window of a round that runs whole on the device (`device_loop`), or ``None`` for the row-group loop:
-        a chain decoder (`SpatialDecoderMixin.chain_window`) under keyed noise or greedy, no ``callback_on_step_end`` (it sees every round: the row-group loop serves it) and no
-        `profile_rounds` (it times the row-group loop's parts). `device_rounds` ``False`` turns it off."""
+    def _device_plan(self, sampling: SamplingConfig, callback) -> Optional[Tuple[type, Dict[str, Any]]]:
+        """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
+        row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or a head tree
+        (`SpatialDecoderMixin.head_tree`) on a layout without end-of-row tokens, under keyed noise or greedy, no
+        ``callback_on_step_end`` (it sees every round: the row-group loop serves it) and no `profile_rounds` (it times
+        the row-group loop's parts). `device_rounds` ``False`` turns it off."""
         if (self.device_rounds is False or callback is not None or self._round_timer is not None
                 or not (sampling.keyed or sampling.greedy)):
             return None
-        return self.decoder.chain_window()
+        window = self.decoder.chain_window()
+        if window is not None:
+            return ChainLoop, {"window": window}
+        tree = self.decoder.head_tree()
+        if tree is not None and hasattr(self.draft_heads, "frozen") and not self.backbone.layout.has_eol:
+            return HeadTreeLoop, {"tree": tree, "draft_heads": self.draft_heads}
+        return None
 
-    #: Chain decoders' rounds run whole on the device where they can (`_chain_window`); ``False``: always the
-    #: row-group loop (every decoder's own `propose` and `step`).
+    #: Rounds run whole on the device where they can (`_device_plan`); ``False``: always the row-group loop (every
+    #: decoder's own `propose` and `step`).
     device_rounds: Optional[bool] = None
 
-    def _generate_chain(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, sampling: SamplingConfig, generator,
-                        batch_size: int, window: int) -> Tuple[torch.Tensor, DecodingStats]:
-        """Steps 3-5 by `ChainLoop`: the cache, the prompt pass, then rounds on the device with a host read per sync
-        (the progress bar moves at each). Returns the grids ``(B, N)`` and the stats."""
+    def _generate_on_device(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, sampling: SamplingConfig,
+                            generator, batch_size: int, plan: Tuple[type, Dict[str, Any]]) -> Tuple[torch.Tensor, DecodingStats]:
+        """Steps 3-5 by a `DeviceLoop`: the cache, the prompt pass, then rounds on the device with a host read per
+        sync (the progress bar moves at each). Returns the grids ``(B, N)`` and the stats."""
+        loop_class, kwargs = plan
         layout, rows = backbone.layout, prefix.embeds.shape[0]
         seeds = draw_seeds(generator, batch_size) if sampling.keyed else torch.zeros(batch_size, dtype=torch.long)
-        cache = self._make_cache(backbone, rows, prefix.embeds.shape[1] + layout.sequence_length + fed_slots(layout, window))
-        loop = ChainLoop(backbone, window, sampling, seeds, prefix, cache, self._compiled_chain_round())
+        fed = loop_class.fed_slots(layout, **kwargs)
+        cache = self._make_cache(backbone, rows, prefix.embeds.shape[1] + layout.sequence_length + fed)
+        round_fn = self._compiled_device_round(chain_round if loop_class is ChainLoop else head_tree_round)
+        loop = loop_class(backbone, sampling=sampling, seeds=seeds, prefix=prefix, cache=cache, round_fn=round_fn, **kwargs)
         loop.prefill(prefix)
         with self.progress_bar(total=layout.num_tokens * batch_size) as progress_bar:
-            rounds = self._run_chain(loop, lambda done: progress_bar.update(done - progress_bar.n))
+            rounds = self._run_device(loop, lambda done: progress_bar.update(done - progress_bar.n))
         self._num_timesteps = rounds
         accepted = loop.accepted_lengths()  # (passes, B): one host read after the last round
         row_passes = (accepted > 0).sum(0).tolist()
         fed = rounds * batch_size * loop.fed
         stats = DecodingStats(
-            num_forward_passes=1 + rounds, num_draft_passes=0, num_tokens=batch_size * layout.num_tokens,
+            num_forward_passes=1 + rounds, num_draft_passes=rounds if loop_class is HeadTreeLoop else 0,
+            num_tokens=batch_size * layout.num_tokens,
             mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1), accepted_lengths=accepted.cpu(),
             acceptance_map=layout.grid(loop.state.acceptance_map[:, :-1]).cpu(), wall_time_s=0.0,
             padded_fraction=1 - sum(p - 1 for p in row_passes) * loop.fed / fed if fed else None,  # finished rows' slots
             row_forward_passes=row_passes)
         return loop.grid_tokens(), stats
 
-    def _run_chain(self, loop: ChainLoop, on_sync: Callable[[int], None]) -> int:
-        """Step 5 on the device (`ChainLoop.run`); returns the rounds run."""
+    def _run_device(self, loop: DeviceLoop, on_sync: Callable[[int], None]) -> int:
+        """Step 5 on the device (`DeviceLoop.run`); returns the rounds run."""
         return loop.run(on_sync)
 
     def _prepare(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int,

@@ -17,8 +17,8 @@ Neither needs a GPU to be counted, so `count_rounds` counts them on any device:
   inductor's fused kernels show none);
 - **recompiles**: graphs dynamo compiled while counting (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``).
 
-Rounds are the pipeline's ``_round`` calls, or, for a round run whole on the device (`device_loop.ChainLoop`), the
-rounds of ``_run_chain``, whose syncs (the host reads between rounds) count as part of the rounds; the prefill pass
+Rounds are the pipeline's ``_round`` calls, or, for a round run whole on the device (`device_loop.DeviceLoop`), the
+rounds of ``_run_device``, whose syncs (the host reads between rounds) count as part of the rounds; the prefill pass
 is not a round.
 """
 
@@ -152,26 +152,26 @@ def count_rounds(pipe) -> Iterator[RoundCounts]:
         finally:
             flag["inside"] = False
 
-    run_chain = pipe._run_chain
+    run_device = pipe._run_device
 
-    def counted_chain(loop, *args, **kwargs):
+    def counted_device(loop, *args, **kwargs):
         flag["inside"] = True
         try:
             with torch.profiler.record_function(ROUND_EVENT):
-                return run_chain(loop, *args, **kwargs)
+                return run_device(loop, *args, **kwargs)
         finally:
             flag["inside"] = False
             counts.rounds += loop.num_rounds
 
     graphs = _unique_graphs()
     pipe.__dict__["_round"] = counted_round
-    pipe.__dict__["_run_chain"] = counted_chain
+    pipe.__dict__["_run_device"] = counted_device
     try:
         with _python_reads(flag), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
             yield counts
     finally:
         pipe.__dict__.pop("_round", None)
-        pipe.__dict__.pop("_run_chain", None)
+        pipe.__dict__.pop("_run_device", None)
     counts.recompiles = _unique_graphs() - graphs
     _tally(profiler.events(), counts)
     counts.host_reads += flag["reads"]

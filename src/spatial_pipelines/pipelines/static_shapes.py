@@ -200,7 +200,7 @@ class StaticShapesMixin:
         eager = PassCost(backbone, rows, repeats=5, warmup=1).measure(sizes) if measure else {}
         module.compile(**options)
         module._spatial_compile_mode = mode  # read by `uses_cuda_graphs`
-        module._spatial_compile_options = options  # the chain round compiles with the same (`_compiled_chain_round`)
+        module._spatial_compile_options = options  # device rounds compile with the same (`_compiled_device_round`)
         compiled = PassCost(backbone, rows, repeats=5, warmup=2, compiled=True, fixed_shape=True).measure(sizes) if measure else {}
         enabled = keep_if_slower or not measure or compiled[1] < eager[1]
         if not enabled:
@@ -215,23 +215,25 @@ class StaticShapesMixin:
         module._compiled_call_impl = None  # what nn.Module.compile sets
         module._spatial_compile_mode = None
         module._spatial_compile_options = None
-        module._spatial_chain_round = None
+        module.__dict__.pop("_spatial_device_rounds", None)
         self.__dict__["_pass_costs"] = {}
         self.__dict__.pop("_static_cache", None)
 
-    def _compiled_chain_round(self):
-        """With the target compiled: the device round of chain decoders compiled whole with the same options
-        (`device_loop.compile_round`, ``fullgraph=True``), made once per `enable_compile`; ``None`` when eager."""
+    def _compiled_device_round(self, round_fn):
+        """With the target compiled: a round that runs whole on the device (`device_loop.chain_round` or
+        `head_tree_round`) compiled whole with the same options (`device_loop.compile_round`, ``fullgraph=True``),
+        made once per function and `enable_compile`; ``None`` when eager."""
         if not self.is_compiled:
             return None
         module = self.backbone.target_module
-        compiled = getattr(module, "_spatial_chain_round", None)
+        rounds = module.__dict__.setdefault("_spatial_device_rounds", {})
+        compiled = rounds.get(round_fn.__name__)
         if compiled is None:
             from .device_loop import compile_round
 
             options = dict(getattr(module, "_spatial_compile_options", None) or {})
             options["fullgraph"] = self.backbone.supports_fullgraph
-            compiled = module._spatial_chain_round = compile_round(**options)
+            compiled = rounds[round_fn.__name__] = compile_round(round_fn, **options)
         return compiled
 
     @property
