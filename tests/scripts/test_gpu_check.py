@@ -1,34 +1,54 @@
 """scripts/gpu_check.py: on a machine without CUDA it runs its dry run (tiny models, the dynamo-only backend): every
-step and file of the real check, in seconds."""
+step, decoder, column and file of the real check, in seconds."""
 
 import json
 
 from helpers import run_script
 
 
+#: every exact decoder the embedded model runs: each must have its rows
+DECODERS = ("ar", "sjd", "medusa", "eagle", "hawk", "adt")
+#: the JSON keys and markdown column titles of every row
+COLUMNS = {"ms_per_round": "ms / round", "ms_per_ar_step": "ms / AR step", "round_cost_in_ar_steps": "round cost (AR steps)",
+           "eager_ops_per_round": "eager ops / round", "host_reads_per_round": "host reads / round",
+           "recompiles_while_timed": "recompiles while timed", "codes_per_pass": "codes / pass"}
+
+
 def test_gpu_check_dry_run_writes_its_report(tmp_path):
+    """Every exact decoder at 1 and 2 images, compiled then eager (AR, SJD and Medusa's compiled rows first), each row
+    with its round cost against AR's step and its counted eager ops and host reads, in the JSON and the table."""
     out = tmp_path / "check"
-    run_script("gpu_check.py", "--out", str(out), "--num-images-per-prompt", "1", "2")
+    run_script("gpu_check.py", "--out", str(out), "--num-images-per-prompt", "1", "2", "--models", "embedded", "--num-prompts", "1")
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "roofline.png", "speed.png"]
     assert all(p.stat().st_size < 16 * 2**20 for p in out.iterdir())
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] and report["compile_backend"] == "eager" and report["roofline"]["presets"]["tiny"]["verify"]
-    for model in ("embedded", "janus-pro-1b-layout"):
-        rows = report["decoding"][model]["rows"]
-        assert len(rows) == 3 * 2 * 2  # ar, sjd, medusa x (1, 2 images) x (eager, compiled)
-        for key, r in rows.items():
-            assert r["images_per_s"] > 0 and r["target_passes_per_image"] > 0 and r["speedup_vs_same_ar"] > 0
-            if r["compiled"]:
-                assert r["graphs_compiled_while_timed"] == 0 and r["padded_fraction"] is not None
-        assert rows["ar x2 [compiled]"]["speedup_vs_same_ar"] == 1.0
-        breakdown = report["decoding"][model]["breakdown"]  # where a round's time goes, eager and compiled
-        assert sorted(breakdown) == sorted(f"{d}{m}" for d in ("ar", "sjd", "medusa") for m in ("", " [compiled]"))
-        for key, b in breakdown.items():
-            assert b["rounds"] > 0 and b["ms_per_round"]["round"] >= b["ms_per_round"]["forward"] > 0
-            if "[compiled]" not in key:  # ops are counted on eager rounds; AR reads the host less than once a round
-                assert b["ops_per_round"] > 50 and b["host_reads_per_round"] >= 0
-        assert breakdown["ar"]["host_reads_per_round"] < 1
-    assert "janus-pro-1b-layout" in (out / "gpu_check.md").read_text()
+    assert set(report["decoders"]) == set(DECODERS)
+    section = report["decoding"]["embedded"]
+    rows = section["rows"]
+    expected = [f"{d} x{n}{m}" for m in (" [compiled]", "") for d in report["decoders"] for n in (1, 2)]
+    assert list(rows) == expected and not section["skipped_rows"]  # in the order they ran
+    assert expected[:6] == [f"{d} x{n} [compiled]" for d in ("ar", "sjd", "medusa") for n in (1, 2)]
+    assert set(section["heads"]) == {"medusa", "hawk", "eagle", "adt"}  # random heads of each decoder's kind
+    for key, r in rows.items():
+        assert all(r[c] is not None for c in COLUMNS), key
+        assert r["ms_per_round"] > 0 and r["images_per_s"] > 0 and r["codes_per_pass"] >= 1 and r["host_reads_per_round"] >= 0
+        assert r["counted"]["rounds"] >= report["counted_rounds"] and r["recompiles_while_timed"] == 0
+        ar = rows[f"ar x{r['images_per_prompt']}" + (" [compiled]" if r["compiled"] else "")]
+        assert r["ms_per_ar_step"] == ar["ms_per_round"] and abs(r["round_cost_in_ar_steps"] * ar["ms_per_round"] - r["ms_per_round"]) < 1e-9
+        if r["compiled"]:  # the model runs inside the graph: fewer ops outside it than in the eager round
+            assert r["padded_fraction"] is not None and r["eager_ops_per_round"] < rows[key.removesuffix(" [compiled]")]["eager_ops_per_round"]
+        else:
+            assert r["eager_ops_per_round"] > 50
+    assert rows["ar x2 [compiled]"]["round_cost_in_ar_steps"] == 1.0 and rows["ar x1"]["host_reads_per_round"] < 1
+    breakdown = section["breakdown"]  # where a round's time goes, eager and compiled
+    assert sorted(breakdown) == sorted(f"{d}{m}" for d in DECODERS for m in ("", " [compiled]"))
+    for key, b in breakdown.items():
+        assert b["rounds"] > 0 and b["ms_per_round"]["round"] >= b["ms_per_round"]["forward"] > 0
+    table = (out / "gpu_check.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| row |"))
+    assert all(f"| {title} |" in header for title in COLUMNS.values())
+    assert all(f"| `{key}` |" in table for key in rows) and all(f"| `{key}` |" in table for key in breakdown)
 
 
 def test_saved_captions_stand_in_for_the_text_encoder(tmp_path):
@@ -61,10 +81,12 @@ def test_gpu_check_compiled_rows_only(tmp_path):
     AR (no eager AR to compare with: "-" in the table)."""
     out = tmp_path / "check"
     run_script("gpu_check.py", "--out", str(out), "--num-images-per-prompt", "1", "--skip-eager", "--skip-roofline",
-               "--models", "janus-pro-1b-layout")
+               "--skip-breakdown", "--models", "janus-pro-1b-layout", "--decoders", "ar", "sjd", "medusa")
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["roofline"] is None and list(report["decoding"]) == ["janus-pro-1b-layout"]
-    rows = report["decoding"]["janus-pro-1b-layout"]["rows"]
-    assert sorted(rows) == ["ar x1 [compiled]", "medusa x1 [compiled]", "sjd x1 [compiled]"]
-    assert all(r["speedup_vs_eager_ar"] is None and r["speedup_vs_same_ar"] > 0 for r in rows.values())
-    assert "| - |" in (out / "gpu_check.md").read_text()
+    section = report["decoding"]["janus-pro-1b-layout"]
+    rows = section["rows"]
+    assert list(rows) == ["ar x1 [compiled]", "sjd x1 [compiled]", "medusa x1 [compiled]"] and not section["breakdown"]
+    assert all(r["speedup_vs_eager_ar"] is None and r["speedup_vs_same_ar"] > 0 and r["round_cost_in_ar_steps"] > 0 for r in rows.values())
+    table = (out / "gpu_check.md").read_text()
+    assert "| - |" in table and "only the cost of a round" in table  # random heads: said so
