@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, MedusaDecoder
+from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
 from spatial_pipelines.pipelines import device_loop
 from spatial_pipelines.pipelines.device_loop import MAX_ROUNDS_PER_SYNC, ChainLoop, DeviceLoop, HeadTreeLoop, chain_round, state_tensors
 from spatial_pipelines.pipelines.round_counts import count_rounds
@@ -18,9 +18,12 @@ FAMILY_IDS = ["llamagen", "llamagen-eol", "janus"]
 DECODERS = [(AutoregressiveDecoder, {}), (JacobiDecoder, {"window_size": 1}), (JacobiDecoder, {"window_size": 3}),
             (JacobiDecoder, {"window_size": 8})]
 DECODER_IDS = ["ar", "sjd-1", "sjd-3", "sjd-8"]
-#: head trees: Medusa's default caterpillar tree, a small one, and a tree of its own paths
-TREES = [{}, {"num_draft_tokens": 4}, {"num_heads": 2, "tree_paths": [[0], [1], [2], [0, 0], [0, 1], [1, 0]]}]
-TREE_IDS = ["medusa-16", "medusa-4", "medusa-paths"]
+#: head trees: Medusa's default caterpillar tree, a small one and a tree of its own paths; Hawk's pools with and
+#: without vertical heads
+TREES = [(MedusaDecoder, {}), (MedusaDecoder, {"num_draft_tokens": 4}),
+         (MedusaDecoder, {"num_heads": 2, "tree_paths": [[0], [1], [2], [0, 0], [0, 1], [1, 0]]}),
+         (HawkDecoder, {}), (HawkDecoder, {"num_draft_tokens": 6, "vertical_speculation_depth": 0, "top_k": 3})]
+TREE_IDS = ["medusa-16", "medusa-4", "medusa-paths", "hawk-32", "hawk-6-no-vertical"]
 
 
 def _pipe(family, end_of_row, decoder, grid=(4, 5)):
@@ -85,12 +88,12 @@ def test_device_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_
         assert out.stats.num_forward_passes == pipe.backbone.layout.num_tokens
 
 
-@pytest.mark.parametrize("kwargs", TREES, ids=TREE_IDS)
+@pytest.mark.parametrize("decoder_cls,kwargs", TREES, ids=TREE_IDS)
 @pytest.mark.parametrize("family,end_of_row", [FAMILIES[0], FAMILIES[2]], ids=["llamagen", "janus"])
-def test_head_tree_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, kwargs, monkeypatch):
-    """Medusa's tree on the device: AR's codes, the row-group loop's codes and passes, every row as alone, and the
-    heads' passes one per round."""
-    pipe = _pipe(family, end_of_row, MedusaDecoder(**kwargs))
+def test_head_tree_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+    """Medusa's and Hawk's trees on the device: AR's codes, the row-group loop's codes and passes, every row as alone,
+    and the heads' passes one per round."""
+    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
     loop, out, grouped = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
     assert isinstance(loop, HeadTreeLoop) and loop.fed == pipe.decoder.tree.num_nodes
     assert out.stats.row_forward_passes == grouped.stats.row_forward_passes  # the same walk: the same passes
@@ -128,7 +131,7 @@ def _sync_reads_allowed(rounds: int, num_tokens: int, drafts: bool) -> int:
     return math.ceil(rounds / MAX_ROUNDS_PER_SYNC) + math.ceil(math.log2(num_tokens)) * drafts + 1
 
 
-@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[0], DECODERS[2], (MedusaDecoder, TREES[1])], ids=["ar", "sjd-3", "medusa-4"])
+@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[0], DECODERS[2], TREES[1], TREES[3]], ids=["ar", "sjd-3", "medusa-4", "hawk"])
 @pytest.mark.parametrize("family,end_of_row", [FAMILIES[0], FAMILIES[2]], ids=["llamagen", "janus"])
 def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row, decoder_cls, kwargs, monkeypatch):
     """The counted test of a second compiled generation (other prompts, another CFG scale): no recompile (dynamo

@@ -11,7 +11,7 @@ from diffusers.configuration_utils import register_to_config
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import OFFSET_LOGITS, HeadsNeed
 from ..core.tree import DraftTree, tree_from_paths
-from .decoding_tree import TreeDecoderMixin, TreeState
+from .decoding_tree import HeadDrafter, TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
 
 
@@ -35,6 +35,54 @@ class HawkState(TreeState):
 
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
+
+
+class HawkDrafter(HeadDrafter):
+    """Hawk's drafting on device tensors (`device_loop.HeadTreeLoop`): each row's vertical speculation cache, its
+    per-depth pools, and the tree's nodes from them, as `HawkDecoder.propose` does, with each row's own newest code.
+
+    Args:
+        decoder (`HawkDecoder`), draft_heads (`SpatialDraftHeads`), layout: the decoder and what it drafts for.
+        batch_size (`int`), device: the rows.
+    """
+
+    def __init__(self, decoder: "HawkDecoder", draft_heads, layout, batch_size: int, device):
+        super().__init__(decoder.tree, device)
+        c = decoder.config
+        self.vsd, self.k, self.pool_size = c.vertical_speculation_depth, c.top_k, decoder.pool_size
+        self.num_tokens, self.width = layout.num_tokens, layout.width
+        depth = self.tree.max_depth
+        horizontal = [draft_heads.horizontal_index(o) for o in range(1, depth + 1)]
+        vertical = [draft_heads.vertical_index(o) for o in range(1, self.vsd + 1)]
+        self.heads = draft_heads.frozen(horizontal, vertical)  # weights looked up once, outside the compiled round
+        # row N is a spare that predictions landing past the grid are written to
+        self.vertical_cache = torch.full((batch_size, layout.num_tokens + 1, max(self.vsd, 1), self.k), -1,
+                                         dtype=torch.long, device=device)  # (B, N + 1, VSD, k)
+        self.depth_offsets = torch.arange(1, depth + 1, device=device)  # (n_h,)
+        self.row_offsets = torch.arange(1, self.vsd + 1, device=device) * layout.width  # (VSD,) d rows below
+        self.distance = torch.arange(self.vsd, device=device)  # (VSD,) cache slot of each distance
+        self.rows = torch.arange(batch_size, device=device)[:, None]  # (B, 1)
+        self.earlier_slot = torch.ones(self.pool_size, self.pool_size, dtype=torch.bool, device=device).tril(-1)
+
+    def buffers(self) -> List[torch.Tensor]:
+        return [self.vertical_cache]
+
+    def __call__(self, backbone, hidden: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        b, n, cache = hidden.shape[0], self.num_tokens, self.vertical_cache
+        root = committed - 1  # (B,) raster index of each row's newest code
+        feats_h, feats_v = self.heads(backbone.final_norm(hidden))  # (B, n_h, H), (B, VSD, H)
+        logits = backbone.output_head(torch.cat([feats_h, feats_v], 1))  # (B, n_h + VSD, V): one output-head pass
+        top = logits.topk(self.k, dim=-1).indices  # (B, n_h + VSD, k)
+        horizontal, vertical = top[:, : feats_h.shape[1]], top[:, feats_h.shape[1]:]  # (B, n_h, k), (B, VSD, k)
+        if self.vsd:  # the prediction d rows below lands d * W codes later (past the grid: the spare row)
+            below = root[:, None] + self.row_offsets  # (B, VSD)
+            cache[self.rows, torch.where(below < n, below, n), self.distance] = vertical
+        # pool per depth: rank r of [horizontal, cached vertical from 1..VSD rows above], r = 0..k-1
+        cached = cache[:, :, : self.vsd][self.rows, (root[:, None] + self.depth_offsets).clamp_max(n - 1)]  # (B, n_h, VSD, k)
+        pool = torch.cat([horizontal[:, :, None], cached], 2).transpose(2, 3).reshape(b, -1, self.pool_size)  # (B, n_h, S)
+        same = pool[..., :, None] == pool[..., None, :]  # (B, n_h, S, S)
+        pool = pool.masked_fill((same & self.earlier_slot).any(-1) | (pool < 0), -1)  # duplicates, empty: nothing
+        return pool[:, self.node_depth, self.node_rank]  # (B, T - 1)
 
 
 def bounded_product_paths(depth: int, pool_size: int, num_nodes: int) -> List[tuple]:
@@ -117,6 +165,12 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state.depth_offsets = torch.arange(1, state.tree.max_depth + 1, device=device)  # the depths the tree drafts
         state.earlier_slot = torch.ones(self.pool_size, self.pool_size, dtype=torch.bool, device=device).tril(-1)
         return state
+
+    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional[HawkDrafter]:
+        """`HawkDrafter` over the tree in use (after the pipeline fixed its size), when the acceptance is exact."""
+        if not self.is_exact or not hasattr(draft_heads, "frozen"):
+            return None
+        return HawkDrafter(self, draft_heads, layout, batch_size, device)
 
     def propose(self, state: HawkState, draft_heads=None) -> Draft:
         c = self.config

@@ -9,7 +9,7 @@ from diffusers.configuration_utils import register_to_config
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import OFFSET_LOGITS, HeadsNeed
 from ..core.tree import tree_from_paths
-from .decoding_tree import TreeDecoderMixin, TreeState
+from .decoding_tree import HeadDrafter, TreeDecoderMixin, TreeState
 from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
 
 
@@ -35,6 +35,22 @@ def check_tree_paths(tree_paths, num_heads: int) -> List[Tuple[int, ...]]:
     if orphans:
         raise ValueError(f"`tree_paths` must be prefix-closed: the parents of {orphans} are not listed (add {[list(p[:-1]) for p in map(tuple, orphans)]}).")
     return paths
+
+
+class MedusaDrafter(HeadDrafter):
+    """Medusa's drafting on device tensors (`device_loop.HeadTreeLoop`): node ``i`` is the ``r_i``-th likeliest code
+    of the horizontal head at offset ``d_i`` (its depth)."""
+
+    def __init__(self, tree, draft_heads, device):
+        super().__init__(tree, device)
+        index = [draft_heads.horizontal_index(d) for d in range(1, tree.max_depth + 1)]  # host ints, once
+        self.heads = draft_heads.frozen(index, [])  # weights looked up once, outside the compiled round
+        self.num_ranks = 1 + max(tree.ranks.tolist())
+
+    def __call__(self, backbone, hidden: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        feats, _ = self.heads(backbone.final_norm(hidden))  # (B, D_tree, H)
+        top = backbone.output_head(feats).topk(self.num_ranks, dim=-1).indices  # (B, D_tree, k)
+        return top[:, self.node_depth, self.node_rank]  # (B, T - 1)
 
 
 def caterpillar_paths(depth: int, top_k: int) -> List[Tuple[int, ...]]:
@@ -101,9 +117,11 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self._num_ranks > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 
-    def head_tree(self):
-        """The tree in use (after the pipeline fixed its size), when the acceptance is exact (`device_loop`)."""
-        return self.tree if self.is_exact else None
+    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional["MedusaDrafter"]:
+        """`MedusaDrafter` over the tree in use (after the pipeline fixed its size), when the acceptance is exact."""
+        if not self.is_exact or not hasattr(draft_heads, "frozen"):
+            return None
+        return MedusaDrafter(self.tree, draft_heads, device)
 
     def propose(self, state: TreeState, draft_heads=None) -> Draft:
         logits_h, _ = self._heads_logits(state, draft_heads)  # (B, K, V) offsets 1..K, K: the tree's depth

@@ -56,6 +56,30 @@ def best_subtree(tree: DraftTree, num_nodes: int, first_rate: float, sibling_dec
     return tree_from_parents(parents, ranks), sum(prior[i] for i in keep)
 
 
+class HeadDrafter:
+    """Drafting a static tree on device tensors, for a round that runs whole on the device
+    (`spatial_pipelines.pipelines.device_loop.HeadTreeLoop`; a decoder returns one from `device_drafter`). Called with
+    the backbone, each row's pre-norm hidden state that predicted its newest code ``(B, D)`` and its committed count
+    ``(B,)``, it returns the code of every draft node ``(B, T - 1)`` (``-1``: none offered), with no host read and no
+    tensor built from Python values (the round is compiled whole). Buffers it keeps between rounds are in `buffers`
+    (their addresses stay put).
+
+    Args:
+        tree (`DraftTree`): the tree, root first; its siblings offer distinct codes.
+        device: where the rows are.
+    """
+
+    def __init__(self, tree: DraftTree, device):
+        self.tree = tree.to(device)
+        self.node_depth, self.node_rank = self.tree.depths[1:] - 1, self.tree.ranks[1:]  # (T - 1,) head and rank
+
+    def __call__(self, backbone, hidden: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define `__call__`.")
+
+    def buffers(self) -> List[torch.Tensor]:
+        return []
+
+
 @dataclass
 class TreeState(DecodingState):
     """The state of tree decoders.

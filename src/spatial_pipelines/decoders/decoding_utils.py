@@ -345,11 +345,11 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         ``None`` (the default): the decoder's own `propose` and `step` run, in row groups."""
         return None
 
-    def head_tree(self):
-        """The static `DraftTree` a round that runs whole on the device drafts under keyed noise
-        (`device_loop.HeadTreeLoop`), for a decoder whose node at depth ``d`` with rank ``r`` is the ``r``-th likeliest
-        code of the horizontal head at offset ``d``, siblings distinct, accepted exactly. ``None`` (the default): not
-        such a decoder."""
+    def device_drafter(self, draft_heads, layout, batch_size: int, device):
+        """What drafts a static tree from the draft heads in a round that runs whole on the device under keyed noise
+        (`device_loop.HeadTreeLoop`): a `device_loop.HeadDrafter` for ``batch_size`` rows, for a decoder whose tree's
+        siblings are distinct codes (or ``-1``: none) and whose acceptance is exact. ``None`` (the default): the
+        decoder's own `propose` and `step` run, in row groups."""
         return None
 
     def __init_subclass__(cls, **kwargs):

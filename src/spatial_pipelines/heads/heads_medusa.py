@@ -95,7 +95,7 @@ class SpatialDraftHeads(DraftHeadsMixin):
 
     def frozen(self, horizontal: Sequence[int], vertical: Sequence[int]):
         """The heads ``horizontal`` and ``vertical`` (indices) as a function of post-norm hidden states ``(B, D)``,
-        their weights looked up once: what a round compiled whole calls (`device_loop.HeadTreeLoop`), with no check of
+        their weights looked up once: what a round compiled whole calls (`MedusaDrafter`, `HawkDrafter`), with no check of
         the weights' version counters inside it. Made per generation: a later weight change needs a new one."""
         horizontal, vertical = list(horizontal), list(vertical)
         heads = [self.horizontal[i] for i in horizontal] + [self.vertical[i] for i in vertical]

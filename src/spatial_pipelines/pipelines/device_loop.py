@@ -16,8 +16,8 @@ tensors with fixed shapes (`chain_round`):
    row above each new position (``init="above"``; the newest code where the row above is not decoded yet);
 7. each cache row keeps its first ``a`` fed slots (a prefix: nothing moves), and its start moves by ``a``.
 
-A head tree (`head_tree_round`) drafts a static tree of the draft heads' top-k candidates from the hidden state that
-predicted each row's newest code, feeds it with the tree mask, and accepts the deepest node whose path matches the
+A head tree (`head_tree_round`) drafts a static tree of the draft heads' candidates (Medusa's top-k, Hawk's pools)
+from the hidden state that predicted each row's newest code (the decoder's `HeadDrafter`), feeds it with the tree mask, and accepts the deepest node whose path matches the
 keyed samples node by node (a sibling is accepted exactly when it equals its parent's sample, as `verify_tree` does
 with a point mass); the codes are the samples along that path, and the cache moves the path's slots to the row's
 first ones (`StaticKVCache.keep_paths`).
@@ -41,7 +41,6 @@ import torch
 
 from ..core.kv_cache import StaticKVCache
 from ..core.sampling import SamplingConfig, cfg_mix, keyed_sample
-from ..core.tree import DraftTree
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
 
@@ -183,7 +182,7 @@ class DeviceLoop:
         self.bound = self.prefix_length
         if uses_cuda_graphs(backbone.target_module, self.cache.storage.device):  # replayed graphs write them in place
             mark_static_cache(self.cache, True)
-            for tensor in state_tensors(s) + [self.cache.row_starts]:
+            for tensor in self.static_tensors():
                 torch._dynamo.mark_static_address(tensor)
 
     def run(self, on_sync: Optional[Callable[[int], None]] = None) -> int:
@@ -209,6 +208,13 @@ class DeviceLoop:
         self.round_fn(self)
         self.bound = end
         self.num_rounds += 1
+
+    def static_tensors(self) -> List[torch.Tensor]:
+        """What a round reads and writes in place besides the cache storage (their addresses stay put)."""
+        return state_tensors(self.state) + [self.cache.row_starts] + self.extra_buffers()
+
+    def extra_buffers(self) -> List[torch.Tensor]:
+        return []
 
     def grid_tokens(self) -> torch.Tensor:
         """``(B, N)``: the grids in raster order."""
@@ -252,30 +258,23 @@ class ChainLoop(DeviceLoop):
 
 
 class HeadTreeLoop(DeviceLoop):
-    """A static tree of draft-head candidates (`SpatialDecoderMixin.head_tree`: Medusa), verified exactly under keyed
-    noise: `head_tree_round`. Layouts without end-of-row tokens.
+    """A static tree of draft-head candidates (Medusa, Hawk: `SpatialDecoderMixin.device_drafter`), verified exactly
+    under keyed noise: `head_tree_round`. Layouts without end-of-row tokens.
 
     Args:
-        tree (`DraftTree`): the tree (root first); node ``i`` at depth ``d >= 1`` with rank ``r`` is head ``d``'s
-            ``r``-th likeliest code.
-        draft_heads (`SpatialDraftHeads`): the heads; ``horizontal_offsets`` ``1..D`` are the ones it runs.
-        The other arguments are `DeviceLoop`'s.
+        drafter (`HeadDrafter`): drafts the tree's nodes from each row's hidden state; the other arguments are
+            `DeviceLoop`'s.
     """
 
-    def __init__(self, backbone: SpatialBackbone, tree: DraftTree, draft_heads, sampling: SamplingConfig,
-                 seeds: torch.Tensor, prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
+    def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
         if backbone.layout.has_eol:
             raise ValueError("`HeadTreeLoop` drafts no end-of-row tokens: a layout with EOLs takes the row-group loop.")
-        self.fed, self.max_codes, self.hidden_size = tree.num_nodes, tree.max_depth + 1, prefix.embeds.shape[-1]
-        self.hidden_dtype = prefix.embeds.dtype
+        tree = drafter.tree
+        self.drafter, self.fed, self.max_codes = drafter, tree.num_nodes, tree.max_depth + 1
+        self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
-        device = prefix.embeds.device
-        tree = tree.to(device)
-        head_index = [draft_heads.horizontal_index(d) for d in range(1, tree.max_depth + 1)]  # host ints, once
-        self.heads = draft_heads.frozen(head_index, [])  # (B, D) -> (B, D_tree, D), (B, 0, D): weights looked up once
-        self.num_ranks = int(tree.ranks.max()) + 1
         self.depths, self.mask = tree.depths, tree.attention_mask  # (T,), (T, T) each node sees its ancestors
-        self.node_depth, self.node_rank = tree.depths[1:] - 1, tree.ranks[1:]  # (T - 1,) head and rank of each draft
         self.parents = tree.parents.clamp_min(0)  # (T,) the root is its own parent (and always accepted)
         self.is_root = self.slots == 0  # (T,)
         self.ancestors = tree.attention_mask.float()  # (T, T) [i, j]: j is i or an ancestor (a matmul counts misses)
@@ -284,9 +283,9 @@ class HeadTreeLoop(DeviceLoop):
         self.score = (tree.depths + 1) * tree.num_nodes - self.slots  # (T,) > 0
 
     @staticmethod
-    def fed_slots(layout, tree: DraftTree, **_) -> int:
+    def fed_slots(layout, drafter, **_) -> int:
         """Slots a round feeds per row, before the loop is made (the cache's size)."""
-        return tree.num_nodes
+        return drafter.tree.num_nodes
 
     def new_state(self, **common) -> HeadTreeState:
         device = common["tokens"].device
@@ -298,6 +297,9 @@ class HeadTreeLoop(DeviceLoop):
 
     def default_round(self) -> Callable:
         return head_tree_round
+
+    def extra_buffers(self) -> List[torch.Tensor]:
+        return self.drafter.buffers()
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.state.hidden.copy_(hidden[: self.batch_size])  # the conditional rows' (the heads read no CFG twin)
@@ -376,15 +378,14 @@ def head_tree_round(loop: HeadTreeLoop) -> None:
     active = s.committed < n  # (B,)
     # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
     cache.keep_paths(s.path, s.kept)
-    # 1. draft: head d's top-k from the hidden state that predicted the newest code; node i is head d_i's r_i-th code
-    feats, _ = loop.heads(backbone.final_norm(s.hidden))  # (B, D, H)
-    top = backbone.output_head(feats).topk(loop.num_ranks, dim=-1).indices  # (B, D, k)
-    fed = torch.cat([s.last[:, None], top[:, loop.node_depth, loop.node_rank]], 1)  # (B, T) the root first
+    # 1. draft the tree's nodes from the hidden state that predicted each row's newest code (-1: none offered)
+    fed = torch.cat([s.last[:, None], loop.drafter(backbone, s.hidden, s.committed)], 1)  # (B, T) the root first
     # 2. one target pass with the tree mask, node i at the position of grid index (newest + depth); past the grid the
     #    positions are clamped (those nodes are never committed)
     newest = s.committed[:, None] - 1 + loop.depths  # (B, T)
     position_ids = loop.first_position + loop.layout.sequence_offset(newest.clamp_max(n - 1))  # (B, T)
-    embeds = backbone.embed_image_tokens(fed.repeat(2, 1) if sampling.do_cfg else fed)  # (R, T, D)
+    codes = fed.clamp_min(0)  # (B, T) a slot with no candidate is fed as code 0 and never accepted
+    embeds = backbone.embed_image_tokens(codes.repeat(2, 1) if sampling.do_cfg else codes)  # (R, T, D)
     position_ids = position_ids.repeat(2, 1) if sampling.do_cfg else position_ids  # (R, T)
     hidden = backbone.forward(embeds, position_ids, loop.mask, None, cache)  # (R, T, D)
     logits = backbone.image_logits(hidden)  # (R, T, V) fp32

@@ -449,7 +449,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         self.check_prompt_length(prefix.embeds.shape[1])  # (R, P, D)
         self._start_call(sampling.guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt`
         self.resolve_draft_sizes(batch_size, sampling, prefix.embeds.shape[1])
-        plan, backbone = self._device_plan(sampling, callback), self.backbone  # the adapter, built once
+        plan, backbone = self._device_plan(sampling, callback, batch_size), self.backbone  # the adapter, built once
         if plan is not None:
             return self._generate_on_device(backbone, prefix, sampling, generator, batch_size, plan)
         return self._generate_groups(backbone, prefix, sampling, generator, batch_size, callback, tensor_inputs)
@@ -501,10 +501,10 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             negative_rows = [n for n in negatives for _ in range(num_images_per_prompt)]
         return self.backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)
 
-    def _device_plan(self, sampling: SamplingConfig, callback) -> Optional[Tuple[type, Dict[str, Any]]]:
+    def _device_plan(self, sampling: SamplingConfig, callback, batch_size: int) -> Optional[Tuple[type, Dict[str, Any]]]:
         """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
         row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or a head tree
-        (`SpatialDecoderMixin.head_tree`) on a layout without end-of-row tokens, under keyed noise or greedy, no
+        (`SpatialDecoderMixin.device_drafter`) on a layout without end-of-row tokens, under keyed noise or greedy, no
         ``callback_on_step_end`` (it sees every round: the row-group loop serves it) and no `profile_rounds` (it times
         the row-group loop's parts). `device_rounds` ``False`` turns it off."""
         if (self.device_rounds is False or callback is not None or self._round_timer is not None
@@ -513,10 +513,10 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         window = self.decoder.chain_window()
         if window is not None:
             return ChainLoop, {"window": window}
-        tree = self.decoder.head_tree()
-        if tree is not None and hasattr(self.draft_heads, "frozen") and not self.backbone.layout.has_eol:
-            return HeadTreeLoop, {"tree": tree, "draft_heads": self.draft_heads}
-        return None
+        if self.draft_heads is None or self.backbone.layout.has_eol:
+            return None
+        drafter = self.decoder.device_drafter(self.draft_heads, self.backbone.layout, batch_size, self._execution_device)
+        return None if drafter is None else (HeadTreeLoop, {"drafter": drafter})
 
     #: Rounds run whole on the device where they can (`_device_plan`); ``False``: always the row-group loop (every
     #: decoder's own `propose` and `step`).
