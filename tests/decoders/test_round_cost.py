@@ -77,7 +77,7 @@ def test_at_most_one_host_read_per_round(decoder_cls, kwargs, heads, batch, end_
     that diverged step apart), end-of-row layouts included. Decoders with one tree per row make a second read in the
     rounds whose trees can reach a row end, and only there."""
     pipe = make(decoder_cls, kwargs, heads, grid=(4, 5), end_of_row=end_of_row)
-    pipe.device_rounds = False  # the row-group loop (chain rounds on the device: tests/pipelines/test_device_loop.py)
+    pipe.device_rounds = False  # the row-group loop (device rounds: tests/pipelines/test_device_loop.py)
     pipe("warm", generator=torch.Generator().manual_seed(0), output_type="latent")  # "auto" sizes resolved here
     counts = _count_host_reads(monkeypatch, pipe)
     out = pipe(["a red fox", "blue sky", "x"][:batch], guidance_scale=2.0, generator=torch.Generator().manual_seed(1), output_type="latent")
@@ -93,6 +93,7 @@ def test_at_most_one_host_read_per_round(decoder_cls, kwargs, heads, batch, end_
 def test_host_read_counter_can_fail(monkeypatch):
     """The counter sees a read: a decoder step that reads a tensor twice per round is caught."""
     pipe = make(MedusaDecoder, {}, "random", grid=(4, 5))
+    pipe.device_rounds = False  # the decoder's own step runs (the device round replaces it)
     counts = _count_host_reads(monkeypatch, pipe)
     step = pipe.decoder.step
 
@@ -108,6 +109,7 @@ def test_host_read_counter_can_fail(monkeypatch):
 def test_host_read_counter_sees_reads_inside_ops(monkeypatch):
     """A read no Python call shows: `F.one_hot` checks its codes' range on the host. The counter sees it."""
     pipe = make(MedusaDecoder, {}, "random", grid=(4, 5))
+    pipe.device_rounds = False  # the decoder's own step runs (the device round replaces it)
     counts = _count_host_reads(monkeypatch, pipe)
     step = pipe.decoder.step
 
