@@ -101,6 +101,21 @@ def test_head_tree_rounds_commit_what_ar_and_the_row_group_loop_commit(family, e
     assert out.stats.accepted_lengths[1:].max() > 1  # some drafts accepted: the tree walk is exercised
 
 
+@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[2], TREES[0], TREES[3]], ids=["sjd-3", "medusa-16", "hawk-32"])
+def test_the_temperature_is_data_and_gives_ar_codes(decoder_cls, kwargs, monkeypatch):
+    """The round divides the logits by a temperature tensor (no graph per value): at 0.7 and 1.6 the device rounds
+    still commit what AR commits at that temperature."""
+    pipe = _pipe("llamagen", False, decoder_cls(**kwargs))
+    reference = _pipe("llamagen", False, AutoregressiveDecoder())
+    reference.device_rounds = False
+    loops = _device_runs(monkeypatch, pipe)
+    for temperature in (0.7, 1.6):
+        call = dict(guidance_scale=2.0, temperature=temperature, output_type="latent")
+        expected = reference(PROMPTS, generator=_generators(3), **call).tokens
+        assert torch.equal(pipe(PROMPTS, generator=_generators(3), **call).tokens, expected)
+    assert len(loops) == 2 and float(loops[0].temperature) == pytest.approx(0.7) and loops[0].sampling.temperature == 1.0
+
+
 @pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
 def test_greedy_device_rounds_are_ar(family, end_of_row):
     pipe = _pipe(family, end_of_row, JacobiDecoder(window_size=4))
@@ -125,10 +140,14 @@ def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, ca
     assert pipe("a fox", output_type="latent", **call).tokens.min() >= 0
 
 
-def _sync_reads_allowed(rounds: int, num_tokens: int, drafts: bool) -> int:
+def _sync_reads_allowed(rounds: int, max_codes: int) -> int:
     """Reads a generation may make: one per sync, a sync every `MAX_ROUNDS_PER_SYNC` rounds while the slowest row
-    needs that many, then one per stretch the slowest row surely needs, and the last read that finds every row done."""
-    return math.ceil(rounds / MAX_ROUNDS_PER_SYNC) + math.ceil(math.log2(num_tokens)) * drafts + 1
+    needs that many, then the shorter stretches, and the last read that finds every row done. A short stretch starts
+    with ``r < K * C`` codes left (``C``: codes a round commits at most) and runs ``ceil(r / C)`` rounds of at least one
+    code each, so it leaves at most ``r (1 - 1 / C)``: at most ``log(K C) / log(C / (C - 1))`` of them (one for AR)."""
+    k = MAX_ROUNDS_PER_SYNC
+    short = 1 if max_codes == 1 else math.ceil(math.log(k * max_codes) / math.log(max_codes / (max_codes - 1))) + 1
+    return math.ceil(rounds / k) + short + 1
 
 
 @pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[0], DECODERS[2], TREES[1], TREES[3]], ids=["ar", "sjd-3", "medusa-4", "hawk"])
@@ -143,20 +162,23 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
     addresses = []
     step = DeviceLoop.step
 
+    max_codes = []
+
     def recorded_step(loop):
+        max_codes[:] = [loop.max_codes]
         addresses.append(tuple(t.data_ptr() for t in state_tensors(loop.state)) + (loop.cache.storage.data_ptr(),
                                                                                    loop.cache.row_starts.data_ptr()))
         return step(loop)
 
     monkeypatch.setattr(DeviceLoop, "step", recorded_step)
     with torch._dynamo.config.patch(error_on_recompile=True), count_rounds(pipe) as counts:  # another scale, prompts
-        out = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, generator=_generators(2), output_type="latent")
+        out = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, temperature=0.8, generator=_generators(2),
+                   output_type="latent")
     assert counts.rounds == out.stats.num_forward_passes - 1 > 0
     assert counts.recompiles == 0
     assert counts.compiled_calls == counts.rounds
     assert counts.eager_ops_per_round <= 10, counts.as_dict()
-    num_tokens = pipe.backbone.layout.num_tokens
-    assert 0 < counts.host_reads <= _sync_reads_allowed(counts.rounds, num_tokens, decoder_cls is not AutoregressiveDecoder)
+    assert 0 < counts.host_reads <= _sync_reads_allowed(counts.rounds, max_codes[0])
     assert len(set(addresses)) == 1
     explained = []
 
@@ -167,7 +189,8 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
         return step(loop)
 
     monkeypatch.setattr(DeviceLoop, "step", explain_first_round)
-    again = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, generator=_generators(2), output_type="latent")
+    again = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, temperature=0.8, generator=_generators(2),
+                 output_type="latent")
     assert torch.equal(again.tokens, out.tokens)
     assert explained[0].graph_break_count == 0 and explained[0].graph_count == 1
 
@@ -178,7 +201,7 @@ def test_reads_are_counted_where_the_round_reads(monkeypatch):
     with count_rounds(pipe) as counts:
         pipe("a fox", output_type="latent")
     baseline = counts.host_reads
-    assert 0 < baseline <= _sync_reads_allowed(counts.rounds, 64, False)
+    assert 0 < baseline <= _sync_reads_allowed(counts.rounds, 1)
 
     def reading_round(loop):
         loop.state.committed.sum().item()

@@ -40,7 +40,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..core.kv_cache import StaticKVCache
-from ..core.sampling import SamplingConfig, cfg_mix, keyed_sample
+from ..core.sampling import TINY_TEMPERATURE, SamplingConfig, cfg_mix, keyed_sample
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
 
@@ -121,9 +121,12 @@ class DeviceLoop:
 
     def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
                  cache: StaticKVCache, round_fn: Optional[Callable] = None):
-        layout, guidance_scale = backbone.layout, sampling.guidance_scale
-        # the round sees the CFG scale as a tensor only, so its graph does not depend on the scale's value
+        layout, guidance_scale, temperature = backbone.layout, sampling.guidance_scale, sampling.temperature
+        # the round sees the CFG scale and the temperature as tensors only, so its graph does not depend on their
+        # values (the logits are divided by the temperature before sampling at 1: the same floats)
         sampling = replace(sampling, guidance_scale=0.0, cfg=sampling.do_cfg) if sampling.do_cfg else sampling
+        scaled = not sampling.greedy and temperature >= TINY_TEMPERATURE  # else a constant of the graph (rare)
+        sampling = replace(sampling, temperature=1.0) if scaled else sampling
         self.backbone, self.layout, self.sampling, self.cache = backbone, layout, sampling, cache
         self.prefix_length = prefix.embeds.shape[1]
         device = prefix.embeds.device
@@ -144,6 +147,7 @@ class DeviceLoop:
         # the prompt's length and the CFG scale as data: a new prompt length or scale is not a new graph
         self.first_position = torch.tensor(self.prefix_length, device=device)
         self.guidance_scale = torch.tensor(float(guidance_scale), device=device)
+        self.temperature = torch.tensor(float(temperature), device=device) if scaled else None
         self.code_offsets = torch.arange(self.max_codes, device=device)  # (C,) the codes a round may commit
         self.round_fn = round_fn or self.default_round()
         self.num_rounds = 0
@@ -156,6 +160,12 @@ class DeviceLoop:
 
     def default_round(self) -> Callable:
         raise NotImplementedError(f"{type(self).__name__} must define `default_round`.")
+
+    def guided(self, logits: torch.Tensor) -> torch.Tensor:
+        """``(R, ..., V)`` fp32 logits -> ``(B, ..., V)``: the CFG mix at the scale tensor, divided by the temperature
+        tensor (the sampling config then says 1)."""
+        logits = cfg_mix(logits, self.guidance_scale) if self.sampling.do_cfg else logits
+        return logits / self.temperature if self.temperature is not None else logits
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         """After the prompt pass: what the subclass's state needs besides the first code ``first`` ``(B,)`` (``hidden``:
@@ -170,7 +180,7 @@ class DeviceLoop:
         with eager_target(backbone.target_module):  # the prompt's length varies: never a graph per length
             hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, self.cache)  # (R, P, D)
         logits = backbone.image_logits(hidden[:, -1:])  # (R, 1, V)
-        logits = cfg_mix(logits, self.guidance_scale) if self.sampling.do_cfg else logits  # (B, 1, V)
+        logits = self.guided(logits)  # (B, 1, V)
         first = keyed_sample(logits[:, 0], self.sampling, s.seeds, 0)  # (B,)
         s.tokens[:, 0] = first
         s.acceptance_map[:, 0] = 1
@@ -342,7 +352,7 @@ def chain_round(loop: ChainLoop) -> None:
         hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, L + 1, D)
     logits = backbone.image_logits(hidden)  # (R, L + 1, V) fp32
     # 3. CFG mix and every code slot's keyed sample
-    logits = cfg_mix(logits, loop.guidance_scale) if sampling.do_cfg else logits  # (B, L + 1, V)
+    logits = loop.guided(logits)  # (B, L + 1, V)
     samples = keyed_sample(logits, sampling, s.seeds, codes.clamp_max(n - 1))  # (B, L + 1)
     # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position
     matches = (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)
@@ -390,7 +400,7 @@ def head_tree_round(loop: HeadTreeLoop) -> None:
     hidden = backbone.forward(embeds, position_ids, loop.mask, None, cache)  # (R, T, D)
     logits = backbone.image_logits(hidden)  # (R, T, V) fp32
     # 3. CFG mix and every node's keyed sample (node i's output is for grid index newest + depth + 1)
-    logits = cfg_mix(logits, loop.guidance_scale) if sampling.do_cfg else logits  # (B, T, V)
+    logits = loop.guided(logits)  # (B, T, V)
     samples = keyed_sample(logits, sampling, s.seeds, (newest + 1).clamp_max(n - 1))  # (B, T)
     # 4. a node matches when it equals its parent's sample; the accepted node is the deepest whose path all matches
     matches = (fed == samples[:, loop.parents]) | loop.is_root  # (B, T)
