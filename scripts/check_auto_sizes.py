@@ -64,7 +64,7 @@ def worker(args) -> dict:
             for kept in per_decoder.values():
                 if type(kept.decoder) is type(pipe.decoder):
                     overhead[name] = {str(n): 1e3 * s for n, s in sorted(kept.seconds.items())}
-    costs = next(iter(pipe.__dict__["_pass_costs"].values()))
+    costs = next(iter(pipe.backbone.caches.pass_costs.values()))
     fit = costs.fitted()
     return {"chosen": chosen, "pass_cost_ms": {str(t): 1e3 * s for t, s in sorted(costs.seconds.items())},
             "fitted_pass_cost_ms": {"base": 1e3 * fit.base, "slope": 1e3 * fit.slope, "extra_slope": 1e3 * fit.extra_slope,

@@ -444,7 +444,7 @@ def test_tune_decoder_returns_the_chosen_sizes_as_config(decoder_cls, kwargs, he
         pipe.tune_decoder(batch_size=0)
     tuned = pipe.tune_decoder(batch_size=2)
     assert pipe.decoder.config[name] == size and pipe.decoder.sizes_from_pass_cost == (size == "auto")
-    assert pipe.__dict__.get("_pass_costs"), "tune_decoder measured nothing"
+    assert pipe.backbone.caches.pass_costs, "tune_decoder measured nothing"
     chosen = tuned.config[name]
     assert isinstance(chosen, int) and chosen >= 1 and not tuned.sizes_from_pass_cost and not tuned.sizes_from_family
     tuned.save_config(tmp_path)

@@ -175,7 +175,7 @@ def test_compiled_step_writes_one_static_cache_input(family, monkeypatch):
 
     pipe.enable_compile(backend=backend, measure=False)
     pipe("a red fox", guidance_scale=3.0, generator=torch.Generator().manual_seed(0), output_type="latent")
-    storage = pipe.__dict__["_static_cache"].storage
+    storage = pipe.backbone.caches.kv_cache.storage
     assert graph_inputs
     for inputs in graph_inputs:
         in_cache = [x for x in inputs if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()]
@@ -183,3 +183,24 @@ def test_compiled_step_writes_one_static_cache_input(family, monkeypatch):
         assert getattr(storage, "_dynamo_static_input_type", None) is not None
     pipe.disable_compile()
     torch._dynamo.reset()
+
+
+def test_the_backbone_is_built_once_and_owns_what_is_kept_between_calls():
+    """`pipe.backbone` is one adapter per pipeline; the static cache and the measured pass costs live on it
+    (`BackboneCaches`), not in the pipeline's `__dict__`, and a swapped component is still seen."""
+    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=2))
+    pipe.set_progress_bar_config(disable=True)
+    backbone = pipe.backbone
+    assert pipe.backbone is backbone
+    pipe.static_shapes = True
+    pipe("a fox", output_type="latent")
+    first = backbone.caches.kv_cache
+    assert first is not None and first.fixed_shape
+    pipe("a fox", output_type="latent")
+    assert backbone.caches.kv_cache is first  # kept for the next call of the same size
+    pipe.pass_cost(2)
+    assert backbone.caches.pass_costs
+    assert not {"_static_cache", "_pass_costs", "_draft_pass_costs", "_code_neighbours"} & set(pipe.__dict__)
+    other = dummy_pipeline("llamagen", JacobiDecoder(window_size=2), seed=1)
+    pipe.transformer = other.transformer
+    assert pipe.backbone is backbone and backbone.target_module is other.transformer

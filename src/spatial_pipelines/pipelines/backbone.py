@@ -2,7 +2,7 @@
 prefix it is prefilled with (`PromptEmbeddings`). One subclass per family, in that family's pipeline file."""
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
@@ -33,6 +33,26 @@ class PromptEmbeddings:
     valid: torch.Tensor
 
 
+@dataclass
+class BackboneCaches:
+    """What a backbone adapter keeps from call to call (it is built once per pipeline and reads the components when
+    asked, so nothing here goes stale when a decoder or heads change).
+
+    Args:
+        code_neighbours (`dict`): the codebook neighbour table of relaxed acceptance (`code_neighbours`), per codebook.
+        pass_costs (`dict`): measured target pass costs (`PassCostMixin.pass_cost`), per rows, device, dtype and
+            shape mode; emptied when the step is compiled or made eager again.
+        draft_pass_costs (`dict`): measured drafter pass costs (`PassCostMixin.draft_pass_cost`).
+        kv_cache (`StaticKVCache`, *optional*): the static-shape KV cache kept for the next call of the same size (its
+            address stays, which CUDA graphs replay).
+    """
+
+    code_neighbours: Dict[Any, torch.Tensor] = field(default_factory=dict)
+    pass_costs: Dict[Any, Any] = field(default_factory=dict)
+    draft_pass_costs: Dict[Any, Any] = field(default_factory=dict)
+    kv_cache: Optional[StaticKVCache] = None
+
+
 class SpatialBackbone(abc.ABC):
     """What the loop needs from a backbone family. One subclass per family, built from the pipeline's components.
 
@@ -45,6 +65,7 @@ class SpatialBackbone(abc.ABC):
 
     def __init__(self, pipe: "SpatialARPipeline"):
         self.pipe = pipe
+        self.caches = BackboneCaches()  # built once per pipeline (`SpatialARPipeline.backbone`), so they last
 
     @property
     @abc.abstractmethod
@@ -73,10 +94,10 @@ class SpatialBackbone(abc.ABC):
 
     def code_neighbours(self, k: int) -> torch.Tensor:
         """The ``k`` nearest codes of every code in `codebook` (`codebook_neighbours`: ``(V, min(k, V - 1))``, nearest
-        first), for relaxed acceptance (LANTERN). Computed once per codebook and ``k`` and cached on the pipeline; a
+        first), for relaxed acceptance (LANTERN). Computed once per codebook and ``k`` and kept in `caches`; a
         table for a larger ``k`` serves smaller ones."""
         book = self.codebook  # (V, d), L2-normalised when the tokenizer normalises
-        cache = self.pipe.__dict__.setdefault("_code_neighbours", {})
+        cache = self.caches.code_neighbours
         key = (str(book.device), tuple(book.shape), float(book.detach().double().sum()), float((book.detach().double() ** 2).sum()))
         table = cache.get(key)
         if table is None or table.shape[1] < min(k, book.shape[0] - 1):

@@ -382,7 +382,7 @@ class DraftSizingMixin:
         kept per pipeline (measured on first use of each ``T``): what ``"auto"`` draft sizes are chosen from."""
         device, dtype = self._execution_device, self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._execution_device)).dtype
         key = (rows, str(device), str(dtype), self.static_shapes)
-        costs = self.__dict__.setdefault("_pass_costs", {})
+        costs = self.backbone.caches.pass_costs
         if key not in costs:  # measured eagerly (one graph per measured T would be minutes of compiling)
             costs[key] = PassCost(self.backbone, rows, fixed_shape=self.static_shapes)
         return costs[key]
@@ -488,7 +488,7 @@ class DraftSizingMixin:
         if heads is None or heads.kind != DRAFTER:
             return None
         key = (rows, str(self._execution_device), str(next(heads.parameters()).dtype))
-        costs = self.__dict__.setdefault("_draft_pass_costs", {})
+        costs = self.backbone.caches.draft_pass_costs
         if key not in costs or costs[key].draft_heads is not heads:
             costs[key] = DraftPassCost(heads, self.backbone, rows)
         return costs[key]

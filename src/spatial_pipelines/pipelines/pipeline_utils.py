@@ -61,8 +61,12 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
     # -- components -------------------------------------------------------------------------------------
     @property
     def backbone(self) -> SpatialBackbone:
-        """The family adapter over the current components."""
-        return self.backbone_class(self)
+        """The family adapter over the current components, built once per pipeline: it reads the components when
+        asked (a swapped one is seen) and owns what is kept between calls (`BackboneCaches`)."""
+        adapter = self.__dict__.get("_backbone")
+        if adapter is None or adapter.pipe is not self or type(adapter) is not self.backbone_class:  # a copied pipeline
+            adapter = self.__dict__["_backbone"] = self.backbone_class(self)
+        return adapter
 
     @property
     def image_processor(self) -> VaeImageProcessor:

@@ -122,12 +122,12 @@ class StaticShapesMixin:
         if not self.static_shapes:
             return backbone.make_cache(rows, needed)
         length = static_cache_length(needed)
-        cache = self.__dict__.get("_static_cache")
+        cache = backbone.caches.kv_cache
         if (cache is None or cache.max_length != length or cache.storage.shape[2] != rows
                 or cache.storage.dtype != backbone.dtype or cache.storage.device != self._execution_device):
             cache = backbone.make_cache(rows, length)
             cache.fixed_shape = True
-            self.__dict__["_static_cache"] = cache
+            backbone.caches.kv_cache = cache
         cache.reset()
         mark_static_cache(cache, uses_cuda_graphs(backbone.target_module, cache.storage.device))
         return cache
@@ -205,7 +205,7 @@ class StaticShapesMixin:
         enabled = keep_if_slower or not measure or compiled[1] < eager[1]
         if not enabled:
             self.disable_compile()
-        self.__dict__["_pass_costs"] = {}  # "auto" sizes are chosen again for the forward that runs now
+        self.backbone.caches.pass_costs.clear()  # "auto" sizes are chosen again for the forward that runs now
         return {"eager_ms": {t: 1e3 * s for t, s in eager.items()}, "compiled_ms": {t: 1e3 * s for t, s in compiled.items()},
                 "enabled": enabled, "options": {k: v for k, v in options.items() if isinstance(v, (str, bool, int, float, type(None)))}}
 
@@ -216,8 +216,8 @@ class StaticShapesMixin:
         module._spatial_compile_mode = None
         module._spatial_compile_options = None
         module.__dict__.pop("_spatial_device_rounds", None)
-        self.__dict__["_pass_costs"] = {}
-        self.__dict__.pop("_static_cache", None)
+        self.backbone.caches.pass_costs.clear()
+        self.backbone.caches.kv_cache = None
 
     def _compiled_device_round(self, round_fn):
         """With the target compiled: a round that runs whole on the device (`device_loop.chain_round` or
