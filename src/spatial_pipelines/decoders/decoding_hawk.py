@@ -37,6 +37,23 @@ class HawkState(TreeState):
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
 
 
+def draft_pools(horizontal: torch.Tensor, cached: torch.Tensor, earlier_slot: torch.Tensor) -> torch.Tensor:
+    """Hawk's candidate pool per depth: rank ``r`` of [horizontal, cached vertical from ``1..VSD`` rows above],
+    ``r = 0..k-1``, with duplicates (of an earlier slot) and empty slots offered as ``-1``.
+
+    Args:
+        horizontal (`torch.LongTensor` `(B, n_h, k)`): the horizontal heads' top-k per depth.
+        cached (`torch.LongTensor` `(B, n_h, VSD, k)`): the vertical predictions cached for each depth's position.
+        earlier_slot (`torch.BoolTensor` `(S, S)`): ``[i, j]`` when pool slot ``j`` comes before slot ``i``.
+
+    Returns: `torch.LongTensor` `(B, n_h, S)`, ``S = k * (1 + VSD)``.
+    """
+    b, size = horizontal.shape[0], earlier_slot.shape[0]
+    pool = torch.cat([horizontal[:, :, None], cached], 2).transpose(2, 3).reshape(b, -1, size)  # (B, n_h, S)
+    same = pool[..., :, None] == pool[..., None, :]  # (B, n_h, S, S)
+    return pool.masked_fill((same & earlier_slot).any(-1) | (pool < 0), -1)
+
+
 class HawkDrafter(HeadDrafter):
     """Hawk's drafting on device tensors (`device_loop.HeadTreeLoop`): each row's vertical speculation cache, its
     per-depth pools, and the tree's nodes from them, as `HawkDecoder.propose` does, with each row's own newest code.
@@ -50,7 +67,7 @@ class HawkDrafter(HeadDrafter):
         super().__init__(decoder.tree, device)
         c = decoder.config
         self.vsd, self.k, self.pool_size = c.vertical_speculation_depth, c.top_k, decoder.pool_size
-        self.num_tokens, self.width = layout.num_tokens, layout.width
+        self.num_tokens = layout.num_tokens
         depth = self.tree.max_depth
         horizontal = [draft_heads.horizontal_index(o) for o in range(1, depth + 1)]
         vertical = [draft_heads.vertical_index(o) for o in range(1, self.vsd + 1)]
@@ -68,7 +85,7 @@ class HawkDrafter(HeadDrafter):
         return [self.vertical_cache]
 
     def __call__(self, backbone, hidden: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
-        b, n, cache = hidden.shape[0], self.num_tokens, self.vertical_cache
+        n, cache = self.num_tokens, self.vertical_cache
         root = committed - 1  # (B,) raster index of each row's newest code
         feats_h, feats_v = self.heads(backbone.final_norm(hidden))  # (B, n_h, H), (B, VSD, H)
         logits = backbone.output_head(torch.cat([feats_h, feats_v], 1))  # (B, n_h + VSD, V): one output-head pass
@@ -77,11 +94,8 @@ class HawkDrafter(HeadDrafter):
         if self.vsd:  # the prediction d rows below lands d * W codes later (past the grid: the spare row)
             below = root[:, None] + self.row_offsets  # (B, VSD)
             cache[self.rows, torch.where(below < n, below, n), self.distance] = vertical
-        # pool per depth: rank r of [horizontal, cached vertical from 1..VSD rows above], r = 0..k-1
         cached = cache[:, :, : self.vsd][self.rows, (root[:, None] + self.depth_offsets).clamp_max(n - 1)]  # (B, n_h, VSD, k)
-        pool = torch.cat([horizontal[:, :, None], cached], 2).transpose(2, 3).reshape(b, -1, self.pool_size)  # (B, n_h, S)
-        same = pool[..., :, None] == pool[..., None, :]  # (B, n_h, S, S)
-        pool = pool.masked_fill((same & self.earlier_slot).any(-1) | (pool < 0), -1)  # duplicates, empty: nothing
+        pool = draft_pools(horizontal, cached, self.earlier_slot)  # (B, n_h, S)
         return pool[:, self.node_depth, self.node_rank]  # (B, T - 1)
 
 
@@ -167,15 +181,13 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         return state
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional[HawkDrafter]:
-        """`HawkDrafter` over the tree in use (after the pipeline fixed its size), when the acceptance is exact."""
-        if not self.is_exact or not hasattr(draft_heads, "frozen"):
-            return None
+        """`HawkDrafter` over the tree in use (after the pipeline fixed its size)."""
         return HawkDrafter(self, draft_heads, layout, batch_size, device)
 
     def propose(self, state: HawkState, draft_heads=None) -> Draft:
         c = self.config
         vsd, k = c.vertical_speculation_depth, c.top_k
-        b, n = state.tokens.shape
+        n = state.tokens.shape[1]
         width = state.layout.width
         root = state.num_committed - 1  # raster index of the newest committed code
         logits_h, logits_v = self._heads_logits(state, draft_heads)
@@ -189,14 +201,11 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
                 cache[:, root + width : root + (rows_below + 1) * width : width].diagonal(0, 1, 2).copy_(
                     vertical[:, :rows_below].permute(0, 2, 1)
                 )
-        # pool per depth: rank r of [horizontal, cached vertical from 1..VSD rows above], r = 0..k-1
-        if root + n_h < n:
+        if root + n_h < n:  # the cached predictions for each depth's position
             cached = cache[:, root + 1 : root + 1 + n_h, :vsd]  # (B, n_h, VSD, k) a view
         else:
             cached = cache[:, (root + state.depth_offsets).clamp_max(n - 1), :vsd]
-        pool = torch.cat([horizontal[:, :, None], cached], 2).transpose(2, 3).reshape(b, -1, self.pool_size)  # (B, n_h, S)
-        same = pool[..., :, None] == pool[..., None, :]  # (B, n_h, S, S)
-        pool = pool.masked_fill((same & state.earlier_slot).any(-1) | (pool < 0), -1)  # duplicates and empty slots offer nothing
+        pool = draft_pools(horizontal, cached, state.earlier_slot)  # (B, n_h, S)
         nodes = pool[:, state.node_depth, state.node_rank]  # (B, T - 1)
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 

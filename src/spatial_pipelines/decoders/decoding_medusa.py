@@ -41,11 +41,11 @@ class MedusaDrafter(HeadDrafter):
     """Medusa's drafting on device tensors (`device_loop.HeadTreeLoop`): node ``i`` is the ``r_i``-th likeliest code
     of the horizontal head at offset ``d_i`` (its depth)."""
 
-    def __init__(self, tree, draft_heads, device):
-        super().__init__(tree, device)
-        index = [draft_heads.horizontal_index(d) for d in range(1, tree.max_depth + 1)]  # host ints, once
+    def __init__(self, decoder: "MedusaDecoder", draft_heads, device):
+        super().__init__(decoder.tree, device)
+        index = [draft_heads.horizontal_index(d) for d in range(1, self.tree.max_depth + 1)]  # host ints, once
         self.heads = draft_heads.frozen(index, [])  # weights looked up once, outside the compiled round
-        self.num_ranks = 1 + max(tree.ranks.tolist())
+        self.num_ranks = decoder._num_ranks  # candidates per head, as `propose` takes them (a host int)
 
     def __call__(self, backbone, hidden: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
         feats, _ = self.heads(backbone.final_norm(hidden))  # (B, D_tree, H)
@@ -118,10 +118,8 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional["MedusaDrafter"]:
-        """`MedusaDrafter` over the tree in use (after the pipeline fixed its size), when the acceptance is exact."""
-        if not self.is_exact or not hasattr(draft_heads, "frozen"):
-            return None
-        return MedusaDrafter(self.tree, draft_heads, device)
+        """`MedusaDrafter` over the tree in use (after the pipeline fixed its size)."""
+        return MedusaDrafter(self, draft_heads, device)
 
     def propose(self, state: TreeState, draft_heads=None) -> Draft:
         logits_h, _ = self._heads_logits(state, draft_heads)  # (B, K, V) offsets 1..K, K: the tree's depth

@@ -347,9 +347,10 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device):
         """What drafts a static tree from the draft heads in a round that runs whole on the device under keyed noise
-        (`device_loop.HeadTreeLoop`): a `device_loop.HeadDrafter` for ``batch_size`` rows, for a decoder whose tree's
-        siblings are distinct codes (or ``-1``: none) and whose acceptance is exact. ``None`` (the default): the
-        decoder's own `propose` and `step` run, in row groups."""
+        (`device_loop.HeadTreeLoop`): a `HeadDrafter` for ``batch_size`` rows, for a decoder whose tree's siblings are
+        distinct codes (or ``-1``: none). The pipeline asks only when the acceptance is exact and the heads can be
+        frozen (`SpatialDraftHeads.frozen`). ``None`` (the default): the decoder's own `propose` and `step` run, in row
+        groups."""
         return None
 
     def __init_subclass__(cls, **kwargs):

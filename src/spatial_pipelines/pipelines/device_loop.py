@@ -118,6 +118,7 @@ class DeviceLoop:
 
     fed: int  # slots a round feeds per row
     max_codes: int  # codes a round commits per row at most
+    draft_passes_per_round: int = 0  # drafting passes (the heads') a round runs besides the target's
 
     def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
                  cache: StaticKVCache, round_fn: Optional[Callable] = None):
@@ -158,8 +159,10 @@ class DeviceLoop:
     def new_state(self, **common) -> DeviceState:
         raise NotImplementedError(f"{type(self).__name__} must define `new_state`.")
 
-    def default_round(self) -> Callable:
-        raise NotImplementedError(f"{type(self).__name__} must define `default_round`.")
+    @classmethod
+    def default_round(cls) -> Callable:
+        """The round function (looked up when called: a test may swap the module's)."""
+        raise NotImplementedError(f"{cls.__name__} must define `default_round`.")
 
     def guided(self, logits: torch.Tensor) -> torch.Tensor:
         """``(R, ..., V)`` fp32 logits -> ``(B, ..., V)``: the CFG mix at the scale tensor, divided by the temperature
@@ -260,8 +263,9 @@ class ChainLoop(DeviceLoop):
         drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=common["tokens"].device)
         return ChainState(drafts=drafts, **common)
 
-    def default_round(self) -> Callable:
-        return chain_round  # looked up when the loop is made (a test may swap the module's)
+    @classmethod
+    def default_round(cls) -> Callable:
+        return chain_round
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.state.drafts.copy_(first[:, None].expand_as(self.state.drafts))  # the first row has nothing above
@@ -305,7 +309,10 @@ class HeadTreeLoop(DeviceLoop):
         kept = torch.zeros(rows, dtype=torch.long, device=device)  # the prompt pass left nothing to move
         return HeadTreeState(hidden=hidden, path=path, kept=kept, **common)
 
-    def default_round(self) -> Callable:
+    draft_passes_per_round = 1  # the heads
+
+    @classmethod
+    def default_round(cls) -> Callable:
         return head_tree_round
 
     def extra_buffers(self) -> List[torch.Tensor]:

@@ -24,7 +24,7 @@ from ..utils import (NULL_TIMER, RoundTimer, check_number, check_path_or_repo_id
                      check_weights_folder)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .callbacks import CallbackStateMixin
-from .device_loop import ChainLoop, DeviceLoop, HeadTreeLoop, chain_round, head_tree_round
+from .device_loop import ChainLoop, DeviceLoop, HeadTreeLoop
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
@@ -517,7 +517,8 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         window = self.decoder.chain_window()
         if window is not None:
             return ChainLoop, {"window": window}
-        if self.draft_heads is None or self.backbone.layout.has_eol:
+        # a head tree: accepted exactly, heads that can be frozen (`SpatialDraftHeads.frozen`), no end-of-row tokens
+        if not (self.decoder.is_exact and hasattr(self.draft_heads, "frozen")) or self.backbone.layout.has_eol:
             return None
         drafter = self.decoder.device_drafter(self.draft_heads, self.backbone.layout, batch_size, self._execution_device)
         return None if drafter is None else (HeadTreeLoop, {"drafter": drafter})
@@ -535,7 +536,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         seeds = draw_seeds(generator, batch_size) if sampling.keyed else torch.zeros(batch_size, dtype=torch.long)
         fed = loop_class.fed_slots(layout, **kwargs)
         cache = self._make_cache(backbone, rows, prefix.embeds.shape[1] + layout.sequence_length + fed)
-        round_fn = self._compiled_device_round(chain_round if loop_class is ChainLoop else head_tree_round)
+        round_fn = self._compiled_device_round(loop_class.default_round())
         loop = loop_class(backbone, sampling=sampling, seeds=seeds, prefix=prefix, cache=cache, round_fn=round_fn, **kwargs)
         loop.prefill(prefix)
         with self.progress_bar(total=layout.num_tokens * batch_size) as progress_bar:
@@ -545,7 +546,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         row_passes = (accepted > 0).sum(0).tolist()
         fed = rounds * batch_size * loop.fed
         stats = DecodingStats(
-            num_forward_passes=1 + rounds, num_draft_passes=rounds if loop_class is HeadTreeLoop else 0,
+            num_forward_passes=1 + rounds, num_draft_passes=rounds * loop.draft_passes_per_round,
             num_tokens=batch_size * layout.num_tokens,
             mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1), accepted_lengths=accepted.cpu(),
             acceptance_map=layout.grid(loop.state.acceptance_map[:, :-1]).cpu(), wall_time_s=0.0,
