@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from spatial_pipelines import AutoregressiveDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
+from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
 from spatial_pipelines.pipelines import device_loop
-from spatial_pipelines.pipelines.device_loop import MAX_ROUNDS_PER_SYNC, ChainLoop, DeviceLoop, HeadTreeLoop, chain_round, state_tensors
+from spatial_pipelines.pipelines.device_loop import (MAX_ROUNDS_PER_SYNC, ChainLoop, DeviceLoop, DynamicTreeLoop, HeadTreeLoop,
+                                                     chain_round, state_tensors)
 from spatial_pipelines.pipelines.round_counts import count_rounds
 from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
 
@@ -24,6 +25,13 @@ TREES = [(MedusaDecoder, {}), (MedusaDecoder, {"num_draft_tokens": 4}),
          (MedusaDecoder, {"num_heads": 2, "tree_paths": [[0], [1], [2], [0, 0], [0, 1], [1, 0]]}),
          (HawkDecoder, {}), (HawkDecoder, {"num_draft_tokens": 6, "vertical_speculation_depth": 0, "top_k": 3})]
 TREE_IDS = ["medusa-16", "medusa-4", "medusa-paths", "hawk-32", "hawk-6-no-vertical"]
+#: EAGLE-2's trees, grown per row every round: the family's size, and a deeper, wider one
+EAGLE_TREES = [(EagleDecoder, {}), (EagleDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 3}),
+               (ADTTreeDecoder, {"num_draft_tokens": 8, "depth": 2, "top_k": 3, "depth_step": 1, "width_step": 1,
+                                 "depth_range": (1, 4), "width_range": (2, 4)}),
+               (ADTTreeDecoder, {"num_draft_tokens": 6, "tree_init": "vertical", "beta": 0.5, "depth_range": (2, 3),
+                                 "width_range": (1, 3), "width_step": 1})]
+EAGLE_IDS = ["eagle", "eagle-8", "adt", "adt-vertical"]
 
 
 def _pipe(family, end_of_row, decoder, grid=(4, 5)):
@@ -88,20 +96,31 @@ def test_device_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_
         assert out.stats.num_forward_passes == pipe.backbone.layout.num_tokens
 
 
-@pytest.mark.parametrize("decoder_cls,kwargs", TREES, ids=TREE_IDS)
+@pytest.mark.parametrize("decoder_cls,kwargs", TREES + EAGLE_TREES, ids=TREE_IDS + EAGLE_IDS)
 @pytest.mark.parametrize("family,end_of_row", [FAMILIES[0], FAMILIES[2]], ids=["llamagen", "janus"])
-def test_head_tree_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
-    """Medusa's and Hawk's trees on the device: AR's codes, the row-group loop's codes and passes, every row as alone,
-    and the heads' passes one per round."""
+def test_tree_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+    """Medusa's and Hawk's static trees and EAGLE-2's per-row trees on the device: AR's codes, the row-group loop's
+    codes and passes (the same trees), every row as alone, and the drafting passes each round runs."""
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
     loop, out, grouped = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
-    assert isinstance(loop, HeadTreeLoop) and loop.fed == pipe.decoder.tree.num_nodes
-    assert out.stats.row_forward_passes == grouped.stats.row_forward_passes  # the same walk: the same passes
-    assert out.stats.num_draft_passes == out.stats.num_forward_passes - 1
+    grown = issubclass(decoder_cls, EagleDecoder)
+    assert isinstance(loop, DynamicTreeLoop if grown else HeadTreeLoop)
+    assert loop.fed == (loop.drafter.num_nodes + 1 if grown else pipe.decoder.tree.num_nodes)
+    if decoder_cls is ADTTreeDecoder:  # the row-group loop shares one shape among a group's rows: each row alone
+        grouped = _pipe(family, end_of_row, decoder_cls(**kwargs))
+        grouped.device_rounds = False
+        alone = [grouped([p], guidance_scale=2.0, generator=_generators(1, i), output_type="latent") for i, p in enumerate(PROMPTS)]
+        assert out.stats.row_forward_passes == [a.stats.num_forward_passes for a in alone]
+        assert out.stats.decoder_stats["mean_tree_width"] != kwargs.get("top_k", 8)  # the shapes moved
+    else:
+        assert out.stats.row_forward_passes == grouped.stats.row_forward_passes  # the same walk: the same passes
+    per_round = loop.drafter.max_depth if grown else 1
+    assert out.stats.num_draft_passes == (out.stats.num_forward_passes - 1) * per_round
     assert out.stats.accepted_lengths[1:].max() > 1  # some drafts accepted: the tree walk is exercised
 
 
-@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[2], TREES[0], TREES[3]], ids=["sjd-3", "medusa-16", "hawk-32"])
+@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[2], TREES[0], TREES[3], EAGLE_TREES[1]],
+                         ids=["sjd-3", "medusa-16", "hawk-32", "eagle-8"])
 def test_the_temperature_is_data_and_gives_ar_codes(decoder_cls, kwargs, monkeypatch):
     """The round divides the logits by a temperature tensor (no graph per value): at 0.7 and 1.6 the device rounds
     still commit what AR commits at that temperature."""
@@ -128,11 +147,14 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
 @pytest.mark.parametrize("decoder,call", [
     (MedusaDecoder(num_draft_tokens=4), {"end_of_row": True}),  # a head tree drafts no end-of-row tokens
     (MedusaDecoder(acceptance="lantern"), {"sampling_noise": "drawn"}),  # a relaxed rule
+    (EagleDecoder(acceptance="lantern"), {"sampling_noise": "drawn"}),
+    (EagleDecoder(), {"end_of_row": True}),  # per-row trees draft no end-of-row tokens either
+    (ADTTreeDecoder(tree_init="random"), {}),  # shapes drawn on the host
     (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
     (JacobiDecoder(window_size=3, init="random"), {}),  # drafts what the device round does not
     (JacobiDecoder(window_size=3), {"sampling_noise": "drawn"}),  # random draws as the decoder goes
     (JacobiDecoder(window_size=3), {"callback_on_step_end": lambda pipe, i, n, kwargs: kwargs}),  # sees every round
-], ids=["medusa-eol", "medusa-lantern", "proactive", "init-random", "drawn-noise", "callback"])
+], ids=["medusa-eol", "medusa-lantern", "eagle-lantern", "eagle-eol", "adt-random", "proactive", "init-random", "drawn-noise", "callback"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
     pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)
@@ -150,7 +172,8 @@ def _sync_reads_allowed(rounds: int, max_codes: int) -> int:
     return math.ceil(rounds / k) + short + 1
 
 
-@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[0], DECODERS[2], TREES[1], TREES[3]], ids=["ar", "sjd-3", "medusa-4", "hawk"])
+@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[0], DECODERS[2], TREES[1], TREES[3], EAGLE_TREES[1], EAGLE_TREES[2]],
+                         ids=["ar", "sjd-3", "medusa-4", "hawk", "eagle-8", "adt"])
 @pytest.mark.parametrize("family,end_of_row", [FAMILIES[0], FAMILIES[2]], ids=["llamagen", "janus"])
 def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row, decoder_cls, kwargs, monkeypatch):
     """The counted test of a second compiled generation (other prompts, another CFG scale): no recompile (dynamo

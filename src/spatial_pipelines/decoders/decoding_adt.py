@@ -7,11 +7,12 @@ import random as pyrandom
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
 
+import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..utils import check_number
-from .decoding_eagle import EagleDecoder, EagleState
+from .decoding_eagle import EagleDecoder, EagleDrafter, EagleState
 from .decoding_utils import AUTO, StepOutput, check_draft_budget, check_int
 
 __all__ = ["ADT_PRESETS", "ADTTreeDecoder"]  # what `spatial_pipelines.decoders` exports from this file
@@ -46,6 +47,63 @@ class ADTState(EagleState):
     def _after_split(self, parent, index) -> None:
         super()._after_split(parent, index)
         self.shape_generator = copy.deepcopy(parent.shape_generator)  # each part draws from its own copy
+
+
+class ADTDrafter(EagleDrafter):
+    """ADT-Tree's drafting on device tensors (`device_loop.DynamicTreeLoop`): every row keeps its own shape memory
+    ``(N + 1, 2)`` and acceptance rate, and grows its tree at its own ``(depth, top_k)`` (`ADTTreeDecoder`'s rule, per
+    row: no row shares another's shape). The expansions run at the deepest, widest shape the ranges allow (held to the
+    kept node count, `EagleDecoder._grown_shape`), and the nodes a row's own shape does not grow score ``-inf``
+    (`expand_tree`), so a row keeps the tree it grows alone, at the cost of the widest drafter passes every round."""
+
+    def __init__(self, decoder: "ADTTreeDecoder", draft_heads):
+        super().__init__(decoder, draft_heads)
+        c = decoder.config
+        self.widest = min(c.width_range[1], draft_heads.config.num_image_codes)  # k never exceeds the codebook
+        self.max_depth, self.top_k = decoder._grown_shape(c.depth_range[1], self.widest)
+        self.num_nodes = min(decoder.num_nodes, self.top_k + (self.max_depth - 1) * self.top_k**2)
+        self.tree_depth = min(self.max_depth, self.num_nodes)
+        self.draft_passes = self.max_depth
+
+    def start(self, loop) -> None:
+        super().start(loop)
+        b, device = loop.batch_size, loop.state.tokens.device
+        self.memory = torch.full((b, loop.layout.num_tokens + 1, 2), -1, dtype=torch.long, device=device)  # -1: none yet
+        self.last = torch.zeros(b, 2, dtype=torch.long, device=device)  # (B, 2) the last round's (depth, k), unclamped
+        self.grown = torch.zeros(b, 2, dtype=torch.long, device=device)  # (B, 2) the shape it was grown at
+        self.adapted = torch.zeros(b, dtype=torch.bool, device=device)  # a tree was verified: adapt from its rate
+        c = self.decoder.config  # the rule's constants, built once
+        self.first_shape = torch.tensor([c.depth, c.top_k], device=device)
+        self.step = torch.tensor([c.depth_step, -c.width_step], device=device)  # deeper, narrower when alpha >= beta
+
+    def buffers(self):
+        return super().buffers() + [self.memory, self.last, self.grown, self.adapted]
+
+    def _row_shapes(self, loop) -> torch.Tensor:
+        """`ADTTreeDecoder._tree_shape` and the bookkeeping of its `step`, per row on device tensors."""
+        c, s, width = self.decoder.config, loop.state, loop.layout.width
+        n = loop.layout.num_tokens
+        # the codes the last tree committed remember its shape; its acceptance rate is accepted drafts / grown depth
+        first = s.committed - s.fresh  # (B,)
+        offsets = self.code_offsets[None]  # (1, C)
+        target = torch.where((offsets < s.fresh[:, None]) & self.adapted[:, None], first[:, None] + offsets, n)  # (B, C)
+        self.memory.scatter_(1, target[..., None].expand(-1, -1, 2), self.last[:, None].expand(-1, target.shape[1], 2))
+        alpha = (s.fresh - 1).float() / self.grown[:, 0].clamp_min(1)  # (B,)
+        # a neighbour's shape (the one above, or the left one), else the configured one
+        left = (s.committed - 1).clamp_min(0)
+        above = s.committed - width
+        index = torch.where(above >= 0, above, left) if c.tree_init == "vertical" else left  # (B,)
+        neighbour = self.memory.gather(1, index[:, None, None].expand(-1, 1, 2))[:, 0]  # (B, 2)
+        shape = torch.where(neighbour[:, :1] >= 0, neighbour, self.first_shape)  # (B, 2)
+        move = torch.where(alpha >= c.beta, 1, -1)[:, None] * self.step  # (B, 2)
+        shape = torch.where(self.adapted[:, None], shape + move, shape)
+        depth = shape[:, 0].clamp(c.depth_range[0], c.depth_range[1])
+        k = shape[:, 1].clamp(c.width_range[0], c.width_range[1]).clamp_max(self.widest)
+        self.last.copy_(torch.stack([depth, k], 1))
+        self.grown.copy_(self.last.clamp_max(self.decoder.num_nodes))  # `_grown_shape`
+        self.adapted.fill_(True)
+        self.shape[:, 1].copy_(self.grown[:, 1])  # the report's width
+        return self.grown
 
 
 class ADTTreeDecoder(EagleDecoder):
@@ -122,6 +180,10 @@ class ADTTreeDecoder(EagleDecoder):
         if self.config.tree_init == "random":  # host draws, seeded once from the generation's random numbers
             state.shape_generator = pyrandom.Random(int(random.uniform(1)[0, 0].item() * 2**31))
         return state
+
+    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional["ADTDrafter"]:
+        """`ADTDrafter` (``tree_init="random"`` draws its shapes on the host: the row-group loop)."""
+        return None if self.config.tree_init == "random" else ADTDrafter(self, draft_heads)
 
     def _tree_shape(self, state: EagleState):
         c = self.config

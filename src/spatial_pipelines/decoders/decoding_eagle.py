@@ -15,7 +15,7 @@ their logits are mixed like the target's):
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from diffusers.configuration_utils import register_to_config
@@ -66,6 +66,170 @@ class EagleState(TreeState):
             return {}
         return {"mean_tree_depth": torch.stack(self.tree_depths).float().mean().item(),
                 "mean_tree_width": sum(self.tree_widths) / len(self.tree_widths)}
+
+
+def expand_tree(logp: torch.Tensor, feature: torch.Tensor, depth: int, k: int, cfg: bool, expansion_pass: Callable,
+                shapes: Optional[torch.Tensor] = None):
+    """Grow a tree ``depth - 1`` times from the depth-1 candidates (the ``k`` likeliest codes of ``logp`` ``(B, V)``;
+    ``feature`` ``(R, 1, D)``: the newest predicted feature): the ``k`` likeliest nodes of each depth (by cumulative
+    log-probability) read their parent's predicted feature and propose ``k`` children each.
+    ``expansion_pass(d, codes (B, k), features (R, k, D), ancestors (R, k, (d - 1) k))`` is one drafter pass over the
+    frontier at depth ``d``, each node seeing the accepted prefix and its ancestors among the tree slots fed so far;
+    it returns the predicted features ``(R, k, D)`` and the children's log-probabilities ``(B, k, V)``. Returns per depth
+    the cumulative scores, codes and parents (global node ids, -1: the root) of every generated node, each
+    ``(B, nodes at that depth)``. Every shape is fixed by ``(depth, k)``: the device round runs it as the row-group
+    loop does.
+
+    ``shapes`` ``(B, 2)``, *optional*: each row's own ``(depth, k)``, at most the ones given (ADT-Tree on the device):
+    the nodes a row's tree would not grow score ``-inf`` (a ``-inf`` frontier node's children too), so its kept nodes
+    are those of the tree grown at its own shape."""
+    b, rows_r = logp.shape[0], feature.shape[0]
+    rank = torch.arange(k, device=logp.device)  # (k,)
+
+    def grown(score: torch.Tensor, d: int) -> torch.Tensor:  # (B, ..., k) the nodes at depth d: ranks past a row's k
+        if shapes is None:
+            return score
+        keep = (rank < shapes[:, 1, None]) & (d <= shapes[:, 0, None])  # (B, k)
+        return score.masked_fill(~keep.view(b, *([1] * (score.dim() - 2)), k), float("-inf"))
+
+    score, code = logp.topk(k, dim=-1)  # (B, k)
+    score = grown(score, 1)
+    all_scores, all_codes, all_parents = [score], [code], [torch.full_like(code, -1)]  # parent -1: the root
+    feature = feature.expand(rows_r, k, -1)  # (R, k, D) the feature each frontier node reads
+    frontier_ids = torch.arange(k, device=code.device).expand(b, k)  # global ids of the frontier nodes
+    ancestors = torch.zeros(rows_r, k, 0, dtype=torch.bool, device=code.device)  # over tree slots fed so far
+    for d in range(1, depth):
+        predicted, child_logp = expansion_pass(d, code, feature, ancestors)
+        child_score, child_code = (score[..., None] + child_logp).topk(k, dim=-1)  # (B, k, k) cumulative
+        child_score = grown(child_score, d + 1)
+        base = sum(s.shape[1] for s in all_scores)
+        all_scores.append(child_score.flatten(1))
+        all_codes.append(child_code.flatten(1))
+        all_parents.append(frontier_ids[..., None].expand(b, k, k).flatten(1))
+        score, code, pick, feature, ancestors = next_frontier(cfg, child_score, child_code, predicted, ancestors, k)
+        score = grown(score, d + 1)  # a row's frontier: its own k best
+        frontier_ids = base + pick
+    return all_scores, all_codes, all_parents
+
+
+def next_frontier(cfg: bool, child_score, child_code, predicted, ancestors, k: int):
+    """The ``k`` children ``(B, k, k)`` by cumulative score form the next frontier. Returns its ``(scores (B, k), codes
+    (B, k), picks among the k * k children (B, k), features (R, k, D), ancestor slots (R, k, slots + k))``, where
+    ``slots`` is the tree slots fed before this depth (``ancestors`` ``(R, k, slots)``)."""
+    rows_r, slots = predicted.shape[0], ancestors.shape[-1]
+    score, pick = child_score.flatten(1).topk(k, dim=-1)  # (B, k)
+    code = child_code.flatten(1).gather(1, pick)
+    parent_slot = pick // k  # which frontier node each came from
+    pick_r = parent_slot.repeat(2, 1) if cfg else parent_slot
+    inherited = ancestors.gather(1, pick_r[..., None].expand(rows_r, k, slots))  # (R, k, slots)
+    parent = pick_r[..., None] == torch.arange(k, device=pick_r.device)  # (R, k, k) the parent, among the last k slots
+    feature = predicted.gather(1, pick_r[..., None].expand(rows_r, k, predicted.shape[-1]))
+    return score, code, pick, feature, torch.cat([inherited, parent], -1)
+
+
+class EagleDrafter:
+    """EAGLE-2's drafting on device tensors, for a round that runs whole on the device
+    (`spatial_pipelines.pipelines.device_loop.DynamicTreeLoop`): every row grows its own tree each round, as `propose`
+    does, with fixed shapes and no host read.
+
+    Its cache (made in `start`, over the loop's cache rows) keeps each row's accepted prefix on the device: a round
+    feeds every row ``D + 1`` slots (the codes the last round committed with the features that predicted them; the
+    row keeps as many as it committed, `StaticKVCache.keep_prefixes`), then ``depth - 1`` expansions of ``top_k`` slots
+    each, written after the row's prefix and never kept (the next round overwrites them).
+
+    Args:
+        decoder (`EagleDecoder`): the tree's size and shape (its ``num_draft_tokens`` fixed).
+        draft_heads (`EagleDraftHead`): the drafter.
+    """
+
+    per_row_trees = True  # one tree per row, grown every round (`DynamicTreeLoop`)
+
+    def __init__(self, decoder: "EagleDecoder", draft_heads):
+        self.decoder, self.heads = decoder, draft_heads
+        self.max_depth, self.top_k = decoder._grown_shape(decoder.config.depth, decoder.config.top_k)
+        grown = self.top_k + (self.max_depth - 1) * self.top_k**2  # nodes the expansions generate
+        self.num_nodes = min(decoder.num_nodes, grown)  # the kept tree (`_keep_best`)
+        self.tree_depth = min(self.max_depth, self.num_nodes)  # its depth at most: codes a round commits, less one
+        self.draft_passes = self.max_depth  # one over the committed codes, one per expansion
+        self.cache = None
+
+    def start(self, loop) -> None:
+        """After the prompt pass: an empty drafter cache over the loop's cache rows, whose rows advance on the device,
+        and the round's constants."""
+        device, n = loop.state.tokens.device, loop.layout.num_tokens
+        self.cfg, self.guidance_scale = loop.sampling.do_cfg, loop.guidance_scale
+        fed, grown = self.tree_depth + 1, (self.max_depth - 1) * self.top_k  # slots of the feed, of the expansions
+        self.extra = max(fed, grown)  # a row writes at most this far past its newest committed code
+        self.cache = self.heads.make_cache(loop.cache.num_rows, n + self.extra, fixed_shape=True, min_attend_step=64)
+        self.cache.track_rows_on_device(self.extra)
+        self.code_offsets = torch.arange(fed, device=device)  # (C,)
+        self.causal = torch.ones(fed, fed, dtype=torch.bool, device=device).tril()  # (C, C)
+        self.eye = torch.eye(self.top_k, dtype=torch.bool, device=device)  # (k, k) each frontier node sees itself
+        self.shape = torch.full((loop.batch_size, 2), self.top_k, dtype=torch.long, device=device)  # (B, 2) kept depth, k
+
+    def set_bound(self, committed: int) -> None:
+        """Before a round: no row has committed more than ``committed`` codes (a host bound)."""
+        self.cache.set_bound(committed + self.extra)
+
+    def buffers(self):
+        c = self.cache
+        return [c.storage, c.key_valid, c.row_starts, self.shape]
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Conditional rows -> every cache row (the unconditional ones read the same codes)."""
+        return torch.cat([x, x]) if self.cfg else x
+
+    def _log_probs(self, backbone, predicted: torch.Tensor) -> torch.Tensor:
+        """Drafter features ``(R, n, D)`` -> CFG-mixed log-probabilities ``(B, n, V)`` (as `EagleDecoder`'s)."""
+        logits = backbone.image_logits(predicted)  # (R, n, V)
+        logits = cfg_mix(logits, self.guidance_scale) if self.cfg else logits
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def __call__(self, loop):
+        """Each row's tree: its node codes ``(B, T - 1)`` (``-1``: not offered) and its `RowTrees`."""
+        s, backbone, cache = loop.state, loop.backbone, self.cache
+        n = loop.layout.num_tokens
+        # 1. the codes the last round committed, with the features that predicted them (slots past them: not kept)
+        raster = (s.committed - s.fresh)[:, None] + self.code_offsets  # (B, C) grid index of each fed code
+        codes = s.tokens.gather(1, raster.clamp_max(n)).clamp_min(0)  # (B, C)
+        cache.prepare_write(self.code_offsets.shape[0])
+        predicted = self.heads(s.features, backbone.embed_image_tokens(self._rows(codes)), self._rows(raster.clamp_max(n - 1)),
+                               attention_mask=self.causal, cache=cache)  # (R, C, D)
+        fresh = self._rows(s.fresh)  # (R,)
+        cache.keep_prefixes(fresh)
+        newest = predicted.gather(1, (fresh - 1).clamp_min(0)[:, None, None].expand(-1, 1, predicted.shape[-1]))  # (R, 1, D)
+        # 2. expand: the top_k likeliest nodes of each depth propose top_k children each
+        scores, codes, parents = expand_tree(self._log_probs(backbone, newest)[:, 0], newest, self.max_depth, self.top_k,
+                                             self.cfg, lambda *args: self._expansion_pass(loop, *args), self._row_shapes(loop))
+        # 3. keep the num_draft_tokens best nodes, parents before children and siblings best first
+        tree, nodes, offered = self.decoder._keep_best(scores, codes, parents, self.max_depth, self.top_k)
+        self.shape[:, 0].copy_(torch.where(offered, tree.depths, 0).max(-1).values)  # (B,) for the report
+        return nodes, tree
+
+    def _row_shapes(self, loop) -> Optional[torch.Tensor]:
+        """Each row's ``(depth, k)`` this round ``(B, 2)``, or ``None``: every row grows the drafter's shape."""
+        return None
+
+    def report(self, shapes: torch.Tensor) -> Dict[str, float]:
+        """`EagleState.report`'s statistics from the rows' ``(kept depth, k)`` over their active rounds ``(M, 2)``."""
+        if not shapes.numel():
+            return {}
+        means = shapes.float().mean(0).tolist()
+        return {"mean_tree_depth": means[0], "mean_tree_width": means[1]}
+
+    def _expansion_pass(self, loop, d: int, code: torch.Tensor, feature: torch.Tensor, ancestors: torch.Tensor):
+        """`expand_tree`'s drafter pass at depth ``d``: the frontier writes ``top_k`` slots after the ``(d - 1) top_k``
+        tree slots of this round, each row after its own prefix, and sees the prefix and its ancestors."""
+        cache, k, rows_r = self.cache, code.shape[1], feature.shape[0]
+        slots = cache.row_starts[:, None] + cache._slot_offsets[: d * k]  # (R, d k) the ancestors' slots, then its own
+        cache.write_index = slots[:, (d - 1) * k :]  # (R, k)
+        a = cache.attend_length
+        mask = cache.key_valid[:, None, :a].expand(rows_r, k, a).clone()  # (R, k, A) the accepted prefix
+        mask.scatter_(2, slots[:, None, :].expand(rows_r, k, d * k), torch.cat([ancestors, self.eye.expand(rows_r, k, k)], -1))
+        raster = (loop.state.committed[:, None] - 1 + d).clamp_max(loop.layout.num_tokens - 1).expand(-1, k)  # (B, k)
+        predicted = self.heads(feature, loop.backbone.embed_image_tokens(self._rows(code)), self._rows(raster), cache=cache,
+                               mask=mask)  # (R, k, D)
+        return predicted, self._log_probs(loop.backbone, predicted)
 
 
 class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
@@ -137,6 +301,10 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state.cfg = sampling.do_cfg
         return state
 
+    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional[EagleDrafter]:
+        """`EagleDrafter` for the tree in use (after the pipeline fixed its size)."""
+        return EagleDrafter(self, draft_heads)
+
     # -- drafting ---------------------------------------------------------------------------------------------
     def _drafter_logits(self, state: EagleState, predicted: torch.Tensor) -> torch.Tensor:
         """Drafter features ``(R, n, D)`` -> CFG-mixed log-probabilities ``(B, n, V)``."""
@@ -181,28 +349,10 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         return self._drafter_logits(state, newest)[:, 0], newest
 
     def _expand(self, state: EagleState, draft_heads, logp, feature, depth: int, k: int):
-        """Grow the tree ``depth - 1`` times from the depth-1 candidates (the ``top_k`` of ``logp`` ``(B, V)``): the
-        ``top_k`` likeliest nodes of each depth (by cumulative log-probability) read their parent's predicted
-        feature and propose ``top_k`` children each. Returns per depth the cumulative scores, codes and parents
-        (global node ids, -1: the root) of every generated node, each ``(B, nodes at that depth)``."""
-        b, rows_r = state.batch_size, feature.shape[0]
-        score, code = logp.topk(k, dim=-1)  # (B, k)
-        all_scores, all_codes, all_parents = [score], [code], [torch.full_like(code, -1)]  # parent -1: the root
-        feature = feature.expand(rows_r, k, -1)  # (R, k, D) the feature each frontier node reads
-        frontier_ids = torch.arange(k, device=code.device).expand(b, k)  # global ids of the frontier nodes
-        ancestors = torch.zeros(rows_r, k, 0, dtype=torch.bool, device=code.device)  # over tree slots fed so far
-        for d in range(1, depth):
-            slots = state.drafter_cache.length - state.committed_steps  # tree slots already in the cache
-            predicted, child_logp = self._expansion_pass(state, draft_heads, d, code, feature, ancestors)
-            child_score, child_code = (score[..., None] + child_logp).topk(k, dim=-1)  # (B, k, k) cumulative
-            base = sum(s.shape[1] for s in all_scores)
-            all_scores.append(child_score.flatten(1))
-            all_codes.append(child_code.flatten(1))
-            all_parents.append(frontier_ids[..., None].expand(b, k, k).flatten(1))
-            score, code, pick, feature, ancestors = self._next_frontier(state, child_score, child_code, predicted,
-                                                                        ancestors, slots, k)
-            frontier_ids = base + pick
-        return all_scores, all_codes, all_parents
+        """Grow the tree ``depth - 1`` times from the depth-1 candidates (`expand_tree`), each expansion a drafter
+        pass on the decoder state's cache (`_expansion_pass`)."""
+        return expand_tree(logp, feature, depth, k, state.cfg,
+                           lambda d, code, feat, ancestors: self._expansion_pass(state, draft_heads, d, code, feat, ancestors))
 
     def _expansion_pass(self, state: EagleState, draft_heads, d: int, code, feature, ancestors):
         """One drafter pass over the frontier ``code`` ``(B, k)`` at depth ``d``: each node attends to the accepted
@@ -219,22 +369,6 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state.num_draft_passes += 1
         return predicted, self._drafter_logits(state, predicted)  # (R, k, D), (B, k, V)
 
-    @staticmethod
-    def _next_frontier(state: EagleState, child_score, child_code, predicted, ancestors, slots: int, k: int):
-        """The ``top_k`` children ``(B, k, k)`` by cumulative score form the next frontier. Returns its ``(scores
-        (B, k), codes (B, k), picks among the k * k children (B, k), features (R, k, D), ancestor slots
-        (R, k, slots + k))``."""
-        rows_r = predicted.shape[0]
-        score, pick = child_score.flatten(1).topk(k, dim=-1)  # (B, k)
-        code = child_code.flatten(1).gather(1, pick)
-        parent_slot = pick // k  # which frontier node each came from
-        pick_r = parent_slot.repeat(2, 1) if state.cfg else parent_slot
-        new_slot = torch.zeros(rows_r, k, slots + k, dtype=torch.bool, device=code.device)
-        new_slot[..., :slots] = ancestors.gather(1, pick_r[..., None].expand(rows_r, k, slots))
-        new_slot[torch.arange(rows_r)[:, None], torch.arange(k)[None], slots + pick_r] = True  # the parent itself
-        feature = predicted.gather(1, pick_r[..., None].expand(rows_r, k, predicted.shape[-1]))
-        return score, code, pick, feature, new_slot
-
     def _keep_best(self, all_scores, all_codes, all_parents, depth: int, k: int):
         """The ``num_draft_tokens`` best generated nodes as one tree per row, parents before children and siblings
         best first. Returns ``(RowTrees, each kept node's code or -1 where it is not offered (B, N), offered
@@ -244,17 +378,17 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         parents = torch.cat(all_parents, 1)  # (B, M) global ids, -1: the root
         depths = torch.cat([torch.full_like(s, i + 1) for i, s in enumerate(all_scores)], 1)
         b, m = scores.shape
-        keep_score, keep = scores.clamp_min(-1e4).topk(min(self.num_nodes, m), dim=-1)  # (B, N)
+        keep_score, keep = scores.clamp_min(-1e4).topk(min(self.num_nodes, m), dim=-1)  # (B, N) -1e4: not grown
         order = (depths.gather(1, keep) * 1e6 - keep_score).argsort(-1)  # depth first, then likeliest first
         keep = keep.gather(1, order)  # (B, N) global ids in tree order
         position = torch.full((b, m), -1, dtype=torch.long, device=keep.device)
         position.scatter_(1, keep, torch.arange(1, keep.shape[1] + 1, device=keep.device).expand_as(keep))
         parent_ids = parents.gather(1, keep)  # (B, N)
         parent_pos = torch.where(parent_ids >= 0, position.gather(1, parent_ids.clamp_min(0)), 0)  # 0: the root
-        valid = parent_pos >= 0  # a node whose parent was not kept (a tie at the cut) is dropped
+        valid = (parent_pos >= 0) & (keep_score > -1e4)  # dropped: a node whose parent was not kept (a tie at the cut)
         tree_parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=keep.device), parent_pos.clamp_min(0)], 1)
         tree_valid = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=keep.device), valid], 1)
-        tree = row_trees_from_parents(tree_parents, tree_valid, depth, k)
+        tree = row_trees_from_parents(tree_parents, tree_valid, min(depth, keep.shape[1]), k)  # N kept: at most N deep
         # a dropped node's descendants are unreachable: no path from the root offers them
         reachable = tree.node_paths[..., 0] == 0
         offered = tree_valid & reachable  # (B, N + 1)

@@ -182,6 +182,8 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional[HawkDrafter]:
         """`HawkDrafter` over the tree in use (after the pipeline fixed its size)."""
+        if not hasattr(draft_heads, "frozen"):  # heads a compiled round cannot call (`SpatialDraftHeads.frozen`)
+            return None
         return HawkDrafter(self, draft_heads, layout, batch_size, device)
 
     def propose(self, state: HawkState, draft_heads=None) -> Draft:

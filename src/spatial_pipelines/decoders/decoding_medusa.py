@@ -119,6 +119,8 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional["MedusaDrafter"]:
         """`MedusaDrafter` over the tree in use (after the pipeline fixed its size)."""
+        if not hasattr(draft_heads, "frozen"):  # heads a compiled round cannot call (`SpatialDraftHeads.frozen`)
+            return None
         return MedusaDrafter(self, draft_heads, device)
 
     def propose(self, state: TreeState, draft_heads=None) -> Draft:

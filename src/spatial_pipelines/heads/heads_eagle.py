@@ -95,11 +95,12 @@ class EagleDraftHead(DraftHeadsMixin):
     def head_dim(self) -> int:
         return self.config.hidden_size // self.config.num_attention_heads
 
-    def make_cache(self, batch_size: int, max_length: int, dtype=None, device=None) -> StaticKVCache:
-        """The drafter's own KV cache: ``max_length`` slots per row (accepted prefix plus one draft tree)."""
+    def make_cache(self, batch_size: int, max_length: int, dtype=None, device=None, **kwargs) -> StaticKVCache:
+        """The drafter's own KV cache: ``max_length`` slots per row (accepted prefix plus one draft tree); ``kwargs``
+        go to `StaticKVCache` (``fixed_shape``, ...)."""
         p = next(self.parameters())
         return StaticKVCache(1, batch_size, self.layer.attention.num_kv_heads, self.head_dim, max_length,
-                             dtype=dtype or p.dtype, device=device or p.device)
+                             dtype=dtype or p.dtype, device=device or p.device, **kwargs)
 
     def forward(
         self,
@@ -109,6 +110,7 @@ class EagleDraftHead(DraftHeadsMixin):
         attention_mask: Optional[torch.Tensor] = None,
         cache: Optional[StaticKVCache] = None,
         past_visible: Optional[torch.Tensor] = None,
+        mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Predict the next features.
 
@@ -123,6 +125,9 @@ class EagleDraftHead(DraftHeadsMixin):
                 ``length`` filled slots and ``advance`` is called.
             past_visible (`torch.BoolTensor` `(B, T, length)`, *optional*): which cached slots each new input sees
                 (a tree's nodes see the accepted prefix and their own ancestors only); default all of them.
+            mask (`torch.BoolTensor` `(B, T, A)`, *optional*): the whole mask over the slots the pass attends to, the
+                new ones included, for a cache whose rows write at their own slots (`EagleDrafter`: the caller set
+                its ``write_index``); ``attention_mask`` and ``past_visible`` are then not read.
 
         Returns:
             `torch.Tensor` `(B, T, D)`: predicted pre-norm features ``f_{j+1}``.
@@ -135,7 +140,9 @@ class EagleDraftHead(DraftHeadsMixin):
         rope = self.rope_cos_sin[raster_index]  # (B, T, D/2, 2) real pairs: the head's layer is small
         if attention_mask is None:
             attention_mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        if cache is None:
+        if mask is not None:  # the caller's, over every attended slot
+            mask = mask[:, None]  # (B, 1, T, A)
+        elif cache is None:
             mask = attention_mask.expand(b, t, t)[:, None]  # (B, 1, T, T)
         elif past_visible is None:
             mask = cache.attention_mask(attention_mask, None)  # (B, 1, T, L + T)

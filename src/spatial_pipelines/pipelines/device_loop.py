@@ -35,7 +35,7 @@ exactly what it commits alone (its noise is keyed by its own seed).
 import math
 import types
 from dataclasses import dataclass, fields, replace
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -99,6 +99,27 @@ class HeadTreeState(DeviceState):
     hidden: torch.Tensor
     path: torch.Tensor
     kept: torch.Tensor
+
+
+@dataclass
+class DynamicTreeState(DeviceState):
+    """`DeviceState` plus what a drafter that grows per-row trees reads (`DynamicTreeLoop`).
+
+    Args:
+        path (`torch.LongTensor` `(R, D + 1)`), kept (`torch.LongTensor` `(R,)`): as `HeadTreeState`'s.
+        features (`torch.Tensor` `(R, D + 1, D)`): per cache row (CFG rows too), the pre-norm hidden states of the
+            last round's accepted path: the ones that predicted the codes it committed (after the prompt pass: the
+            prompt's last, in slot 0).
+        fresh (`torch.LongTensor` `(B,)`): codes the last round committed per row (the drafter has not read them yet).
+        tree_shapes (`torch.LongTensor` `(N + 1, B, 2)`): per round (as ``accepted``), each row's kept tree depth and
+            the ``k`` it was grown with.
+    """
+
+    path: torch.Tensor
+    kept: torch.Tensor
+    features: torch.Tensor
+    fresh: torch.Tensor
+    tree_shapes: torch.Tensor
 
 
 class DeviceLoop:
@@ -237,6 +258,10 @@ class DeviceLoop:
         """``(passes, B)``: what each pass committed per row, the prompt pass first."""
         return self.state.accepted[: self.num_rounds + 1]
 
+    def report(self) -> Dict[str, float]:
+        """What the decoder reports about its rounds (`DecodingStats.decoder_stats`), read after the last round."""
+        return {}
+
 
 class ChainLoop(DeviceLoop):
     """A chain decoder's generation (`SpatialDecoderMixin.chain_window`): `chain_round`, steps 1-7 of the module
@@ -288,13 +313,7 @@ class HeadTreeLoop(DeviceLoop):
         self.drafter, self.fed, self.max_codes = drafter, tree.num_nodes, tree.max_depth + 1
         self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
-        self.depths, self.mask = tree.depths, tree.attention_mask  # (T,), (T, T) each node sees its ancestors
-        self.parents = tree.parents.clamp_min(0)  # (T,) the root is its own parent (and always accepted)
-        self.is_root = self.slots == 0  # (T,)
-        self.ancestors = tree.attention_mask.float()  # (T, T) [i, j]: j is i or an ancestor (a matmul counts misses)
-        self.paths = torch.where(tree.node_paths < 0, self.slots[:, None], tree.node_paths)  # (T, D + 1) padded: itself
-        # the deepest matching node wins; siblings never both match (distinct candidates against one sample)
-        self.score = (tree.depths + 1) * tree.num_nodes - self.slots  # (T,) > 0
+        self.tree_tables = tree_tables(tree, self.slots)  # the static tree's, built once
 
     @staticmethod
     def fed_slots(layout, drafter, **_) -> int:
@@ -320,6 +339,64 @@ class HeadTreeLoop(DeviceLoop):
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.state.hidden.copy_(hidden[: self.batch_size])  # the conditional rows' (the heads read no CFG twin)
+
+
+class DynamicTreeLoop(DeviceLoop):
+    """A drafter that grows each row's own tree every round (EAGLE-2: `SpatialDecoderMixin.device_drafter` returns one
+    with ``per_row_trees``), verified exactly under keyed noise: `dynamic_tree_round`. Layouts without end-of-row
+    tokens.
+
+    Args:
+        drafter: grows the trees (`EagleDrafter`): ``drafter(loop)`` gives each row's node codes ``(B, T - 1)`` and its
+            `RowTrees`; it has ``num_nodes`` (``T - 1``), ``tree_depth`` (the trees' at most), ``draft_passes`` per
+            round, ``start(loop)`` (after the prompt pass), ``report(shapes)``, ``buffers()``
+            and ``set_bound(committed)`` (a host bound on any row's committed codes before a round). The other
+            arguments are `DeviceLoop`'s.
+    """
+
+    def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
+        if backbone.layout.has_eol:
+            raise ValueError("`DynamicTreeLoop` drafts no end-of-row tokens: a layout with EOLs takes the row-group loop.")
+        self.drafter, self.fed, self.max_codes = drafter, drafter.num_nodes + 1, drafter.tree_depth + 1
+        self.draft_passes_per_round = drafter.draft_passes
+        self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
+
+    @staticmethod
+    def fed_slots(layout, drafter, **_) -> int:
+        """Slots a round feeds per row, before the loop is made (the cache's size)."""
+        return drafter.num_nodes + 1
+
+    def new_state(self, **common) -> "DynamicTreeState":
+        device, rows = common["tokens"].device, self.cache.num_rows
+        return DynamicTreeState(
+            path=torch.zeros(rows, self.max_codes, dtype=torch.long, device=device),
+            kept=torch.zeros(rows, dtype=torch.long, device=device),  # the prompt pass left nothing to move
+            features=torch.zeros(rows, self.max_codes, self.hidden_size, dtype=self.hidden_dtype, device=device),
+            fresh=torch.zeros(self.batch_size, dtype=torch.long, device=device),
+            tree_shapes=torch.zeros(*common["accepted"].shape, 2, dtype=torch.long, device=device), **common)
+
+    @classmethod
+    def default_round(cls) -> Callable:
+        return dynamic_tree_round
+
+    def extra_buffers(self) -> List[torch.Tensor]:
+        return self.drafter.buffers()
+
+    def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.state.features[:, 0].copy_(hidden)  # the prompt's last features predicted the first code (every row)
+        self.state.fresh.fill_(1)
+        self.drafter.start(self)
+
+    def report(self) -> Dict[str, float]:
+        rounds = self.state.accepted[1 : self.num_rounds + 1] > 0  # (rounds, B) the rows' active rounds
+        return self.drafter.report(self.state.tree_shapes[1 : self.num_rounds + 1][rounds])  # (M, 2)
+
+    def step(self) -> None:
+        # the newest code of the fastest row is at most this far along (the target cache's bound, less the prompt)
+        self.drafter.set_bound(min(self.bound - self.prefix_length + 1, self.layout.num_tokens))
+        super().step()
 
 
 def fed_slots(layout, window: int) -> int:
@@ -390,31 +467,69 @@ def chain_round(loop: ChainLoop) -> None:
 def head_tree_round(loop: HeadTreeLoop) -> None:
     """One round of a head tree (`HeadTreeLoop`) on device tensors only: draft, one target pass, keyed samples, the
     deepest node whose path matches them, commit, and the path's cache slots moved to the row's first ones."""
-    s, backbone, sampling, cache = loop.state, loop.backbone, loop.sampling, loop.cache
-    n = loop.layout.num_tokens
-    active = s.committed < n  # (B,)
+    s, backbone = loop.state, loop.backbone
+    active = s.committed < loop.layout.num_tokens  # (B,)
     # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
-    cache.keep_paths(s.path, s.kept)
+    loop.cache.keep_paths(s.path, s.kept)
     # 1. draft the tree's nodes from the hidden state that predicted each row's newest code (-1: none offered)
     fed = torch.cat([s.last[:, None], loop.drafter(backbone, s.hidden, s.committed)], 1)  # (B, T) the root first
-    # 2. one target pass with the tree mask, node i at the position of grid index (newest + depth); past the grid the
-    #    positions are clamped (those nodes are never committed)
-    newest = s.committed[:, None] - 1 + loop.depths  # (B, T)
+    # 2-5. verify and commit (`verify_tree_round`)
+    hidden, path, last = verify_tree_round(loop, fed, loop.tree_tables, active)  # (R, T, D), (B, D + 1), (B, 1)
+    # 6. the heads' next input: the hidden state of the node that predicted the newest code (conditional rows)
+    node = path.gather(1, last)  # (B, 1)
+    picked = hidden[: loop.batch_size].gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # (B, D)
+    s.hidden.copy_(torch.where(active[:, None], picked, s.hidden))
+
+
+def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
+    """One round of a drafter that grows each row's own tree (`DynamicTreeLoop`, EAGLE-2) on device tensors only:
+    the drafter reads the codes the last round committed with the features that predicted them and grows the trees,
+    then one target pass, keyed samples, the deepest matching node, commit, and the features of the accepted path
+    kept for the drafter's next round."""
+    s = loop.state
+    active = s.committed < loop.layout.num_tokens  # (B,)
+    # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
+    loop.cache.keep_paths(s.path, s.kept)
+    # 1. the drafter grows one tree per row (its own cache keeps each row's accepted prefix)
+    nodes, tree = loop.drafter(loop)  # (B, T - 1) codes (-1: not offered), `RowTrees`
+    fed = torch.cat([s.last[:, None], nodes], 1)  # (B, T) the root first
+    # 2-5. verify and commit (`verify_tree_round`)
+    hidden, path, _ = verify_tree_round(loop, fed, tree_tables(tree, loop.slots), active)  # (R, T, D), (B, D + 1)
+    # 6. the drafter's next input: every row's (CFG rows too) features of the accepted path, and how many it committed
+    path_r = path.repeat(2, 1) if loop.sampling.do_cfg else path  # (R, D + 1)
+    s.features.copy_(hidden.gather(1, path_r[..., None].expand(-1, -1, hidden.shape[-1])))  # (R, D + 1, D)
+    s.fresh.copy_(s.kept[: loop.batch_size])
+    s.tree_shapes.index_copy_(0, s.rounds.clamp_max(loop.layout.num_tokens)[None], loop.drafter.shape[None])
+
+
+def verify_tree_round(loop: DeviceLoop, fed: torch.Tensor, tables: "TreeTables", active: torch.Tensor):
+    """Steps 2-5 and 7 of a tree round: one target pass over the tree ``fed`` ``(B, T)`` (root first, ``-1``: a node
+    not offered) with the tree mask, node ``i`` at the position of grid index (newest + depth; clamped past the grid,
+    where nothing is committed); every node's keyed sample; the deepest node whose path matches the samples node by
+    node (a sibling is accepted exactly when it equals its parent's sample: `verify_tree` with a point mass); the
+    samples along it committed; the path and its count left for the next round's cache move. Returns the pass's
+    hidden states ``(R, T, D)``, the accepted path ``(B, D + 1)`` (padded with its last node) and the index of the
+    newest code in it ``(B, 1)``."""
+    s, backbone, sampling, cache = loop.state, loop.backbone, loop.sampling, loop.cache
+    n = loop.layout.num_tokens
+    newest = s.committed[:, None] - 1 + tables.depths  # (B, T)
     position_ids = loop.first_position + loop.layout.sequence_offset(newest.clamp_max(n - 1))  # (B, T)
     codes = fed.clamp_min(0)  # (B, T) a slot with no candidate is fed as code 0 and never accepted
     embeds = backbone.embed_image_tokens(codes.repeat(2, 1) if sampling.do_cfg else codes)  # (R, T, D)
     position_ids = position_ids.repeat(2, 1) if sampling.do_cfg else position_ids  # (R, T)
-    hidden = backbone.forward(embeds, position_ids, loop.mask, None, cache)  # (R, T, D)
+    mask = tables.mask.repeat(2, 1, 1) if sampling.do_cfg and tables.mask.dim() == 3 else tables.mask  # (T, T) or (R, T, T)
+    hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T, D)
     logits = backbone.image_logits(hidden)  # (R, T, V) fp32
     # 3. CFG mix and every node's keyed sample (node i's output is for grid index newest + depth + 1)
     logits = loop.guided(logits)  # (B, T, V)
     samples = keyed_sample(logits, sampling, s.seeds, (newest + 1).clamp_max(n - 1))  # (B, T)
     # 4. a node matches when it equals its parent's sample; the accepted node is the deepest whose path all matches
-    matches = (fed == samples[:, loop.parents]) | loop.is_root  # (B, T)
-    on_path = ((~matches).float() @ loop.ancestors.T) == 0  # (B, T) no miss among the node and its ancestors
-    best = (on_path * loop.score).argmax(1)  # (B,)
-    path = loop.paths[best]  # (B, D + 1) root ... best, then best again
-    accepted = torch.minimum(loop.depths[best] + 1, n - s.committed) * active  # (B,) 0 once finished
+    matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
+    misses = (~matches).float()[:, None] @ tables.ancestors.transpose(-1, -2)  # (B, 1, T) misses on each node's path
+    best = ((misses[:, 0] == 0) * tables.score).argmax(1)  # (B,)
+    path = tables.paths.expand(fed.shape[0], -1, -1).gather(1, best[:, None, None].expand(-1, 1, tables.paths.shape[-1]))[:, 0]
+    depth = tables.depths.expand_as(fed).gather(1, best[:, None])[:, 0]  # (B,)
+    accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
     codes = samples.gather(1, path)  # (B, D + 1) the samples along the path: its drafts, then the bonus
     # 5. commit the run; the slots past it write the spare column N
     taken = loop.code_offsets < accepted[:, None]  # (B, D + 1)
@@ -425,14 +540,48 @@ def head_tree_round(loop: HeadTreeLoop) -> None:
     s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
     last = (accepted - 1).clamp_min(0)[:, None]  # (B, 1)
     s.last.copy_(torch.where(active, codes.gather(1, last)[:, 0], s.last))
-    # 6. the heads' next input: the hidden state of the node that predicted the newest code (conditional rows)
-    node = path.gather(1, last)  # (B, 1)
-    picked = hidden[: loop.batch_size].gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # (B, D)
-    s.hidden.copy_(torch.where(active[:, None], picked, s.hidden))
     # 7. each cache row keeps the path's slots, moved to its first ones by the next round (step 0); its CFG twin the same
     s.committed.add_(accepted)
     s.path.copy_(path.repeat(2, 1) if sampling.do_cfg else path)
     s.kept.copy_(accepted.repeat(2) if sampling.do_cfg else accepted)
+    return hidden, path, last
+
+
+@dataclass
+class TreeTables:
+    """What verifying a tree reads, for one tree ``(T, ...)`` shared by every row (`HeadTreeLoop`) or one per row
+    ``(B, T, ...)`` (`DynamicTreeLoop`).
+
+    Args:
+        depths (`torch.LongTensor` `(T,)` or `(B, T)`): node depths (root 0).
+        mask (`torch.BoolTensor` `(T, T)` or `(B, T, T)`): each node sees itself and its ancestors.
+        parents (`torch.LongTensor`): each node's parent (the root and padding: itself's slot 0, never read as a
+            match: ``is_root`` or a missing candidate).
+        is_root (`torch.BoolTensor` `(T,)`): the root, always accepted.
+        ancestors (`torch.Tensor` float): ``[.., i, j]`` is 1 when ``j`` is ``i`` or an ancestor (a matmul counts misses).
+        paths (`torch.LongTensor` `(T, D + 1)` or `(B, T, D + 1)`): root-to-node slots, padded with the node itself.
+        score (`torch.LongTensor`): > 0 for a node that may be accepted, deeper first; 0 for padding.
+    """
+
+    depths: torch.Tensor
+    mask: torch.Tensor
+    parents: torch.Tensor
+    is_root: torch.Tensor
+    ancestors: torch.Tensor
+    paths: torch.Tensor
+    score: torch.Tensor
+
+
+def tree_tables(tree, slots: torch.Tensor) -> TreeTables:
+    """`TreeTables` of a `DraftTree` (built once per generation) or of `RowTrees` (every round, on the device);
+    ``slots`` is ``0 .. T - 1`` ``(T,)``. The deepest matching node wins; siblings never both match (distinct
+    candidates against one sample)."""
+    t = tree.num_nodes
+    node = slots[None, :, None] if tree.per_row else slots[:, None]  # a node's own slot pads its path
+    valid = tree.valid if tree.per_row else True
+    return TreeTables(depths=tree.depths, mask=tree.attention_mask, parents=tree.parents.clamp_min(0), is_root=slots == 0,
+                      ancestors=tree.attention_mask.float(), paths=torch.where(tree.node_paths < 0, node, tree.node_paths),
+                      score=((tree.depths + 1) * t - slots) * valid)
 
 
 def compile_round(round_fn: Callable = None, fullgraph: bool = True, **options) -> Callable[[DeviceLoop], None]:

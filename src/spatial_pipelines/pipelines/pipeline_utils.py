@@ -24,7 +24,7 @@ from ..utils import (NULL_TIMER, RoundTimer, check_number, check_path_or_repo_id
                      check_weights_folder)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .callbacks import CallbackStateMixin
-from .device_loop import ChainLoop, DeviceLoop, HeadTreeLoop
+from .device_loop import ChainLoop, DeviceLoop, DynamicTreeLoop, HeadTreeLoop
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
@@ -517,11 +517,13 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         window = self.decoder.chain_window()
         if window is not None:
             return ChainLoop, {"window": window}
-        # a head tree: accepted exactly, heads that can be frozen (`SpatialDraftHeads.frozen`), no end-of-row tokens
-        if not (self.decoder.is_exact and hasattr(self.draft_heads, "frozen")) or self.backbone.layout.has_eol:
+        # a tree: accepted exactly, no end-of-row tokens; a static one (`HeadDrafter`) or one grown per row (EAGLE-2)
+        if not self.decoder.is_exact or self.backbone.layout.has_eol:
             return None
         drafter = self.decoder.device_drafter(self.draft_heads, self.backbone.layout, batch_size, self._execution_device)
-        return None if drafter is None else (HeadTreeLoop, {"drafter": drafter})
+        if drafter is None:
+            return None
+        return (DynamicTreeLoop if getattr(drafter, "per_row_trees", False) else HeadTreeLoop), {"drafter": drafter}
 
     #: Rounds run whole on the device where they can (`_device_plan`); ``False``: always the row-group loop (every
     #: decoder's own `propose` and `step`).
@@ -551,7 +553,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1), accepted_lengths=accepted.cpu(),
             acceptance_map=layout.grid(loop.state.acceptance_map[:, :-1]).cpu(), wall_time_s=0.0,
             padded_fraction=1 - sum(p - 1 for p in row_passes) * loop.fed / fed if fed else None,  # finished rows' slots
-            row_forward_passes=row_passes)
+            row_forward_passes=row_passes, decoder_stats=loop.report())
         return loop.grid_tokens(), stats
 
     def _run_device(self, loop: DeviceLoop, on_sync: Callable[[int], None]) -> int:
