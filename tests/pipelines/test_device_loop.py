@@ -97,19 +97,22 @@ def test_device_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_
 
 
 @pytest.mark.parametrize("decoder_cls,kwargs", TREES + EAGLE_TREES, ids=TREE_IDS + EAGLE_IDS)
-@pytest.mark.parametrize("family,end_of_row", [FAMILIES[0], FAMILIES[2]], ids=["llamagen", "janus"])
+@pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
 def test_tree_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
-    """Medusa's and Hawk's static trees and EAGLE-2's per-row trees on the device: AR's codes, the row-group loop's
-    codes and passes (the same trees), every row as alone, and the drafting passes each round runs."""
+    """Medusa's and Hawk's static trees and EAGLE-2's and ADT-Tree's per-row trees on the device, with end-of-row
+    tokens too: AR's codes, the row-group loop's codes and passes (the same trees), every row as alone, and the drafting
+    passes each round runs."""
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
     loop, out, grouped = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
     grown = issubclass(decoder_cls, EagleDecoder)
     assert isinstance(loop, DynamicTreeLoop if grown else HeadTreeLoop)
-    assert loop.fed == (loop.drafter.num_nodes + 1 if grown else pipe.decoder.tree.num_nodes)
+    assert loop.num_nodes == (loop.drafter.num_nodes + 1 if grown else pipe.decoder.tree.num_nodes)
+    assert loop.fed == loop.num_nodes + loop.eol_slots and (loop.eol_slots > 0) == end_of_row
     if decoder_cls is ADTTreeDecoder:  # the row-group loop shares one shape among a group's rows: each row alone
         grouped = _pipe(family, end_of_row, decoder_cls(**kwargs))
         grouped.device_rounds = False
-        alone = [grouped([p], guidance_scale=2.0, generator=_generators(1, i), output_type="latent") for i, p in enumerate(PROMPTS)]
+        alone = [grouped([p], guidance_scale=2.0, generator=_generators(1, i), output_type="latent")
+                 for i, p in enumerate(PROMPTS)]
         assert out.stats.row_forward_passes == [a.stats.num_forward_passes for a in alone]
         assert out.stats.decoder_stats["mean_tree_width"] != kwargs.get("top_k", 8)  # the shapes moved
     else:
@@ -145,16 +148,16 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
 
 
 @pytest.mark.parametrize("decoder,call", [
-    (MedusaDecoder(num_draft_tokens=4), {"end_of_row": True}),  # a head tree drafts no end-of-row tokens
+    (MedusaDecoder(num_heads=5, tree_paths=[[0] * d for d in range(1, 6)], num_draft_tokens=5), {"end_of_row": True}),
     (MedusaDecoder(acceptance="lantern"), {"sampling_noise": "drawn"}),  # a relaxed rule
     (EagleDecoder(acceptance="lantern"), {"sampling_noise": "drawn"}),
-    (EagleDecoder(), {"end_of_row": True}),  # per-row trees draft no end-of-row tokens either
+    (EagleDecoder(depth=5, top_k=1, num_draft_tokens=5), {"end_of_row": True}),  # 5 deep: 2 row ends in a 5-wide grid
     (ADTTreeDecoder(tree_init="random"), {}),  # shapes drawn on the host
     (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
     (JacobiDecoder(window_size=3, init="random"), {}),  # drafts what the device round does not
     (JacobiDecoder(window_size=3), {"sampling_noise": "drawn"}),  # random draws as the decoder goes
     (JacobiDecoder(window_size=3), {"callback_on_step_end": lambda pipe, i, n, kwargs: kwargs}),  # sees every round
-], ids=["medusa-eol", "medusa-lantern", "eagle-lantern", "eagle-eol", "adt-random", "proactive", "init-random", "drawn-noise", "callback"])
+], ids=["medusa-deeper-than-a-row", "medusa-lantern", "eagle-lantern", "eagle-deeper-than-a-row", "adt-random", "proactive", "init-random", "drawn-noise", "callback"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
     pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)
@@ -172,9 +175,15 @@ def _sync_reads_allowed(rounds: int, max_codes: int) -> int:
     return math.ceil(rounds / k) + short + 1
 
 
-@pytest.mark.parametrize("decoder_cls,kwargs", [DECODERS[0], DECODERS[2], TREES[1], TREES[3], EAGLE_TREES[1], EAGLE_TREES[2]],
-                         ids=["ar", "sjd-3", "medusa-4", "hawk", "eagle-8", "adt"])
-@pytest.mark.parametrize("family,end_of_row", [FAMILIES[0], FAMILIES[2]], ids=["llamagen", "janus"])
+COUNTED_DECODERS = {"ar": DECODERS[0], "sjd-3": DECODERS[2], "medusa-4": TREES[1], "hawk": TREES[3], "eagle-8": EAGLE_TREES[1],
+                    "adt": EAGLE_TREES[2]}
+COUNTED = [pytest.param(*family, *decoder, id=f"{family_id}-{decoder_id}")
+           for family, family_id in ((FAMILIES[0], "llamagen"), (FAMILIES[2], "janus"))
+           for decoder_id, decoder in COUNTED_DECODERS.items()]
+COUNTED += [pytest.param(*FAMILIES[1], *COUNTED_DECODERS[d], id=f"llamagen-eol-{d}") for d in ("medusa-4", "eagle-8")]
+
+
+@pytest.mark.parametrize("family,end_of_row,decoder_cls,kwargs", COUNTED)
 def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row, decoder_cls, kwargs, monkeypatch):
     """The counted test of a second compiled generation (other prompts, another CFG scale): no recompile (dynamo
     raises on one), one compiled region per round, at most 10 aten ops per round outside it (the sync's), and the device read once per sync; the state and

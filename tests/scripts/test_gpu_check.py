@@ -90,3 +90,23 @@ def test_gpu_check_compiled_rows_only(tmp_path):
     assert all(r["speedup_vs_eager_ar"] is None and r["speedup_vs_same_ar"] > 0 and r["round_cost_in_ar_steps"] > 0 for r in rows.values())
     table = (out / "gpu_check.md").read_text()
     assert "| - |" in table and "only the cost of a round" in table  # random heads: said so
+
+
+def test_the_cpu_check_is_the_real_check_on_the_embedded_model():
+    """``--cpu``: the embedded model (not the tiny ones) in fp32 with inductor, no roofline and no 1B-class backbone;
+    it is not a dry run, and it refuses ``--dry-run`` beside it."""
+    import importlib.util
+
+    import pytest
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_check", "scripts/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    args = gpu_check.parse_args(["--out", "x", "--cpu"])
+    assert args.device.type == "cpu" and not args.dry_run and args.dtype == torch.float32
+    assert args.compile_backend == "inductor" and args.skip_roofline and args.models == ["embedded"]
+    assert args.counted_rounds == 32
+    assert gpu_check.parse_args(["--out", "x"]).models == list(gpu_check.MODELS)
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--out", "x", "--cpu", "--dry-run"])

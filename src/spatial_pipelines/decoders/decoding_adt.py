@@ -13,7 +13,7 @@ from diffusers.configuration_utils import register_to_config
 from ..core.acceptance import AcceptanceLike
 from ..utils import check_number
 from .decoding_eagle import EagleDecoder, EagleDrafter, EagleState
-from .decoding_utils import AUTO, StepOutput, check_draft_budget, check_int
+from .decoding_utils import StepOutput, check_draft_budget, check_int
 
 __all__ = ["ADT_PRESETS", "ADTTreeDecoder"]  # what `spatial_pipelines.decoders` exports from this file
 
@@ -63,6 +63,7 @@ class ADTDrafter(EagleDrafter):
         self.max_depth, self.top_k = decoder._grown_shape(c.depth_range[1], self.widest)
         self.num_nodes = min(decoder.num_nodes, self.top_k + (self.max_depth - 1) * self.top_k**2)
         self.tree_depth = min(self.max_depth, self.num_nodes)
+        self.nodes_per_depth = self._nodes_per_depth()
         self.draft_passes = self.max_depth
 
     def start(self, loop) -> None:

@@ -150,8 +150,13 @@ class EagleDrafter:
         grown = self.top_k + (self.max_depth - 1) * self.top_k**2  # nodes the expansions generate
         self.num_nodes = min(decoder.num_nodes, grown)  # the kept tree (`_keep_best`)
         self.tree_depth = min(self.max_depth, self.num_nodes)  # its depth at most: codes a round commits, less one
+        self.nodes_per_depth = self._nodes_per_depth()
         self.draft_passes = self.max_depth  # one over the committed codes, one per expansion
         self.cache = None
+
+    def _nodes_per_depth(self) -> int:
+        """Kept nodes at one depth at most: ``top_k`` at depth 1, ``top_k`` children of ``top_k`` frontier nodes below."""
+        return min(self.num_nodes, self.top_k ** min(self.tree_depth, 2))
 
     def start(self, loop) -> None:
         """After the prompt pass: an empty drafter cache over the loop's cache rows, whose rows advance on the device,

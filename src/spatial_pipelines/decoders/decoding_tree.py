@@ -72,6 +72,8 @@ class HeadDrafter:
     def __init__(self, tree: DraftTree, device):
         self.tree = tree.to(device)
         self.node_depth, self.node_rank = self.tree.depths[1:] - 1, self.tree.ranks[1:]  # (T - 1,) head and rank
+        self.tree_depth = tree.max_depth  # host ints: the loop's shapes
+        self.nodes_per_depth = int(torch.bincount(tree.depths).max())
 
     def __call__(self, backbone, hidden: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define `__call__`.")

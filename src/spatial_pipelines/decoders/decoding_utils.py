@@ -346,11 +346,12 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         return None
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device):
-        """What drafts a static tree from the draft heads in a round that runs whole on the device under keyed noise
-        (`device_loop.HeadTreeLoop`): a `HeadDrafter` for ``batch_size`` rows, for a decoder whose tree's siblings are
-        distinct codes (or ``-1``: none). The pipeline asks only when the acceptance is exact and the heads can be
-        frozen (`SpatialDraftHeads.frozen`). ``None`` (the default): the decoder's own `propose` and `step` run, in row
-        groups."""
+        """What drafts the tree in a round that runs whole on the device under keyed noise, for a decoder whose
+        siblings are distinct codes (or ``-1``: none): a `HeadDrafter` for ``batch_size`` rows (a static tree,
+        `device_loop.HeadTreeLoop`), or a drafter with ``per_row_trees`` that grows each row's tree
+        (`device_loop.DynamicTreeLoop`, `EagleDrafter`); either has ``tree_depth`` and ``nodes_per_depth`` (host ints,
+        at most). The pipeline asks only when the acceptance is exact. ``None`` (the default): the decoder's own
+        `propose` and `step` run, in row groups."""
         return None
 
     def __init_subclass__(cls, **kwargs):

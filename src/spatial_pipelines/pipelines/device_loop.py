@@ -1,5 +1,6 @@
 """Rounds that run whole on the device, every row on its own, under keyed noise (or greedy): chain decoders (AR and
-SJD, `ChainLoop`) and head trees (Medusa, `HeadTreeLoop`).
+SJD, `ChainLoop`), static head trees (Medusa, Hawk: `HeadTreeLoop`) and trees a drafter grows per row (EAGLE-2,
+ADT-Tree: `DynamicTreeLoop`).
 
 A chain decoder feeds, per row, its newest committed code and ``L`` drafts for the positions after it (``L = 0``:
 AR), and commits the longest prefix of drafts that equal the target's own keyed samples, plus the sample after it.
@@ -17,10 +18,15 @@ tensors with fixed shapes (`chain_round`):
 7. each cache row keeps its first ``a`` fed slots (a prefix: nothing moves), and its start moves by ``a``.
 
 A head tree (`head_tree_round`) drafts a static tree of the draft heads' candidates (Medusa's top-k, Hawk's pools)
-from the hidden state that predicted each row's newest code (the decoder's `HeadDrafter`), feeds it with the tree mask, and accepts the deepest node whose path matches the
-keyed samples node by node (a sibling is accepted exactly when it equals its parent's sample, as `verify_tree` does
-with a point mass); the codes are the samples along that path, and the cache moves the path's slots to the row's
-first ones (`StaticKVCache.keep_paths`).
+from the hidden state that predicted each row's newest code (the decoder's `HeadDrafter`), feeds it with the tree
+mask, and accepts the deepest node whose path matches the keyed samples node by node (a sibling is accepted exactly
+when it equals its parent's sample, as `verify_tree` does with a point mass); the codes are the samples along that
+path, and the cache moves the path's slots to the row's first ones (`StaticKVCache.keep_paths`). A grown tree
+(`dynamic_tree_round`) comes from a drafter with its own cache (`EagleDrafter`): it reads the codes the last round
+committed with the target features that predicted them, grows one tree per row (`RowTrees`), and the same
+verification (`verify_tree_round`) reads that tree's per-row tables. With end-of-row tokens a tree round also feeds
+one EOL slot per node at the depth whose code ends a row (`end_of_row_slots`): the node's children see it, its output
+predicts the next row's first code, and the cache keeps it where the accepted path crossed the row end.
 
 Nothing in a round reads the device or branches on a device value, and no tensor is built from Python values, so
 the round compiles with ``fullgraph=True`` and its buffers keep their addresses (CUDA graphs replay it). The host
@@ -42,7 +48,7 @@ import torch
 from ..core.kv_cache import StaticKVCache
 from ..core.sampling import TINY_TEMPERATURE, SamplingConfig, cfg_mix, keyed_sample
 from .backbone import PromptEmbeddings, SpatialBackbone
-from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
+from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 
 #: At most this many rounds run between two reads of the device. Between reads the host bounds every row's cache
 #: length by the slots a round feeds, and each pass attends to that bound, so a long stretch attends to slots no row
@@ -296,9 +302,41 @@ class ChainLoop(DeviceLoop):
         self.state.drafts.copy_(first[:, None].expand_as(self.state.drafts))  # the first row has nothing above
 
 
-class HeadTreeLoop(DeviceLoop):
+class TreeLoop(DeviceLoop):
+    """What the tree loops share: ``T`` tree nodes per row, then (with end-of-row tokens) ``E`` EOL slots, one for each
+    node at the depth whose code ends a row (`end_of_row_slots`; at most one such depth, the tree being shallower than
+    a row); the accepted path's cache slots (an EOL slot among them where it crossed a row end) moved by the next
+    round. A subclass sets ``drafter``, ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before
+    `DeviceLoop.__init__`."""
+
+    def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
+                 cache: StaticKVCache, round_fn: Optional[Callable] = None):
+        layout = backbone.layout
+        if layout.has_eol and self.max_codes > layout.width:
+            raise ValueError(f"A tree of depth {self.max_codes - 1} crosses two row ends of a {layout.width}-wide grid "
+                             "in one round: such a tree takes the row-group loop.")
+        self.fed = self.num_nodes + self.eol_slots
+        self.path_slots = self.max_codes + int(layout.has_eol)  # a crossed row end keeps its EOL slot too
+        self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
+        device = prefix.embeds.device
+        self.node_slots = self.slots[: self.num_nodes]  # (T,)
+        self.eol_offsets = torch.arange(self.eol_slots, device=device)  # (E,)
+        self.eol_eye = torch.eye(self.eol_slots, dtype=torch.bool, device=device)  # (E, E) an EOL slot sees itself
+        self.path_offsets = torch.arange(self.path_slots, device=device)  # (D + 1 (+ 1),)
+
+    @staticmethod
+    def eol_slot_count(layout, nodes_per_depth: int) -> int:
+        """EOL slots a round feeds: as many as the most nodes at one depth, where the layout has EOLs."""
+        return nodes_per_depth if layout.has_eol else 0
+
+    def extra_buffers(self) -> List[torch.Tensor]:
+        return self.drafter.buffers()
+
+
+class HeadTreeLoop(TreeLoop):
     """A static tree of draft-head candidates (Medusa, Hawk: `SpatialDecoderMixin.device_drafter`), verified exactly
-    under keyed noise: `head_tree_round`. Layouts without end-of-row tokens.
+    under keyed noise: `head_tree_round`.
 
     Args:
         drafter (`HeadDrafter`): drafts the tree's nodes from each row's hidden state; the other arguments are
@@ -307,24 +345,22 @@ class HeadTreeLoop(DeviceLoop):
 
     def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
                  prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
-        if backbone.layout.has_eol:
-            raise ValueError("`HeadTreeLoop` drafts no end-of-row tokens: a layout with EOLs takes the row-group loop.")
         tree = drafter.tree
-        self.drafter, self.fed, self.max_codes = drafter, tree.num_nodes, tree.max_depth + 1
-        self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
+        self.drafter, self.num_nodes, self.max_codes = drafter, tree.num_nodes, tree.max_depth + 1
+        self.eol_slots = self.eol_slot_count(backbone.layout, drafter.nodes_per_depth)
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
-        self.tree_tables = tree_tables(tree, self.slots)  # the static tree's, built once
+        self.tree_tables = tree_tables(tree, self.node_slots)  # the static tree's, built once
 
     @staticmethod
     def fed_slots(layout, drafter, **_) -> int:
         """Slots a round feeds per row, before the loop is made (the cache's size)."""
-        return drafter.tree.num_nodes
+        return drafter.tree.num_nodes + TreeLoop.eol_slot_count(layout, drafter.nodes_per_depth)
 
     def new_state(self, **common) -> HeadTreeState:
         device = common["tokens"].device
         hidden = torch.zeros(self.batch_size, self.hidden_size, dtype=self.hidden_dtype, device=device)
         rows = self.cache.num_rows
-        path = torch.zeros(rows, self.max_codes, dtype=torch.long, device=device)
+        path = torch.zeros(rows, self.path_slots, dtype=torch.long, device=device)
         kept = torch.zeros(rows, dtype=torch.long, device=device)  # the prompt pass left nothing to move
         return HeadTreeState(hidden=hidden, path=path, kept=kept, **common)
 
@@ -334,44 +370,38 @@ class HeadTreeLoop(DeviceLoop):
     def default_round(cls) -> Callable:
         return head_tree_round
 
-    def extra_buffers(self) -> List[torch.Tensor]:
-        return self.drafter.buffers()
-
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.state.hidden.copy_(hidden[: self.batch_size])  # the conditional rows' (the heads read no CFG twin)
 
 
-class DynamicTreeLoop(DeviceLoop):
+class DynamicTreeLoop(TreeLoop):
     """A drafter that grows each row's own tree every round (EAGLE-2: `SpatialDecoderMixin.device_drafter` returns one
-    with ``per_row_trees``), verified exactly under keyed noise: `dynamic_tree_round`. Layouts without end-of-row
-    tokens.
+    with ``per_row_trees``), verified exactly under keyed noise: `dynamic_tree_round`.
 
     Args:
         drafter: grows the trees (`EagleDrafter`): ``drafter(loop)`` gives each row's node codes ``(B, T - 1)`` and its
-            `RowTrees`; it has ``num_nodes`` (``T - 1``), ``tree_depth`` (the trees' at most), ``draft_passes`` per
-            round, ``start(loop)`` (after the prompt pass), ``report(shapes)``, ``buffers()``
-            and ``set_bound(committed)`` (a host bound on any row's committed codes before a round). The other
-            arguments are `DeviceLoop`'s.
+            `RowTrees`; it has ``num_nodes`` (``T - 1``), ``tree_depth`` (the trees' at most), ``nodes_per_depth`` (at
+            most), ``draft_passes`` per round, ``start(loop)`` (after the prompt pass), ``report(shapes)``,
+            ``buffers()`` and ``set_bound(committed)`` (a host bound on any row's committed codes before a round).
+            The other arguments are `DeviceLoop`'s.
     """
 
     def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
                  prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
-        if backbone.layout.has_eol:
-            raise ValueError("`DynamicTreeLoop` drafts no end-of-row tokens: a layout with EOLs takes the row-group loop.")
-        self.drafter, self.fed, self.max_codes = drafter, drafter.num_nodes + 1, drafter.tree_depth + 1
+        self.drafter, self.num_nodes, self.max_codes = drafter, drafter.num_nodes + 1, drafter.tree_depth + 1
+        self.eol_slots = self.eol_slot_count(backbone.layout, drafter.nodes_per_depth)
         self.draft_passes_per_round = drafter.draft_passes
-        self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
 
     @staticmethod
     def fed_slots(layout, drafter, **_) -> int:
         """Slots a round feeds per row, before the loop is made (the cache's size)."""
-        return drafter.num_nodes + 1
+        return drafter.num_nodes + 1 + TreeLoop.eol_slot_count(layout, drafter.nodes_per_depth)
 
     def new_state(self, **common) -> "DynamicTreeState":
         device, rows = common["tokens"].device, self.cache.num_rows
         return DynamicTreeState(
-            path=torch.zeros(rows, self.max_codes, dtype=torch.long, device=device),
+            path=torch.zeros(rows, self.path_slots, dtype=torch.long, device=device),
             kept=torch.zeros(rows, dtype=torch.long, device=device),  # the prompt pass left nothing to move
             features=torch.zeros(rows, self.max_codes, self.hidden_size, dtype=self.hidden_dtype, device=device),
             fresh=torch.zeros(self.batch_size, dtype=torch.long, device=device),
@@ -380,9 +410,6 @@ class DynamicTreeLoop(DeviceLoop):
     @classmethod
     def default_round(cls) -> Callable:
         return dynamic_tree_round
-
-    def extra_buffers(self) -> List[torch.Tensor]:
-        return self.drafter.buffers()
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.state.features[:, 0].copy_(hidden)  # the prompt's last features predicted the first code (every row)
@@ -474,9 +501,9 @@ def head_tree_round(loop: HeadTreeLoop) -> None:
     # 1. draft the tree's nodes from the hidden state that predicted each row's newest code (-1: none offered)
     fed = torch.cat([s.last[:, None], loop.drafter(backbone, s.hidden, s.committed)], 1)  # (B, T) the root first
     # 2-5. verify and commit (`verify_tree_round`)
-    hidden, path, last = verify_tree_round(loop, fed, loop.tree_tables, active)  # (R, T, D), (B, D + 1), (B, 1)
+    hidden, path, accepted = verify_tree_round(loop, fed, loop.tree_tables, active)  # (R, T, D), (B, D + 1), (B,)
     # 6. the heads' next input: the hidden state of the node that predicted the newest code (conditional rows)
-    node = path.gather(1, last)  # (B, 1)
+    node = path.gather(1, (accepted - 1).clamp_min(0)[:, None])  # (B, 1)
     picked = hidden[: loop.batch_size].gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # (B, D)
     s.hidden.copy_(torch.where(active[:, None], picked, s.hidden))
 
@@ -494,35 +521,49 @@ def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
     nodes, tree = loop.drafter(loop)  # (B, T - 1) codes (-1: not offered), `RowTrees`
     fed = torch.cat([s.last[:, None], nodes], 1)  # (B, T) the root first
     # 2-5. verify and commit (`verify_tree_round`)
-    hidden, path, _ = verify_tree_round(loop, fed, tree_tables(tree, loop.slots), active)  # (R, T, D), (B, D + 1)
+    tables = tree_tables(tree, loop.node_slots)  # per row
+    hidden, path, accepted = verify_tree_round(loop, fed, tables, active)  # (R, T, D), (B, D + 1), (B,)
     # 6. the drafter's next input: every row's (CFG rows too) features of the accepted path, and how many it committed
     path_r = path.repeat(2, 1) if loop.sampling.do_cfg else path  # (R, D + 1)
     s.features.copy_(hidden.gather(1, path_r[..., None].expand(-1, -1, hidden.shape[-1])))  # (R, D + 1, D)
-    s.fresh.copy_(s.kept[: loop.batch_size])
+    s.fresh.copy_(accepted)
     s.tree_shapes.index_copy_(0, s.rounds.clamp_max(loop.layout.num_tokens)[None], loop.drafter.shape[None])
 
 
-def verify_tree_round(loop: DeviceLoop, fed: torch.Tensor, tables: "TreeTables", active: torch.Tensor):
+def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", active: torch.Tensor):
     """Steps 2-5 and 7 of a tree round: one target pass over the tree ``fed`` ``(B, T)`` (root first, ``-1``: a node
     not offered) with the tree mask, node ``i`` at the position of grid index (newest + depth; clamped past the grid,
-    where nothing is committed); every node's keyed sample; the deepest node whose path matches the samples node by
-    node (a sibling is accepted exactly when it equals its parent's sample: `verify_tree` with a point mass); the
-    samples along it committed; the path and its count left for the next round's cache move. Returns the pass's
-    hidden states ``(R, T, D)``, the accepted path ``(B, D + 1)`` (padded with its last node) and the index of the
-    newest code in it ``(B, 1)``."""
-    s, backbone, sampling, cache = loop.state, loop.backbone, loop.sampling, loop.cache
-    n = loop.layout.num_tokens
-    newest = s.committed[:, None] - 1 + tables.depths  # (B, T)
-    position_ids = loop.first_position + loop.layout.sequence_offset(newest.clamp_max(n - 1))  # (B, T)
+    where nothing is committed), and the EOL slots where the layout has them (`end_of_row_slots`); every node's keyed
+    sample; the deepest node whose path matches the samples node by node (a sibling is accepted exactly when it equals
+    its parent's sample: `verify_tree` with a point mass); the samples along it committed; the path's cache slots and
+    their count left for the next round's move. Returns the hidden states each node's output stands for ``(R, T, D)``
+    (a node that ends a row: its EOL slot's), the accepted path ``(B, D + 1)`` (padded with its last node) and the
+    codes each row committed ``(B,)``."""
+    s, backbone, sampling, cache, layout = loop.state, loop.backbone, loop.sampling, loop.cache, loop.layout
+    n = layout.num_tokens
+    newest = s.committed[:, None] - 1 + tables.depths  # (B, T) the grid index each node drafts (the root: the newest)
+    offsets = layout.sequence_offset(newest.clamp_max(n - 1))  # (B, T)
+    predicts = newest + 1  # (B, T) the grid index each fed slot's output predicts
     codes = fed.clamp_min(0)  # (B, T) a slot with no candidate is fed as code 0 and never accepted
     embeds = backbone.embed_image_tokens(codes.repeat(2, 1) if sampling.do_cfg else codes)  # (R, T, D)
-    position_ids = position_ids.repeat(2, 1) if sampling.do_cfg else position_ids  # (R, T)
-    mask = tables.mask.repeat(2, 1, 1) if sampling.do_cfg and tables.mask.dim() == 3 else tables.mask  # (T, T) or (R, T, T)
-    hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T, D)
-    logits = backbone.image_logits(hidden)  # (R, T, V) fp32
-    # 3. CFG mix and every node's keyed sample (node i's output is for grid index newest + depth + 1)
-    logits = loop.guided(logits)  # (B, T, V)
-    samples = keyed_sample(logits, sampling, s.seeds, (newest + 1).clamp_max(n - 1))  # (B, T)
+    mask = tables.mask  # (T, T) or (B, T, T)
+    if layout.has_eol:  # the EOL slots after the nodes that end a row
+        eol = end_of_row_slots(loop, tables, s.committed)
+        offsets, predicts = torch.cat([offsets, eol.offsets], 1), torch.cat([predicts, eol.predicts], 1)  # (B, T + E)
+        eol_embeds = backbone.eol_embedding.to(embeds.dtype).expand(embeds.shape[0], loop.eol_slots, -1)
+        embeds, mask = torch.cat([embeds, eol_embeds], 1), eol.mask  # (R, T + E, D), (B, T + E, T + E)
+    position_ids = loop.first_position + offsets.clamp_max(layout.sequence_length - 1)  # (B, T (+ E))
+    position_ids = position_ids.repeat(2, 1) if sampling.do_cfg else position_ids  # (R, T (+ E))
+    mask = mask.repeat(2, 1, 1) if sampling.do_cfg and mask.dim() == 3 else mask
+    hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T (+ E), D)
+    logits = backbone.image_logits(hidden)  # (R, T (+ E), V) fp32
+    # 3. CFG mix and every slot's keyed sample, then the sample each node's output stands for (a row end: its EOL's)
+    logits = loop.guided(logits)  # (B, T (+ E), V)
+    samples = keyed_sample(logits, sampling, s.seeds, predicts.clamp_max(n - 1))  # (B, T (+ E))
+    if layout.has_eol:
+        samples = samples.gather(1, eol.predictor)  # (B, T)
+        predictor = eol.predictor.repeat(2, 1) if sampling.do_cfg else eol.predictor  # (R, T)
+        hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
     # 4. a node matches when it equals its parent's sample; the accepted node is the deepest whose path all matches
     matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
     misses = (~matches).float()[:, None] @ tables.ancestors.transpose(-1, -2)  # (B, 1, T) misses on each node's path
@@ -540,11 +581,76 @@ def verify_tree_round(loop: DeviceLoop, fed: torch.Tensor, tables: "TreeTables",
     s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
     last = (accepted - 1).clamp_min(0)[:, None]  # (B, 1)
     s.last.copy_(torch.where(active, codes.gather(1, last)[:, 0], s.last))
-    # 7. each cache row keeps the path's slots, moved to its first ones by the next round (step 0); its CFG twin the same
+    # 7. each cache row keeps the path's slots (and a crossed row end's EOL slot), moved by the next round (step 0)
+    kept_path, kept = (path_with_end_of_row(loop, eol, path, accepted) if layout.has_eol else (path, accepted))
     s.committed.add_(accepted)
-    s.path.copy_(path.repeat(2, 1) if sampling.do_cfg else path)
-    s.kept.copy_(accepted.repeat(2) if sampling.do_cfg else accepted)
-    return hidden, path, last
+    s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
+    s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
+    return hidden, path, accepted
+
+
+@dataclass
+class EndOfRowSlots:
+    """A round's EOL slots (`end_of_row_slots`), per row.
+
+    Args:
+        depth (`torch.LongTensor` `(B,)`): the depth whose code ends a row (meaningful where ``ends``).
+        ends (`torch.BoolTensor` `(B,)`): a row end (not the grid's last) falls within the tree.
+        predictor (`torch.LongTensor` `(B, T)`): the fed slot whose output predicts the code after each node: the
+            node itself, or its EOL slot ``T + j``.
+        offsets (`torch.LongTensor` `(B, E)`), predicts (`torch.LongTensor` `(B, E)`): each EOL slot's sequence offset
+            and the grid index its output predicts.
+        mask (`torch.BoolTensor` `(B, T + E, T + E)`): the tree mask with the EOL slots.
+    """
+
+    depth: torch.Tensor
+    ends: torch.Tensor
+    predictor: torch.Tensor
+    offsets: torch.Tensor
+    predicts: torch.Tensor
+    mask: torch.Tensor
+
+
+def end_of_row_slots(loop: TreeLoop, tables: "TreeTables", committed: torch.Tensor) -> EndOfRowSlots:
+    """Per row, the EOL slots of a tree round: the nodes at the depth whose code ends a row take EOL slot ``j`` each
+    (in node order; the tree is shallower than a row, so at most one depth does). An EOL slot sits one sequence
+    position after its node's code, sees that node and its ancestors, and is seen by the node's descendants; its
+    output predicts the next row's first code. Unused slots see only themselves and no node sees them."""
+    layout, t, e = loop.layout, loop.num_nodes, loop.eol_slots
+    b, n = committed.shape[0], layout.num_tokens
+    newest = committed - 1  # (B,)
+    depth = layout.width - 1 - newest % layout.width  # (B,) the depth whose code ends the newest code's row
+    ends = (newest // layout.width < layout.height - 1) & (depth < loop.max_codes)  # (B,)
+    depths = tables.depths.expand(b, t)  # (B, T)
+    at_end = (depths == depth[:, None]) & ends[:, None] & tables.valid  # (B, T)
+    rank = at_end.long().cumsum(1) - 1  # (B, T) the node's EOL slot
+    at_end = at_end & (rank < e)
+    node = loop.node_slots.expand(b, t)  # (B, T)
+    owner = torch.full((b, e + 1), -1, dtype=torch.long, device=committed.device)  # (B, E + 1) a spare column
+    owner = owner.scatter(1, torch.where(at_end, rank, e), torch.where(at_end, node, -1))[:, :e]  # (B, E) -1: unused
+    used, owner0 = owner >= 0, owner.clamp_min(0)
+    ancestors = tables.mask.expand(b, t, t)  # (B, T, T) [i, j]: j is i or an ancestor of i
+    # node i sees EOL slot j when the slot's node is a strict ancestor of i; the slot sees its node's ancestors
+    sees = ancestors.gather(2, owner0[:, None, :].expand(b, t, e)) & (node[:, :, None] != owner0[:, None, :]) & used[:, None, :]
+    seen = ancestors.gather(1, owner0[:, :, None].expand(b, e, t)) & used[:, :, None]  # (B, E, T)
+    mask = torch.cat([torch.cat([ancestors, sees], 2), torch.cat([seen, loop.eol_eye.expand(b, e, e)], 2)], 1)
+    end_code = (newest + depth).clamp_max(n - 1)  # (B,) the code that ends the row
+    offsets = (layout.sequence_offset(end_code) + 1)[:, None].expand(b, e)  # (B, E) the EOL's own position
+    return EndOfRowSlots(depth=depth, ends=ends, predictor=torch.where(at_end, t + rank, node),
+                         offsets=offsets, predicts=(end_code + 1)[:, None].expand(b, e), mask=mask)
+
+
+def path_with_end_of_row(loop: TreeLoop, eol: EndOfRowSlots, path: torch.Tensor, accepted: torch.Tensor):
+    """The cache slots a row keeps: its accepted path's ``accepted`` nodes, with the EOL slot after the node that
+    ends a row when the path reaches it (the sequence has the EOL there). Returns ``(slots (B, D + 2), count (B,))``."""
+    offsets, d = loop.path_offsets, eol.depth[:, None]  # (D + 2,), (B, 1)
+    crossed = eol.ends & (eol.depth < accepted)  # (B,) the kept nodes include the row's last code
+    source = torch.where(offsets <= d, offsets, offsets - 1).clamp_max(path.shape[1] - 1)  # (B, D + 2)
+    shifted = path.gather(1, source)  # the path, one later after the row end
+    end_node = path.gather(1, d.clamp_max(path.shape[1] - 1))  # (B, 1)
+    shifted = torch.where(offsets == d + 1, eol.predictor.gather(1, end_node), shifted)  # its EOL slot
+    padded = torch.cat([path, path[:, -1:]], 1)  # (B, D + 2)
+    return torch.where(crossed[:, None], shifted, padded), accepted + crossed.long()
 
 
 @dataclass
@@ -561,6 +667,7 @@ class TreeTables:
         ancestors (`torch.Tensor` float): ``[.., i, j]`` is 1 when ``j`` is ``i`` or an ancestor (a matmul counts misses).
         paths (`torch.LongTensor` `(T, D + 1)` or `(B, T, D + 1)`): root-to-node slots, padded with the node itself.
         score (`torch.LongTensor`): > 0 for a node that may be accepted, deeper first; 0 for padding.
+        valid (`torch.BoolTensor` `(T,)` or `(B, T)`): real nodes (padding is not).
     """
 
     depths: torch.Tensor
@@ -570,6 +677,7 @@ class TreeTables:
     ancestors: torch.Tensor
     paths: torch.Tensor
     score: torch.Tensor
+    valid: torch.Tensor
 
 
 def tree_tables(tree, slots: torch.Tensor) -> TreeTables:
@@ -578,10 +686,10 @@ def tree_tables(tree, slots: torch.Tensor) -> TreeTables:
     candidates against one sample)."""
     t = tree.num_nodes
     node = slots[None, :, None] if tree.per_row else slots[:, None]  # a node's own slot pads its path
-    valid = tree.valid if tree.per_row else True
+    valid = tree.valid if tree.per_row else torch.ones_like(slots, dtype=torch.bool)
     return TreeTables(depths=tree.depths, mask=tree.attention_mask, parents=tree.parents.clamp_min(0), is_root=slots == 0,
                       ancestors=tree.attention_mask.float(), paths=torch.where(tree.node_paths < 0, node, tree.node_paths),
-                      score=((tree.depths + 1) * t - slots) * valid)
+                      score=((tree.depths + 1) * t - slots) * valid, valid=valid)
 
 
 def compile_round(round_fn: Callable = None, fullgraph: bool = True, **options) -> Callable[[DeviceLoop], None]:

@@ -18,7 +18,7 @@ import torch
 from ..core.contracts import DRAFTER
 from ..core.kv_cache import varying_length_attention
 from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
-from .static_shapes import eager_target, mark_static_cache, uses_cuda_graphs
+from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 
 
 #: Timed sweeps per cost measurement (after 2 untimed ones): enough for "auto" sizes that repeat from process to

@@ -28,7 +28,8 @@ from .device_loop import ChainLoop, DeviceLoop, DynamicTreeLoop, HeadTreeLoop
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
-from .static_shapes import StaticShapesMixin, eager_target
+from .compiled import eager_target
+from .static_shapes import StaticShapesMixin
 
 logger = logging.get_logger(__name__)
 
@@ -507,8 +508,9 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
 
     def _device_plan(self, sampling: SamplingConfig, callback, batch_size: int) -> Optional[Tuple[type, Dict[str, Any]]]:
         """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
-        row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or a head tree
-        (`SpatialDecoderMixin.device_drafter`) on a layout without end-of-row tokens, under keyed noise or greedy, no
+        row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or an exact tree decoder's drafter
+        (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
+        tree shallower than a row), under keyed noise or greedy, no
         ``callback_on_step_end`` (it sees every round: the row-group loop serves it) and no `profile_rounds` (it times
         the row-group loop's parts). `device_rounds` ``False`` turns it off."""
         if (self.device_rounds is False or callback is not None or self._round_timer is not None
@@ -517,11 +519,13 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         window = self.decoder.chain_window()
         if window is not None:
             return ChainLoop, {"window": window}
-        # a tree: accepted exactly, no end-of-row tokens; a static one (`HeadDrafter`) or one grown per row (EAGLE-2)
-        if not self.decoder.is_exact or self.backbone.layout.has_eol:
+        # a tree accepted exactly: a static one (`HeadDrafter`) or one grown per row (EAGLE-2), shallower than a row
+        # where the layout has end-of-row tokens (a round crosses one row end at most)
+        if not self.decoder.is_exact:
             return None
-        drafter = self.decoder.device_drafter(self.draft_heads, self.backbone.layout, batch_size, self._execution_device)
-        if drafter is None:
+        layout = self.backbone.layout
+        drafter = self.decoder.device_drafter(self.draft_heads, layout, batch_size, self._execution_device)
+        if drafter is None or (layout.has_eol and drafter.tree_depth >= layout.width):
             return None
         return (DynamicTreeLoop if getattr(drafter, "per_row_trees", False) else HeadTreeLoop), {"drafter": drafter}
 

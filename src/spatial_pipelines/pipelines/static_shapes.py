@@ -15,12 +15,14 @@ The prefill pass (whose length is the prompt's) runs eagerly (`eager_target`), a
 length compiles nothing.
 """
 
-import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
 from ..core.kv_cache import StaticKVCache, varying_length_attention
+from .compiled import mark_static_cache, uses_cuda_graphs
+from .device_loop import compile_round
+from .pass_cost import PassCost
 
 if TYPE_CHECKING:
     from .rows import RowBatch
@@ -67,33 +69,6 @@ def pad_fed(
     mask = torch.eye(size, dtype=torch.bool, device=attention_mask.device).expand(*attention_mask.shape[:-2], size, size).clone()
     mask[..., :t, :t] = attention_mask  # (B?, size, size)
     return fed, position_ids, mask
-
-
-@contextlib.contextmanager
-def eager_target(module: torch.nn.Module) -> Iterator[None]:
-    """Run ``module`` eagerly inside the block even when ``nn.Module.compile`` compiled it (passes whose shapes vary
-    by design: the prefill, the start-up cost measurements)."""
-    compiled = getattr(module, "_compiled_call_impl", None)
-    module._compiled_call_impl = None
-    try:
-        yield
-    finally:
-        module._compiled_call_impl = compiled
-
-
-def uses_cuda_graphs(module: torch.nn.Module, device: torch.device) -> bool:
-    """Whether ``module`` was compiled with CUDA graphs (``mode="reduce-overhead"``) for ``device``."""
-    return device.type == "cuda" and getattr(module, "_spatial_compile_mode", None) in ("reduce-overhead", "max-autotune")
-
-
-def mark_static_cache(cache, enabled: bool) -> None:
-    """Tell CUDA graphs the cache's tensors keep their address between replays (they are written in place every
-    round, so a graph must not copy them in as fresh inputs). Once per cache; a no-op unless ``enabled``."""
-    if not enabled or getattr(cache, "_marked_static", False):
-        return
-    torch._dynamo.mark_static_address(cache.storage)
-    torch._dynamo.mark_static_address(cache.key_valid)
-    cache._marked_static = True
 
 
 class StaticShapesMixin:
@@ -183,8 +158,6 @@ class StaticShapesMixin:
             ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool, "options": {...}}`` (no timings when
             ``measure=False``).
         """
-        from .pass_cost import PassCost  # pass_cost imports this module
-
         backbone = self.backbone
         module = backbone.target_module
         on_gpu = self._execution_device.type == "cuda"
@@ -229,8 +202,6 @@ class StaticShapesMixin:
         rounds = module.__dict__.setdefault("_spatial_device_rounds", {})
         compiled = rounds.get(round_fn.__name__)
         if compiled is None:
-            from .device_loop import compile_round
-
             options = dict(getattr(module, "_spatial_compile_options", None) or {})
             options["fullgraph"] = self.backbone.supports_fullgraph
             compiled = rounds[round_fn.__name__] = compile_round(round_fn, **options)
