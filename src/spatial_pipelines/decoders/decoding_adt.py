@@ -56,15 +56,11 @@ class ADTDrafter(EagleDrafter):
     kept node count, `EagleDecoder._grown_shape`), and the nodes a row's own shape does not grow score ``-inf``
     (`expand_tree`), so a row keeps the tree it grows alone, at the cost of the widest drafter passes every round."""
 
-    def __init__(self, decoder: "ADTTreeDecoder", draft_heads):
-        super().__init__(decoder, draft_heads)
-        c = decoder.config
-        self.widest = min(c.width_range[1], draft_heads.config.num_image_codes)  # k never exceeds the codebook
-        self.max_depth, self.top_k = decoder._grown_shape(c.depth_range[1], self.widest)
-        self.num_nodes = min(decoder.num_nodes, self.top_k + (self.max_depth - 1) * self.top_k**2)
-        self.tree_depth = min(self.max_depth, self.num_nodes)
-        self.nodes_per_depth = self._nodes_per_depth()
-        self.draft_passes = self.max_depth
+    def _widest_shape(self):
+        """The deepest, widest shape the ranges allow (``k`` never past the codebook)."""
+        c = self.decoder.config
+        self.widest = min(c.width_range[1], self.heads.config.num_image_codes)
+        return c.depth_range[1], self.widest
 
     def start(self, loop) -> None:
         super().start(loop)

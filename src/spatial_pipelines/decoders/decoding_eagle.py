@@ -68,6 +68,14 @@ class EagleState(TreeState):
                 "mean_tree_width": sum(self.tree_widths) / len(self.tree_widths)}
 
 
+def drafter_log_probs(backbone, predicted: torch.Tensor, guidance_scale=None) -> torch.Tensor:
+    """Drafter features ``(R, n, D)`` -> log-probabilities ``(B, n, V)`` through the backbone's final norm and head,
+    CFG-mixed at ``guidance_scale`` (a float or a tensor; ``None``: no CFG rows)."""
+    logits = backbone.image_logits(predicted)  # (R, n, V)
+    logits = cfg_mix(logits, guidance_scale) if guidance_scale is not None else logits
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def expand_tree(logp: torch.Tensor, feature: torch.Tensor, depth: int, k: int, cfg: bool, expansion_pass: Callable,
                 shapes: Optional[torch.Tensor] = None):
     """Grow a tree ``depth - 1`` times from the depth-1 candidates (the ``k`` likeliest codes of ``logp`` ``(B, V)``;
@@ -146,17 +154,18 @@ class EagleDrafter:
 
     def __init__(self, decoder: "EagleDecoder", draft_heads):
         self.decoder, self.heads = decoder, draft_heads
-        self.max_depth, self.top_k = decoder._grown_shape(decoder.config.depth, decoder.config.top_k)
+        self.max_depth, self.top_k = decoder._grown_shape(*self._widest_shape())
         grown = self.top_k + (self.max_depth - 1) * self.top_k**2  # nodes the expansions generate
         self.num_nodes = min(decoder.num_nodes, grown)  # the kept tree (`_keep_best`)
         self.tree_depth = min(self.max_depth, self.num_nodes)  # its depth at most: codes a round commits, less one
-        self.nodes_per_depth = self._nodes_per_depth()
+        self.nodes_per_depth = min(self.num_nodes, self.top_k ** min(self.tree_depth, 2))  # top_k, then top_k children each
         self.draft_passes = self.max_depth  # one over the committed codes, one per expansion
         self.cache = None
 
-    def _nodes_per_depth(self) -> int:
-        """Kept nodes at one depth at most: ``top_k`` at depth 1, ``top_k`` children of ``top_k`` frontier nodes below."""
-        return min(self.num_nodes, self.top_k ** min(self.tree_depth, 2))
+    def _widest_shape(self):
+        """The ``(depth, top_k)`` every round grows (held to the kept node count by `EagleDecoder._grown_shape`)."""
+        return self.decoder.config.depth, self.decoder.config.top_k
+
 
     def start(self, loop) -> None:
         """After the prompt pass: an empty drafter cache over the loop's cache rows, whose rows advance on the device,
@@ -185,10 +194,7 @@ class EagleDrafter:
         return torch.cat([x, x]) if self.cfg else x
 
     def _log_probs(self, backbone, predicted: torch.Tensor) -> torch.Tensor:
-        """Drafter features ``(R, n, D)`` -> CFG-mixed log-probabilities ``(B, n, V)`` (as `EagleDecoder`'s)."""
-        logits = backbone.image_logits(predicted)  # (R, n, V)
-        logits = cfg_mix(logits, self.guidance_scale) if self.cfg else logits
-        return torch.log_softmax(logits.float(), dim=-1)
+        return drafter_log_probs(backbone, predicted, self.guidance_scale if self.cfg else None)  # the scale as a tensor
 
     def __call__(self, loop):
         """Each row's tree: its node codes ``(B, T - 1)`` (``-1``: not offered) and its `RowTrees`."""
@@ -312,11 +318,8 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     # -- drafting ---------------------------------------------------------------------------------------------
     def _drafter_logits(self, state: EagleState, predicted: torch.Tensor) -> torch.Tensor:
-        """Drafter features ``(R, n, D)`` -> CFG-mixed log-probabilities ``(B, n, V)``."""
-        logits = state.backbone.image_logits(predicted)  # (R, n, V) through the backbone's final norm and head
-        if state.cfg:
-            logits = cfg_mix(logits, state.sampling.guidance_scale)
-        return torch.log_softmax(logits.float(), dim=-1)
+        """Drafter features ``(R, n, D)`` -> CFG-mixed log-probabilities ``(B, n, V)`` (`drafter_log_probs`)."""
+        return drafter_log_probs(state.backbone, predicted, state.sampling.guidance_scale if state.cfg else None)
 
     def _tree_shape(self, state: EagleState):
         """``(depth, top_k)`` of this round's tree (EAGLE-2: the configured ones)."""

@@ -312,7 +312,7 @@ class TreeLoop(DeviceLoop):
     def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
                  cache: StaticKVCache, round_fn: Optional[Callable] = None):
         layout = backbone.layout
-        if layout.has_eol and self.max_codes > layout.width:
+        if not self.fits(layout, self.max_codes - 1):
             raise ValueError(f"A tree of depth {self.max_codes - 1} crosses two row ends of a {layout.width}-wide grid "
                              "in one round: such a tree takes the row-group loop.")
         self.fed = self.num_nodes + self.eol_slots
@@ -324,6 +324,11 @@ class TreeLoop(DeviceLoop):
         self.eol_offsets = torch.arange(self.eol_slots, device=device)  # (E,)
         self.eol_eye = torch.eye(self.eol_slots, dtype=torch.bool, device=device)  # (E, E) an EOL slot sees itself
         self.path_offsets = torch.arange(self.path_slots, device=device)  # (D + 1 (+ 1),)
+
+    @staticmethod
+    def fits(layout, tree_depth: int) -> bool:
+        """Whether a tree of that depth crosses at most one row end per round (with EOLs: shallower than a row)."""
+        return not layout.has_eol or tree_depth < layout.width
 
     @staticmethod
     def eol_slot_count(layout, nodes_per_depth: int) -> int:

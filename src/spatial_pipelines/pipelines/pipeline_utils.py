@@ -24,7 +24,7 @@ from ..utils import (NULL_TIMER, RoundTimer, check_number, check_path_or_repo_id
                      check_weights_folder)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .callbacks import CallbackStateMixin
-from .device_loop import ChainLoop, DeviceLoop, DynamicTreeLoop, HeadTreeLoop
+from .device_loop import ChainLoop, DeviceLoop, DynamicTreeLoop, HeadTreeLoop, TreeLoop
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
@@ -525,7 +525,7 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             return None
         layout = self.backbone.layout
         drafter = self.decoder.device_drafter(self.draft_heads, layout, batch_size, self._execution_device)
-        if drafter is None or (layout.has_eol and drafter.tree_depth >= layout.width):
+        if drafter is None or not TreeLoop.fits(layout, drafter.tree_depth):
             return None
         return (DynamicTreeLoop if getattr(drafter, "per_row_trees", False) else HeadTreeLoop), {"drafter": drafter}
 
