@@ -59,6 +59,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 
 import diffusers
 import safetensors.torch
@@ -493,6 +494,8 @@ def model_markdown(model: str, section: dict, counted_rounds: int) -> list:
         lines.append("")
     if section["skipped_rows"]:
         lines += ["skipped (time budget): " + ", ".join(f"`{k}`" for k in section["skipped_rows"]), ""]
+    for key, error in section.get("failed_rows", {}).items():
+        lines += [f"failed: `{key}`:", "", "```", error.strip(), "```", ""]
     if section.get("breakdown"):
         lines += ["| round breakdown | rounds | " + " | ".join(f"{p} ms" for p in PARTS) + " |",
                   "|---|---:|" + "---:|" * len(PARTS)]
@@ -563,7 +566,8 @@ def run_roofline(run: CheckRun) -> None:
 
 def check_rows(rows: ModelRows) -> None:
     """Step 2 on one model: its rows in `row_plan` order while the budget lasts (a row that would overrun it is
-    named in ``skipped_rows``), the report saved after each."""
+    named in ``skipped_rows``; one that raises, with the end of its traceback, in ``failed_rows``), the report saved
+    after each."""
     run, args, section = rows.run, rows.args, rows.section
     for compiled, name, n in row_plan(args):
         key = row_key(name, n, compiled)
@@ -571,7 +575,13 @@ def check_rows(rows: ModelRows) -> None:
             section["skipped_rows"].append(key)
             run.log(f"  {key}: skipped (time budget)")
             continue
-        section["rows"][key] = run_row(rows, compiled, name, n)
+        try:
+            section["rows"][key] = run_row(rows, compiled, name, n)
+        except Exception as err:  # one broken row must not cost the rows after it their (scarce) device time
+            section.setdefault("failed_rows", {})[key] = "".join(traceback.format_exception(err)[-3:])[-2000:]
+            run.log(f"  {key}: FAILED {err!r}")
+            run.save()
+            continue
         add_ar_reference(section["rows"])
         run.log(f"  {key}: {json.dumps(section['rows'][key])}")
         run.save()

@@ -293,11 +293,13 @@ def fit(
     clip_grad_norm: Optional[float] = None,
     desc: str = "train",
     ema: Optional[WeightEMA] = None,
+    on_checkpoint: Optional[Callable[[int, str], None]] = None,
 ) -> int:
     """The training loop the scripts share: ``loss_fn(batch) -> (loss, {name: value})`` under autocast, backward,
     optional gradient clipping, optimizer and scheduler steps (and the `WeightEMA` ``ema``, if given), a progress
     bar, logging every ``log_every`` steps and a checkpoint (with the average) + loss-curve plot every
-    ``checkpoint_every`` steps and at the end. Returns the last step."""
+    ``checkpoint_every`` steps and at the end, after which ``on_checkpoint(step, path)`` is called if given (a run
+    that must hand its weights on while it trains). Returns the last step."""
     from tqdm.auto import tqdm
 
     step = start_step
@@ -324,6 +326,8 @@ def fit(
                 if ema is not None:
                     ema.save(path)
                 log.plot(title, keys=plot_keys)
+                if on_checkpoint is not None:
+                    on_checkpoint(step, path)
     bar.close()
     check_replicas_in_sync(accelerator, model)
     return step
