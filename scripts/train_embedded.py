@@ -86,7 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--heads-lr", type=float, default=1e-3)
     p.add_argument("--heads-seconds", type=float, default=35.0, help="wall-clock budget of each heads kind")
     p.add_argument("--heads-steps", type=int, default=None, help="fixed step count per heads kind")
-    p.add_argument("--guidance-scale", type=float, default=1.5, help="the new model's default CFG scale")
+    p.add_argument("--guidance-scale", type=float, default=1.0,
+                   help="the new model's default CFG scale (1.0, none: a model that reproduces its training grids draws "
+                        "them best from its conditional alone)")
     p.add_argument("--top-k", type=int, default=3, help="the new model's default top-k")
     p.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "fp16", "bf16"])
     p.add_argument("--seed", type=int, default=0)

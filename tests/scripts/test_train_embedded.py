@@ -52,7 +52,7 @@ def test_the_whole_run_packs_loadable_folders(data, tmp_path):
     transformer = LlamaGenTransformer.from_pretrained(into / "transformer")
     stored = load_file(into / "transformer" / "diffusion_pytorch_model.safetensors")
     assert {t.dtype for t in stored.values()} == {torch.bfloat16} and transformer.config.hidden_size == 32
-    assert (transformer.config.default_guidance_scale, transformer.config.default_top_k) == (1.5, 3)
+    assert (transformer.config.default_guidance_scale, transformer.config.default_top_k) == (1.0, 3)
     for kind, cls in (("hawk", SpatialDraftHeads), ("ssd", LatentDraftHeads), ("eagle", EagleDraftHead)):
         heads = cls.from_pretrained(into / f"heads_{kind}" / "heads")
         assert heads.config.hidden_size == 32 and (into / f"heads_{kind}" / "loss_curve.png").is_file()
