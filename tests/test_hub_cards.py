@@ -315,7 +315,7 @@ def test_committed_cards_are_what_make_cards_renders():
         assert card.data.library_name == "spatial_pipelines"
         if "heads" in path or "head/" in path:
             assert card.data.base_model == make_cards.EMBEDDED_MODEL_HUB_ID and card.data.base_model_relation == "adapter"
-            assert "## Speed" in text and "--generated 768" in text
+            assert "## Speed" in text and "scripts/train_embedded.py" in text and "--generated 1536" in text
     model = ModelCard(cards["hub_cards/twemoji_llamagen.md"])
     assert model.data.license == "cc-by-4.0" and model.data.pipeline_tag == "text-to-image"
     for section in ("## Model", "## Data", "**Attribution.**", "## Training", "## Metrics", "## Limitations"):
