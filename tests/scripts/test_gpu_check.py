@@ -110,3 +110,26 @@ def test_the_cpu_check_is_the_real_check_on_the_embedded_model():
     assert gpu_check.parse_args(["--out", "x"]).models == list(gpu_check.MODELS)
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--out", "x", "--cpu", "--dry-run"])
+
+
+def test_a_row_that_raises_is_recorded_and_the_check_goes_on(tmp_path, monkeypatch):
+    """Device time is scarce: one broken row is named with the end of its traceback, and the rows after it still run."""
+    from helpers import load_script
+
+    check = load_script("gpu_check.py")
+    real_row = check.run_row
+
+    def broken_sjd(rows, compiled, name, n):
+        if name == "sjd":
+            raise RuntimeError("CUDA graph capture failed")
+        return real_row(rows, compiled, name, n)
+
+    monkeypatch.setattr(check, "run_row", broken_sjd)
+    out = tmp_path / "check"
+    report = check.main(["--out", str(out), "--decoders", "ar", "sjd", "medusa", "--num-images-per-prompt", "1",
+                         "--models", "embedded", "--num-prompts", "1", "--skip-roofline", "--skip-eager", "--skip-breakdown"])
+    section = report["decoding"]["embedded"]
+    assert list(section["rows"]) == ["ar x1 [compiled]", "medusa x1 [compiled]"]
+    assert "CUDA graph capture failed" in section["failed_rows"]["sjd x1 [compiled]"]
+    assert "failed: `sjd x1 [compiled]`" in (out / "gpu_check.md").read_text()
+    assert json.loads((out / "gpu_check.json").read_text())["decoding"]["embedded"]["failed_rows"]
