@@ -16,6 +16,7 @@ import torch
 
 from spatial_pipelines.cli import load_pipeline
 from spatial_pipelines.data import TwemojiDataset
+from spatial_pipelines.decoders import DECODERS
 
 CAPTIONS = ["red heart", "grinning face", "pizza", "snowman", "cat face", "sun", "rocket", "red apple",
             "thumbs up", "fire", "dog face", "rainbow", "ghost", "birthday cake", "smiling face with sunglasses", "deciduous tree"]
@@ -46,8 +47,6 @@ def real_images(captions, resolution: int) -> list:
 @torch.no_grad()
 def draw(folder: str, captions, seed: int, decoder=None) -> torch.Tensor:
     """Images ``(N, 3, H, W)`` in [0, 1], one per caption, each from a generator seeded ``seed``."""
-    from spatial_pipelines.decoders import DECODERS
-
     pipe = load_pipeline(folder)
     pipe.set_progress_bar_config(disable=True)
     if decoder is not None:

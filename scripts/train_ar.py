@@ -97,8 +97,10 @@ class NextCodeLoss(torch.nn.Module):
         return lm_loss(self.transformer, codes, captions, masks, drop, inputs)
 
 
-def new_transformer(args, vqvae: LlamaGenVQModel, grid: int, caption_dim: int) -> LlamaGenTransformer:
-    """A freshly initialised transformer with the architecture options (their defaults where not given)."""
+def new_transformer(args, vqvae: LlamaGenVQModel, grid: int, caption_dim: int, **config) -> LlamaGenTransformer:
+    """A freshly initialised transformer with the architecture options (their defaults where not given) and any
+    further config fields ``config`` (e.g. the sampling defaults: given here, not registered afterwards, they survive
+    ``from_config``)."""
     for name, (default, _) in ARCHITECTURE.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -106,7 +108,7 @@ def new_transformer(args, vqvae: LlamaGenVQModel, grid: int, caption_dim: int) -
         vocab_size=vqvae.config.codebook_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_attention_heads=args.num_heads, multiple_of=64, condition_type="text", caption_dim=caption_dim,
         num_condition_tokens=args.caption_tokens, grid_height=grid, grid_width=grid, zero_prefix_rope=False,
-        dropout=args.dropout,
+        dropout=args.dropout, **config,
     )
 
 

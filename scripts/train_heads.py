@@ -74,8 +74,7 @@ def build_grids(pipe, args, accelerator):
     @torch.no_grad()
     def make_chunk(start, end):
         if args.generated:
-            gens = [torch.Generator().manual_seed(args.seed + i) for i in range(start, end)]
-            codes = pipe(captions[start:end], generator=gens, output_type="latent").tokens.flatten(1)
+            codes = generate_chunk(pipe, captions, start, end, args.seed)
         else:
             codes = pipe.backbone.encode_image(torch.stack([data[j]["pixel_values"] for j in range(start, end)]))
         return {"codes": codes, "caption_index": torch.arange(start, end)}
@@ -84,6 +83,59 @@ def build_grids(pipe, args, accelerator):
     d = build_dataset(accelerator, path, len(captions), make_chunk, chunk_size=args.chunk_size,
                       desc="generate" if args.generated else "encode")
     return d["codes"], d["caption_index"], captions
+
+
+@torch.no_grad()
+def generate_chunk(pipe, captions, start: int, end: int, seed: int) -> torch.Tensor:
+    """Grids ``(end - start, H*W)`` the pipeline draws at its defaults for ``captions[start:end]``, caption ``i``
+    seeded ``seed + i`` (so a grid does not depend on how the captions are chunked or shared out)."""
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(start, end)]
+    return pipe(captions[start:end], generator=gens, output_type="latent").tokens.flatten(1)
+
+
+def build_heads(pipe, kind: str, base: str, num_horizontal=None, vsd: int = 2, num_layers: int = 1,
+                intermediate_size=None):
+    """Heads of ``kind`` sized for the pipeline's backbone, and their horizontal and vertical offsets: horizontal
+    1..``num_horizontal`` (default 4; 5 for ssd), vertical 1..``vsd`` rows (hawk, ssd)."""
+    offsets_h = list(range(1, (num_horizontal or (5 if kind == "ssd" else 4)) + 1))
+    offsets_v = list(range(1, vsd + 1)) if kind in ("hawk", "ssd") else []
+    if kind == "eagle":
+        heads = EagleDraftHead.for_backbone(pipe.backbone, random_init=False, base_model_name_or_path=base)
+    elif kind == "ssd":
+        heads = LatentDraftHeads(base_model_name_or_path=base, horizontal_offsets=offsets_h, vertical_offsets=offsets_v,
+                                 intermediate_size=intermediate_size, **pipe.backbone.facts())
+    else:
+        heads = SpatialDraftHeads(base_model_name_or_path=base, horizontal_offsets=offsets_h, vertical_offsets=offsets_v,
+                                  num_layers=num_layers, **pipe.backbone.facts())
+    return heads, offsets_h, offsets_v
+
+
+def heads_optimizer(heads, kind: str, lr: float, plan, weight_decay=None):
+    """AdamW (betas 0.9/0.95, wd 0.1; 0.01 for ssd and eagle) and a 50-step warm-up into a linear decay to 0 at
+    ``plan.steps`` (read at every step: a run may set its step count after building the schedule)."""
+    wd = weight_decay if weight_decay is not None else (0.01 if kind in ("ssd", "eagle") else 0.1)
+    opt = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=wd)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.0, 1 - s / plan.steps))
+    return opt, sched
+
+
+def make_heads_loss(pipe, heads, kind: str, offsets_h, offsets_v, captions, caption_drop: float, gen,
+                    feature_noise: float = 0.1, ce_weight: float = 0.1):
+    """One batch ``(codes, caption index)``'s loss for heads of ``kind``: the frozen backbone teacher-forced (a
+    share ``caption_drop`` of the captions dropped), then the kind's loss. ``heads`` is the prepared (wrapped)
+    model: under several processes its forward is what averages the gradients."""
+
+    def loss_fn(batch):
+        codes, index = batch
+        drop = torch.rand(codes.shape[0], generator=gen) < caption_drop
+        hidden = teacher_forced(pipe, codes, [captions[i] for i in index.tolist()], drop.to(codes.device))
+        if kind == "eagle":
+            return eagle_loss(pipe, heads, codes, hidden, feature_noise, ce_weight, gen)
+        compute = latent_loss if kind == "ssd" else heads_loss
+        loss, parts = compute(pipe, heads, offsets_h, offsets_v, codes, hidden)
+        return loss, {k: v if isinstance(v, float) else v.item() for k, v in parts.items()}
+
+    return loss_fn
 
 
 @torch.no_grad()
@@ -175,36 +227,15 @@ def main(argv=None):
             module.requires_grad_(False).eval()
     codes, caption_index, captions = build_grids(pipe, args, accelerator)
 
-    num_horizontal = args.num_horizontal or (5 if args.kind == "ssd" else 4)
-    offsets_h = list(range(1, num_horizontal + 1))
-    offsets_v = list(range(1, args.vsd + 1)) if args.kind in ("hawk", "ssd") else []
     base = "spatial_pipelines/embedded/twemoji_llamagen" if args.model is None else args.model
-    if args.kind == "eagle":
-        heads = EagleDraftHead.for_backbone(pipe.backbone, random_init=False, base_model_name_or_path=base)
-        compute_loss = None
-    elif args.kind == "ssd":
-        heads = LatentDraftHeads(base_model_name_or_path=base, horizontal_offsets=offsets_h, vertical_offsets=offsets_v,
-                                 intermediate_size=args.intermediate_size, **pipe.backbone.facts())
-        compute_loss = latent_loss
-    else:
-        heads = SpatialDraftHeads(base_model_name_or_path=base, horizontal_offsets=offsets_h, vertical_offsets=offsets_v,
-                                  num_layers=args.num_layers, **pipe.backbone.facts())
-        compute_loss = heads_loss
-    weight_decay = args.weight_decay if args.weight_decay is not None else (0.01 if args.kind in ("ssd", "eagle") else 0.1)
+    heads, offsets_h, offsets_v = build_heads(pipe, args.kind, base, args.num_horizontal, args.vsd, args.num_layers,
+                                              args.intermediate_size)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(codes, caption_index), batch_size=args.batch_size, shuffle=True, drop_last=True)
-    opt = torch.optim.AdamW(heads.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.0, 1 - s / args.steps))
+    opt, sched = heads_optimizer(heads, args.kind, args.lr, args, args.weight_decay)
     heads, opt, sched, batches, step = prepare_and_resume(accelerator, args, log, heads, opt, loader, sched)
     gen = torch.Generator().manual_seed(args.seed + step)
-    def loss_fn(batch):
-        c, index = batch
-        drop = torch.rand(c.shape[0], generator=gen) < args.caption_drop
-        hidden = teacher_forced(pipe, c, [captions[i] for i in index.tolist()], drop.to(c.device))
-        if args.kind == "eagle":
-            return eagle_loss(pipe, heads, c, hidden, args.feature_noise, args.ce_weight, gen)
-        # the prepared (wrapped) model: under several processes its forward is what averages the gradients
-        loss, parts = compute_loss(pipe, heads, offsets_h, offsets_v, c, hidden)
-        return loss, {k: v if isinstance(v, float) else v.item() for k, v in parts.items()}
+    loss_fn = make_heads_loss(pipe, heads, args.kind, offsets_h, offsets_v, captions, args.caption_drop, gen,
+                              args.feature_noise, args.ce_weight)
 
     fit(accelerator, model=heads, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss_fn, steps=args.steps,
         out=args.out, log=log, start_step=step, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
