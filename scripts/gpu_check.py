@@ -122,6 +122,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-eager", action="store_true", help="compiled rows only (ratios against compiled AR)")
     p.add_argument("--skip-compiled", action="store_true", help="eager rows only")
     p.add_argument("--skip-breakdown", action="store_true", help="no per-round breakdown (ms per part of a round)")
+    p.add_argument("--rounds-per-sync", type=int, nargs="+", default=[], metavar="K",
+                   help="after the rows: SJD (compiled unless --skip-compiled) at each images-per-prompt with "
+                        "`pipe.max_rounds_per_sync = K` for each K given (ms per round and host reads per round)")
     p.add_argument("--models", nargs="+", default=None, choices=list(MODELS),
                    help="which models, in this order (default: both; with --cpu the embedded model)")
     args = p.parse_args(argv)
@@ -139,7 +142,7 @@ def parse_args(argv=None):
     if args.counted_rounds is None:
         args.counted_rounds = 4 if args.dry_run else 32
     for name, values in (("--num-images-per-prompt", args.num_images_per_prompt), ("--num-prompts", [args.num_prompts]),
-                         ("--counted-rounds", [args.counted_rounds])):
+                         ("--counted-rounds", [args.counted_rounds]), ("--rounds-per-sync", args.rounds_per_sync or [1])):
         if min(values) < 1:
             p.error(f"{name} values must be >= 1, got {values}")
     if args.num_prompts > len(PROMPTS):
@@ -234,7 +237,8 @@ def first_rounds(pipe, limit: int):
     row-group round, or, for rounds run whole on the device (`device_loop.DeviceLoop`), at the first sync after them
     (syncs come every few rounds). It wraps the same two methods `count_rounds` does, so inside it a `count_rounds`
     block counts only those rounds."""
-    round_, run_device, done = pipe._round, pipe._run_device, [0]
+    loop = pipe.loop  # the pipeline's `GenerationLoop`: its two methods are wrapped for the block
+    round_, run_device, done = loop._round, loop._run_device, [0]
 
     def limited_round(*args, **kwargs):
         out = round_(*args, **kwargs)
@@ -243,20 +247,20 @@ def first_rounds(pipe, limit: int):
             raise EnoughRounds
         return out
 
-    def limited_chain(loop, on_sync, *args, **kwargs):
+    def limited_chain(device_loop, on_sync, *args, **kwargs):
         def synced(total):
             on_sync(total)
-            if loop.num_rounds >= limit:
+            if device_loop.num_rounds >= limit:
                 raise EnoughRounds
 
-        return run_device(loop, synced, *args, **kwargs)
+        return run_device(device_loop, synced, *args, **kwargs)
 
-    pipe.__dict__["_round"], pipe.__dict__["_run_device"] = limited_round, limited_chain
+    loop.__dict__["_round"], loop.__dict__["_run_device"] = limited_round, limited_chain
     try:
         yield
     finally:
-        pipe.__dict__.pop("_round", None)
-        pipe.__dict__.pop("_run_device", None)
+        loop.__dict__.pop("_round", None)
+        loop.__dict__.pop("_run_device", None)
 
 
 def some_rounds(pipe, limit: int, call, counted: bool = False):
@@ -397,6 +401,35 @@ def run_row(rows: ModelRows, compiled: bool, name: str, n: int) -> dict:
     }
 
 
+def sync_cadence(rows: ModelRows) -> None:
+    """Step 2b: how often the host reads the device, measured: SJD's rounds at each ``--rounds-per-sync`` K (the most
+    rounds between two reads, `SpatialARPipeline.max_rounds_per_sync`), at each images per prompt, compiled unless
+    ``--skip-compiled``; ms per round, host reads per round and images per second, per K."""
+    args, run, out = rows.args, rows.run, rows.section.setdefault("sync_cadence", {})
+    compiled = not args.skip_compiled
+    for n in args.num_images_per_prompt:
+        for k in args.rounds_per_sync:
+            key = f"sjd x{n} K={k}" + (" [compiled]" if compiled else "")
+            if not args.dry_run and run.left() < ROW_RESERVE_S[rows.model][False]:
+                rows.section["skipped_rows"].append(key)
+                continue
+            pipe = rows.use(compiled, "sjd")
+            default, pipe.max_rounds_per_sync = pipe.max_rounds_per_sync, k
+            try:
+                pipe(rows.prompts[:1], num_images_per_prompt=n, generator=torch.Generator().manual_seed(0), output_type="latent")
+                timed = timed_calls(pipe, rows.prompts, n, args.device)
+                counts = some_rounds(pipe, args.counted_rounds, lambda: pipe(rows.prompts[:1], num_images_per_prompt=n,
+                                                                             output_type="latent"), counted=True)
+            finally:
+                pipe.max_rounds_per_sync = default
+            out[key] = {"images_per_prompt": n, "max_rounds_per_sync": k, "compiled": compiled,
+                        "ms_per_round": 1e3 * timed["seconds"] / max(timed["rounds"], 1),
+                        "host_reads_per_round": counts.host_reads_per_round, "images_per_s": timed["images"] / timed["seconds"],
+                        "recompiles_while_timed": timed["recompiles_while_timed"]}
+            run.log(f"  {key}: {json.dumps(out[key])}")
+            run.save()
+
+
 def add_ar_reference(rows: dict) -> None:
     """Each row against AR's row at the same images per prompt: in the same mode (ms per AR step, the round's cost
     in AR steps, the speed-up) and eager (the speed-up); ``None`` where that AR row did not run."""
@@ -496,6 +529,12 @@ def model_markdown(model: str, section: dict, counted_rounds: int) -> list:
         lines += ["skipped (time budget): " + ", ".join(f"`{k}`" for k in section["skipped_rows"]), ""]
     for key, error in section.get("failed_rows", {}).items():
         lines += [f"failed: `{key}`:", "", "```", error.strip(), "```", ""]
+    if section.get("sync_cadence"):
+        lines += ["| SJD, K = most rounds between two host reads | ms / round | host reads / round | images / s | recompiles while timed |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| `{key}` | {c['ms_per_round']:.3f} | {c['host_reads_per_round']:.2f} | {c['images_per_s']:.3f} | "
+                  f"{c['recompiles_while_timed']} |" for key, c in section["sync_cadence"].items()]
+        lines.append("")
     if section.get("breakdown"):
         lines += ["| round breakdown | rounds | " + " | ".join(f"{p} ms" for p in PARTS) + " |",
                   "|---|---:|" + "---:|" * len(PARTS)]
@@ -599,6 +638,8 @@ def check_model(run: CheckRun, model: str) -> None:
     rows = ModelRows(run, model)
     run.report["decoding"][model] = rows.section
     check_rows(rows)
+    if args.rounds_per_sync:
+        sync_cadence(rows)
     for compiled in [m for m in (True, False) if not (args.skip_compiled if m else args.skip_eager)]:
         if not args.skip_breakdown:
             rows.section["breakdown"].update(round_breakdown(rows, compiled))

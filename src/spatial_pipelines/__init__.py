@@ -17,7 +17,7 @@ from .core import ImageTokenLayout, SamplingConfig
 from .decoders import DECODERS, SpatialDecoderMixin
 from .heads import DraftHeadsMixin
 from .models import ChameleonVQModel, LlamaGenTransformer, LlamaGenVQModel, PatchVQModel
-from .pipelines import DecodingStats, SpatialARPipeline, SpatialBackbone, SpatialPipelineOutput
+from .pipelines import DecodingStats, GenerationLoop, SpatialARPipeline, SpatialBackbone, SpatialPipelineOutput
 
 register_with_diffusers()
 
@@ -36,6 +36,7 @@ __all__ = [
     "DecodingStats",
     "DiffusionPipeline",
     "DraftHeadsMixin",
+    "GenerationLoop",
     "ImageTokenLayout",
     "ChameleonVQModel",
     "LlamaGenTransformer",

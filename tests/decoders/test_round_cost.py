@@ -48,9 +48,9 @@ def _count_host_reads(monkeypatch, pipe):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    round_ = pipe._round
+    round_ = pipe.loop._round
 
-    def counted_round(backbone, batch, *args, **kwargs):
+    def counted_round(batch, *args, **kwargs):
         counts["inside"], counts["rounds"] = True, counts["rounds"] + 1
         active = [g.state for g in batch.active()]
         counts["group_rounds"] += len(active)
@@ -58,11 +58,11 @@ def _count_host_reads(monkeypatch, pipe):
             not any(s.layout.row_ends_after(s.num_committed - 1, pipe.decoder.max_draft_tokens)) for s in active)
         try:
             with _DispatchReads(counts):
-                return round_(backbone, batch, *args, **kwargs)
+                return round_(batch, *args, **kwargs)
         finally:
             counts["inside"] = False
 
-    monkeypatch.setattr(pipe, "_round", counted_round)
+    monkeypatch.setattr(pipe.loop, "_round", counted_round)
     return counts
 
 
@@ -350,7 +350,7 @@ def test_round_timer_sections():
     assert {"draft", "eol", "forward", "accept", "kv", "round"} <= set(timer.seconds)
     parts = sum(v for k, v in timer.seconds.items() if k != "round")
     assert 0 < parts <= timer.seconds["round"]
-    assert pipe._round_timer is None  # removed when the block ends
+    assert pipe.loop.timer is None  # removed when the block ends
 
 
 def test_batched_heads_equal_head_by_head():

@@ -50,14 +50,14 @@ def _generators(n, offset=0):
 def _device_runs(monkeypatch, pipe):
     """Record the `DeviceLoop` of every call (and fail if a call takes the row-group loop)."""
     loops = []
-    run_device = pipe._run_device
+    run_device = pipe.loop._run_device
 
     def recorded(loop, *args, **kwargs):
         loops.append(loop)
         return run_device(loop, *args, **kwargs)
 
-    monkeypatch.setattr(pipe, "_run_device", recorded)
-    monkeypatch.setattr(pipe, "_round", lambda *a, **k: pytest.fail("a device-round decoder took the row-group loop"))
+    monkeypatch.setattr(pipe.loop, "_run_device", recorded)
+    monkeypatch.setattr(pipe.loop, "_round", lambda *a, **k: pytest.fail("a device-round decoder took the row-group loop"))
     return loops
 
 
@@ -161,7 +161,7 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
     pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)
-    monkeypatch.setattr(pipe, "_run_device", lambda *a, **k: pytest.fail("the device round ran"))
+    monkeypatch.setattr(pipe.loop, "_run_device", lambda *a, **k: pytest.fail("the device round ran"))
     assert pipe("a fox", output_type="latent", **call).tokens.min() >= 0
 
 
@@ -249,7 +249,7 @@ def test_reads_are_counted_where_the_round_reads(monkeypatch):
 def test_the_state_is_typed_and_the_cache_rows_advance_on_the_device():
     pipe = _pipe("llamagen", False, JacobiDecoder(window_size=3))
     loops = []
-    pipe._run_device = lambda loop, on_sync: (loops.append(loop), ChainLoop.run(loop, on_sync))[1]
+    pipe.loop._run_device = lambda loop, on_sync: (loops.append(loop), ChainLoop.run(loop, on_sync))[1]
     pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent")
     loop = loops[0]
     assert loop.cache.row_starts.shape == (4,) and loop.cache.row_lengths is None  # CFG: 2 rows per image

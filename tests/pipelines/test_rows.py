@@ -88,17 +88,17 @@ def test_many_rows_share_few_states():
     pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", anchor="none"), None,
                           grid=(2, 2), num_codes=4)
     seen = []
-    original = type(pipe)._stats
+    original = type(pipe.loop)._stats
 
     def spy(self, batch, *args):
         seen.append((len(batch.groups), batch.num_splits))
         return original(self, batch, *args)
 
-    type(pipe)._stats = spy
+    type(pipe.loop)._stats = spy
     try:
         out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=512, generator=gen(0), output_type="latent")
     finally:
-        type(pipe)._stats = original
+        type(pipe.loop)._stats = original
     groups, splits = seen[0]
     assert 1 < groups <= 16 and splits >= 1
     assert out.stats.num_forward_passes == max(out.stats.row_forward_passes)

@@ -21,7 +21,7 @@ from spatial_pipelines import (
 from spatial_pipelines.core import StaticKVCache
 from spatial_pipelines.core.kv_cache import KVCache, TransformersCacheView
 from spatial_pipelines.pipelines.pass_cost import PassCost
-from spatial_pipelines.pipelines import static_shapes
+from spatial_pipelines.pipelines import generation
 from spatial_pipelines.pipelines.static_shapes import pad_fed, static_cache_length
 from spatial_pipelines.testing import dummy_pipeline
 
@@ -164,7 +164,7 @@ def test_compiled_step_writes_one_static_cache_input(family, monkeypatch):
     "mutated inputs" otherwise). The step's only input inside the KV cache is the cache's storage itself, marked
     static: per-layer views of it would each be a mutated, unmarked input. The marking happens where CUDA graphs
     run; ``uses_cuda_graphs`` is forced here so the check runs on a CPU."""
-    monkeypatch.setattr(static_shapes, "uses_cuda_graphs", lambda module, device: True)
+    monkeypatch.setattr(generation, "uses_cuda_graphs", lambda module, device: True)
     torch._dynamo.reset()
     pipe = dummy_pipeline(family, AutoregressiveDecoder(), None, grid=(4, 5))
     graph_inputs = []

@@ -133,3 +133,20 @@ def test_a_row_that_raises_is_recorded_and_the_check_goes_on(tmp_path, monkeypat
     assert "CUDA graph capture failed" in section["failed_rows"]["sjd x1 [compiled]"]
     assert "failed: `sjd x1 [compiled]`" in (out / "gpu_check.md").read_text()
     assert json.loads((out / "gpu_check.json").read_text())["decoding"]["embedded"]["failed_rows"]
+
+
+def test_the_sync_cadence_is_measured_per_k(tmp_path):
+    """``--rounds-per-sync``: SJD at each K, with its host reads per round (one per round at K = 1; the tiny grid is
+    done in a few rounds, so a larger K reads no less often here: `tests/pipelines/test_generation.py` checks the
+    cadence) and its ms per round, in the JSON and the table."""
+    from helpers import load_script
+
+    check = load_script("gpu_check.py")
+    out = tmp_path / "check"
+    report = check.main(["--out", str(out), "--decoders", "ar", "--num-images-per-prompt", "1", "--models", "embedded",
+                         "--num-prompts", "1", "--skip-roofline", "--skip-eager", "--skip-breakdown", "--rounds-per-sync", "1", "8"])
+    cadence = report["decoding"]["embedded"]["sync_cadence"]
+    assert list(cadence) == ["sjd x1 K=1 [compiled]", "sjd x1 K=8 [compiled]"]
+    one, eight = cadence.values()
+    assert one["host_reads_per_round"] >= 1.0 >= eight["host_reads_per_round"] - 1e-9 and one["ms_per_round"] > 0
+    assert "| `sjd x1 K=8 [compiled]` |" in (out / "gpu_check.md").read_text()

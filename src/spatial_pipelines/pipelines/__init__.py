@@ -1,4 +1,4 @@
-"""The generation loop (pipeline_utils) and one file per backbone family (``pipeline_<family>.py``).
+"""The pipeline (pipeline_utils), its generation loop (generation) and one file per backbone family (``pipeline_<family>.py``).
 
 Every ``pipeline_*.py`` module here is imported with the package and exports the names in its ``__all__`` (where it
 has none: the pipeline and backbone classes it defines). A new family is its file: its pipeline class, with its own
@@ -6,10 +6,11 @@ has none: the pipeline and backbone classes it defines). A new family is its fil
 
 from ..utils import import_modules
 from .backbone import PromptEmbeddings, SpatialBackbone
+from .generation import GenerationLoop, LoopHooks
 from .pass_cost import GPU_DRAFT_SIZES, DraftPassCost, PassCost
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .pipeline_utils import SpatialARPipeline
 
-__all__ = ["DecodingStats", "DraftPassCost", "GPU_DRAFT_SIZES", "PassCost", "PromptEmbeddings", "SpatialBackbone",
+__all__ = ["DecodingStats", "DraftPassCost", "GPU_DRAFT_SIZES", "GenerationLoop", "LoopHooks", "PassCost", "PromptEmbeddings", "SpatialBackbone",
            "SpatialPipelineOutput",
            *import_modules(globals(), "pipeline_", lambda c: issubclass(c, (SpatialARPipeline, SpatialBackbone)))]

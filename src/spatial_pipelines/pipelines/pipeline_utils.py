@@ -1,9 +1,8 @@
-"""The one generation loop every family shares (`SpatialARPipeline`). Its output types live in `pipeline_output.py`,
-the backbone contract in `backbone.py`, compile in `static_shapes.py`, the costs behind "auto" sizes in
-`pass_cost.py`, Hub saving in `spatial_pipelines.hub`."""
+"""The pipeline every family shares (`SpatialARPipeline`): input checks, prompt encoding, VQ decoding and diffusers'
+conventions around the generation loop (`generation.GenerationLoop`: the cache, the rounds, fixed shapes, compile).
+Its output types live in `pipeline_output.py`, the backbone contract in `backbone.py`, the costs behind "auto" sizes
+in `pass_cost.py`, Hub saving in `spatial_pipelines.hub`."""
 
-import contextlib
-import dataclasses
 import inspect
 import os
 import time
@@ -15,21 +14,16 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import logging
 
-from ..core.kv_cache import StaticKVCache
-from ..core.sampling import SAMPLING_NOISE, SamplingConfig, cfg_mix, draw_seeds
+from ..core.sampling import SAMPLING_NOISE, SamplingConfig
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
-from ..decoders.decoding_utils import DecodingState, RowsDiverged, SpatialDecoderMixin, StepOutput, split_rows
+from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from ..utils import (NULL_TIMER, RoundTimer, check_number, check_path_or_repo_id, check_safe_serialization,
-                     check_weights_folder)
+from ..utils import check_number, check_path_or_repo_id, check_safe_serialization, check_weights_folder
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .callbacks import CallbackStateMixin
-from .device_loop import ChainLoop, DeviceLoop, DynamicTreeLoop, HeadTreeLoop, TreeLoop
+from .generation import GenerationLoop, LoopHooks, check_rounds_per_sync
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
-from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
-from .compiled import eager_target
-from .static_shapes import StaticShapesMixin
 
 logger = logging.get_logger(__name__)
 
@@ -40,7 +34,7 @@ OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 PromptInput = Union[str, int, Sequence[Union[str, int]]]
 
 
-class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin, DiffusionPipeline):
+class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline):
     r"""Base of the AR image pipelines: the generation loop, written once for every family and decoder.
 
     Components of a family pipeline: the backbone's modules, a ``decoder`` (a `SpatialDecoderMixin`: the
@@ -48,7 +42,6 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
     """
 
     backbone_class: type = None
-    _round_timer = None  # a RoundTimer while `profile_rounds` is active
 
     def __init_subclass__(cls, **kwargs):
         """A family defined anywhere (a user's module, a test) is found by ``DiffusionPipeline.from_pretrained`` and
@@ -258,6 +251,105 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         """Components loaded from an installed package rather than from the pipeline folder."""
         return []
 
+    # -- the loop's settings ------------------------------------------------------------------------------
+    @property
+    def loop(self) -> GenerationLoop:
+        """The generation loop (`GenerationLoop`: cache, prompt pass, rounds, fixed shapes, compile, syncs), built once
+        per pipeline over its backbone adapter; a copied pipeline builds its own with the same settings."""
+        loop = self.__dict__.get("_loop")
+        backbone = self.backbone
+        if loop is None or loop.backbone is not backbone:
+            settings = loop.settings() if loop is not None else {}
+            loop = self.__dict__["_loop"] = GenerationLoop(backbone)
+            for name, value in settings.items():
+                setattr(loop, name, value)
+        return loop
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether every round of a generation runs the target with a few fixed shapes: the KV cache (its length rounded
+        up) attended over one of at most ``attend_buckets`` fixed lengths and every draft padded to the decoder's
+        largest (`static_shapes` module). On by default when the target is compiled (`enable_compile`), off otherwise
+        (eager, the growing slice is cheaper). Set it to ``True``/``False`` to choose, ``None`` for the default.
+        Outputs are the same either way."""
+        return self.loop.static_shapes
+
+    @static_shapes.setter
+    def static_shapes(self, value: Optional[bool]) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"`static_shapes` must be True, False or None (the default: on when compiled), got {value!r}.")
+        self.loop.static_shapes_setting = value
+
+    @property
+    def device_rounds(self) -> Optional[bool]:
+        """Rounds run whole on the device where the decoder allows (`GenerationLoop.device_plan`: keyed noise or greedy,
+        no ``callback_on_step_end``); ``False``: always the row-group loop (every decoder's own `propose` and `step`)."""
+        return self.loop.device_rounds
+
+    @device_rounds.setter
+    def device_rounds(self, value: Optional[bool]) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"`device_rounds` must be True, False or None (where the decoder allows), got {value!r}.")
+        self.loop.device_rounds = value
+
+    @property
+    def max_rounds_per_sync(self) -> int:
+        """Rounds on the device run between two host reads at most (``K``; default `MAX_ROUNDS_PER_SYNC`, 8). The
+        loop runs the fewest rounds the slowest row still needs, up to ``K``, then reads once: a larger ``K`` reads
+        less often, and between reads each pass attends to up to ``K`` rounds of slots no row has filled yet."""
+        return self.loop.max_rounds_per_sync
+
+    @max_rounds_per_sync.setter
+    def max_rounds_per_sync(self, value: int) -> None:
+        self.loop.max_rounds_per_sync = check_rounds_per_sync(value)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.loop.is_compiled
+
+    def enable_compile(self, mode: Optional[str] = None, dynamic: bool = False, fullgraph: Optional[bool] = None,
+                       backend: str = "inductor", keep_if_slower: bool = False, measure: bool = True, **kwargs) -> Dict[str, Any]:
+        """Compile the round's target step once per shape, and keep it only where it measures faster.
+
+        With the target compiled, `static_shapes` is on: every round of a generation feeds the same number of slots
+        and attends to one of a few fixed lengths (`StaticKVCache`'s ``attend_buckets``), so a handful of graphs (one
+        per length reached) serve the whole generation and every later one of the same batch, draft size and cache
+        size; a new prompt length compiles nothing (the prefill runs eagerly). A round that runs whole on the device
+        (`GenerationLoop.device_plan`) is compiled whole with the same options (``fullgraph=True``). The first round
+        of each new shape compiles (tens of seconds with inductor on a CPU). Dynamo's per-function recompile limit is
+        raised to at least `RECOMPILE_LIMIT` (64), since swapping decoders adds graphs.
+
+        Args:
+            mode (`str`, *optional*): ``torch.compile``'s mode; default ``"reduce-overhead"`` (CUDA graphs) on a GPU
+                with inductor, none otherwise.
+            dynamic (`bool`): ``False`` (the default): static shapes, one graph per shape.
+            fullgraph (`bool`, *optional*): no graph breaks allowed; default: the backbone's ``supports_fullgraph``.
+            backend (`str`): ``"inductor"``, or ``"eager"`` / ``"aot_eager"`` to check graphs and recompiles quickly.
+            keep_if_slower (`bool`): keep the compiled step even when it measures slower.
+            measure (`bool`): time the eager and compiled passes (one fed token and eight, CFG rows, after warming up)
+                and drop the compiled step unless it is faster; ``False`` keeps it unmeasured.
+            kwargs: further ``torch.compile`` options.
+
+        Returns:
+            ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool, "options": {...}}`` (no timings when
+            ``measure=False``).
+        """
+        return self.loop.compile(self._execution_device, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
+                                 backend=backend, keep_if_slower=keep_if_slower, measure=measure, **kwargs)
+
+    def disable_compile(self) -> None:
+        """Undo `enable_compile`: the target forward runs eagerly again."""
+        self.loop.disable_compile()
+
+    def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):
+        """Time every part of every round of the calls made inside the block (``scripts/bench_cost.py``); they run
+        in row groups, whose parts are separate.
+
+        Yields a `RoundTimer`: ``seconds`` per section (``draft``, ``eol``, ``forward``, ``accept``, ``kv``, and
+        ``round`` for the whole round) summed over ``rounds``. On a GPU pass ``synchronize=torch.cuda.synchronize``.
+        """
+        return self.loop.profile_rounds(synchronize)
+
     # -- inputs -----------------------------------------------------------------------------------------
     def check_inputs(
         self,
@@ -384,10 +476,6 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         vocab = backbone.num_image_codes
         return rows * slots * slot + 3 * rows * fed * vocab * 4 + self.decoder.state_bytes(batch_size, vocab)
 
-    def _guided_logits(self, backbone: SpatialBackbone, hidden_states: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-        logits = backbone.image_logits(hidden_states)  # (R, T, V) fp32
-        return cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, T, V)
-
     # -- the loop ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(
@@ -449,15 +537,16 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
 
     def _generate(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int, callback,
                   tensor_inputs) -> Tuple[torch.Tensor, DecodingStats]:
-        """Steps 3-5: the draft sizes ("auto": measured), then a chain decoder's rounds run whole on the device
-        (`device_loop`) or any other decoder's in row groups (`_generate_groups`). Returns the grids ``(B, N)``."""
+        """Steps 3-5: the draft sizes ("auto": measured), then the loop (`GenerationLoop.generate`) with diffusers'
+        progress bar and callback. Returns the grids ``(B, N)`` and the stats."""
         self.check_prompt_length(prefix.embeds.shape[1])  # (R, P, D)
         self._start_call(sampling.guidance_scale, sampling.do_cfg)  # `guidance_scale`, `num_timesteps`, `interrupt`
         self.resolve_draft_sizes(batch_size, sampling, prefix.embeds.shape[1])
-        plan, backbone = self._device_plan(sampling, callback, batch_size), self.backbone  # the adapter, built once
-        if plan is not None:
-            return self._generate_on_device(backbone, prefix, sampling, generator, batch_size, plan)
-        return self._generate_groups(backbone, prefix, sampling, generator, batch_size, callback, tensor_inputs)
+        on_round = None if callback is None else (
+            lambda step_index, batch: self._run_callback(callback, tensor_inputs, step_index, batch))
+        hooks = LoopHooks(progress_bar=self.progress_bar, on_round=on_round, interrupted=lambda: self.interrupt,
+                          rounds_known=lambda n: setattr(self, "_num_timesteps", n))
+        return self.loop.generate(self.decoder, self.draft_heads, prefix, sampling, generator, batch_size, hooks)
 
     # -- the loop's steps -------------------------------------------------------------------------------
     def _check_call(self, prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt,
@@ -482,20 +571,6 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
         self.check_memory(len(prompts) * num_images_per_prompt, sampling.do_cfg)
         return prompts, sampling
 
-    def _generate_groups(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, sampling: SamplingConfig, generator,
-                         batch_size: int, callback, tensor_inputs) -> Tuple[torch.Tensor, DecodingStats]:
-        """Steps 3-5 in row groups (`RowBatch`): every decoder's own `propose` and `step`. Returns the grids ``(B, N)``
-        and the stats."""
-        start_time = time.perf_counter()
-        # 3. Prepare one decoding state per image (its random numbers, its cursor) and the KV cache
-        batch, cache = self._prepare(prefix, sampling, generator, batch_size, self._execution_device)
-        # 4. Prefill: the prompt pass predicts each row's first code
-        self._prefill(backbone, prefix, batch, cache)
-        # 5. Rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`), every
-        #    row at its own pace until every grid is full
-        num_forward_passes = 1 + self._rounds(backbone, batch, cache, callback, tensor_inputs)
-        return batch.tokens, self._stats(batch, num_forward_passes, batch_size, start_time)
-
     def _encode_prompts(self, prompts, negative_prompt, num_images_per_prompt: int, sampling: SamplingConfig,
                         device: torch.device) -> PromptEmbeddings:
         """Step 2: one conditional row per image, then (with CFG) one unconditional row per image."""
@@ -505,101 +580,6 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             negatives = _as_list(negative_prompt) * (len(prompts) if len(_as_list(negative_prompt)) == 1 else 1)
             negative_rows = [n for n in negatives for _ in range(num_images_per_prompt)]
         return self.backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)
-
-    def _device_plan(self, sampling: SamplingConfig, callback, batch_size: int) -> Optional[Tuple[type, Dict[str, Any]]]:
-        """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
-        row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or an exact tree decoder's drafter
-        (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
-        tree shallower than a row), under keyed noise or greedy, no
-        ``callback_on_step_end`` (it sees every round: the row-group loop serves it) and no `profile_rounds` (it times
-        the row-group loop's parts). `device_rounds` ``False`` turns it off."""
-        if (self.device_rounds is False or callback is not None or self._round_timer is not None
-                or not (sampling.keyed or sampling.greedy)):
-            return None
-        window = self.decoder.chain_window()
-        if window is not None:
-            return ChainLoop, {"window": window}
-        # a tree accepted exactly: a static one (`HeadDrafter`) or one grown per row (EAGLE-2), shallower than a row
-        # where the layout has end-of-row tokens (a round crosses one row end at most)
-        if not self.decoder.is_exact:
-            return None
-        layout = self.backbone.layout
-        drafter = self.decoder.device_drafter(self.draft_heads, layout, batch_size, self._execution_device)
-        if drafter is None or not TreeLoop.fits(layout, drafter.tree_depth):
-            return None
-        return (DynamicTreeLoop if getattr(drafter, "per_row_trees", False) else HeadTreeLoop), {"drafter": drafter}
-
-    #: Rounds run whole on the device where they can (`_device_plan`); ``False``: always the row-group loop (every
-    #: decoder's own `propose` and `step`).
-    device_rounds: Optional[bool] = None
-
-    def _generate_on_device(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, sampling: SamplingConfig,
-                            generator, batch_size: int, plan: Tuple[type, Dict[str, Any]]) -> Tuple[torch.Tensor, DecodingStats]:
-        """Steps 3-5 by a `DeviceLoop`: the cache, the prompt pass, then rounds on the device with a host read per
-        sync (the progress bar moves at each). Returns the grids ``(B, N)`` and the stats."""
-        loop_class, kwargs = plan
-        layout, rows = backbone.layout, prefix.embeds.shape[0]
-        seeds = draw_seeds(generator, batch_size) if sampling.keyed else torch.zeros(batch_size, dtype=torch.long)
-        fed = loop_class.fed_slots(layout, **kwargs)
-        cache = self._make_cache(backbone, rows, prefix.embeds.shape[1] + layout.sequence_length + fed)
-        round_fn = self._compiled_device_round(loop_class.default_round())
-        loop = loop_class(backbone, sampling=sampling, seeds=seeds, prefix=prefix, cache=cache, round_fn=round_fn, **kwargs)
-        loop.prefill(prefix)
-        with self.progress_bar(total=layout.num_tokens * batch_size) as progress_bar:
-            rounds = self._run_device(loop, lambda done: progress_bar.update(done - progress_bar.n))
-        self._num_timesteps = rounds
-        accepted = loop.accepted_lengths()  # (passes, B): one host read after the last round
-        row_passes = (accepted > 0).sum(0).tolist()
-        fed = rounds * batch_size * loop.fed
-        stats = DecodingStats(
-            num_forward_passes=1 + rounds, num_draft_passes=rounds * loop.draft_passes_per_round,
-            num_tokens=batch_size * layout.num_tokens,
-            mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1), accepted_lengths=accepted.cpu(),
-            acceptance_map=layout.grid(loop.state.acceptance_map[:, :-1]).cpu(), wall_time_s=0.0,
-            padded_fraction=1 - sum(p - 1 for p in row_passes) * loop.fed / fed if fed else None,  # finished rows' slots
-            row_forward_passes=row_passes, decoder_stats=loop.report())
-        return loop.grid_tokens(), stats
-
-    def _run_device(self, loop: DeviceLoop, on_sync: Callable[[int], None]) -> int:
-        """Step 5 on the device (`DeviceLoop.run`); returns the rounds run."""
-        return loop.run(on_sync)
-
-    def _prepare(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int,
-                 device: torch.device) -> Tuple[RowBatch, StaticKVCache]:
-        """Step 3: one typed decoder state per image with its random numbers (`RowBatch`), and the KV cache."""
-        backbone, layout = self.backbone, self.backbone.layout
-        prefix_length = prefix.embeds.shape[1]
-        batch = RowBatch.create(self.decoder, layout, sampling, generator, batch_size, prefix_length, device, backbone)
-        max_fed = self.decoder.max_fed_tokens(layout) * (2 if layout.has_eol else 1)  # an EOL may follow every fed code
-        cache = self._make_cache(backbone, prefix.embeds.shape[0], prefix_length + layout.sequence_length + max_fed)
-        batch.fed_size = max_fed if cache.fixed_shape else None  # every round feeds this many slots (static shapes)
-        return batch, cache
-
-    def _rounds(self, backbone: SpatialBackbone, batch: RowBatch, cache: StaticKVCache, callback,
-                callback_tensor_inputs: Sequence[str]) -> int:
-        """Step 5: rounds until every row's grid is full, with the progress bar (codes of every row) and
-        ``callback_on_step_end``; returns how many."""
-        timer = self._round_timer or NULL_TIMER
-        rounds = 0
-        with self.progress_bar(total=backbone.layout.num_tokens * batch.batch_size) as progress_bar:
-            progress_bar.update(batch.total_committed)
-            while not batch.finished and not self.interrupt:
-                committed_before = batch.total_committed
-                with timer.section("round"):
-                    self._round(backbone, batch, cache, timer)
-                timer.rounds += 1
-                rounds += 1
-                # rounds known so far: those run, and one more while a grid is not full (diffusers' callbacks find
-                # their last step as `step_index == pipe.num_timesteps - 1`)
-                self._num_timesteps = rounds + (0 if batch.finished else 1)
-                progress_bar.update(batch.total_committed - committed_before)
-                if callback is not None:
-                    batch.sync()  # the callback sees every row's grid
-                    self._run_callback(callback, callback_tensor_inputs, rounds - 1, batch)
-                    batch.write_back()
-        self._num_timesteps = rounds
-        batch.sync()
-        return rounds
 
     def _decode(self, tokens: torch.Tensor, output_type: str):
         """Steps 6-7: VQ-decode the grids ``(B, H, W)`` and post-process the pixels with `VaeImageProcessor`. After an
@@ -611,197 +591,6 @@ class SpatialARPipeline(CallbackStateMixin, StaticShapesMixin, DraftSizingMixin,
             undecoded = torch.nn.functional.interpolate((tokens < 0)[:, None].float(), size=pixels.shape[-2:]) > 0.5  # (B, 1, h, w)
             pixels = pixels.masked_fill(undecoded, 0.0)
         return self.image_processor.postprocess(pixels.float(), output_type=output_type)
-
-    def _stats(self, batch: RowBatch, num_forward_passes: int, batch_size: int, start_time: float) -> DecodingStats:
-        """What the generation cost (one host read of the per-pass accepted lengths, after the last round)."""
-        device = self._execution_device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        accepted = batch.accepted_lengths()  # (passes, B) 0 after a row finished
-        row_passes = batch.row_passes()
-        return DecodingStats(
-            num_forward_passes=num_forward_passes,
-            num_draft_passes=batch.num_draft_passes,
-            num_tokens=batch_size * batch.layout.num_tokens,
-            mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1),
-            accepted_lengths=accepted.cpu(),
-            acceptance_map=batch.layout.grid(batch.acceptance_map).cpu(),
-            wall_time_s=time.perf_counter() - start_time,
-            padded_fraction=batch.padded_slots / batch.fed_slots if batch.fed_slots else None,
-            row_forward_passes=row_passes,
-            decoder_stats=batch.report(),
-        )
-
-    # -- the loop's parts ---------------------------------------------------------------------------------
-    def _hidden_rows(self, index: torch.Tensor, batch: RowBatch, rows: int) -> torch.Tensor:
-        """The hidden-state rows a decoder step of the image rows ``index`` gets: their conditional rows, and their
-        unconditional twins (``batch_size`` rows later) for a decoder that `uses_all_rows` under CFG (``rows`` target
-        rows)."""
-        if self.decoder.uses_all_rows and rows > batch.batch_size:
-            return torch.cat([index, index + batch.batch_size])
-        return index
-
-    def _prefill(self, backbone: SpatialBackbone, prefix: PromptEmbeddings, batch: RowBatch, cache: StaticKVCache) -> None:
-        """Step 4: one pass over the prompt fills the cache; its last output gives each row's first code. After it,
-        several images keep one cache length per row (`StaticKVCache.track_rows`): each advances on its own."""
-        positions = torch.arange(prefix.embeds.shape[1], device=prefix.embeds.device)
-        with eager_target(backbone.target_module):  # the prompt's length varies: never a compiled graph per length
-            hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, cache)  # (R, P, D)
-        logits = self._guided_logits(backbone, hidden[:, -1:], batch.sampling)  # (B, 1, V)
-        if len(batch.groups) == 1:  # every row in one state: no indexing
-            rows = hidden.shape[0] if self.decoder.uses_all_rows else batch.batch_size
-            self.decoder.step(logits, hidden[:rows, -1:], None, batch.groups[0].state, self.draft_heads)
-        else:
-            for g in batch.groups:
-                self.decoder.step(logits[g.index], hidden[self._hidden_rows(g.index, batch, hidden.shape[0]), -1:], None,
-                                  g.state, self.draft_heads)
-        if batch.batch_size > 1:
-            cache.track_rows()
-
-    def _round(self, backbone: SpatialBackbone, batch: RowBatch, cache: StaticKVCache, timer) -> None:
-        """Step 5, one round: a-f below, over every group of rows not yet finished (`RowBatch`). Each part runs inside
-        ``timer.section`` (see `profile_rounds`). One image takes `_round_one` (the same steps on one shared length)."""
-        if batch.batch_size == 1:
-            return self._round_one(backbone, batch.groups[0].state, batch, cache, timer)
-        layout, sampling, device = batch.layout, batch.sampling, batch.tokens.device
-        active = batch.active()
-        # 5a. every group proposes its draft at its own cursor (its last committed code first)
-        with timer.section("draft"):
-            drafts = [self.decoder.propose(g.state, self.draft_heads) for g in active]
-        # 5b. end-of-row tokens are forced, never drafted: one after every fed code that ends a row
-        with timer.section("eol"):
-            fed = [insert_end_of_rows(layout, g.state, draft, g) for g, draft in zip(active, drafts)]
-        # 5c. one target forward over every row's draft, padded to one width (CFG rows as one batch)
-        with timer.section("forward"):
-            widest = max(f.width for f in fed)
-            width = widest if batch.fed_size is None else batch.fed_size
-            if width < widest:
-                raise ValueError(f"A round fed {widest} tokens, more than the {width} the decoder declared (`max_draft_tokens`).")
-            batch.fed_slots += width * batch.batch_size
-            batch.padded_slots += width * batch.batch_size - sum(f.width * len(f.group.rows) for f in fed)
-            ids, position_ids, mask, is_eol = stack_groups(fed, batch, width, device)  # (B, F), (B, F), (B, F, F), (B, F)
-            if sampling.do_cfg:  # the unconditional rows verify the same drafts
-                ids, position_ids, mask = ids.repeat(2, 1), position_ids.repeat(2, 1), mask.repeat(2, 1, 1)
-            embeds = backbone.embed_image_tokens(ids)  # (R, F, D)
-            if is_eol is not None and any(f.eol is not None for f in fed):
-                eol_slots = is_eol.repeat(2, 1) if sampling.do_cfg else is_eol
-                embeds = torch.where(eol_slots[..., None], backbone.eol_embedding.to(embeds.dtype), embeds)
-            hidden = self._target_forward(backbone, embeds, position_ids, mask, cache)  # (R, F, D)
-            logits = backbone.image_logits(hidden)  # (R, F, V) fp32
-        # 5d-e. CFG mix; each group accepts its rows' runs and commits them (splitting rows that diverge)
-        with timer.section("accept"):
-            logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, F, V)
-            kept: List[Kept] = [0] * batch.batch_size  # a finished row keeps nothing
-            for f in fed:
-                self._step_group(batch, f, logits, hidden, kept)
-        # 5f. each row keeps its own accepted path in the KV cache (with the EOLs that follow its row ends)
-        with timer.section("kv"):
-            cache.keep_rows(kept + kept if sampling.do_cfg else kept)
-
-    def _step_group(self, batch: RowBatch, fed: FedGroup, logits: torch.Tensor, hidden: torch.Tensor, kept: List[Kept]) -> None:
-        """Step 5e for one group: the decoder accepts and commits its rows' runs. Rows that accepted runs of different
-        lengths (`RowsDiverged`, raised before the state changed) are split into one group per run length, each
-        stepped with the verification already drawn. Records what each row keeps of its fed slots in ``kept``."""
-        g, t = fed.group, fed.width
-        if g.rows == list(range(batch.batch_size)):  # every row, in order: plain slices
-            row_logits = logits[:, :t]
-            row_hidden = hidden[:, :t] if self.decoder.uses_all_rows else hidden[: batch.batch_size, :t]
-        else:
-            row_logits, row_hidden = logits[g.index, :t], hidden[self._hidden_rows(g.index, batch, hidden.shape[0]), :t]
-        if fed.eol is not None:  # a row's last code sees its EOL's output
-            row_logits, row_hidden = fed.eol.outputs(row_logits), fed.eol.outputs(row_hidden)  # (n, T, V), (n or 2n, T, D)
-        try:
-            result = self.decoder.step(row_logits, row_hidden, fed.draft, g.state, self.draft_heads)
-            _record_kept(kept, g.rows, result, fed.eol, t)
-            return
-        except RowsDiverged as error:
-            diverged = error  # `except` unbinds its name on leaving the block
-        parts = split_group(g, diverged.runs)
-        batch.replace(g, [part for _, part in parts])
-        n = len(g.rows)
-        for local, part in parts:
-            index = torch.tensor(local, device=row_logits.device)
-            twins = torch.cat([index, index + n]) if row_hidden.shape[0] == 2 * n else index
-            accepted, prefix = diverged.acceptance.host
-            part.state.acceptance = dataclasses.replace(split_rows(diverged.acceptance, index),  # drawn and read once
-                                                        host=([accepted[i] for i in local], prefix))
-            eol = split_rows(fed.eol, index) if fed.eol is not None and fed.eol.source.shape[0] > 1 else fed.eol
-            result = self.decoder.step(row_logits[index], row_hidden[twins], fed.draft.select_rows(index), part.state, self.draft_heads)
-            _record_kept(kept, part.rows, result, eol, t)
-
-    def _round_one(self, backbone: SpatialBackbone, state: DecodingState, batch: RowBatch, cache: StaticKVCache, timer) -> None:
-        """`_round` for one image: the same steps a-f, on the cache's shared length."""
-        layout, sampling = state.layout, state.sampling
-        # 5a. the decoder proposes what to verify (the last committed code first)
-        with timer.section("draft"):
-            draft = self.decoder.propose(state, self.draft_heads)
-        # 5b. end-of-row tokens are forced, never drafted: one is fed after every fed code that ends a row
-        with timer.section("eol"):
-            f = insert_end_of_rows(layout, state, draft)  # (1, T')
-            input_ids, position_ids, mask, eol = f.input_ids, f.position_ids, f.attention_mask, f.eol  # (1, T')
-        # 5c. one target forward over the draft (CFG rows as one batch), logits over image codes
-        with timer.section("forward"):
-            fed = input_ids.shape[1]  # T': the real fed slots (EOLs included)
-            if sampling.do_cfg:  # the unconditional rows verify the same drafts
-                input_ids = input_ids.repeat(2, 1)  # (R, T')
-                if draft.per_row:  # positions (B, T') and masks (B, T', T') per row
-                    position_ids, mask = position_ids.repeat(2, 1), mask.repeat(2, 1, 1)
-            embeds = backbone.embed_image_tokens(input_ids)  # (R, T', D)
-            if eol is not None:
-                embeds = eol.embeds(embeds, backbone.eol_embedding)
-            if batch.fed_size is not None:  # static shapes: every round feeds the same number of slots
-                embeds, position_ids, mask = self._pad_round(embeds, position_ids, mask, batch)  # (R, F, D)
-            slot = cache.length
-            hidden = self._target_forward(backbone, embeds, position_ids, mask, cache)[:, :fed]  # (R, T', D)
-            if eol is not None:
-                hidden = eol.outputs(hidden)  # (R, T, D): a row's last code sees its EOL's output
-            logits = backbone.image_logits(hidden)  # (R, T, V) fp32
-        # 5d-e. CFG mix; the decoder accepts codes and commits them to the state
-        with timer.section("accept"):
-            logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (1, T, V)
-            rows = hidden.shape[0] if self.decoder.uses_all_rows else 1
-            result = self.decoder.step(logits, hidden[:rows], draft, state, self.draft_heads)
-        # 5f. keep only the accepted path in the KV cache (with the EOLs that follow its row ends)
-        with timer.section("kv"):
-            if result.keep_indices is not None:
-                keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (1, n)
-                cache.keep(slot, keep.repeat(2, 1) if sampling.do_cfg else keep)  # (R, n)
-            elif result.keep_length is not None:
-                keep_length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
-                cache.crop(slot + keep_length)  # a prefix stays where it is: no copy
-            elif cache.length > slot + fed:  # every fed slot stays, the padding does not
-                cache.crop(slot + fed)
-
-    @contextlib.contextmanager
-    def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):
-        """Time every part of every round of the calls made inside the block (``scripts/bench_cost.py``).
-
-        Yields a `RoundTimer`: ``seconds`` per section (``draft``, ``eol``, ``forward``, ``accept``, ``kv``, and
-        ``round`` for the whole round) summed over ``rounds``. On a GPU pass ``synchronize=torch.cuda.synchronize``.
-        """
-        timer = RoundTimer(synchronize)
-        self._round_timer = timer
-        try:
-            yield timer
-        finally:
-            self._round_timer = None
-
-
-def _record_kept(kept: List[Kept], rows: List[int], result: StepOutput, eol, width: int) -> None:
-    """What each of ``rows`` keeps of its fed slots after a decoder step (`StaticKVCache.keep_rows`): a prefix length,
-    or the slot offsets ``(n,)`` of its accepted tree path (the end-of-row tokens after its row ends included)."""
-    if result.keep_indices is not None:
-        keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (n_rows, k)
-        for i, r in enumerate(rows):
-            kept[r] = keep[i]
-        return
-    if result.keep_length is not None:
-        length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
-    else:
-        length = width  # every fed slot stays
-    for r in rows:
-        kept[r] = length
-
 
 def available_memory(device: torch.device) -> Optional[int]:
     """Free bytes on ``device``: CUDA's free memory, or the host's available memory for ``cpu`` (Linux

@@ -17,8 +17,8 @@ Neither needs a GPU to be counted, so `count_rounds` counts them on any device:
   inductor's fused kernels show none);
 - **recompiles**: graphs dynamo compiled while counting (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``).
 
-Rounds are the pipeline's ``_round`` calls, or, for a round run whole on the device (`device_loop.DeviceLoop`), the
-rounds of ``_run_device``, whose syncs (the host reads between rounds) count as part of the rounds; the prefill pass
+Rounds are the ``_round`` calls of the pipeline's loop (`generation.GenerationLoop`), or, for a round run whole on
+the device (`device_loop.DeviceLoop`), the rounds of its ``_run_device``, whose syncs (the host reads between rounds) count as part of the rounds; the prefill pass
 is not a round.
 """
 
@@ -141,7 +141,8 @@ def count_rounds(pipe) -> Iterator[RoundCounts]:
     filled when the block ends). The profiler runs while counting, so do not time calls made inside it."""
     counts = RoundCounts()
     flag = {"inside": False, "reads": 0}
-    round_ = pipe._round  # the bound method; an instance attribute while counting
+    loop = pipe.loop
+    round_ = loop._round  # the bound method; an instance attribute while counting
 
     def counted_round(*args, **kwargs):
         counts.rounds += 1
@@ -152,26 +153,26 @@ def count_rounds(pipe) -> Iterator[RoundCounts]:
         finally:
             flag["inside"] = False
 
-    run_device = pipe._run_device
+    run_device = loop._run_device
 
-    def counted_device(loop, *args, **kwargs):
+    def counted_device(device_loop, *args, **kwargs):
         flag["inside"] = True
         try:
             with torch.profiler.record_function(ROUND_EVENT):
-                return run_device(loop, *args, **kwargs)
+                return run_device(device_loop, *args, **kwargs)
         finally:
             flag["inside"] = False
-            counts.rounds += loop.num_rounds
+            counts.rounds += device_loop.num_rounds
 
     graphs = _unique_graphs()
-    pipe.__dict__["_round"] = counted_round
-    pipe.__dict__["_run_device"] = counted_device
+    loop.__dict__["_round"] = counted_round
+    loop.__dict__["_run_device"] = counted_device
     try:
         with _python_reads(flag), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
             yield counts
     finally:
-        pipe.__dict__.pop("_round", None)
-        pipe.__dict__.pop("_run_device", None)
+        loop.__dict__.pop("_round", None)
+        loop.__dict__.pop("_run_device", None)
     counts.recompiles = _unique_graphs() - graphs
     _tally(profiler.events(), counts)
     counts.host_reads += flag["reads"]
