@@ -115,8 +115,15 @@ def parse_args(argv=None):
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
     p.add_argument("--num-images-per-prompt", type=int, nargs="+", default=[1],
                    help="images per prompt in one call; several values run every row at each (rows '<decoder> xN')")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no new prompt after this many seconds of timed runs: every row is timed on the same "
+                        "prompts (the first ones), and the report says how many (`num_prompts_timed`)")
     p.add_argument("--out", default="docs/benchmarks")
     args = p.parse_args(argv)
+    if args.time_budget_s is not None and not args.time_budget_s > 0:
+        p.error(f"--time-budget-s must be a positive number of seconds, got {args.time_budget_s}")
+    if args.time_budget_s is not None and (args.quality or args.picture):
+        p.error("--time-budget-s times fewer prompts than --quality and --picture score: run those without it")
     if args.prompts_file is not None and args.quality:
         p.error("--quality scores against the Twemoji captions' images: sample them (no --prompts-file)")
     return args
@@ -275,6 +282,7 @@ class Bench:
     guidance: float
     top_k: Optional[int]
     quality: Optional[SimpleNamespace]
+    prompts_timed: Optional[int] = None  # set when `--time-budget-s` stopped the timed runs early
 
     @property
     def pipe(self):
@@ -402,7 +410,11 @@ def timed_runs(args, bench: Bench, setups: List[Setup], output_type: str) -> Dic
     """The timed runs, interleaved batch by batch (every row on batch 1, then on batch 2 ...): each row's
     `run_decoder` results."""
     runs = {setup.name: [] for setup in setups}
+    start = time.perf_counter()
     for i in range(0, len(bench.prompts), args.batch_size):
+        if i and args.time_budget_s is not None and time.perf_counter() - start > args.time_budget_s:  # at least one
+            bench.prompts_timed = i  # every row ran on the same first prompts
+            break
         batch = bench.prompts[i : i + args.batch_size]
         for setup in setups:
             if setup.decoder_cls is None:
@@ -550,6 +562,7 @@ def make_report(args, bench: Bench, rows: dict) -> dict:
     return {
         "model": args.model or "embedded twemoji_llamagen",
         "num_prompts": len(bench.prompts),
+        "num_prompts_timed": bench.prompts_timed if bench.prompts_timed is not None else len(bench.prompts),
         "prompt_split": args.split,
         "batch_size": args.batch_size,
         "num_images_per_prompt": args.num_images_per_prompt,

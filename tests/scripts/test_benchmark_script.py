@@ -125,3 +125,19 @@ def test_benchmark_reads_a_prompts_file_through_the_job_loop(tmp_path):
     refused = run_script("benchmark.py", "--model", str(tmp_path / "model"), "--prompts-file", str(prompts), "--quality",
                          "--out", str(out), check=False)
     assert refused.returncode == 2 and "--quality" in refused.stderr
+
+
+def test_benchmark_time_budget_times_every_row_on_the_same_first_prompts(tmp_path):
+    """``--time-budget-s``: no new prompt starts once the timed runs passed the budget; every row ran on the same
+    first prompts and the report says how many; a budget that is not positive, or beside ``--quality``, is refused."""
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    out = tmp_path / "bench"
+    run_script("benchmark.py", "--model", str(tmp_path / "model"), "--decoders", "ar", "sjd", "--num-prompts", "4",
+               "--limit", "40", "--time-budget-s", "1e-9", "--out", str(out))
+    report = json.loads((out / "benchmark.json").read_text())
+    assert report["num_prompts"] == 4 and report["num_prompts_timed"] == 1  # the first prompt starts at 0 s
+    assert report["decoders"]["sjd"]["target_forward_passes_per_image"] < 16
+    for bad in (["--time-budget-s", "0"], ["--time-budget-s", "nan"], ["--time-budget-s", "10", "--quality"]):
+        refused = run_script("benchmark.py", "--model", str(tmp_path / "model"), *bad, "--out", str(out), check=False)
+        assert refused.returncode == 2 and "--time-budget-s" in refused.stderr
