@@ -314,22 +314,6 @@ def _public_config(obj) -> Dict[str, Any]:
     return {k: v for k, v in dict(getattr(obj, "config", {}) or {}).items() if not k.startswith("_")}
 
 
-def _decoder_config(pipe, decoder) -> Dict[str, Any]:
-    """The decoder's config as a card shows it: a draft size left at ``None`` says the family's fixed sizes."""
-    config = _public_config(decoder)
-    name = getattr(decoder, "draft_size_name", None)
-    if name is not None and config.get(name) is None:
-        for cls in type(decoder).__mro__:
-            entry = getattr(pipe, "default_draft_sizes", {}).get(cls.__name__)
-            if entry is not None:
-                sizes = entry if isinstance(entry, dict) else {1: entry}
-                config[name] = "None (family default: " + " / ".join(
-                    f"{size} {'from' if i else 'at'} {n} image{'s' if n > 1 else ''}"
-                    for i, (n, size) in enumerate(sorted(sizes.items()))) + ")"
-                break
-    return config
-
-
 def pipeline_card(
     pipe,
     repo_id: Optional[str] = None,
@@ -371,7 +355,7 @@ def pipeline_card(
         text_encoder_package=package,
         text_encoder_class=type(pipe.text_encoder).__name__ if getattr(pipe, "text_encoder", None) is not None else None,
         decoder_class=type(decoder).__name__ if decoder is not None else None,
-        decoder_config=_decoder_config(pipe, decoder) if decoder is not None else {},
+        decoder_config=_public_config(decoder) if decoder is not None else {},
         heads_class=type(heads).__name__ if heads is not None else None,
         heads_base=hub_model_id(heads_config.get("base_model_name_or_path")) or heads_config.get("base_model_name_or_path"),
         heads_offsets={k: heads_config[k] for k in ("horizontal_offsets", "vertical_offsets") if heads_config.get(k)},

@@ -492,25 +492,6 @@ def test_a_size_left_at_none_is_the_familys_fixed_default(decoder, family, expec
     assert torch.equal(pipe("a fox", temperature=0, output_type="latent", generator=torch.Generator().manual_seed(0)).tokens, out.tokens)
 
 
-class _PerBatchFamily(LlamaGenPipeline):
-    """A family whose SJD window depends on the images per call."""
-
-    default_draft_sizes = {"JacobiDecoder": {1: 5, 2: 3}}
-
-
-def test_a_family_size_may_depend_on_the_images_per_call():
-    """``{images: size}``: the largest key not above the call's images; one decoder follows the calls it serves (and
-    its config keeps ``None``); a mapping without an entry for one image is a `ValueError` naming the family."""
-    base = dummy_pipeline("llamagen", JacobiDecoder(), grid=(4, 5))
-    pipe = _PerBatchFamily(**base.components)
-    for images, expected in ((1, 5), (2, 3), (3, 3), (1, 5)):
-        pipe("a fox", num_images_per_prompt=images, output_type="latent")
-        assert pipe.decoder.fixed_sizes() == {"window_size": expected} and pipe.decoder.config.window_size is None
-    pipe.default_draft_sizes = {"JacobiDecoder": {2: 3}}
-    with pytest.raises(ValueError, match="_PerBatchFamily.default_draft_sizes"):
-        pipe.default_draft_size(pipe.decoder, 2)
-
-
 def test_a_decoder_that_forgets_its_size_name_fails_loudly():
     class NoName(JacobiDecoder):
         draft_size_name = None

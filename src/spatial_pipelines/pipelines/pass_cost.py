@@ -10,7 +10,7 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Union
+from typing import Any, Callable, ClassVar, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -365,25 +365,16 @@ class DraftSizingMixin:
     it reads the pipeline's ``backbone``, ``decoder``, ``draft_heads``, ``static_shapes`` and ``_execution_device``."""
 
     #: The family's fixed draft size per decoder class name (a subclass inherits its base's entry): what a decoder whose
-    #: size is left at ``None`` drafts with, the same on every machine. An entry is a size, or ``{images: size}`` (keys
-    #: 1 and up): the size for calls of at least that many images, so a family may draft less where one pass feeds
-    #: many rows. A decoder the family does not name drafts with its class's ``default_draft_size``. Each family says
-    #: where its numbers come from.
-    default_draft_sizes: ClassVar[Dict[str, Union[int, Dict[int, int]]]] = {}
+    #: size is left at ``None`` drafts with, the same on every machine. A decoder the family does not name drafts with
+    #: its class's ``default_draft_size``. Each family says where its numbers come from.
+    default_draft_sizes: ClassVar[Dict[str, int]] = {}
 
-    def default_draft_size(self, decoder, num_images: int = 1) -> int:
-        """The size ``decoder`` (a decoder with a ``draft_size_name``) drafts with, in calls of ``num_images`` images,
-        when its config leaves it at ``None``: this family's entry for its class or the nearest base class that has
-        one (for ``{images: size}``, the largest key not above ``num_images``), else the class's own default."""
+    def default_draft_size(self, decoder) -> int:
+        """The size ``decoder`` (a decoder with a ``draft_size_name``) drafts with when its config leaves it at ``None``:
+        this family's entry for its class or the nearest base class that has one, else the class's own default."""
         for cls in type(decoder).__mro__:
             if cls.__name__ in self.default_draft_sizes:
-                entry = self.default_draft_sizes[cls.__name__]
-                if not isinstance(entry, dict):
-                    return entry
-                if 1 not in entry:
-                    raise ValueError(f"{type(self).__name__}.default_draft_sizes[{cls.__name__!r}] = {entry}: a size per "
-                                     "number of images needs an entry for 1 image.")
-                return entry[max(k for k in entry if k <= num_images)]
+                return self.default_draft_sizes[cls.__name__]
         return type(decoder).default_draft_size
 
     def pass_cost(self, rows: int) -> PassCost:
@@ -410,7 +401,7 @@ class DraftSizingMixin:
             prefix_length (`int`): prompt positions before the first code (where dry rounds place their codes).
         """
         if self.decoder.sizes_from_family:  # the family's fixed size: nothing is measured
-            self.decoder.use_default_size(self.default_draft_size(self.decoder, num_images))
+            self.decoder.use_default_size(self.default_draft_size(self.decoder))
             return
         if not self.decoder.sizes_from_pass_cost:
             return

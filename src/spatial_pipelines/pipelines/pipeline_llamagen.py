@@ -240,12 +240,11 @@ class LlamaGenPipeline(SpatialARPipeline):
     """
 
     backbone_class = LlamaGenBackbone
-    # measured on the embedded model v3: what `tune_decoder(batch_size=n)` picks on a 2-core AMD EPYC VM (fp32, 2
-    # threads, 2026-11-27, `scripts/check_auto_sizes.py`, docs/benchmarks/v3/tuned_sizes): SJD 12-16 at one image and
-    # 8 at 4 and 8 images (a window of 16 made 2.87x AR at one image against 2.42x at 8, 10 prompts); Medusa 4-6, Hawk 6
-    # and EAGLE-2 2 at one image (Medusa 8 and Hawk 6 were no faster than 4 in that run), less at 4 and 8 images. A
-    # LlamaGen checkpoint on a GPU drafts more: pass sizes, `GPU_DRAFT_SIZES`, or `pipe.tune_decoder(...)`.
-    default_draft_sizes = {"JacobiDecoder": {1: 16, 2: 8}, "MedusaDecoder": 4, "HawkDecoder": 4, "EagleDecoder": 2}
+    # measured on the embedded model: what `tune_decoder(batch_size=1)` picks on a 2-core AMD EPYC VM (fp32, 2 threads,
+    # 2026-11-26, `scripts/check_auto_sizes.py`; SJD 10, Medusa 4, Hawk 4, EAGLE-2 2), with SJD's window at 8, the
+    # embedded folder's (what it picks at 8 images; 6 at 4). A LlamaGen checkpoint on a GPU drafts more: pass sizes,
+    # `GPU_DRAFT_SIZES`, or `pipe.tune_decoder(...)`.
+    default_draft_sizes = {"JacobiDecoder": 8, "MedusaDecoder": 4, "HawkDecoder": 4, "EagleDecoder": 2}
     model_cpu_offload_seq = "text_encoder->transformer->vqvae"
     _optional_components = ["text_encoder", "tokenizer", "draft_heads"]
 
