@@ -148,5 +148,6 @@ def test_the_sync_cadence_is_measured_per_k(tmp_path):
     cadence = report["decoding"]["embedded"]["sync_cadence"]
     assert list(cadence) == ["sjd x1 K=1 [compiled]", "sjd x1 K=8 [compiled]"]
     one, eight = cadence.values()
-    assert one["host_reads_per_round"] >= 1.0 >= eight["host_reads_per_round"] - 1e-9 and one["ms_per_round"] > 0
+    assert one["host_reads_per_round"] >= 1.0 and eight["host_reads_per_round"] <= one["host_reads_per_round"]
+    assert one["ms_per_round"] > 0 and eight["ms_per_round"] > 0
     assert "| `sjd x1 K=8 [compiled]` |" in (out / "gpu_check.md").read_text()

@@ -240,10 +240,12 @@ class LlamaGenPipeline(SpatialARPipeline):
     """
 
     backbone_class = LlamaGenBackbone
-    # measured on the embedded model: what `tune_decoder(batch_size=1)` picks on a 2-core AMD EPYC VM (fp32, 2 threads,
-    # 2026-11-26, `scripts/check_auto_sizes.py`; SJD 10, Medusa 4, Hawk 4, EAGLE-2 2), with SJD's window at 8, the
-    # embedded folder's (what it picks at 8 images; 6 at 4). A LlamaGen checkpoint on a GPU drafts more: pass sizes,
-    # `GPU_DRAFT_SIZES`, or `pipe.tune_decoder(...)`.
+    # measured on the embedded model v3: what `tune_decoder(batch_size=n)` picks on a 2-core AMD EPYC VM (fp32, 2
+    # threads, 2026-11-27, `scripts/check_auto_sizes.py`, docs/benchmarks/v3/tuned_sizes): SJD 8 at 4 and 8 images
+    # (12-16 at one), Medusa 4-6 and Hawk 6 at one image (2-3 at 4 and 8), EAGLE-2 2 (1 at 4 and 8). One size serves
+    # every batch, so a row drafts in a batch as it does alone (batch equals alone, passes included); for one image
+    # on this CPU `JacobiDecoder(window_size=16)` is faster (2.87x AR against 2.42x, 10 prompts). A LlamaGen
+    # checkpoint on a GPU drafts more: pass sizes, `GPU_DRAFT_SIZES`, or `pipe.tune_decoder(...)`.
     default_draft_sizes = {"JacobiDecoder": 8, "MedusaDecoder": 4, "HawkDecoder": 4, "EagleDecoder": 2}
     model_cpu_offload_seq = "text_encoder->transformer->vqvae"
     _optional_components = ["text_encoder", "tokenizer", "draft_heads"]
