@@ -276,9 +276,7 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline)
 
     @static_shapes.setter
     def static_shapes(self, value: Optional[bool]) -> None:
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"`static_shapes` must be True, False or None (the default: on when compiled), got {value!r}.")
-        self.loop.static_shapes_setting = value
+        self.loop.static_shapes_setting = _check_optional_bool("static_shapes", value, "the default: on when compiled")
 
     @property
     def device_rounds(self) -> Optional[bool]:
@@ -288,9 +286,7 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline)
 
     @device_rounds.setter
     def device_rounds(self, value: Optional[bool]) -> None:
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"`device_rounds` must be True, False or None (where the decoder allows), got {value!r}.")
-        self.loop.device_rounds = value
+        self.loop.device_rounds = _check_optional_bool("device_rounds", value, "where the decoder allows")
 
     @property
     def max_rounds_per_sync(self) -> int:
@@ -610,6 +606,13 @@ def available_memory(device: torch.device) -> Optional[int]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _check_optional_bool(name: str, value, none_means: str) -> Optional[bool]:
+    """A loop setting that is True, False or None (``none_means``); anything else is a `ValueError` naming it."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True, False or None ({none_means}), got {value!r}.")
+    return value
 
 
 def _check_generator(generator, num_prompts: int, num_images_per_prompt: int) -> None:
