@@ -113,6 +113,9 @@ def parse_args(argv=None):
                    help="also every row with the target step compiled (pipe.enable_compile on a second copy of the pipeline, "
                         "static shapes, kept even where slower): rows '<decoder> [compiled]', each also against compiled AR")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
+    p.add_argument("--skip-eager", action="store_true",
+                   help="with --compile: only the compiled rows, each against compiled AR (the eager rows of the same "
+                        "prompts come from a run without it)")
     p.add_argument("--num-images-per-prompt", type=int, nargs="+", default=[1],
                    help="images per prompt in one call; several values run every row at each (rows '<decoder> xN')")
     p.add_argument("--time-budget-s", type=float, default=None,
@@ -124,6 +127,10 @@ def parse_args(argv=None):
         p.error(f"--time-budget-s must be a positive number of seconds, got {args.time_budget_s}")
     if args.time_budget_s is not None and (args.quality or args.picture):
         p.error("--time-budget-s times fewer prompts than --quality and --picture score: run those without it")
+    if args.skip_eager and not args.compile:
+        p.error("--skip-eager leaves only the compiled rows: pass --compile with it")
+    if args.skip_eager and (args.quality or args.picture):
+        p.error("--skip-eager: --quality and --picture score the eager one-image rows, which it skips")
     if args.prompts_file is not None and args.quality:
         p.error("--quality scores against the Twemoji captions' images: sample them (no --prompts-file)")
     return args
@@ -362,6 +369,8 @@ def row_setups(args, bench: Bench) -> List[Setup]:
     setups = []
     for n in args.num_images_per_prompt:
         for compiled_row in bench.pipes:
+            if args.skip_eager and not compiled_row:
+                continue
             for spec, decoder_cls, kwargs in args.decoders:
                 name = spec + (f" x{n}" if n != 1 else "") + (" [compiled]" if compiled_row else "")
                 if decoder_cls is None:

@@ -109,6 +109,25 @@ def test_benchmark_compiled_rows_and_batches(tmp_path):
     assert (out / "batches.png").stat().st_size > 0
 
 
+def test_benchmark_skip_eager_keeps_only_the_compiled_rows(tmp_path):
+    """``--compile --skip-eager``: only the compiled rows, each against compiled AR (no eager row to compare with);
+    without ``--compile`` it is refused."""
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    out = tmp_path / "bench"
+    run_script("benchmark.py", "--model", str(tmp_path / "model"), "--decoders", "ar", "sjd:window_size=3", "--compile",
+               "--skip-eager", "--compile-backend", "eager", "--num-images-per-prompt", "1", "2", "--num-prompts", "1",
+               "--limit", "40", "--out", str(out))
+    rows = json.loads((out / "benchmark.json").read_text())["decoders"]
+    assert list(rows) == ["ar [compiled]", "sjd:window_size=3 [compiled]", "ar x2 [compiled]", "sjd:window_size=3 x2 [compiled]"]
+    for r in rows.values():
+        assert r["compiled"] and r["speedup_vs_ar"] is None and r["speedup_vs_compiled_ar"] > 0
+    assert rows["ar x2 [compiled]"]["speedup_vs_compiled_ar"] == 1.0 and (out / "batches.png").stat().st_size > 0
+    for bad in (["--skip-eager"], ["--skip-eager", "--compile", "--picture", "1"]):
+        refused = run_script("benchmark.py", "--model", str(tmp_path / "model"), *bad, "--out", str(out), check=False)
+        assert refused.returncode == 2 and "--skip-eager" in refused.stderr
+
+
 def test_benchmark_reads_a_prompts_file_through_the_job_loop(tmp_path):
     """``--prompts-file``: the prompts of a job file (its first ``--num-prompts`` rows), generated through
     `spatial_pipelines.jobs.generate_batches` as jobs are; ``--quality`` with it is refused (it scores against the
