@@ -6,6 +6,7 @@ siblings), on random distributions, and end to end on the tiny enumerable model.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from spatial_pipelines.core.acceptance import (
 )
 from spatial_pipelines.core.tree import chain_tree, tree_from_parents
 from spatial_pipelines.core.verification import verify_tree, verify_tree_sequential
+from spatial_pipelines.pipelines.device_loop import relaxed_chain, relaxed_matches, tree_tables
 from spatial_pipelines.testing import dummy_pipeline
 from spatial_pipelines.utils import check_number
 
@@ -231,6 +233,58 @@ def test_lantern_siblings_output_matches_the_reference_and_the_bound(delta):
     assert chi_square_pvalue(counts, expected) > 1e-4
 
 
+@pytest.mark.parametrize("delta", [0.1, 0.3])
+def test_the_device_rounds_relaxed_tree_test_follows_the_reference_step(delta):
+    """The device rounds' LANTERN for a tree (`relaxed_matches`): three point-mass siblings tested by one sample of
+    the parent's ``p`` each (60,000 rows): at most one sibling matches, and the committed code (the matching sibling,
+    else the sample) follows the reference walk's distribution (chi-square, p > 1e-4)."""
+    g = torch.Generator().manual_seed(5)
+    table = codebook_neighbours(torch.randn(V, 3, generator=g), 5)
+    p = torch.distributions.Dirichlet(torch.full((V,), 1.0)).sample()
+    codes = [3, 7, 1]
+    expected = torch.tensor(_reference_step(p.tolist(), codes, table.tolist(), delta)[0], dtype=torch.float64)
+    n = 60000
+    tree = tree_from_parents([-1, 0, 0, 0], [-1, 0, 1, 2])
+    tables = tree_tables(tree, torch.arange(4))
+    y = torch.multinomial(p, n, replacement=True, generator=g)  # (n,) the root's sample
+    samples = torch.stack([y, y, y, y], 1)  # only the root's is read (the children are leaves)
+    fed = torch.tensor([0] + codes).expand(n, 4)
+    matches = relaxed_matches(LanternAcceptance(k=5, delta=delta), table, p.expand(n, 4, V), fed, samples, tables)
+    assert matches[:, 0].all() and (matches[:, 1:].sum(1) <= 1).all()
+    first = torch.where(matches[:, 1:].any(1), fed[:, 1:].gather(1, matches[:, 1:].long().argmax(1, keepdim=True))[:, 0], y)
+    assert chi_square_pvalue(torch.bincount(first, minlength=V), expected) > 1e-4
+
+
+@pytest.mark.parametrize("rule", [LanternAcceptance(k=5, delta=0.3), LanternPlusPlusAcceptance(k=5, lambda_=4.0)],
+                         ids=["lantern", "lantern++"])
+def test_the_device_rounds_relaxed_chain_is_speculative_sampling_of_the_relaxed_target(rule):
+    """The device rounds' relaxed test of a chain's draft (`relaxed_chain`): a draft ``x ~ q`` is kept when a keyed
+    uniform ``u < p~_x(x) / q(x)``, else its position takes a keyed draw from ``norm(max(p~_x - q, 0))``. Over 60,000
+    rows (each its own seed) the committed code follows ``sum_x q(x) [a_x [c = x] + (1 - a_x) r_x(c)]`` (chi-square,
+    p > 1e-4); a row that keeps the draft commits a keyed draw from the next position's ``p`` after it."""
+    g = torch.Generator().manual_seed(11)
+    table = codebook_neighbours(torch.randn(V, 3, generator=g), 5)
+    p, p_next, q = torch.distributions.Dirichlet(torch.full((V,), 0.8)).sample((3,))
+    expected = torch.zeros(V, dtype=torch.float64)
+    for x in range(V):  # the law of the committed code, draft by draft
+        one = torch.tensor([x])
+        relaxed = rule.relax(p[None], one, table)
+        accept = min(1.0, relaxed.mass.item() / q[x].item())
+        rest = (relaxed.target(p[None], one)[0] - q).clamp_min(0).double()
+        rest = rest / rest.sum() if rest.sum() > 0 else p.double()
+        expected += q[x].double() * (accept * torch.nn.functional.one_hot(one, V)[0].double() + (1 - accept) * rest)
+    n = 60000
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)[:, None]  # (n, 1)
+    state = SimpleNamespace(drafts=drafts, q=q.expand(n, 1, V), seeds=torch.arange(n) * 7919 + 3)
+    loop = SimpleNamespace(state=state, rule=rule, window=1, neighbours=table, code_offsets=torch.arange(2))
+    probs = torch.stack([p, p_next]).expand(n, 2, V)
+    commit, matches = relaxed_chain(loop, probs, torch.tensor([[4, 5]]).expand(n, 2))
+    assert chi_square_pvalue(torch.bincount(commit[:, 0], minlength=V), expected) > 1e-4
+    kept = matches == 1
+    assert torch.equal(commit[kept, 0], drafts[kept, 0]) and 0 < kept.float().mean() < 1
+    assert chi_square_pvalue(torch.bincount(commit[kept, 1], minlength=V), p_next) > 1e-4
+
+
 def test_relaxed_acceptance_never_draws_a_code_outside_the_image_codes():
     book, probs, codes = _random_setup(7)
     tree = chain_tree(2)
@@ -275,11 +329,14 @@ def test_lantern_output_tvd_grows_with_delta_within_the_bound():
      HawkDecoder(num_draft_tokens=6, acceptance={"name": "lantern++", "k": 3, "lambda": 1.0})],
     ids=["medusa-delta0", "sjd-k0", "hawk-lambda1"],
 )
-def test_relaxed_rules_at_zero_keep_the_model_distribution(decoder):
+@pytest.mark.parametrize("device_rounds", [None, False], ids=["device-rounds", "row-groups"])
+def test_relaxed_rules_at_zero_keep_the_model_distribution(decoder, device_rounds):
     """Invariant 4, end to end: with nothing to move, the relaxed rules sample the model's own joint (the chi-square
-    test of invariant 2, ``DISTRIBUTION_SAMPLES`` samples, p > 1e-4)."""
+    test of invariant 2, ``DISTRIBUTION_SAMPLES`` samples, p > 1e-4), in rounds on the device (their keyed tests) and
+    in row groups (drawn uniforms)."""
     heads = None if isinstance(decoder, JacobiDecoder) else "random"
     pipe = dummy_pipeline("llamagen", decoder, heads, grid=(2, 2), num_codes=4)
+    pipe.device_rounds = device_rounds
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent")

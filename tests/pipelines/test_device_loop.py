@@ -149,20 +149,52 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
 
 @pytest.mark.parametrize("decoder,call", [
     (MedusaDecoder(num_heads=5, tree_paths=[[0] * d for d in range(1, 6)], num_draft_tokens=5), {"end_of_row": True}),
-    (MedusaDecoder(acceptance="lantern"), {"sampling_noise": "drawn"}),  # a relaxed rule
-    (EagleDecoder(acceptance="lantern"), {"sampling_noise": "drawn"}),
+    (JacobiDecoder(window_size=3, continuation=True, acceptance="lantern"), {}),  # redraws that change the claims
     (EagleDecoder(depth=5, top_k=1, num_draft_tokens=5), {"end_of_row": True}),  # 5 deep: 2 row ends in a 5-wide grid
     (ADTTreeDecoder(tree_init="random"), {}),  # shapes drawn on the host
     (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
     (JacobiDecoder(window_size=3, init="random"), {}),  # drafts what the device round does not
     (JacobiDecoder(window_size=3), {"sampling_noise": "drawn"}),  # random draws as the decoder goes
     (JacobiDecoder(window_size=3), {"callback_on_step_end": lambda pipe, i, n, kwargs: kwargs}),  # sees every round
-], ids=["medusa-deeper-than-a-row", "medusa-lantern", "eagle-lantern", "eagle-deeper-than-a-row", "adt-random", "proactive", "init-random", "drawn-noise", "callback"])
+], ids=["medusa-deeper-than-a-row", "sjd-lantern-continuation", "eagle-deeper-than-a-row", "adt-random", "proactive", "init-random", "drawn-noise", "callback"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
     pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)
     monkeypatch.setattr(pipe.loop, "_run_device", lambda *a, **k: pytest.fail("the device round ran"))
     assert pipe("a fox", output_type="latent", **call).tokens.min() >= 0
+
+
+#: relaxed rules on the device: every loop, LANTERN and LANTERN++ (the trees' claims shared among siblings)
+RELAXED = [(MedusaDecoder, {"num_draft_tokens": 6}), (HawkDecoder, {"num_draft_tokens": 6}),
+           (EagleDecoder, {"num_draft_tokens": 8, "depth": 3, "top_k": 3}), (JacobiDecoder, {"window_size": 4})]
+RELAXED_IDS = ["medusa", "hawk", "eagle", "sjd"]
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs", RELAXED, ids=RELAXED_IDS)
+@pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
+def test_relaxed_rules_run_on_the_device_every_row_as_alone(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+    """LANTERN and LANTERN++ take the device rounds (their noise keyed by a seed each image draws from its generator):
+    a batch of different prompts gives each row what its prompt gives alone, in its passes; with nothing to move
+    (``delta = 0``) a tree's rule is the exact one, so it commits AR's codes for those seeds; greedy is AR's."""
+    prompts, call = PROMPTS, dict(guidance_scale=2.0, output_type="latent")
+    # LANTERN++ (a bound per candidate) with end-of-row tokens, LANTERN (a TVD budget its siblings share) without
+    acceptance = {"name": "lantern++", "k": 4, "lambda": 3.0} if end_of_row else {"name": "lantern", "k": 4, "delta": 0.4}
+    pipe = _pipe(family, end_of_row, decoder_cls(acceptance=acceptance, **kwargs))
+    loops = _device_runs(monkeypatch, pipe)
+    out = pipe(prompts, generator=_generators(3), **call)
+    assert len(loops) == 1 and loops[0].rule == pipe.decoder.acceptance_rule and not pipe.decoder.is_exact
+    for i, p in enumerate(prompts):
+        alone = pipe([p], generator=_generators(1, i), **call)
+        assert torch.equal(alone.tokens[0], out.tokens[i])
+        assert alone.stats.num_forward_passes == out.stats.row_forward_passes[i]
+    reference = _pipe(family, end_of_row, AutoregressiveDecoder())
+    reference.device_rounds = False
+    greedy = pipe(prompts, temperature=0.0, **call).tokens
+    assert torch.equal(greedy, reference(prompts, temperature=0.0, **call).tokens)
+    if decoder_cls is not JacobiDecoder:  # the chain tests its drafts against their proposals: AR's law, not its codes
+        pipe.decoder = decoder_cls(acceptance={"name": "lantern", "k": 4, "delta": 0.0}, **kwargs)
+        assert torch.equal(pipe(prompts, generator=_generators(3), **call).tokens,
+                           reference(prompts, generator=_generators(3), sampling_noise="keyed", **call).tokens)
 
 
 def _sync_reads_allowed(rounds: int, max_codes: int) -> int:
@@ -182,6 +214,9 @@ COUNTED_DECODERS = {"ar": DECODERS[0], "sjd-3": DECODERS[2], "medusa-4": TREES[1
 COUNTED = [pytest.param(*FAMILIES[0], *decoder, id=f"llamagen-{decoder_id}") for decoder_id, decoder in COUNTED_DECODERS.items()]
 COUNTED += [pytest.param(*FAMILIES[2], *COUNTED_DECODERS[d], id=f"janus-{d}") for d in ("ar", "sjd-3", "medusa-4", "eagle-8")]
 COUNTED += [pytest.param(*FAMILIES[1], *COUNTED_DECODERS[d], id=f"llamagen-eol-{d}") for d in ("medusa-4", "eagle-8")]
+#: the relaxed rules' rounds: a chain's (its proposals and keyed streams) and a tree's (the sibling-by-sibling claims)
+COUNTED += [pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "acceptance": "lantern"}, id="llamagen-sjd-3-lantern"),
+            pytest.param(*FAMILIES[1], MedusaDecoder, {"num_draft_tokens": 4, "acceptance": "lantern++"}, id="llamagen-eol-medusa-4-lantern++")]
 
 
 @pytest.mark.parametrize("family,end_of_row,decoder_cls,kwargs", COUNTED)

@@ -46,17 +46,17 @@ class Relaxation:
         return Relaxation(pick(self.mass), pick(self.moved), pick(self.neighbours), pick(self.kept))
 
     def target(self, probs: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """``p~_x``: ``probs`` ``(N, V)`` with the kept neighbours' mass moved onto ``codes`` ``(N,)``."""
+        """``p~_x``: ``probs`` ``(..., V)`` with the kept neighbours' mass moved onto ``codes`` ``(...)``."""
         if self.kept is None:
             return probs
-        pn = probs.gather(-1, self.neighbours)  # (N, k)
+        pn = probs.gather(-1, self.neighbours)  # (..., k)
         out = probs.scatter(-1, self.neighbours, torch.where(self.kept, 0.0, pn))
-        return out.scatter_add(-1, codes[:, None], self.moved[:, None].to(out.dtype))
+        return out.scatter_add(-1, codes[..., None], self.moved[..., None].to(out.dtype))
 
     def removed(self, probs: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """``probs`` ``(N, V)`` less ``codes`` and their kept neighbours (unnormalised): what is left after a point-mass
-        candidate is rejected (``max(p~ - onehot(x), 0)``)."""
-        out = probs.scatter(-1, codes[:, None], 0.0)
+        """``probs`` ``(..., V)`` less ``codes`` ``(...)`` and their kept neighbours (unnormalised): what is left after a
+        point-mass candidate is rejected (``max(p~ - onehot(x), 0)``)."""
+        out = probs.scatter(-1, codes[..., None], 0.0)
         if self.kept is None:
             return out
         return out.scatter(-1, self.neighbours, torch.where(self.kept, 0.0, out.gather(-1, self.neighbours)))
@@ -76,6 +76,10 @@ class AcceptanceRule:
         is_exact (`bool`): committed codes follow ``p`` exactly.
         num_neighbours (`int`): codebook neighbours per code the rule reads (0: none; then no table is built).
         tvd_budget (`float`, *optional*): a TVD bound the siblings of one step share (LANTERN's delta).
+        claims_neighbours (`bool`): a relaxed rule's claim is the mass of ``x`` and of the neighbours it keeps
+            (`Relaxation.kept`), so one sample of ``p`` decides it: a tree's round on the device tests that sample
+            (`device_loop.relaxed_matches`). ``False`` (the default) for a rule that claims mass without naming its
+            codes: its trees take the row-group loop.
     """
 
     name = "exact"
@@ -83,6 +87,7 @@ class AcceptanceRule:
     is_exact = True
     num_neighbours = 0
     tvd_budget: Optional[float] = None
+    claims_neighbours = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -160,6 +165,7 @@ class LanternAcceptance(AcceptanceRule):
     name = "lantern"
     parameters = ("k", "delta")
     is_exact = False
+    claims_neighbours = True
 
     def __init__(self, k: int = 1000, delta: float = 0.1):
         check_number('acceptance["k"]', k, 0, integer=True)

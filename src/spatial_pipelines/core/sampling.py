@@ -182,13 +182,29 @@ def keyed_gumbel(seeds: torch.Tensor, index: Union[int, torch.Tensor], codes: to
         codes (`torch.LongTensor` `(B, ...)`): the codes to draw noise for, batch first.
         num_codes (`int`): codebook size ``V`` (the counter's stride per grid index).
     """
-    counter = index * num_codes + codes + 1  # (B, ...) distinct per (index, code), never 0
-    z = seeds.view(-1, *([1] * (codes.dim() - 1))) + counter * _GAMMA  # (B, ...) wraps modulo 2**64
+    return -torch.log(-torch.log(_keyed_unit(seeds, index * num_codes + codes + 1)))
+
+
+def keyed_uniform(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``U(0, 1)`` that depends only on ``(seed, grid index)``: fp32 ``(B, ...)`` for ``index`` ``(B, ...)``. Salt the
+    seeds (`ACCEPT_STREAM`) for a stream independent of `keyed_gumbel`'s."""
+    return _keyed_unit(seeds, index + 1)
+
+
+def _keyed_unit(seeds: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser of ``seed + counter * gamma`` (``counter`` ``(B, ...)``, never 0), its top 23 bits as a
+    number in ``(0, 1)``."""
+    z = seeds.view(-1, *([1] * (counter.dim() - 1))) + counter * _GAMMA  # (B, ...) wraps modulo 2**64
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
     z = z ^ _shift_right(z, 31)
-    u = (_shift_right(z, 41).float() + 0.5) * 2.0**-23  # (B, ...) in [2^-24, 1 - 2^-24]: exact in fp32
-    return -torch.log(-torch.log(u))
+    return (_shift_right(z, 41).float() + 0.5) * 2.0**-23  # (B, ...) in [2^-24, 1 - 2^-24]: exact in fp32
+
+
+#: Salts (XORed into a row's seed) of the keyed streams a relaxed rule reads besides the target's samples: the
+#: uniforms that test drafts against their proposals, and the draws from what is left after a rejection
+ACCEPT_STREAM = 0x5DEECE66D1F0A3B7
+RESIDUAL_STREAM = 0x2545F4914F6CDD1D
 
 
 def draw_seeds(generator: GeneratorLike, batch_size: int) -> torch.Tensor:

@@ -252,10 +252,15 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     def chain_window(self) -> Optional[int]:
         """The window, for a round run whole on the device under keyed noise (`spatial_pipelines.pipelines.device_loop`):
-        exact acceptance, one draft per position and ``init="above"``. Under keyed noise every redraw is the pass's own
-        sample, so ``coupling``, ``continuation`` and ``anchor`` change nothing there."""
+        one draft per position and ``init="above"``. Under keyed noise every redraw is the pass's own sample, so
+        ``coupling``, ``continuation`` and ``anchor`` change nothing there under exact acceptance. A relaxed rule
+        (LANTERN) runs there too without ``continuation`` (whose redraws change what a relaxed rule claims): each draft
+        is the keyed sample of its proposal, tested with a keyed uniform of its own (`device_loop.relaxed_chain`)."""
         c = self.config
-        if not self.is_exact or c.proactive_width != 1 or c.init != "above" or self.tree is None:
+        rule = self.acceptance_rule
+        if not (rule.is_exact or (rule.relaxes and not c.continuation)) or not self.lossless:
+            return None
+        if c.proactive_width != 1 or c.init != "above" or self.tree is None:
             return None
         return self.window
 

@@ -350,8 +350,8 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         siblings are distinct codes (or ``-1``: none): a `HeadDrafter` for ``batch_size`` rows (a static tree,
         `device_loop.HeadTreeLoop`), or a drafter with ``per_row_trees`` that grows each row's tree
         (`device_loop.DynamicTreeLoop`, `EagleDrafter`); either has ``tree_depth`` and ``nodes_per_depth`` (host ints,
-        at most). The pipeline asks only when the acceptance is exact. ``None`` (the default): the decoder's own
-        `propose` and `step` run, in row groups."""
+        at most). The pipeline asks when the acceptance is exact, or relaxed (LANTERN: the candidates are verified as
+        point masses). ``None`` (the default): the decoder's own `propose` and `step` run, in row groups."""
         return None
 
     def __init_subclass__(cls, **kwargs):

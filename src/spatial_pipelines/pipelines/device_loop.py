@@ -45,8 +45,10 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
-from ..core.sampling import TINY_TEMPERATURE, SamplingConfig, cfg_mix, keyed_sample
+from ..core.sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, TINY_TEMPERATURE, SamplingConfig, cfg_mix, keyed_sample,
+                             keyed_uniform, logits_to_probs)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 
@@ -54,6 +56,9 @@ from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 #: length by the slots a round feeds, and each pass attends to that bound, so a long stretch attends to slots no row
 #: has filled yet; 8 keeps the excess to a few dozen slots.
 MAX_ROUNDS_PER_SYNC = 8
+
+#: What a draw from an already-filtered distribution samples with: its log as the logits, at temperature 1
+UNIT_SAMPLING = SamplingConfig()
 
 
 @dataclass
@@ -89,6 +94,17 @@ class ChainState(DeviceState):
     """
 
     drafts: torch.Tensor
+
+
+@dataclass
+class RelaxedChainState(ChainState):
+    """`ChainState` plus each draft's proposal, which a relaxed rule tests it against (`relaxed_chain`).
+
+    Args:
+        q (`torch.Tensor` `(B, L, V)`): the distribution each draft was drawn from (a point mass for a copied one).
+    """
+
+    q: torch.Tensor
 
 
 @dataclass
@@ -141,6 +157,11 @@ class DeviceLoop:
         cache (`StaticKVCache`): a cache for the ``R`` rows, empty.
         round_fn (`Callable`, *optional*): what runs a round: the subclass's round function (the default), or
             `compile_round`'s graph of it.
+        rule (`AcceptanceRule`): exact (the default: a draft is accepted when it equals the target's keyed sample),
+            or relaxed (LANTERN, LANTERN++: `relaxed_matches` for a tree's point-mass candidates, `relaxed_chain` for
+            a chain's drafts and their proposals).
+        neighbours (`torch.Tensor` `(V, k)`, *optional*): the codebook neighbour table of a relaxed rule
+            (`SpatialBackbone.code_neighbours`).
     """
 
     fed: int  # slots a round feeds per row
@@ -148,7 +169,12 @@ class DeviceLoop:
     draft_passes_per_round: int = 0  # drafting passes (the heads') a round runs besides the target's
 
     def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
-                 cache: StaticKVCache, round_fn: Optional[Callable] = None):
+                 cache: StaticKVCache, round_fn: Optional[Callable] = None, rule: AcceptanceRule = EXACT,
+                 neighbours: Optional[torch.Tensor] = None):
+        if rule.relaxes and rule.num_neighbours and neighbours is None:
+            raise ValueError(f"{rule!r} needs the codebook neighbour table: pass `neighbours` "
+                             "(`SpatialBackbone.code_neighbours`).")
+        self.rule, self.neighbours = rule, neighbours
         layout, guidance_scale, temperature = backbone.layout, sampling.guidance_scale, sampling.temperature
         # the round sees the CFG scale and the temperature as tensors only, so its graph does not depend on their
         # values (the logits are divided by the temperature before sampling at 1: the same floats)
@@ -278,9 +304,11 @@ class ChainLoop(DeviceLoop):
     """
 
     def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
-                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
+                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None):
         self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
-        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
+        self.num_codes = backbone.num_image_codes
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         device = prefix.embeds.device
         self.draft_offsets = torch.arange(window, device=device)  # (L,)
         self.mask = torch.ones(self.fed, self.fed, dtype=torch.bool, device=device).tril()  # (T, T) causal chain
@@ -291,7 +319,11 @@ class ChainLoop(DeviceLoop):
         return fed_slots(layout, window)
 
     def new_state(self, **common) -> ChainState:
-        drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=common["tokens"].device)
+        device = common["tokens"].device
+        drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=device)
+        if self.rule.relaxes:
+            q = torch.zeros(self.batch_size, self.window, self.num_codes, device=device)
+            return RelaxedChainState(drafts=drafts, q=q, **common)
         return ChainState(drafts=drafts, **common)
 
     @classmethod
@@ -300,6 +332,8 @@ class ChainLoop(DeviceLoop):
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.state.drafts.copy_(first[:, None].expand_as(self.state.drafts))  # the first row has nothing above
+        if self.rule.relaxes:  # copies: point masses
+            self.state.q.zero_().scatter_(2, self.state.drafts[..., None], 1.0)
 
 
 class TreeLoop(DeviceLoop):
@@ -307,10 +341,15 @@ class TreeLoop(DeviceLoop):
     node at the depth whose code ends a row (`end_of_row_slots`; at most one such depth, the tree being shallower than
     a row); the accepted path's cache slots (an EOL slot among them where it crossed a row end) moved by the next
     round. A subclass sets ``drafter``, ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before
-    `DeviceLoop.__init__`."""
+    `DeviceLoop.__init__`.
+
+    Under a relaxed rule a node is accepted when its parent's keyed sample lies in the set the node claims
+    (`relaxed_matches`): LANTERN's own verification of point-mass candidates, with the sample as its only
+    randomness."""
 
     def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
-                 cache: StaticKVCache, round_fn: Optional[Callable] = None):
+                 cache: StaticKVCache, round_fn: Optional[Callable] = None, rule: AcceptanceRule = EXACT,
+                 neighbours: Optional[torch.Tensor] = None):
         layout = backbone.layout
         if not self.fits(layout, self.max_codes - 1):
             raise ValueError(f"A tree of depth {self.max_codes - 1} crosses two row ends of a {layout.width}-wide grid "
@@ -318,7 +357,7 @@ class TreeLoop(DeviceLoop):
         self.fed = self.num_nodes + self.eol_slots
         self.path_slots = self.max_codes + int(layout.has_eol)  # a crossed row end keeps its EOL slot too
         self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
-        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         device = prefix.embeds.device
         self.node_slots = self.slots[: self.num_nodes]  # (T,)
         self.eol_offsets = torch.arange(self.eol_slots, device=device)  # (E,)
@@ -349,11 +388,12 @@ class HeadTreeLoop(TreeLoop):
     """
 
     def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
-                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
+                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None):
         tree = drafter.tree
         self.drafter, self.num_nodes, self.max_codes = drafter, tree.num_nodes, tree.max_depth + 1
         self.eol_slots = self.eol_slot_count(backbone.layout, drafter.nodes_per_depth)
-        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         self.tree_tables = tree_tables(tree, self.node_slots)  # the static tree's, built once
 
     @staticmethod
@@ -392,11 +432,12 @@ class DynamicTreeLoop(TreeLoop):
     """
 
     def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
-                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None):
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
+                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None):
         self.drafter, self.num_nodes, self.max_codes = drafter, drafter.num_nodes + 1, drafter.tree_depth + 1
         self.eol_slots = self.eol_slot_count(backbone.layout, drafter.nodes_per_depth)
         self.draft_passes_per_round = drafter.draft_passes
-        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn)
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
 
     @staticmethod
     def fed_slots(layout, drafter, **_) -> int:
@@ -470,18 +511,23 @@ def chain_round(loop: ChainLoop) -> None:
     # 3. CFG mix and every code slot's keyed sample
     logits = loop.guided(logits)  # (B, L + 1, V)
     samples = keyed_sample(logits, sampling, s.seeds, codes.clamp_max(n - 1))  # (B, L + 1)
-    # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position
-    matches = (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)
+    # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position (a
+    #    relaxed rule: LANTERN's test of each draft against its proposal, `relaxed_chain`)
+    if loop.rule.relaxes:
+        probs = logits_to_probs(logits, sampling)  # (B, L + 1, V)
+        commit, matches = relaxed_chain(loop, probs, codes.clamp_max(n - 1))  # (B, L + 1), (B,)
+    else:
+        commit, matches = samples, (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)
     accepted = torch.minimum(1 + matches, n - s.committed) * active  # (B,) 0 once finished
     # 5. commit the run; the slots past it write the spare column N
     taken = loop.code_offsets < accepted[:, None]  # (B, L + 1)
     target = torch.where(taken, codes, n)  # (B, L + 1)
-    s.tokens.scatter_(1, target, torch.where(taken, samples, -1))
+    s.tokens.scatter_(1, target, torch.where(taken, commit, -1))
     s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
     s.rounds.add_(1)
     s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
     committed = s.committed + accepted  # (B,)
-    s.last.copy_(torch.where(active, samples.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
+    s.last.copy_(torch.where(active, commit.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
     # 6. the next drafts: this pass's samples after the run, then the code one row above (the newest where none)
     if window:
         source = accepted[:, None] + loop.draft_offsets  # (B, L) code slot whose sample is the draft's
@@ -490,10 +536,46 @@ def chain_round(loop: ChainLoop) -> None:
         known = (above >= 0) & (above < committed[:, None])
         copied = torch.where(known, s.tokens.gather(1, above.clamp(0, n)), s.last[:, None])  # (B, L)
         s.drafts.copy_(torch.where(source <= window, redrawn, copied))
+        if loop.rule.relaxes:  # each draft's proposal: the pass's p it was drawn from, a point mass for a copy
+            drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
+            point = torch.zeros_like(drawn_from).scatter_(2, copied[..., None], 1.0)
+            s.q.copy_(torch.where((source <= window)[..., None], drawn_from, point))
     # 7. each cache row keeps the fed slots up to its newest code (a prefix), its CFG twin the same
     kept = (layout.sequence_offset(committed - 1) - start) * active  # (B,) = accepted without EOLs
     s.committed.copy_(committed)
     cache.keep_prefixes(kept.repeat(2) if sampling.do_cfg else kept)
+
+
+def relaxed_chain(loop: ChainLoop, probs: torch.Tensor, index: torch.Tensor):
+    """Step 4 of a chain round under a relaxed rule (LANTERN, LANTERN++): draft ``k`` (code ``x``, drawn from its
+    proposal ``q``) is accepted when a keyed uniform ``u < p~_x(x) / q(x)``; the position of the first rejected draft
+    takes a keyed draw from ``norm(max(p~_x - q, 0))``, and a row that accepts every draft a draw from the next
+    position's ``p``: speculative sampling of the relaxed target ``p~``.
+
+    Why keyed streams of their own (`ACCEPT_STREAM`, `RESIDUAL_STREAM`): a draft is the keyed sample of its proposal,
+    drawn with the target's noise for that position; testing it against that same noise would couple the two and move
+    more than the rule allows. A position is tested once (it is committed then), and nothing tested before it read
+    its noise, so given what came before, ``x ~ q`` and the uniform and the draw are fresh.
+
+    Args:
+        probs (`torch.Tensor` `(B, L + 1, V)`): the pass's ``p`` at every code slot.
+        index (`torch.LongTensor` `(B, L + 1)`): the grid index each slot predicts (clamped to the grid).
+
+    Returns the codes each slot commits ``(B, L + 1)`` (the drafts, then the draw; read up to the accepted count) and
+    the accepted drafts per row ``(B,)``.
+    """
+    s, rule, window = loop.state, loop.rule, loop.window
+    relaxed = rule.relax(probs[:, :window], s.drafts, loop.neighbours)  # (B, L) the drafts' claims
+    qx = s.q.gather(2, s.drafts[..., None])[..., 0]  # (B, L)
+    u = keyed_uniform(s.seeds ^ ACCEPT_STREAM, index[:, :window])  # (B, L)
+    matches = (u * qx < relaxed.mass).long().cumprod(1).sum(1)  # (B,) u < min(1, p~/q) without dividing
+    rest = (relaxed.target(probs[:, :window], s.drafts) - s.q).clamp_min(0)  # (B, L, V)
+    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, probs[:, :window])  # p~ == q: never rejected anyway
+    rest = torch.cat([rest, probs[:, window:]], 1)  # (B, L + 1, V) past the window: the next position's p
+    left = rest.gather(1, matches[:, None, None].expand(-1, 1, rest.shape[-1]))  # (B, 1, V)
+    drawn = keyed_sample(left.log(), UNIT_SAMPLING, s.seeds ^ RESIDUAL_STREAM, index.gather(1, matches[:, None]))  # (B, 1)
+    commit = torch.cat([s.drafts, drawn], 1)  # (B, L + 1)
+    return torch.where(loop.code_offsets < matches[:, None], commit, drawn), matches
 
 
 def head_tree_round(loop: HeadTreeLoop) -> None:
@@ -569,14 +651,22 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
         samples = samples.gather(1, eol.predictor)  # (B, T)
         predictor = eol.predictor.repeat(2, 1) if sampling.do_cfg else eol.predictor  # (R, T)
         hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
-    # 4. a node matches when it equals its parent's sample; the accepted node is the deepest whose path all matches
-    matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
+    # 4. a node matches when it equals its parent's sample (a relaxed rule: when the sample lies in the node's claim);
+    #    the accepted node is the deepest whose path all matches
+    if loop.rule.relaxes:
+        if layout.has_eol:
+            logits = logits.gather(1, eol.predictor[..., None].expand(-1, -1, logits.shape[-1]))  # (B, T, V)
+        matches = relaxed_matches(loop.rule, loop.neighbours, logits_to_probs(logits, sampling), fed, samples, tables)
+    else:
+        matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
     misses = (~matches).float()[:, None] @ tables.ancestors.transpose(-1, -2)  # (B, 1, T) misses on each node's path
     best = ((misses[:, 0] == 0) * tables.score).argmax(1)  # (B,)
     path = tables.paths.expand(fed.shape[0], -1, -1).gather(1, best[:, None, None].expand(-1, 1, tables.paths.shape[-1]))[:, 0]
     depth = tables.depths.expand_as(fed).gather(1, best[:, None])[:, 0]  # (B,)
     accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
-    codes = samples.gather(1, path)  # (B, D + 1) the samples along the path: its drafts, then the bonus
+    # the accepted nodes' codes, then the last one's sample (exact: the samples along the path)
+    below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) the node each code comes from
+    codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), samples.gather(1, path))  # (B, D + 1)
     # 5. commit the run; the slots past it write the spare column N
     taken = loop.code_offsets < accepted[:, None]  # (B, D + 1)
     target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, D + 1)
@@ -592,6 +682,53 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
     s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
     s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
     return hidden, path, accepted
+
+
+def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], probs: torch.Tensor, fed: torch.Tensor,
+                    samples: torch.Tensor, tables: "TreeTables") -> torch.Tensor:
+    """Which nodes a relaxed rule (LANTERN, LANTERN++) accepts, for point-mass candidates: node ``i`` (code ``x``)
+    matches when its parent's keyed sample ``y`` lies in ``x``'s claim, ``{x}`` and the neighbours it keeps, reckoned
+    on the parent's ``p`` less the claims of the siblings tried before it (whose TVD budget it shares).
+
+    Why this is LANTERN: ``y ~ p``, so sibling ``i`` is accepted, given its earlier siblings were not, with its claim
+    on the residual, and a row that accepts none keeps ``y``, distributed as the residual left after every sibling:
+    `verify_tree_sequential`'s walk, with ``y`` the only randomness. Siblings never both match: an earlier claim's codes
+    have no mass left, so ``y`` among them fails the later ones. Returns ``(B, T)`` bool (the root always matches).
+
+    Args:
+        probs (`torch.Tensor` `(B, T, V)`): the distribution each node's output gives its children.
+        fed (`torch.LongTensor` `(B, T)`): the nodes' codes (``-1``: none offered), root first.
+        samples (`torch.LongTensor` `(B, T)`): each node's keyed sample from ``probs``.
+    """
+    b, t, v = probs.shape
+    parents = tables.parents.expand(b, t)  # (B, T)
+    x, y = fed.clamp_min(0), samples.gather(1, parents)  # (B, T) each node's code and its parent's sample
+    offered = (fed >= 0) & tables.valid & ~tables.is_root  # (B, T)
+    rank, spare = tables.rank.expand(b, t), torch.full_like(parents, t)
+    # per parent (row T: a spare the untried nodes write to): p less its tried children's claims, the TVD they used
+    # (in units of p) and the mass of p the residual stands for
+    residual = torch.cat([probs, probs.new_zeros(b, 1, v)], 1)  # (B, T + 1, V)
+    spent, scale = probs.new_zeros(b, t + 1), probs.new_ones(b, t + 1)  # (B, T + 1)
+    matches = tables.is_root.expand(b, t)
+    for r in range(tables.max_siblings):  # the r-th child of every parent at once (at most one per parent)
+        tried = offered & (rank == r)  # (B, T)
+        p = residual.gather(1, parents[..., None].expand(b, t, v))  # (B, T, V) the parent's residual
+        spent_p, scale_p = spent.gather(1, parents), scale.gather(1, parents)  # (B, T)
+        budget = None if rule.tvd_budget is None else ((rule.tvd_budget - spent_p) / scale_p).clamp_min(0)
+        relaxed = rule.relax(p, x, neighbours, budget)
+        claimed = y == x
+        if relaxed.kept is not None:
+            claimed = claimed | ((relaxed.neighbours == y[..., None]) & relaxed.kept).any(-1)
+        live = p.gather(2, y[..., None])[..., 0] > 0  # y lies in no earlier sibling's claim
+        matches = matches | (tried & claimed & live)
+        rest = relaxed.removed(p, x)  # (B, T, V) what the next sibling is tried against, unnormalised
+        total = rest.sum(-1)  # (B, T)
+        dest = torch.where(tried, parents, spare)[..., None]  # (B, T, 1)
+        nxt = torch.where((total > 0)[..., None], rest / total.clamp_min(1e-30)[..., None], p)
+        residual = residual.scatter(1, dest.expand(b, t, v), nxt)
+        spent = spent.scatter(1, dest[..., 0], spent_p + relaxed.moved * scale_p)
+        scale = scale.scatter(1, dest[..., 0], scale_p * total)
+    return matches
 
 
 @dataclass
@@ -673,6 +810,8 @@ class TreeTables:
         paths (`torch.LongTensor` `(T, D + 1)` or `(B, T, D + 1)`): root-to-node slots, padded with the node itself.
         score (`torch.LongTensor`): > 0 for a node that may be accepted, deeper first; 0 for padding.
         valid (`torch.BoolTensor` `(T,)` or `(B, T)`): real nodes (padding is not).
+        rank (`torch.LongTensor` `(T,)` or `(B, T)`): a node's place among its siblings (tried in that order).
+        max_siblings (`int`): a bound on any node's children (host int).
     """
 
     depths: torch.Tensor
@@ -683,6 +822,8 @@ class TreeTables:
     paths: torch.Tensor
     score: torch.Tensor
     valid: torch.Tensor
+    rank: torch.Tensor
+    max_siblings: int
 
 
 def tree_tables(tree, slots: torch.Tensor) -> TreeTables:
@@ -694,7 +835,8 @@ def tree_tables(tree, slots: torch.Tensor) -> TreeTables:
     valid = tree.valid if tree.per_row else torch.ones_like(slots, dtype=torch.bool)
     return TreeTables(depths=tree.depths, mask=tree.attention_mask, parents=tree.parents.clamp_min(0), is_root=slots == 0,
                       ancestors=tree.attention_mask.float(), paths=torch.where(tree.node_paths < 0, node, tree.node_paths),
-                      score=((tree.depths + 1) * t - slots) * valid, valid=valid)
+                      score=((tree.depths + 1) * t - slots) * valid, valid=valid,
+                      rank=tree.earlier_siblings.sum(-1), max_siblings=tree.max_children)
 
 
 def compile_round(round_fn: Callable = None, fullgraph: bool = True, **options) -> Callable[[DeviceLoop], None]:

@@ -115,24 +115,33 @@ class GenerationLoop:
 
     def device_plan(self, sampling: SamplingConfig, batch_size: int, device: torch.device) -> Optional[Tuple[type, Dict[str, Any]]]:
         """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
-        row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or an exact tree decoder's drafter
+        row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or a tree decoder's drafter
         (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
-        tree shallower than a row), under keyed noise or greedy, with no per-round callback (it sees every round: the
-        row-group loop serves it) and no `profile_rounds` (it times the row-group loop's parts). ``device_rounds``
-        ``False`` turns it off."""
+        tree shallower than a row), exact under keyed noise or greedy, or with a relaxed acceptance rule (LANTERN,
+        LANTERN++: the round keys the target's samples by a seed each image draws from its generator and accepts by
+        `device_loop.relaxed_matches`), with no per-round callback (it sees every round: the row-group loop serves it)
+        and no `profile_rounds` (it times the row-group loop's parts). ``device_rounds`` ``False`` turns it off."""
+        decoder = self.decoder
+        relaxed = decoder.lossless and decoder.acceptance_rule.relaxes  # LANTERN, LANTERN++: seeds from the generators
         if (self.device_rounds is False or self.hooks.on_round is not None or self.timer is not None
-                or not (sampling.keyed or sampling.greedy)):
+                or not (sampling.keyed or sampling.greedy or relaxed)):
             return None
-        window = self.decoder.chain_window()
+        if not (decoder.is_exact or relaxed):
+            return None
+        rule = decoder.acceptance_rule
+        acceptance = {}
+        if relaxed:
+            acceptance = {"rule": rule, "neighbours": self.backbone.code_neighbours(rule.num_neighbours) if rule.num_neighbours else None}
+        window = decoder.chain_window()
         if window is not None:
-            return ChainLoop, {"window": window}
-        if not self.decoder.is_exact:
-            return None
+            return ChainLoop, {"window": window, **acceptance}
         layout = self.backbone.layout
-        drafter = self.decoder.device_drafter(self.draft_heads, layout, batch_size, device)
+        if relaxed and not rule.claims_neighbours:  # a claim no sample of p decides (`relaxed_matches`)
+            return None
+        drafter = decoder.device_drafter(self.draft_heads, layout, batch_size, device)
         if drafter is None or not TreeLoop.fits(layout, drafter.tree_depth):  # a round crosses one row end at most
             return None
-        return (DynamicTreeLoop if getattr(drafter, "per_row_trees", False) else HeadTreeLoop), {"drafter": drafter}
+        return (DynamicTreeLoop if getattr(drafter, "per_row_trees", False) else HeadTreeLoop), {"drafter": drafter, **acceptance}
 
     # -- rounds on the device -------------------------------------------------------------------------------
     def _generate_on_device(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int,
@@ -143,7 +152,7 @@ class GenerationLoop:
         backbone = self.backbone
         layout, rows = backbone.layout, prefix.embeds.shape[0]
         # 3. one noise seed per image, the KV cache, the round (compiled whole when the step is)
-        seeds = draw_seeds(generator, batch_size) if sampling.keyed else torch.zeros(batch_size, dtype=torch.long)
+        seeds = torch.zeros(batch_size, dtype=torch.long) if sampling.greedy else draw_seeds(generator, batch_size)
         fed = loop_class.fed_slots(layout, **kwargs)
         cache = self.make_cache(rows, prefix.embeds.shape[1] + layout.sequence_length + fed, prefix.embeds.device)
         round_fn = self._compiled_device_round(loop_class.default_round())
