@@ -3,10 +3,14 @@ quality columns and the side-by-side picture (the real runs and their commands: 
 
 import json
 
+import pytest
+
 from spatial_pipelines import HawkDecoder, LatentDraftHeads, SpatialDraftHeads, SSDDecoder
 from spatial_pipelines.testing import dummy_pipeline
 
-from helpers import run_script
+from helpers import load_script, run_script
+
+plot_batches = load_script("plot_batches.py")
 
 
 def test_benchmark_rows_quality_and_picture(tmp_path):
@@ -126,6 +130,20 @@ def test_benchmark_skip_eager_keeps_only_the_compiled_rows(tmp_path):
     for bad in (["--skip-eager"], ["--skip-eager", "--compile", "--picture", "1"]):
         refused = run_script("benchmark.py", "--model", str(tmp_path / "model"), *bad, "--out", str(out), check=False)
         assert refused.returncode == 2 and "--skip-eager" in refused.stderr
+    # the eager rows from a run of their own, and both runs' speed-ups against images per prompt in one plot
+    run_script("benchmark.py", "--model", str(tmp_path / "model"), "--decoders", "ar", "sjd:window_size=3",
+               "--num-images-per-prompt", "1", "2", "--num-prompts", "1", "--limit", "40", "--out", str(tmp_path / "eager"))
+    reports = [json.loads((tmp_path / "eager" / "benchmark.json").read_text()), json.loads((out / "benchmark.json").read_text())]
+    lines = plot_batches.speedup_lines(reports)
+    assert sorted(lines) == [("sjd:window_size=3", False), ("sjd:window_size=3", True)]
+    assert [n for n, _ in lines["sjd:window_size=3", True]] == [1, 2]
+    assert lines["sjd:window_size=3", True][1][1] == rows["sjd:window_size=3 x2 [compiled]"]["speedup_vs_compiled_ar"]
+    run_script("plot_batches.py", str(tmp_path / "eager" / "benchmark.json"), str(out / "benchmark.json"),
+               "--out", str(tmp_path / "speedup.png"))
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+    reports[0]["decoders"]["sjd:window_size=3"]["speedup_vs_ar"] = None  # a run with no AR row: nothing to draw
+    with pytest.raises(ValueError, match="no AR row"):
+        plot_batches.speedup_lines(reports)
 
 
 def test_benchmark_reads_a_prompts_file_through_the_job_loop(tmp_path):
