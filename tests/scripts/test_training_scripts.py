@@ -163,6 +163,10 @@ def test_dataset_chunks_resume_after_a_kill(tmp_path):
     assert data["x"][:, 0].tolist() == list(range(7)) and not (tmp_path / "data.safetensors.chunks").exists()
 
 
+#: seconds one ``accelerate launch`` of the two-process test may take (it takes about 30 on 2 cores)
+LAUNCH_TIMEOUT_S = 300
+
+
 def test_generation_and_training_on_two_processes(tmp_path):
     """``accelerate launch`` with 2 CPU processes: each generates its share of the grids, the merged dataset equals
     a 1-process run's (seeds per caption), training averages gradients (the script checks the replicas agree)."""
@@ -178,7 +182,9 @@ def test_generation_and_training_on_two_processes(tmp_path):
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "scripts" / "train_heads.py")]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     two = tmp_path / "two"
-    done = subprocess.run([*launch, *map(str, common), "--steps", "2", "--out", str(two)], capture_output=True, text=True, env=env)
+    # a bound on each launch: a rank stuck in the process group's teardown fails the test instead of the suite hanging
+    done = subprocess.run([*launch, *map(str, common), "--steps", "2", "--out", str(two)], capture_output=True, text=True, env=env,
+                          timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert steps_logged(two) == [1, 2] and (two / "heads" / "config.json").is_file()
     one = tmp_path / "one"
@@ -187,7 +193,8 @@ def test_generation_and_training_on_two_processes(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["codes"].shape[0] == 6
     # resumed on two processes from the step-2 checkpoint
-    done = subprocess.run([*launch, *map(str, common), "--steps", "3", "--out", str(two)], capture_output=True, text=True, env=env)
+    done = subprocess.run([*launch, *map(str, common), "--steps", "3", "--out", str(two)], capture_output=True, text=True, env=env,
+                          timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert steps_logged(two) == [1, 2, 3]
 
