@@ -724,7 +724,7 @@ def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], pr
         rest = relaxed.removed(p, x)  # (B, T, V) what the next sibling is tried against, unnormalised
         total = rest.sum(-1)  # (B, T)
         dest = torch.where(tried, parents, spare)[..., None]  # (B, T, 1)
-        nxt = torch.where((total > 0)[..., None], rest / total.clamp_min(1e-30)[..., None], p)
+        nxt = rest / total.clamp_min(1e-30)[..., None]  # all zero once a claim took the rest: no later sibling lives
         residual = residual.scatter(1, dest.expand(b, t, v), nxt)
         spent = spent.scatter(1, dest[..., 0], spent_p + relaxed.moved * scale_p)
         scale = scale.scatter(1, dest[..., 0], scale_p * total)
