@@ -101,3 +101,25 @@ def test_hooks_get_the_progress_and_every_round():
     tokens, stats = pipe.loop.generate(pipe.decoder, None, prefix, SamplingConfig(1.0, 1.0, None), _gens(1), 1, hooks)
     assert sum(updates) == backbone.layout.num_tokens and (tokens >= 0).all()
     assert steps == list(range(stats.num_forward_passes - 1)) and known[-1] == len(steps)
+
+
+@pytest.mark.parametrize("compiled_ms,kept", [(10.4, True), (9.0, True), (10.6, False)], ids=["4%-slower", "faster", "6%-slower"])
+def test_enable_compile_keeps_the_step_unless_its_passes_are_clearly_slower(compiled_ms, kept, monkeypatch):
+    """`enable_compile` with its defaults times the eager and compiled passes (1 and 8 fed tokens) and keeps the compiled
+    step unless they take more than `COMPILE_TOLERANCE` longer: the compiled round also drops the eager ops around its
+    pass, which that timing does not see."""
+    from spatial_pipelines.pipelines import generation
+
+    class Timed:
+        def __init__(self, backbone, rows, compiled=False, **kwargs):
+            self.ms = compiled_ms if compiled else 10.0
+
+        def measure(self, sizes):
+            return {t: self.ms / 1e3 for t in sizes}
+
+    monkeypatch.setattr(generation, "PassCost", Timed)
+    assert generation.COMPILE_TOLERANCE == 0.05
+    pipe = dummy_pipeline("llamagen", AutoregressiveDecoder())
+    info = pipe.enable_compile(backend="eager")
+    assert info["enabled"] is kept and pipe.is_compiled is kept
+    assert info["compiled_ms"] == {1: pytest.approx(compiled_ms), 8: pytest.approx(compiled_ms)}
