@@ -36,6 +36,10 @@ rounds reads the device about ``log R`` times, plus once per round at the very e
 
 The rows never wait for each other: a batch takes as many passes as its slowest row alone, and each row commits
 exactly what it commits alone (its noise is keyed by its own seed).
+
+A relaxed acceptance rule (LANTERN, LANTERN++; lossy) runs the same rounds: a tree node is accepted when its parent's
+keyed sample lies in the node's claim (`relaxed_matches`), and a chain's draft when a keyed uniform of its own stream
+is below ``p~(x) / q(x)``, its proposal ``q`` kept in the state (`relaxed_chain`, step 4 above).
 """
 
 import math
