@@ -517,8 +517,8 @@ def chain_round(loop: ChainLoop) -> None:
     samples = keyed_sample(logits, sampling, s.seeds, codes.clamp_max(n - 1))  # (B, L + 1)
     # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position (a
     #    relaxed rule: LANTERN's test of each draft against its proposal, `relaxed_chain`)
-    if loop.rule.relaxes:
-        probs = logits_to_probs(logits, sampling)  # (B, L + 1, V)
+    probs = logits_to_probs(logits, sampling) if loop.rule.relaxes else None  # (B, L + 1, V)
+    if probs is not None:
         commit, matches = relaxed_chain(loop, probs, codes.clamp_max(n - 1))  # (B, L + 1), (B,)
     else:
         commit, matches = samples, (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)
@@ -534,20 +534,30 @@ def chain_round(loop: ChainLoop) -> None:
     s.last.copy_(torch.where(active, commit.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
     # 6. the next drafts: this pass's samples after the run, then the code one row above (the newest where none)
     if window:
-        source = accepted[:, None] + loop.draft_offsets  # (B, L) code slot whose sample is the draft's
-        redrawn = samples.gather(1, source.clamp_max(window))  # (B, L)
-        above = committed[:, None] + loop.draft_offsets - width  # (B, L) grid index one row above each new draft
-        known = (above >= 0) & (above < committed[:, None])
-        copied = torch.where(known, s.tokens.gather(1, above.clamp(0, n)), s.last[:, None])  # (B, L)
-        s.drafts.copy_(torch.where(source <= window, redrawn, copied))
-        if loop.rule.relaxes:  # each draft's proposal: the pass's p it was drawn from, a point mass for a copy
-            drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
-            point = torch.zeros_like(drawn_from).scatter_(2, copied[..., None], 1.0)
-            s.q.copy_(torch.where((source <= window)[..., None], drawn_from, point))
+        next_drafts(loop, samples, accepted, committed, probs)
     # 7. each cache row keeps the fed slots up to its newest code (a prefix), its CFG twin the same
     kept = (layout.sequence_offset(committed - 1) - start) * active  # (B,) = accepted without EOLs
     s.committed.copy_(committed)
     cache.keep_prefixes(kept.repeat(2) if sampling.do_cfg else kept)
+
+
+def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, committed: torch.Tensor,
+                probs: Optional[torch.Tensor]) -> None:
+    """Step 6 of a chain round: each row's next drafts are this pass's samples ``(B, L + 1)`` for the positions after
+    its ``accepted`` codes, then the code one row above each later position (the newest code where none is decoded);
+    with ``probs`` ``(B, L + 1, V)`` (a relaxed rule) each draft's proposal too: the ``p`` it was drawn from, a point
+    mass for a copy."""
+    s, window, n = loop.state, loop.window, loop.layout.num_tokens
+    source = accepted[:, None] + loop.draft_offsets  # (B, L) code slot whose sample is the draft's
+    redrawn = samples.gather(1, source.clamp_max(window))  # (B, L)
+    above = committed[:, None] + loop.draft_offsets - loop.layout.width  # (B, L) grid index one row above each draft
+    known = (above >= 0) & (above < committed[:, None])
+    copied = torch.where(known, s.tokens.gather(1, above.clamp(0, n)), s.last[:, None])  # (B, L)
+    s.drafts.copy_(torch.where(source <= window, redrawn, copied))
+    if probs is not None:
+        drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
+        point = torch.zeros_like(drawn_from).scatter_(2, copied[..., None], 1.0)
+        s.q.copy_(torch.where((source <= window)[..., None], drawn_from, point))
 
 
 def relaxed_chain(loop: ChainLoop, probs: torch.Tensor, index: torch.Tensor):
@@ -658,18 +668,13 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
     # 4. a node matches when it equals its parent's sample (a relaxed rule: when the sample lies in the node's claim);
     #    the accepted node is the deepest whose path all matches
     if loop.rule.relaxes:
-        if layout.has_eol:
-            logits = logits.gather(1, eol.predictor[..., None].expand(-1, -1, logits.shape[-1]))  # (B, T, V)
-        matches = relaxed_matches(loop.rule, loop.neighbours, logits_to_probs(logits, sampling), fed, samples, tables)
+        predictor = eol.predictor if layout.has_eol else None
+        matches = relaxed_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed, samples, tables)
     else:
         matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
-    misses = (~matches).float()[:, None] @ tables.ancestors.transpose(-1, -2)  # (B, 1, T) misses on each node's path
-    best = ((misses[:, 0] == 0) * tables.score).argmax(1)  # (B,)
-    path = tables.paths.expand(fed.shape[0], -1, -1).gather(1, best[:, None, None].expand(-1, 1, tables.paths.shape[-1]))[:, 0]
-    depth = tables.depths.expand_as(fed).gather(1, best[:, None])[:, 0]  # (B,)
+    path, depth = deepest_match(tables, matches)  # (B, D + 1), (B,)
     accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
-    # the accepted nodes' codes, then the last one's sample (exact: the samples along the path)
-    below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) the node each code comes from
+    below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) each code: an accepted node, then the last one's sample
     codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), samples.gather(1, path))  # (B, D + 1)
     # 5. commit the run; the slots past it write the spare column N
     taken = loop.code_offsets < accepted[:, None]  # (B, D + 1)
@@ -686,6 +691,24 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
     s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
     s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
     return hidden, path, accepted
+
+
+def deepest_match(tables: "TreeTables", matches: torch.Tensor):
+    """The deepest node whose every ancestor matches, per row (``matches`` ``(B, T)``): its root-to-node slots
+    ``(B, D + 1)`` (padded with the node) and its depth ``(B,)``. One matmul counts the misses on each node's path."""
+    misses = (~matches).float()[:, None] @ tables.ancestors.transpose(-1, -2)  # (B, 1, T) misses on each node's path
+    best = ((misses[:, 0] == 0) * tables.score).argmax(1)  # (B,)
+    paths = tables.paths.expand(matches.shape[0], -1, -1)  # (B, T, D + 1)
+    path = paths.gather(1, best[:, None, None].expand(-1, 1, paths.shape[-1]))[:, 0]  # (B, D + 1)
+    return path, tables.depths.expand_as(matches).gather(1, best[:, None])[:, 0]
+
+
+def node_probs(logits: torch.Tensor, sampling: SamplingConfig, predictor: Optional[torch.Tensor]) -> torch.Tensor:
+    """``p`` of every tree node's output ``(B, T, V)`` from the mixed logits of every fed slot ``(B, T (+ E), V)``: with
+    end-of-row slots, a node that ends a row stands for its EOL slot's output (``predictor`` ``(B, T)``)."""
+    if predictor is not None:
+        logits = logits.gather(1, predictor[..., None].expand(-1, -1, logits.shape[-1]))  # (B, T, V)
+    return logits_to_probs(logits, sampling)
 
 
 def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], probs: torch.Tensor, fed: torch.Tensor,
