@@ -255,7 +255,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         one draft per position and ``init="above"``. Under keyed noise every redraw is the pass's own sample, so
         ``coupling``, ``continuation`` and ``anchor`` change nothing there under exact acceptance. A relaxed rule
         (LANTERN) runs there too without ``continuation`` (whose redraws change what a relaxed rule claims): each draft
-        is the keyed sample of its proposal, tested with a keyed uniform of its own (`device_loop.relaxed_chain`)."""
+        is the keyed sample of its proposal, tested with a keyed uniform of its own (`device_loop.relaxed_chain`);
+        ``anchor`` is not applied there, so its proposals, and the relaxed output, differ from the row-group loop's."""
         c = self.config
         rule = self.acceptance_rule
         if not (rule.is_exact or (rule.relaxes and not c.continuation)) or not self.lossless:
