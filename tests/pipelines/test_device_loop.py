@@ -165,13 +165,15 @@ def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, ca
 
 
 #: relaxed rules on the device: every loop, LANTERN and LANTERN++ (the trees' claims shared among siblings)
-RELAXED = [(MedusaDecoder, {"num_draft_tokens": 6}), (HawkDecoder, {"num_draft_tokens": 6}),
-           (EagleDecoder, {"num_draft_tokens": 8, "depth": 3, "top_k": 3}), (JacobiDecoder, {"window_size": 4})]
-RELAXED_IDS = ["medusa", "hawk", "eagle", "sjd"]
+RELAXED_DECODERS = {"medusa": (MedusaDecoder, {"num_draft_tokens": 6}), "hawk": (HawkDecoder, {"num_draft_tokens": 6}),
+                    "eagle": (EagleDecoder, {"num_draft_tokens": 8, "depth": 3, "top_k": 3}),
+                    "sjd": (JacobiDecoder, {"window_size": 4})}
+#: every loop on the tiny LlamaGen, with and without end-of-row tokens; a static tree and the chain on a transformers family
+RELAXED = [pytest.param(*FAMILIES[f], *RELAXED_DECODERS[d], id=f"{FAMILY_IDS[f]}-{d}") for f in (0, 1) for d in RELAXED_DECODERS]
+RELAXED += [pytest.param(*FAMILIES[2], *RELAXED_DECODERS[d], id=f"janus-{d}") for d in ("medusa", "sjd")]
 
 
-@pytest.mark.parametrize("decoder_cls,kwargs", RELAXED, ids=RELAXED_IDS)
-@pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
+@pytest.mark.parametrize("family,end_of_row,decoder_cls,kwargs", RELAXED)
 def test_relaxed_rules_run_on_the_device_every_row_as_alone(family, end_of_row, decoder_cls, kwargs, monkeypatch):
     """LANTERN and LANTERN++ take the device rounds (their noise keyed by a seed each image draws from its generator):
     a batch of different prompts gives each row what its prompt gives alone, in its passes; with nothing to move
