@@ -52,7 +52,7 @@ import torch
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
 from ..core.sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, TINY_TEMPERATURE, SamplingConfig, cfg_mix, keyed_sample,
-                             keyed_uniform, logits_to_probs)
+                             keyed_uniform, logits_to_probs, one_hot)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 
@@ -337,7 +337,7 @@ class ChainLoop(DeviceLoop):
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.state.drafts.copy_(first[:, None].expand_as(self.state.drafts))  # the first row has nothing above
         if self.rule.relaxes:  # copies: point masses
-            self.state.q.zero_().scatter_(2, self.state.drafts[..., None], 1.0)
+            self.state.q.copy_(one_hot(self.state.drafts, self.num_codes))
 
 
 class TreeLoop(DeviceLoop):
@@ -556,8 +556,7 @@ def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, 
     s.drafts.copy_(torch.where(source <= window, redrawn, copied))
     if probs is not None:
         drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
-        point = torch.zeros_like(drawn_from).scatter_(2, copied[..., None], 1.0)
-        s.q.copy_(torch.where((source <= window)[..., None], drawn_from, point))
+        s.q.copy_(torch.where((source <= window)[..., None], drawn_from, one_hot(copied, probs.shape[-1])))
 
 
 def relaxed_chain(loop: ChainLoop, probs: torch.Tensor, index: torch.Tensor):
