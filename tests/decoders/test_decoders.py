@@ -7,7 +7,7 @@ import torch
 
 import spatial_pipelines
 from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SSDDecoder
-from spatial_pipelines.core import OFFSET_LOGITS, HeadsNeed, SamplingConfig
+from spatial_pipelines.core import OFFSET_LOGITS, HeadsNeed, RandomSource, SamplingConfig
 from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
 from spatial_pipelines.testing import FAMILIES, dummy_pipeline
 
@@ -225,3 +225,18 @@ def test_decoders_report_their_own_statistics():
     ar = make(AutoregressiveDecoder, {}, None)("a fox", generator=gen(0), output_type="latent").stats
     assert ar.decoder_stats == {}
     assert not {f.name for f in dataclasses.fields(ar)} & set(eagle.decoder_stats)
+
+
+def test_the_backbone_is_an_argument_of_the_round_not_part_of_the_state():
+    """A decoder's state keeps no backbone: the loop passes it to `propose` and `step`, and a decoder that drafts
+    through the model's own head, called without it, says which argument is missing."""
+    assert "backbone" not in {f.name for f in dataclasses.fields(spatial_pipelines.decoders.DecodingState)}
+    pipe = dummy_pipeline("llamagen", MedusaDecoder(num_heads=2, top_k=2, num_draft_tokens=3), "random", grid=(3, 3))
+    decoder, v = pipe.decoder, pipe.backbone.num_image_codes
+    state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), 1, "cpu"), 1, 2,
+                               torch.device("cpu"), pipe.backbone)
+    decoder.step(torch.zeros(1, 1, v), torch.zeros(1, 1, pipe.backbone.hidden_size), None, state, pipe.draft_heads)
+    with pytest.raises(ValueError, match="pass `backbone=`"):
+        decoder.propose(state, pipe.draft_heads)
+    draft = decoder.propose(state, pipe.draft_heads, pipe.backbone)
+    assert draft.input_ids.shape == (1, 4)

@@ -44,7 +44,7 @@ def test_heads_init_uses_the_prediction_for_the_position():
     ref = pipe("a fox", generator=gen(3), output_type="latent")
 
     class CopyAbove(JacobiDecoder):  # the heads' prediction for a position = the committed code one row above
-        def _predict_above(self, state, hidden, first, draft_heads):
+        def _predict_above(self, state, hidden, first, draft_heads, backbone):
             n, w = hidden.shape[1], state.layout.width
             end = min(first + n + w, state.layout.num_tokens)
             if first + w < end:

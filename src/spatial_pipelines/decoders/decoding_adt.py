@@ -35,14 +35,16 @@ class ADTState(EagleState):
         last_alpha (`float`, *optional*): the previous tree's acceptance rate (accepted drafts / depth).
         shape_generator (`random.Random`, *optional*): host generator of ``tree_init="random"`` shapes (seeded from
             the generation's random numbers, so a seed fixes the shapes too).
+        num_codes (`int`, *optional*): the image vocabulary, which caps a tree's width (read from the prefill's logits).
     """
 
-    shared_fields = ("shapes", "last_shape", "last_alpha", "shape_generator")
+    shared_fields = ("shapes", "last_shape", "last_alpha", "shape_generator", "num_codes")
 
     shapes: List[Any] = field(default_factory=list)
     last_shape: Any = None
     last_alpha: Optional[float] = None
     shape_generator: Any = None
+    num_codes: Optional[int] = None
 
     def _after_split(self, parent, index) -> None:
         super()._after_split(parent, index)
@@ -199,14 +201,16 @@ class ADTTreeDecoder(EagleDecoder):
             else:
                 depth, k = depth - c.depth_step, k + c.width_step
         depth = min(max(depth, c.depth_range[0]), c.depth_range[1])
-        k = min(max(k, c.width_range[0]), c.width_range[1], state.backbone.num_image_codes)
+        k = min(max(k, c.width_range[0]), c.width_range[1], state.num_codes)
         state.last_shape = (depth, k)
         return depth, k
 
-    def step(self, logits, hidden_states, draft, state: EagleState, draft_heads=None) -> StepOutput:
+    def step(self, logits, hidden_states, draft, state: EagleState, draft_heads=None, backbone=None) -> StepOutput:
         first = state.num_committed
-        out = super().step(logits, hidden_states, draft, state, draft_heads)
-        if draft is not None:
+        out = super().step(logits, hidden_states, draft, state, draft_heads, backbone)
+        if draft is None:
+            state.num_codes = logits.shape[-1]  # host int: a shape, not a device read
+        else:
             depth, k = state.last_shape
             # accepted drafts (the bonus excluded) over the depth the tree was grown to (`propose` caps it at the
             # kept node count: deeper nodes are never kept)

@@ -42,7 +42,7 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
         state.mask = torch.ones(1, 1, dtype=torch.bool, device=device)
         return state
 
-    def propose(self, state: AutoregressiveState, draft_heads=None) -> Draft:
+    def propose(self, state: AutoregressiveState, draft_heads=None, backbone=None) -> Draft:
         index = state.num_committed - 1
         return Draft(
             input_ids=state.tokens[:, index : index + 1],  # (B, 1) a view
@@ -59,6 +59,7 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
         draft: Optional[Draft],
         state: DecodingState,
         draft_heads=None,
+        backbone=None,
     ) -> StepOutput:
         probs = target_probs(logits[:, -1], state.sampling, state.random, state.num_committed)  # (B, V)
         token = sample_from_probs(probs, state.random)  # (B,)

@@ -25,7 +25,7 @@ from ..core.contracts import DRAFTER, HeadsNeed
 from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
 from .decoding_tree import TreeDecoderMixin, TreeState
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
+from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int, draft_through
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
 #: The acceptance prior ``(first_rate, sibling_decay)`` of EAGLE-2's and ADT-Tree's ``"auto"`` size: the drafter's top
@@ -317,20 +317,21 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         return EagleDrafter(self, draft_heads)
 
     # -- drafting ---------------------------------------------------------------------------------------------
-    def _drafter_logits(self, state: EagleState, predicted: torch.Tensor) -> torch.Tensor:
+    def _drafter_logits(self, state: EagleState, backbone, predicted: torch.Tensor) -> torch.Tensor:
         """Drafter features ``(R, n, D)`` -> CFG-mixed log-probabilities ``(B, n, V)`` (`drafter_log_probs`)."""
-        return drafter_log_probs(state.backbone, predicted, state.sampling.guidance_scale if state.cfg else None)
+        return drafter_log_probs(backbone, predicted, state.sampling.guidance_scale if state.cfg else None)
 
     def _tree_shape(self, state: EagleState):
         """``(depth, top_k)`` of this round's tree (EAGLE-2: the configured ones)."""
         return self.config.depth, self.config.top_k
 
-    def propose(self, state: EagleState, draft_heads=None) -> Draft:
+    def propose(self, state: EagleState, draft_heads=None, backbone=None) -> Draft:
         depth, k = self._grown_shape(*self._tree_shape(state))
         # 1. the committed codes and the features that predicted them (the previous tree is cropped away)
-        logp, feature = self._feed_committed(state, draft_heads)  # (B, V) of the next code, (R, 1, D)
+        backbone = draft_through(backbone, self)
+        logp, feature = self._feed_committed(state, draft_heads, backbone)  # (B, V) of the next code, (R, 1, D)
         # 2. expand: depth-1 candidates, then the top_k likeliest nodes of each depth propose top_k children each
-        scores, codes, parents = self._expand(state, draft_heads, logp, feature, depth, k)  # per depth (B, k^...)
+        scores, codes, parents = self._expand(state, draft_heads, backbone, logp, feature, depth, k)  # per depth (B, k^...)
         # 3. keep the num_draft_tokens best nodes, parents before children and siblings best first
         tree, nodes, offered = self._keep_best(scores, codes, parents, depth, k)  # RowTrees, (B, N), (B, N + 1)
         state.tree = tree
@@ -339,7 +340,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         # 4. the target verifies it (point masses)
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 
-    def _feed_committed(self, state: EagleState, draft_heads):
+    def _feed_committed(self, state: EagleState, draft_heads, backbone):
         """Feed the drafter the codes the last pass committed with the features that predicted them, after cropping
         the previous round's tree from its cache. Returns ``(log-probabilities of the next code (B, V), the newest
         predicted feature (R, 1, D))``."""
@@ -348,21 +349,23 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         cache.crop(state.committed_steps)
         codes = state.tokens[:, first : state.num_committed]  # (B, n)
         codes_r = codes.repeat(2, 1) if state.cfg else codes  # (R, n)
-        embeds = state.backbone.embed_image_tokens(codes_r)
+        embeds = backbone.embed_image_tokens(codes_r)
         positions = torch.arange(first, state.num_committed, device=codes.device)
         predicted = draft_heads(state.features, embeds, positions, cache=cache)  # (R, n, D)
         state.committed_steps = cache.length
         state.num_draft_passes += 1
         newest = predicted[:, -1:]  # (R, 1, D)
-        return self._drafter_logits(state, newest)[:, 0], newest
+        return self._drafter_logits(state, backbone, newest)[:, 0], newest
 
-    def _expand(self, state: EagleState, draft_heads, logp, feature, depth: int, k: int):
+    def _expand(self, state: EagleState, draft_heads, backbone, logp, feature, depth: int, k: int):
         """Grow the tree ``depth - 1`` times from the depth-1 candidates (`expand_tree`), each expansion a drafter
         pass on the decoder state's cache (`_expansion_pass`)."""
-        return expand_tree(logp, feature, depth, k, state.cfg,
-                           lambda d, code, feat, ancestors: self._expansion_pass(state, draft_heads, d, code, feat, ancestors))
+        def expansion(d, code, feat, ancestors):
+            return self._expansion_pass(state, draft_heads, backbone, d, code, feat, ancestors)
 
-    def _expansion_pass(self, state: EagleState, draft_heads, d: int, code, feature, ancestors):
+        return expand_tree(logp, feature, depth, k, state.cfg, expansion)
+
+    def _expansion_pass(self, state: EagleState, draft_heads, backbone, d: int, code, feature, ancestors):
         """One drafter pass over the frontier ``code`` ``(B, k)`` at depth ``d``: each node attends to the accepted
         prefix and its own ancestors in the tree. Returns ``(predicted features (R, k, D), children's
         log-probabilities (B, k, V))``."""
@@ -371,11 +374,11 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         code_r = code.repeat(2, 1) if state.cfg else code  # (R, k)
         mask_new = torch.eye(k, dtype=torch.bool, device=code.device)
         past = torch.cat([torch.ones(rows_r, k, state.committed_steps, dtype=torch.bool, device=code.device), ancestors], -1)
-        predicted = draft_heads(feature, state.backbone.embed_image_tokens(code_r),
+        predicted = draft_heads(feature, backbone.embed_image_tokens(code_r),
                                 torch.full((k,), min(raster, state.layout.num_tokens - 1), device=code.device),
                                 attention_mask=mask_new, cache=state.drafter_cache, past_visible=past)  # (R, k, D)
         state.num_draft_passes += 1
-        return predicted, self._drafter_logits(state, predicted)  # (R, k, D), (B, k, V)
+        return predicted, self._drafter_logits(state, backbone, predicted)  # (R, k, D), (B, k, V)
 
     def _keep_best(self, all_scores, all_codes, all_parents, depth: int, k: int):
         """The ``num_draft_tokens`` best generated nodes as one tree per row, parents before children and siblings
@@ -432,7 +435,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         path_r = path.repeat(2, 1) if state.cfg else path  # (R, n)
         state.features = hidden_states[torch.arange(rows_r, device=path.device)[:, None], path_r]
 
-    def step(self, logits, hidden_states, draft, state: EagleState, draft_heads=None) -> StepOutput:
+    def step(self, logits, hidden_states, draft, state: EagleState, draft_heads=None, backbone=None) -> StepOutput:
         if draft is None:  # prefill: the last prompt position's features predicted the first code
             out = self._prefill_step(logits, hidden_states[: state.batch_size], state)
             state.features = hidden_states[:, -1:]  # (R, 1, D)

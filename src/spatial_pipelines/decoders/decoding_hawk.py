@@ -186,13 +186,13 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             return None
         return HawkDrafter(self, draft_heads, layout, batch_size, device)
 
-    def propose(self, state: HawkState, draft_heads=None) -> Draft:
+    def propose(self, state: HawkState, draft_heads=None, backbone=None) -> Draft:
         c = self.config
         vsd, k = c.vertical_speculation_depth, c.top_k
         n = state.tokens.shape[1]
         width = state.layout.width
         root = state.num_committed - 1  # raster index of the newest committed code
-        logits_h, logits_v = self._heads_logits(state, draft_heads)
+        logits_h, logits_v = self._heads_logits(state, draft_heads, backbone)
         n_h = logits_h.shape[1]  # horizontal heads run: as many as the tree is deep (a shape, not a device read)
         horizontal = logits_h.topk(k, dim=-1).indices  # (B, n_h, k) offsets 1..n_h
         cache = state.vertical_cache  # (B, N, VSD, k)
@@ -211,7 +211,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         nodes = pool[:, state.node_depth, state.node_rank]  # (B, T - 1)
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 
-    def step(self, logits, hidden_states, draft, state, draft_heads=None) -> StepOutput:
+    def step(self, logits, hidden_states, draft, state, draft_heads=None, backbone=None) -> StepOutput:
         if draft is None:
             return self._prefill_step(logits, hidden_states, state)
         return self._verify_step(logits, hidden_states, draft, state)

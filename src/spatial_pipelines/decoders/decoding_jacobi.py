@@ -21,7 +21,7 @@ from ..core.contracts import LATENT, OFFSET_LOGITS, HeadsNeed
 from ..core.sampling import logits_to_probs, one_hot, target_probs
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
 from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin, TreeState
-from .decoding_utils import AUTO, MAX_FED_TOKENS, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
+from .decoding_utils import AUTO, MAX_FED_TOKENS, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int, draft_through
 
 INITS = ("random", "left", "above", "heads")
 COUPLINGS = ("none", "gumbel")
@@ -363,14 +363,14 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if start < levels:
             state.alternatives[:, start:] = self._draw_alternatives(state, state.q[:, 1 + start : 1 + levels], state.drafts[:, start:levels])
 
-    def _predict_above(self, state: JacobiState, hidden: torch.Tensor, first: int, draft_heads) -> None:
+    def _predict_above(self, state: JacobiState, hidden: torch.Tensor, first: int, draft_heads, backbone) -> None:
         """``init="heads"``: the vertical head's guess for the codes one row below the ``n`` codes just committed
         from raster index ``first``, from the hidden states that predicted them ``(B, n, D)``."""
         n = hidden.shape[1]
         end = min(first + n + state.layout.width, state.layout.num_tokens)
         if first + state.layout.width >= end:  # nothing lands in the grid
             return
-        backbone = state.backbone
+        backbone = draft_through(backbone, self)
         if draft_heads.kind == LATENT:  # predict the hidden state one row down
             codes = state.tokens[:, first : first + n]
             logits = draft_heads.draft_logits(backbone, hidden, codes, "vertical", 1)[:, :, 0]  # (B, n, V)
@@ -382,7 +382,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         count = end - first - state.layout.width
         state.above[:, first + state.layout.width : end] = logits[:, :count].argmax(-1)
 
-    def propose(self, state: JacobiState, draft_heads=None) -> Draft:
+    def propose(self, state: JacobiState, draft_heads=None, backbone=None) -> Draft:
         fresh_from = state.drafts.shape[1] - state.num_fresh
         self._initialise(state)
         if state.alternatives is None:
@@ -404,12 +404,12 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         node_q[:, 1:] = torch.where(total > 0, rest / total.clamp_min(1e-30), rest)
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 
-    def step(self, logits, hidden_states, draft, state: JacobiState, draft_heads=None) -> StepOutput:
+    def step(self, logits, hidden_states, draft, state: JacobiState, draft_heads=None, backbone=None) -> StepOutput:
         first = state.num_committed
         if draft is None:
             out = self._prefill_step(logits, hidden_states, state)
             if state.above is not None:
-                self._predict_above(state, hidden_states[:, -1:], first, draft_heads)
+                self._predict_above(state, hidden_states[:, -1:], first, draft_heads, backbone)
             return out
         probs = target_probs(logits, state.sampling, state.random, state.tree.depths + first)  # (B, L + 1, V)
         continuation = self.config.continuation
@@ -422,7 +422,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         n = out.num_accepted
         if state.above is not None:  # the fed slots on the accepted path predicted the n committed codes
             path = state.accepted_path  # (B, n)
-            self._predict_above(state, hidden_states[state.rows[:, None], path] if proactive else hidden_states[:, :n], first, draft_heads)
+            self._predict_above(state, hidden_states[state.rows[:, None], path] if proactive else hidden_states[:, :n], first,
+                                draft_heads, backbone)
         L = state.drafts.shape[1]
         left = max(L - n, 0)  # drafts not reached (none when the whole window and its bonus were committed)
         if left:

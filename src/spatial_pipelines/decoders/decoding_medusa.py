@@ -10,7 +10,7 @@ from ..core.acceptance import AcceptanceLike
 from ..core.contracts import OFFSET_LOGITS, HeadsNeed
 from ..core.tree import tree_from_paths
 from .decoding_tree import HeadDrafter, TreeDecoderMixin, TreeState
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
+from .decoding_utils import Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
 
 
 def check_tree_paths(tree_paths, num_heads: int) -> List[Tuple[int, ...]]:
@@ -123,13 +123,13 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             return None
         return MedusaDrafter(self, draft_heads, device)
 
-    def propose(self, state: TreeState, draft_heads=None) -> Draft:
-        logits_h, _ = self._heads_logits(state, draft_heads)  # (B, K, V) offsets 1..K, K: the tree's depth
+    def propose(self, state: TreeState, draft_heads=None, backbone=None) -> Draft:
+        logits_h, _ = self._heads_logits(state, draft_heads, backbone)  # (B, K, V) offsets 1..K, K: the tree's depth
         top = logits_h.topk(self._num_ranks, dim=-1).indices  # (B, K, k)
         nodes = top[:, state.node_depth, state.node_rank]  # (B, T - 1) candidate of each node
         return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
 
-    def step(self, logits, hidden_states, draft, state, draft_heads=None) -> StepOutput:
+    def step(self, logits, hidden_states, draft, state, draft_heads=None, backbone=None) -> StepOutput:
         if draft is None:
             return self._prefill_step(logits, hidden_states, state)
         return self._verify_step(logits, hidden_states, draft, state)

@@ -22,7 +22,7 @@ offset ``d``).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 from diffusers.configuration_utils import register_to_config
@@ -31,7 +31,7 @@ from ..core.contracts import LATENT, HeadsNeed
 from ..core.verification import accept_independently
 from ..core.sampling import logits_to_probs, sample_from_probs
 from ..utils import check_number
-from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput, check_draft_budget
+from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput, check_draft_budget, draft_through
 
 __all__ = ["SSD_PRESETS", "SSDDecoder"]  # what `spatial_pipelines.decoders` exports from this file
 
@@ -177,9 +177,9 @@ class SSDDecoder(SpatialDecoderMixin):
         q = logits_to_probs(logits, state.sampling)  # (B, n, V)
         return sample_from_probs(q, state.random), q
 
-    def _new_block(self, state: SSDState, draft_heads) -> _Block:
+    def _new_block(self, state: SSDState, draft_heads, backbone) -> _Block:
         layout, c = state.layout, state.num_committed
-        w, backbone, hidden = layout.width, state.backbone, state.hidden
+        w, backbone, hidden = layout.width, draft_through(backbone, self), state.hidden
         if c < w:  # first row: a horizontal chunk drafted from the newest code
             m = min(self.config.num_horizontal, w - c - 1)
             if m == 0:  # one code left in the row: an AR step
@@ -204,10 +204,10 @@ class SSDDecoder(SpatialDecoderMixin):
             masks[t] = torch.ones(t, t, dtype=torch.bool, device=state.tokens.device).tril()
         return masks[t]
 
-    def propose(self, state: SSDState, draft_heads=None) -> Draft:
+    def propose(self, state: SSDState, draft_heads=None, backbone=None) -> Draft:
         block = state.block
         if block is None:
-            block = state.block = self._new_block(state, draft_heads)
+            block = state.block = self._new_block(state, draft_heads, backbone)
         n = block.tokens.shape[1] if block.rounds_left > 0 else block.commit_length
         c = state.num_committed
         return Draft(
@@ -219,7 +219,7 @@ class SSDDecoder(SpatialDecoderMixin):
         )
 
     # -- verification and commit -----------------------------------------------------------------------
-    def step(self, logits, hidden_states, draft, state, draft_heads=None) -> StepOutput:
+    def step(self, logits, hidden_states, draft, state, draft_heads=None, backbone=None) -> StepOutput:
         if draft is None:  # prefill: code 0 from the prompt's last position
             token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
             hidden = hidden_states.new_zeros(state.batch_size, state.layout.num_tokens, hidden_states.shape[-1])  # (B, N, D)

@@ -12,7 +12,7 @@ from ..core.acceptance import AcceptanceLike, resolve_acceptance
 from ..core.sampling import sample_from_probs, target_probs
 from ..core.tree import DraftTree, tree_from_parents
 from ..core.verification import TreeAcceptance, verify_tree
-from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, RowsDiverged, StepOutput, check_draft_size
+from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, RowsDiverged, StepOutput, check_draft_size, draft_through
 
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
@@ -247,7 +247,7 @@ class TreeDecoderMixin:
             state.neighbours = backbone.code_neighbours(self.acceptance_rule.num_neighbours)
         return state
 
-    def _heads_logits(self, state: TreeState, draft_heads):
+    def _heads_logits(self, state: TreeState, draft_heads, backbone):
         """Logits of the heads this decoder uses (the horizontal, then the vertical offsets of `heads_needed`) from the hidden state that predicted the newest committed code. Horizontal head ``i`` drafts
         depth ``i + 1``, so only the first ``tree.max_depth`` run: a shallower ("auto"-sized) tree drafts nothing
         from the others, and their weights are not read every round."""
@@ -257,10 +257,11 @@ class TreeDecoderMixin:
             v = [draft_heads.vertical_index(o) for o in need.vertical_offsets]
             state.head_indices = (h, v)
         h, v = state.head_indices
-        feats_h, feats_v = draft_heads(state.backbone.final_norm(state.hidden), h, v)  # (B, Hh, D), (B, Hv, D)
+        backbone = draft_through(backbone, self)
+        feats_h, feats_v = draft_heads(backbone.final_norm(state.hidden), h, v)  # (B, Hh, D), (B, Hv, D)
         state.num_draft_passes += 1
         feats = torch.cat([feats_h, feats_v], 1) if v else feats_h  # one output-head pass for both kinds (per-op cost)
-        logits = state.backbone.output_head(feats)  # (B, Hh + Hv, V)
+        logits = backbone.output_head(feats)  # (B, Hh + Hv, V)
         return logits[:, : len(h)], logits[:, len(h) :]  # (B, Hh, V), (B, Hv, V)
 
     def _tree_draft(self, state: TreeState, node_tokens: torch.Tensor) -> Draft:

@@ -91,8 +91,6 @@ class DecodingState:
             or several in a decoder's dry rounds (`RoundOverhead`).
         accepted_lengths (`list[torch.LongTensor]`): one ``(B,)`` tensor per target pass.
         num_draft_passes (`int`): forward passes of draft heads/models.
-        backbone: the family adapter (its ``final_norm``, ``output_head``, ``embed_image_tokens``, ``codebook``),
-            for decoders whose drafts go through the backbone's own head; decoders never call its forward.
 
     A decoder that carries more between rounds subclasses this dataclass (typed fields with defaults, set in its
     ``init_state``) and names it in its ``state_class``, and lists each new field in one of ``row_fields`` (one entry
@@ -104,7 +102,7 @@ class DecodingState:
     row_fields: ClassVar[Tuple[str, ...]] = ("tokens", "acceptance_map", "accepted_lengths")
     cfg_row_fields: ClassVar[Tuple[str, ...]] = ()
     shared_fields: ClassVar[Tuple[str, ...]] = ("layout", "sampling", "random", "prefix_length", "positions",
-                                                "num_committed", "num_draft_passes", "backbone", "split_rows")
+                                                "num_committed", "num_draft_passes", "split_rows")
 
     layout: ImageTokenLayout
     sampling: SamplingConfig
@@ -116,7 +114,6 @@ class DecodingState:
     num_committed: int = 0
     accepted_lengths: List[torch.Tensor] = field(default_factory=list)
     num_draft_passes: int = 0
-    backbone: Any = None
     split_rows: bool = False
 
     @classmethod
@@ -461,7 +458,9 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         device: torch.device,
         backbone: Any = None,
     ) -> DecodingState:
-        """A fresh ``self.state_class`` (a `DecodingState`); subclasses fill their own fields."""
+        """A fresh ``self.state_class`` (a `DecodingState`); subclasses fill their own fields. ``backbone`` (the family
+        adapter) is for tables built once per generation from the model (LANTERN's codebook neighbours, SJD's vocabulary
+        size); the state does not keep it."""
         n = layout.num_tokens
         if not (isinstance(self.state_class, type) and issubclass(self.state_class, DecodingState)):
             raise TypeError(f"{type(self).__name__}.state_class must be a DecodingState subclass, got {self.state_class!r}.")
@@ -473,12 +472,14 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
             positions=layout.sequence_position(torch.arange(n, device=device), prefix_length),
             tokens=torch.full((batch_size, n), -1, dtype=torch.long, device=device),
             acceptance_map=torch.zeros(batch_size, n, dtype=torch.long, device=device),
-            backbone=backbone,
         )
 
     @abc.abstractmethod
-    def propose(self, state: DecodingState, draft_heads=None) -> Draft:
-        """The `Draft` the target verifies next round."""
+    def propose(self, state: DecodingState, draft_heads=None, backbone=None) -> Draft:
+        """The `Draft` the target verifies next round.
+
+        ``backbone`` is the family adapter, passed by the loop: decoders whose drafts go through the model's own
+        final norm, output head or image-token embedding (`draft_through`) use those; none calls its forward."""
 
     @abc.abstractmethod
     def step(
@@ -488,11 +489,22 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         draft: Optional[Draft],
         state: DecodingState,
         draft_heads=None,
+        backbone=None,
     ) -> StepOutput:
         """Accept tokens from the target's CFG-mixed ``logits`` ``(B, T, V)`` (fp32) over the fed positions.
 
         ``draft is None`` for the prefill pass: ``logits``/``hidden_states`` are those of the last prompt position.
-        ``hidden_states`` ``(B, T, D)`` are the conditional rows' pre-norm last hidden states.
+        ``hidden_states`` ``(B, T, D)`` are the conditional rows' pre-norm last hidden states. ``backbone`` as in
+        `propose` (a step that drafts for the next round, SJD's ``init="heads"``, goes through its head).
         """
+
+
+def draft_through(backbone, decoder: SpatialDecoderMixin):
+    """``backbone``, which ``decoder`` drafts through (its final norm, output head or image-token embedding); a
+    `ValueError` when the caller passed none."""
+    if backbone is None:
+        raise ValueError(f"{type(decoder).__name__} drafts through the model's own output head: pass `backbone=` (the "
+                         "family adapter, `pipe.backbone`) to its `propose` and `step`, as the pipeline does.")
+    return backbone
 
 

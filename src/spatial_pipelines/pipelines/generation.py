@@ -225,11 +225,11 @@ class GenerationLoop:
         logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, 1, V)
         if len(batch.groups) == 1:  # every row in one state: no indexing
             rows = hidden.shape[0] if decoder.uses_all_rows else batch.batch_size
-            decoder.step(logits, hidden[:rows, -1:], None, batch.groups[0].state, self.draft_heads)
+            decoder.step(logits, hidden[:rows, -1:], None, batch.groups[0].state, self.draft_heads, backbone)
         else:
             for g in batch.groups:
                 decoder.step(logits[g.index], hidden[self._hidden_rows(g.index, batch, hidden.shape[0]), -1:], None,
-                             g.state, self.draft_heads)
+                             g.state, self.draft_heads, backbone)
         if batch.batch_size > 1:
             cache.track_rows()
 
@@ -265,7 +265,7 @@ class GenerationLoop:
         active = batch.active()
         # 5a. every group proposes its draft at its own cursor (its last committed code first)
         with timer.section("draft"):
-            drafts = [self.decoder.propose(g.state, self.draft_heads) for g in active]
+            drafts = [self.decoder.propose(g.state, self.draft_heads, backbone) for g in active]
         # 5b. end-of-row tokens are forced, never drafted: one after every fed code that ends a row
         with timer.section("eol"):
             fed = [insert_end_of_rows(layout, g.state, draft, g) for g, draft in zip(active, drafts)]
@@ -305,7 +305,7 @@ class GenerationLoop:
         """Step 5e for one group: the decoder accepts and commits its rows' runs. Rows that accepted runs of different
         lengths (`RowsDiverged`, raised before the state changed) are split into one group per run length, each
         stepped with the verification already drawn. Records what each row keeps of its fed slots in ``kept``."""
-        g, t, decoder = fed.group, fed.width, self.decoder
+        g, t, decoder, backbone = fed.group, fed.width, self.decoder, self.backbone
         if g.rows == list(range(batch.batch_size)):  # every row, in order: plain slices
             row_logits = logits[:, :t]
             row_hidden = hidden[:, :t] if decoder.uses_all_rows else hidden[: batch.batch_size, :t]
@@ -314,7 +314,7 @@ class GenerationLoop:
         if fed.eol is not None:  # a row's last code sees its EOL's output
             row_logits, row_hidden = fed.eol.outputs(row_logits), fed.eol.outputs(row_hidden)  # (n, T, V), (n or 2n, T, D)
         try:
-            result = decoder.step(row_logits, row_hidden, fed.draft, g.state, self.draft_heads)
+            result = decoder.step(row_logits, row_hidden, fed.draft, g.state, self.draft_heads, backbone)
             _record_kept(kept, g.rows, result, fed.eol, t)
             return
         except RowsDiverged as error:
@@ -329,7 +329,8 @@ class GenerationLoop:
             part.state.acceptance = dataclasses.replace(split_rows(diverged.acceptance, index),  # drawn and read once
                                                         host=([accepted[i] for i in local], prefix))
             eol = split_rows(fed.eol, index) if fed.eol is not None and fed.eol.source.shape[0] > 1 else fed.eol
-            result = decoder.step(row_logits[index], row_hidden[twins], fed.draft.select_rows(index), part.state, self.draft_heads)
+            result = decoder.step(row_logits[index], row_hidden[twins], fed.draft.select_rows(index), part.state, self.draft_heads,
+                                 backbone)
             _record_kept(kept, part.rows, result, eol, t)
 
     def _round_one(self, state: DecodingState, batch: RowBatch, cache: StaticKVCache, timer) -> None:
@@ -337,7 +338,7 @@ class GenerationLoop:
         backbone, layout, sampling = self.backbone, state.layout, state.sampling
         # 5a. the decoder proposes what to verify (the last committed code first)
         with timer.section("draft"):
-            draft = self.decoder.propose(state, self.draft_heads)
+            draft = self.decoder.propose(state, self.draft_heads, backbone)
         # 5b. end-of-row tokens are forced, never drafted: one is fed after every fed code that ends a row
         with timer.section("eol"):
             f = insert_end_of_rows(layout, state, draft)  # (1, T')
@@ -363,7 +364,7 @@ class GenerationLoop:
         with timer.section("accept"):
             logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (1, T, V)
             rows = hidden.shape[0] if self.decoder.uses_all_rows else 1
-            result = self.decoder.step(logits, hidden[:rows], draft, state, self.draft_heads)
+            result = self.decoder.step(logits, hidden[:rows], draft, state, self.draft_heads, backbone)
         # 5f. keep only the accepted path in the KV cache (with the EOLs that follow its row ends)
         with timer.section("kv"):
             _keep_one(cache, result, eol, slot, fed, sampling.do_cfg)

@@ -316,7 +316,7 @@ class _DryRound:
 
     def _step(self, logits, hidden, draft):
         logits = cfg_mix(logits, self.owner.sampling.guidance_scale) if self.owner.sampling.do_cfg else logits  # (B, T, V)
-        return self.owner.decoder.step(logits, hidden, draft, self.state, self.owner.draft_heads)
+        return self.owner.decoder.step(logits, hidden, draft, self.state, self.owner.draft_heads, self.owner.backbone)
 
     def timed_round(self) -> float:
         if self.state is None or self.state.num_remaining <= self.tree.num_nodes:
@@ -324,7 +324,7 @@ class _DryRound:
         decoder, heads, state = self.owner.decoder, self.owner.draft_heads, self.state
 
         def one_round():
-            draft = decoder.propose(state, heads)
+            draft = decoder.propose(state, heads, self.owner.backbone)
             fed = draft.input_ids.shape[1]
             self._step(self.logits[:, :fed], self.hidden[:, :fed], draft)
 
