@@ -124,10 +124,11 @@ def test_shipped_latent_heads_drive_ssd_on_the_schedule():
     assert out.tokens.shape == (1, 24, 24) and (out.tokens >= 0).all()
 
 
-@pytest.mark.parametrize("decoder", ["eagle", "adt"])
-def test_shipped_eagle_drafter_keeps_greedy_exact_and_saves_passes(embedded_with_heads, decoder):
-    """The shipped EAGLE drafter fits the embedded model; EAGLE-2 and ADT-Tree with it are token for token the AR
-    grid (batch 3, CFG 1.5) in fewer target passes."""
+@pytest.mark.parametrize("decoder,batch", [("eagle", 3), ("adt", 1)])
+def test_shipped_eagle_drafter_keeps_greedy_exact_and_saves_passes(embedded_with_heads, decoder, batch):
+    """The shipped EAGLE drafter fits the embedded model; EAGLE-2 (batch 3) and ADT-Tree (one image: its rounds and
+    batches are EAGLE-2's, its tree shapes its own) with it are token for token the AR grid (CFG 1.5) in fewer target
+    passes."""
     from spatial_pipelines.decoders import DECODERS
     from spatial_pipelines.embedded import default_eagle_head_path
 
@@ -137,9 +138,9 @@ def test_shipped_eagle_drafter_keeps_greedy_exact_and_saves_passes(embedded_with
         drafter = pipe.load_draft_heads(default_eagle_head_path())
         assert type(drafter).__name__ == "EagleDraftHead"
         pipe.decoder = DECODERS[decoder](num_draft_tokens=16)
-        out = pipe(SHIPPED_PROMPTS, guidance_scale=1.5, temperature=0, output_type="latent")
-        assert torch.equal(out.tokens, refs[1.5, 3].tokens)
-        assert out.stats.num_forward_passes < refs[1.5, 3].stats.num_forward_passes
+        out = pipe(SHIPPED_PROMPTS[:batch], guidance_scale=1.5, temperature=0, output_type="latent")
+        assert torch.equal(out.tokens, refs[1.5, batch].tokens)
+        assert out.stats.num_forward_passes < refs[1.5, batch].stats.num_forward_passes
         assert out.stats.decoder_stats["mean_tree_depth"] > 0
     finally:
         pipe.set_draft_heads(heads)

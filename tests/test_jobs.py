@@ -15,8 +15,7 @@ from PIL import Image
 from spatial_pipelines import cli
 from spatial_pipelines.jobs import JobFolder, PromptRow, image_seed, read_prompts, row_seed
 
-PROMPTS = ["red heart", "fire", "thumbs up", "cat face", "sun", "rocket", "grinning face", "snowflake", "star",
-           "dog face", "rainbow", "pizza"]
+PROMPTS = ["red heart", "fire", "thumbs up", "cat face", "sun", "rocket"]  # the job is killed once 3 are recorded
 
 
 def _write(tmp_path, name, text):

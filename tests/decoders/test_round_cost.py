@@ -16,7 +16,7 @@ from spatial_pipelines.decoders.decoding_tree import AUTO_RATE_TOLERANCE, best_s
 from spatial_pipelines.pipelines.pass_cost import RoundOverhead, fit_pass_cost
 from spatial_pipelines.testing import dummy_pipeline
 
-from helpers import DECODER_CASES, gen, make
+from helpers import DECODER_CASES, make
 
 #: Python-level reads that do not reach the dispatcher on a CPU tensor (each is a device read on a GPU)
 PYTHON_HOST_READS = ("tolist",)

@@ -121,5 +121,7 @@ def test_enable_compile_keeps_the_step_unless_its_passes_are_clearly_slower(comp
     assert generation.COMPILE_TOLERANCE == 0.05
     pipe = dummy_pipeline("llamagen", AutoregressiveDecoder())
     info = pipe.enable_compile(backend="eager")
-    assert info["enabled"] is kept and pipe.is_compiled is kept
+    assert info["enabled"] is kept and pipe.is_compiled is kept and info["kept_by_default"] is kept
     assert info["compiled_ms"] == {1: pytest.approx(compiled_ms), 8: pytest.approx(compiled_ms)}
+    forced = pipe.enable_compile(backend="eager", keep_if_slower=True)  # what the benchmark asks: kept, and it says
+    assert forced["enabled"] and forced["kept_by_default"] is kept  # whether the defaults would have kept it

@@ -43,10 +43,10 @@ def test_keyed_ar_reads_nothing_and_a_read_per_round_is_counted(monkeypatch):
     assert counts.host_reads == 0
     propose = pipe.decoder.propose
 
-    def reading(state, heads=None):
+    def reading(state, heads=None, backbone=None):
         state.tokens[0, 0].item()
         state.tokens[:, :2].tolist()
-        return propose(state, heads)
+        return propose(state, heads, backbone)
 
     monkeypatch.setattr(pipe.decoder, "propose", reading)
     with count_rounds(pipe) as counts:

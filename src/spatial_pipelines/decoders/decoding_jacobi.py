@@ -421,9 +421,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         out = self._verify_step(logits, hidden_states, draft, state, state.node_q if proactive else state.q, probs=probs)
         n = out.num_accepted
         if state.above is not None:  # the fed slots on the accepted path predicted the n committed codes
-            path = state.accepted_path  # (B, n)
-            self._predict_above(state, hidden_states[state.rows[:, None], path] if proactive else hidden_states[:, :n], first,
-                                draft_heads, backbone)
+            hidden = hidden_states[state.rows[:, None], state.accepted_path] if proactive else hidden_states[:, :n]  # (B, n, D)
+            self._predict_above(state, hidden, first, draft_heads, backbone)
         L = state.drafts.shape[1]
         left = max(L - n, 0)  # drafts not reached (none when the whole window and its bonus were committed)
         if left:

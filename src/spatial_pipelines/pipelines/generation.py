@@ -460,12 +460,14 @@ class GenerationLoop:
         module._spatial_compile_options = options  # device rounds compile with the same (`_compiled_device_round`)
         compiled = PassCost(backbone, rows, repeats=5, warmup=2, compiled=True, fixed_shape=True).measure(sizes) if measure else {}
         # the passes alone: a compiled round also drops the eager ops around its pass, which this does not time
-        enabled = keep_if_slower or not measure or sum(compiled.values()) <= (1 + COMPILE_TOLERANCE) * sum(eager.values())
+        kept_by_default = not measure or sum(compiled.values()) <= (1 + COMPILE_TOLERANCE) * sum(eager.values())
+        enabled = keep_if_slower or kept_by_default
         if not enabled:
             self.disable_compile()
         backbone.caches.pass_costs.clear()  # "auto" sizes are chosen again for the forward that runs now
         return {"eager_ms": {t: 1e3 * s for t, s in eager.items()}, "compiled_ms": {t: 1e3 * s for t, s in compiled.items()},
-                "enabled": enabled, "options": {k: v for k, v in options.items() if isinstance(v, (str, bool, int, float, type(None)))}}
+                "enabled": enabled, "kept_by_default": kept_by_default,
+                "options": {k: v for k, v in options.items() if isinstance(v, (str, bool, int, float, type(None)))}}
 
     def disable_compile(self) -> None:
         """Undo `compile`: the target forward runs eagerly again."""

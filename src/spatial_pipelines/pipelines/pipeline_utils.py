@@ -329,8 +329,9 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline)
             kwargs: further ``torch.compile`` options.
 
         Returns:
-            ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool, "options": {...}}`` (no timings when
-            ``measure=False``).
+            ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool, "kept_by_default": bool, "options":
+            {...}}``: ``kept_by_default`` says whether the measured rule alone keeps it (what ``keep_if_slower=False``
+            decides; no timings when ``measure=False``).
         """
         return self.loop.compile(self._execution_device, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
                                  backend=backend, keep_if_slower=keep_if_slower, measure=measure, **kwargs)
