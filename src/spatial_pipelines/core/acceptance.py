@@ -61,6 +61,14 @@ class Relaxation:
             return out
         return out.scatter(-1, self.neighbours, torch.where(self.kept, 0.0, out.gather(-1, self.neighbours)))
 
+    def rejected(self, rest: torch.Tensor, spent: torch.Tensor, scale: torch.Tensor):
+        """The step's ledger once this claim is rejected and ``rest`` ``(..., V)`` (unnormalised) is what the next
+        sibling is tried against: ``(rest's mass, the TVD used, the scale)``. ``spent`` is in units of the step's
+        first ``p`` (this claim's moved mass added, at the scale it was made at); ``scale`` is the mass of that first
+        ``p`` the residual stands for (`AcceptanceRule.budget_left` turns both into the next sibling's budget)."""
+        total = rest.sum(-1)
+        return total, spent + self.moved * scale, scale * total
+
 
 class AcceptanceRule:
     """The exact rule: a candidate ``x`` claims ``p(x)``; accept with ``min(1, p(x) / q(x))``, on rejection draw
@@ -115,6 +123,12 @@ class AcceptanceRule:
         """
         px = probs.gather(-1, codes[..., None]).squeeze(-1)
         return Relaxation(px, torch.zeros_like(px))
+
+    def budget_left(self, spent: torch.Tensor, scale: torch.Tensor) -> Optional[torch.Tensor]:
+        """The TVD a sibling may still move, in units of the residual it is tried against: `tvd_budget` less what its
+        earlier siblings moved (``spent``), over the scale of that residual (`Relaxation.rejected`); ``None`` for a
+        rule without a shared budget."""
+        return None if self.tvd_budget is None else ((self.tvd_budget - spent) / scale).clamp_min(0)
 
     def to_config(self) -> Union[str, Dict[str, Any]]:
         """What a decoder config stores: the name alone for a rule without settings, else ``{"name": ..., **settings}``

@@ -297,7 +297,6 @@ def _walk_level(tree, tokens, probs, q, rule, neighbours, uniforms, rows, cur, a
     ``uniforms`` ``(B, K)``, each rejection replacing ``p`` by its residual (a relaxed rule's TVD budget shared by
     the level's siblings). Returns ``(moved (B,), the accepted child (B,), the residual p (B, V))``."""
     b, k = probs.shape[0], tree.children.shape[-1]
-    budget = rule.tvd_budget
     p = probs[rows, cur]  # (B, V)
     moved = torch.zeros(b, dtype=torch.bool, device=probs.device)
     nxt = cur.clone()
@@ -308,8 +307,7 @@ def _walk_level(tree, tokens, probs, q, rule, neighbours, uniforms, rows, cur, a
         safe = node.clamp_min(0)
         valid = alive & ~moved & (node >= 0) & (tokens[rows, safe] >= 0)
         x = torch.where(valid, tokens[rows, safe], 0)  # (B,) code 0 stands in where there is no candidate
-        left = None if budget is None else ((budget - spent) / scale).clamp_min(0)  # in p's own units
-        relaxed = rule.relax(p, x, neighbours, left)
+        relaxed = rule.relax(p, x, neighbours, rule.budget_left(spent, scale))
         px = relaxed.mass
         qx = torch.ones_like(px) if q is None else q[rows, safe].gather(1, x[:, None]).squeeze(1)
         accept = valid & (uniforms[:, j] * qx < px)  # u < min(1, p~/q) without dividing
@@ -317,9 +315,8 @@ def _walk_level(tree, tokens, probs, q, rule, neighbours, uniforms, rows, cur, a
         moved |= accept
         reject = valid & ~accept
         rest = relaxed.removed(p, x) if q is None else (relaxed.target(p, x) - q[rows, safe]).clamp_min(0)  # (B, V)
-        total = rest.sum(-1)  # (B,)
-        spent = torch.where(reject, spent + relaxed.moved * scale, spent)
-        scale = torch.where(reject, scale * total, scale)
+        total, spent_next, scale_next = relaxed.rejected(rest, spent, scale)  # (B,) each
+        spent, scale = torch.where(reject, spent_next, spent), torch.where(reject, scale_next, scale)
         p = torch.where(reject[:, None] & (total[:, None] > 0), rest / total.clamp_min(1e-30)[:, None], p)
     return moved, nxt, p
 

@@ -740,20 +740,18 @@ def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], pr
         tried = offered & (rank == r)  # (B, T)
         p = residual.gather(1, parents[..., None].expand(b, t, v))  # (B, T, V) the parent's residual
         spent_p, scale_p = spent.gather(1, parents), scale.gather(1, parents)  # (B, T)
-        budget = None if rule.tvd_budget is None else ((rule.tvd_budget - spent_p) / scale_p).clamp_min(0)
-        relaxed = rule.relax(p, x, neighbours, budget)
+        relaxed = rule.relax(p, x, neighbours, rule.budget_left(spent_p, scale_p))
         claimed = y == x
         if relaxed.kept is not None:
             claimed = claimed | ((relaxed.neighbours == y[..., None]) & relaxed.kept).any(-1)
         live = p.gather(2, y[..., None])[..., 0] > 0  # y lies in no earlier sibling's claim
         matches = matches | (tried & claimed & live)
         rest = relaxed.removed(p, x)  # (B, T, V) what the next sibling is tried against, unnormalised
-        total = rest.sum(-1)  # (B, T)
+        total, spent_next, scale_next = relaxed.rejected(rest, spent_p, scale_p)  # (B, T) each
         dest = torch.where(tried, parents, spare)[..., None]  # (B, T, 1)
         nxt = rest / total.clamp_min(1e-30)[..., None]  # all zero once a claim took the rest: no later sibling lives
         residual = residual.scatter(1, dest.expand(b, t, v), nxt)
-        spent = spent.scatter(1, dest[..., 0], spent_p + relaxed.moved * scale_p)
-        scale = scale.scatter(1, dest[..., 0], scale_p * total)
+        spent, scale = spent.scatter(1, dest[..., 0], spent_next), scale.scatter(1, dest[..., 0], scale_next)
     return matches
 
 
