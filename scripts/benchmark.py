@@ -34,7 +34,9 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass
+import subprocess
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -121,8 +123,13 @@ def parse_args(argv=None):
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new prompt after this many seconds of timed runs: every row is timed on the same "
                         "prompts (the first ones), and the report says how many (`num_prompts_timed`)")
+    p.add_argument("--resume", action="store_true",
+                   help=f"keep each timed prompt's rows in OUT/{RESUME_FILE} and, run again with the same settings on "
+                        "the same code and CPU, time only the prompts it does not hold yet (a run longer than one sitting)")
     p.add_argument("--out", default="docs/benchmarks")
     args = p.parse_args(argv)
+    if args.resume and (args.quality or args.picture):
+        p.error("--resume keeps the timings, not the images --quality and --picture score: run those without it")
     if args.time_budget_s is not None and not args.time_budget_s > 0:
         p.error(f"--time-budget-s must be a positive number of seconds, got {args.time_budget_s}")
     if args.time_budget_s is not None and (args.quality or args.picture):
@@ -290,6 +297,9 @@ class Bench:
     top_k: Optional[int]
     quality: Optional[SimpleNamespace]
     prompts_timed: Optional[int] = None  # set when `--time-budget-s` stopped the timed runs early
+    started: str = ""  # when this process started (UTC, ISO): each line of a resumed run says which process timed it
+    parts: List[str] = field(default_factory=list)  # with --resume: when the process that timed each earlier batch started
+    timed_here: int = 0  # batches this process timed
 
     @property
     def pipe(self):
@@ -360,7 +370,8 @@ def prepare(args) -> Bench:
         prompts = random.Random(args.seed).sample(real.captions, args.num_prompts)
     guidance = args.guidance_scale if args.guidance_scale is not None else pipe.backbone.default_guidance_scale
     top_k = args.top_k if args.top_k is not None else pipe.backbone.default_top_k
-    return Bench(pipes, heads, compiled, prompts, guidance, top_k, quality_references(args, prompts, resolution))
+    return Bench(pipes, heads, compiled, prompts, guidance, top_k, quality_references(args, prompts, resolution),
+                 started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
 def row_setups(args, bench: Bench) -> List[Setup]:
@@ -417,11 +428,11 @@ def run_minimal_ar(args, bench: Bench, prompts, seed: int) -> tuple:
 
 def timed_runs(args, bench: Bench, setups: List[Setup], output_type: str) -> Dict[str, list]:
     """The timed runs, interleaved batch by batch (every row on batch 1, then on batch 2 ...): each row's
-    `run_decoder` results."""
-    runs = {setup.name: [] for setup in setups}
+    `run_decoder` results (with ``--resume``, first the ones stored by earlier processes of the same run)."""
+    runs, first, store = resumed_runs(args, bench, setups) if args.resume else ({s.name: [] for s in setups}, 0, None)
     start = time.perf_counter()
-    for i in range(0, len(bench.prompts), args.batch_size):
-        if i and args.time_budget_s is not None and time.perf_counter() - start > args.time_budget_s:  # at least one
+    for i in range(first, len(bench.prompts), args.batch_size):
+        if i > first and args.time_budget_s is not None and time.perf_counter() - start > args.time_budget_s:  # at least one
             bench.prompts_timed = i  # every row ran on the same first prompts
             break
         batch = bench.prompts[i : i + args.batch_size]
@@ -433,14 +444,95 @@ def timed_runs(args, bench: Bench, setups: List[Setup], output_type: str) -> Dic
             runs[setup.name].append(run_decoder(bench.use(setup), batch, args, seed_offset=i,
                                                 output_type=output_type if quality_row else "latent",
                                                 num_images_per_prompt=setup.images_per_prompt))
+        bench.timed_here += 1
+        if store is not None:  # one line per batch, written whole once every row ran on it
+            with open(store, "a") as f:
+                f.write(json.dumps({"first_prompt": i, "next_prompt": i + len(batch), "started": bench.started,
+                                    "runs": {name: stored_cost(parts[-1][2]) for name, parts in runs.items()}}) + "\n")
     return runs
+
+
+# -- a run over several processes (--resume) ---------------------------------------------------------------------
+RESUME_FILE = "timed_runs.jsonl"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what `platform` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def resume_key(args) -> dict:
+    """What every process of one run shares: the settings that change a row's figures (heads and model by folder
+    name: a clone elsewhere is the same run), the code's commit, the CPU, the threads and the versions."""
+    skip = {"time_budget_s", "resume", "out", "decoders", "heads", "model"}
+    settings = {k: v for k, v in vars(args).items() if k not in skip}
+    settings.update(decoders=[spec for spec, _, _ in args.decoders], heads=[os.path.basename(os.path.normpath(h)) for h in args.heads],
+                    model=args.model and os.path.basename(os.path.normpath(args.model)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                capture_output=True, text=True).stdout.strip() or None
+    except OSError:  # no git: the versions and settings still have to match
+        commit = None
+    return {"settings": settings, "commit": commit, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+            "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__}}
+
+
+def stored_cost(cost: dict) -> dict:
+    """A run's cost as JSON: its accepted lengths as their sum and count (all the report reads of them)."""
+    total, count = accepted_totals(cost)
+    return {**{k: v for k, v in cost.items() if k != "accepted"}, "accepted": [], "accepted_sum": total, "accepted_count": count}
+
+
+def accepted_totals(cost: dict) -> Tuple[float, int]:
+    """The sum and count of a run's accepted lengths (codes per pass per row)."""
+    if "accepted_sum" in cost:
+        return cost["accepted_sum"], cost["accepted_count"]
+    lengths = torch.cat(cost["accepted"]) if cost["accepted"] else torch.zeros(0)
+    return lengths.sum().item(), lengths.numel()
+
+
+def resumed_runs(args, bench: Bench, setups: List[Setup]):
+    """``OUT/timed_runs.jsonl``: the runs it holds (``(None, None, cost)`` per row and batch), the first prompt not yet
+    timed and the file to append to. A new file starts with the run's `resume_key`; a file whose key differs is
+    refused, naming what differs; a line cut short by a kill is dropped (that batch is timed again)."""
+    path = os.path.join(args.out, RESUME_FILE)
+    key, runs, first = resume_key(args), {s.name: [] for s in setups}, 0
+    lines = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for text in f:
+                try:
+                    lines.append(json.loads(text))
+                except json.JSONDecodeError:
+                    break  # the kill's cut line, and nothing after it
+    if lines:
+        stored = lines[0]["key"]
+        differ = sorted(k for k in set(stored) | set(key) if stored.get(k) != key.get(k))
+        differ += sorted(k for k in set(stored["settings"]) | set(key["settings"])
+                         if stored["settings"].get(k) != key["settings"].get(k))
+        if differ:
+            raise SystemExit(f"--resume: {path} holds a run with other {', '.join(d for d in differ if d != 'settings')}: "
+                             "continue it with the same command, code and CPU, or give another --out")
+        for line in lines[1:]:
+            for name, cost in line["runs"].items():
+                runs[name].append((None, None, cost))
+            first = line["next_prompt"]
+    with open(path, "w") as f:  # rewritten whole: a cut line does not stay in the middle
+        f.write("".join(json.dumps(line) + "\n" for line in (lines or [{"key": key}])))
+    bench.parts = [line["started"] for line in lines[1:]]
+    return runs, first, path
 
 
 # -- the rows' numbers -------------------------------------------------------------------------------------------
 def summed_cost(parts, warmup_s: float):
     """A row's cost over its runs, and its per-image figures."""
     cost = {k: sum(c[k] for *_, c in parts) for k in ("passes", "draft_passes", "tokens", "seconds", "images")}
-    cost["accepted"] = [a for *_, c in parts for a in c["accepted"]]
+    totals = [accepted_totals(c) for *_, c in parts]
+    cost["accepted_sum"], cost["accepted_count"] = sum(t for t, _ in totals), sum(n for _, n in totals)
     per_image = {"target_forward_passes_per_image": cost["passes"] / cost["images"], "wall_clock_s": cost["seconds"],
                  "seconds_per_image": cost["seconds"] / cost["images"], "images_per_s": cost["images"] / cost["seconds"],
                  "tokens_per_s": cost["tokens"] / cost["seconds"], "warmup_s": warmup_s}
@@ -470,7 +562,7 @@ def decoder_row(setup: Setup, bench: Bench, parts, cost: dict, per_image: dict) 
         "heads": bench.heads[setup.compiled, setup.need][1] if setup.need else None,
         "exact": decoder.is_exact,
         "draft_passes_per_image": cost["draft_passes"] / cost["images"],
-        "mean_accepted_length": torch.cat(cost["accepted"]).mean().item(),
+        "mean_accepted_length": cost["accepted_sum"] / cost["accepted_count"],
         **per_image,  # warmup_s: the untimed first call, with any one-time "auto" size measurement or compilation
     }
     padded = [f for *_, c in parts for f in c.get("padded", [])]
@@ -515,11 +607,11 @@ def report_rows(args, bench: Bench, setups: List[Setup], warmup: dict, runs: dic
             rows[setup.name] = minimal_ar_row(setup.spec, per_image)
             print(setup.name, json.dumps(rows[setup.name]))
             continue
-        images = torch.cat([im for im, _, _ in parts])
-        grids = torch.cat([g for _, g, _ in parts])
         p = bench.use(setup)
         row = decoder_row(setup, bench, parts, cost, per_image)
         eager_single = setup.images_per_prompt == 1 and not setup.compiled
+        if (args.quality or args.picture) and eager_single:  # resumed runs keep no images: refused with these options
+            images, grids = torch.cat([im for im, _, _ in parts]), torch.cat([g for _, g, _ in parts])
         if args.quality and eager_single:
             row.update(quality_columns(args, bench, p, images, grids))
         if args.picture and eager_single:
@@ -572,6 +664,7 @@ def make_report(args, bench: Bench, rows: dict) -> dict:
         "model": args.model or "embedded twemoji_llamagen",
         "num_prompts": len(bench.prompts),
         "num_prompts_timed": bench.prompts_timed if bench.prompts_timed is not None else len(bench.prompts),
+        "timed_by_processes": processes_of(args, bench),
         "prompt_split": args.split,
         "batch_size": args.batch_size,
         "num_images_per_prompt": args.num_images_per_prompt,
@@ -586,6 +679,16 @@ def make_report(args, bench: Bench, rows: dict) -> dict:
                      "diffusers": diffusers.__version__, "transformers": transformers.__version__},
         "decoders": rows,
     }
+
+
+def processes_of(args, bench: Bench) -> Optional[Dict[str, int]]:
+    """With --resume: how many batches each process of the run timed, by its start (UTC); ``None`` without it."""
+    if not args.resume:
+        return None
+    counts: Dict[str, int] = {}
+    for started in bench.parts + [bench.started] * bench.timed_here:
+        counts[started] = counts.get(started, 0) + 1
+    return counts
 
 
 def markdown_table(args, rows: dict) -> List[str]:

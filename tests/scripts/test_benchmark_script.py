@@ -178,3 +178,33 @@ def test_benchmark_time_budget_times_every_row_on_the_same_first_prompts(tmp_pat
     for bad in (["--time-budget-s", "0"], ["--time-budget-s", "nan"], ["--time-budget-s", "10", "--quality"]):
         refused = run_script("benchmark.py", "--model", str(tmp_path / "model"), *bad, "--out", str(out), check=False)
         assert refused.returncode == 2 and "--time-budget-s" in refused.stderr
+
+
+def test_benchmark_resume_times_only_the_prompts_it_does_not_hold(tmp_path):
+    """``--resume``: a run stopped by its time budget after one prompt, run again, times only the prompts it does not
+    hold (a line cut by a kill is timed again) and reports the same figures as one process; a file of another run
+    (here another seed) is refused, naming the setting, and ``--resume`` with ``--quality`` is refused."""
+    pipe = dummy_pipeline("llamagen", grid=(4, 4))
+    pipe.save_pretrained(tmp_path / "model")
+    out = tmp_path / "bench"
+    cmd = ["benchmark.py", "--model", str(tmp_path / "model"), "--decoders", "ar", "sjd", "--num-prompts", "3", "--limit", "40"]
+    run_script(*cmd, "--resume", "--time-budget-s", "1e-9", "--out", str(out))
+    first = json.loads((out / "benchmark.json").read_text())
+    assert first["num_prompts_timed"] == 1 and list(first["timed_by_processes"].values()) == [1]
+    assert len((out / "timed_runs.jsonl").read_text().splitlines()) == 2  # the run's key, then one line per prompt
+    with open(out / "timed_runs.jsonl", "a") as f:
+        f.write('{"first_prompt": 1, "next_prompt": 2, "ru')  # a kill while the second prompt's line was written
+    run_script(*cmd, "--resume", "--out", str(out))
+    report = json.loads((out / "benchmark.json").read_text())
+    assert report["num_prompts_timed"] == 3 and sum(report["timed_by_processes"].values()) == 3
+    assert len((out / "timed_runs.jsonl").read_text().splitlines()) == 4
+    run_script(*cmd, "--out", str(tmp_path / "whole"))
+    whole = json.loads((tmp_path / "whole" / "benchmark.json").read_text())
+    assert whole["timed_by_processes"] is None
+    for name in ("ar", "sjd"):
+        for column in ("target_forward_passes_per_image", "mean_accepted_length"):
+            assert report["decoders"][name][column] == pytest.approx(whole["decoders"][name][column])
+    refused = run_script(*cmd, "--resume", "--seed", "1", "--out", str(out), check=False)
+    assert refused.returncode != 0 and "other seed" in refused.stderr
+    refused = run_script(*cmd, "--resume", "--quality", "--out", str(out), check=False)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
