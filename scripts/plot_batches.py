@@ -1,11 +1,12 @@
 """Speed-up against images per prompt, from one or more `scripts/benchmark.py` reports (``benchmark.json``).
 
 One line per decoder: eager rows solid, compiled rows dashed, each row's speed-up taken against AR run the same way in
-its own report (``speedup_vs_ar`` for an eager row, ``speedup_vs_compiled_ar`` for a compiled one), so two runs (an
-eager one and a ``--compile --skip-eager`` one) share a plot without comparing seconds across runs::
+its own report (``speedup_vs_ar`` for an eager row, ``speedup_vs_compiled_ar`` for a compiled one). A ``--compile``
+run holds both kinds; two runs (an eager one and a ``--compile --skip-eager`` one) also share a plot without comparing
+seconds across runs::
 
-    python scripts/plot_batches.py docs/benchmarks/v3/batches_eager/benchmark.json \\
-        docs/benchmarks/v3/batches_compiled/benchmark.json --out docs/benchmarks/v3/speedup_vs_batch.png
+    python scripts/plot_batches.py docs/benchmarks/v3/batches/benchmark.json \\
+        --out docs/benchmarks/v3/speedup_vs_batch.png
 """
 
 import argparse
