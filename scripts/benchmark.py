@@ -33,8 +33,9 @@ import platform
 import random
 import re
 import sys
-import time
 import subprocess
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from types import SimpleNamespace
@@ -57,6 +58,7 @@ from spatial_pipelines.jobs import PromptRow, generate_batches, read_prompts
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from keyed_noise_cost import cpu_name  # noqa: E402
 from minimal_ar import minimal_ar_generate  # noqa: E402
 
 MINIMAL_AR = "minimal-ar"
@@ -148,7 +150,7 @@ def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent", num_im
     generator per image, prompt ``j`` seeded ``args.seed + seed_offset + j``); returns outputs, code grids and the
     summed cost (passes and tokens per image)."""
     outs, grids = [], []
-    cost = {"passes": 0, "draft_passes": 0, "tokens": 0, "images": 0, "accepted": [], "seconds": 0.0, "tree_depth": [], "tree_width": [],
+    cost = {"passes": 0, "draft_passes": 0, "tokens": 0, "images": 0, "accepted_sum": 0.0, "accepted_count": 0, "seconds": 0.0, "tree_depth": [], "tree_width": [],
             "padded": [], "compiled_graphs": 0}
     rows = [PromptRow(j, prompt) for j, prompt in enumerate(prompts)]
     call = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k, output_type=output_type)
@@ -168,7 +170,8 @@ def run_decoder(pipe, prompts, args, seed_offset=0, output_type="latent", num_im
         cost["draft_passes"] += out.stats.num_draft_passes * images
         accepted, row_passes = out.stats.accepted_lengths, torch.tensor(out.stats.row_forward_passes)
         ran = torch.arange(accepted.shape[0])[:, None] < row_passes[None]  # (passes, B) the passes each row took
-        cost["accepted"].append(accepted[ran].float())  # codes per pass per row
+        cost["accepted_sum"] += accepted[ran].float().sum().item()  # codes per pass per row, after the timed call
+        cost["accepted_count"] += int(ran.sum())
         cost["tokens"] += out.stats.num_tokens
         if out.stats.padded_fraction is not None:
             cost["padded"].append(out.stats.padded_fraction)
@@ -423,7 +426,7 @@ def run_minimal_ar(args, bench: Bench, prompts, seed: int) -> tuple:
     start = time.perf_counter()
     grid = minimal_ar_generate(pipe, prompts, bench.guidance, args.temperature, bench.top_k, gens)
     return None, grid, {"passes": pipe.backbone.layout.num_tokens * len(gens), "draft_passes": 0, "images": len(gens),
-                        "tokens": grid.numel(), "accepted": [torch.ones(1)], "seconds": time.perf_counter() - start}
+                        "tokens": grid.numel(), "accepted_sum": 1.0, "accepted_count": 1, "seconds": time.perf_counter() - start}
 
 
 def timed_runs(args, bench: Bench, setups: List[Setup], output_type: str) -> Dict[str, list]:
@@ -448,21 +451,12 @@ def timed_runs(args, bench: Bench, setups: List[Setup], output_type: str) -> Dic
         if store is not None:  # one line per batch, written whole once every row ran on it
             with open(store, "a") as f:
                 f.write(json.dumps({"first_prompt": i, "next_prompt": i + len(batch), "started": bench.started,
-                                    "runs": {name: stored_cost(parts[-1][2]) for name, parts in runs.items()}}) + "\n")
+                                    "runs": {name: parts[-1][2] for name, parts in runs.items()}}) + "\n")
     return runs
 
 
 # -- a run over several processes (--resume) ---------------------------------------------------------------------
 RESUME_FILE = "timed_runs.jsonl"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what `platform` says."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def resume_key(args) -> dict:
@@ -477,22 +471,8 @@ def resume_key(args) -> dict:
                                 capture_output=True, text=True).stdout.strip() or None
     except OSError:  # no git: the versions and settings still have to match
         commit = None
-    return {"settings": settings, "commit": commit, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+    return {"settings": settings, "commit": commit, "cpu": cpu_name(), "threads": torch.get_num_threads(),
             "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__}}
-
-
-def stored_cost(cost: dict) -> dict:
-    """A run's cost as JSON: its accepted lengths as their sum and count (all the report reads of them)."""
-    total, count = accepted_totals(cost)
-    return {**{k: v for k, v in cost.items() if k != "accepted"}, "accepted": [], "accepted_sum": total, "accepted_count": count}
-
-
-def accepted_totals(cost: dict) -> Tuple[float, int]:
-    """The sum and count of a run's accepted lengths (codes per pass per row)."""
-    if "accepted_sum" in cost:
-        return cost["accepted_sum"], cost["accepted_count"]
-    lengths = torch.cat(cost["accepted"]) if cost["accepted"] else torch.zeros(0)
-    return lengths.sum().item(), lengths.numel()
 
 
 def resumed_runs(args, bench: Bench, setups: List[Setup]):
@@ -530,9 +510,8 @@ def resumed_runs(args, bench: Bench, setups: List[Setup]):
 # -- the rows' numbers -------------------------------------------------------------------------------------------
 def summed_cost(parts, warmup_s: float):
     """A row's cost over its runs, and its per-image figures."""
-    cost = {k: sum(c[k] for *_, c in parts) for k in ("passes", "draft_passes", "tokens", "seconds", "images")}
-    totals = [accepted_totals(c) for *_, c in parts]
-    cost["accepted_sum"], cost["accepted_count"] = sum(t for t, _ in totals), sum(n for _, n in totals)
+    keys = ("passes", "draft_passes", "tokens", "seconds", "images", "accepted_sum", "accepted_count")
+    cost = {k: sum(c[k] for *_, c in parts) for k in keys}
     per_image = {"target_forward_passes_per_image": cost["passes"] / cost["images"], "wall_clock_s": cost["seconds"],
                  "seconds_per_image": cost["seconds"] / cost["images"], "images_per_s": cost["images"] / cost["seconds"],
                  "tokens_per_s": cost["tokens"] / cost["seconds"], "warmup_s": warmup_s}
@@ -685,10 +664,7 @@ def processes_of(args, bench: Bench) -> Optional[Dict[str, int]]:
     """With --resume: how many batches each process of the run timed, by its start (UTC); ``None`` without it."""
     if not args.resume:
         return None
-    counts: Dict[str, int] = {}
-    for started in bench.parts + [bench.started] * bench.timed_here:
-        counts[started] = counts.get(started, 0) + 1
-    return counts
+    return dict(Counter(bench.parts + [bench.started] * bench.timed_here))
 
 
 def markdown_table(args, rows: dict) -> List[str]:
