@@ -20,10 +20,10 @@ and named in the report):
 
 1. Roofline (`bench_roofline.py`): ms per AR step against the bandwidth floor, and the cost of verifying K tokens
    in one pass relative to one AR step, for the embedded model's layout and Janus-Pro-1B's trunk, in bf16.
-2. Rows, per model (the embedded model, then the 1B-class backbone): every decoder of ``--decoders`` at each
-   ``--num-images-per-prompt``, first compiled (`pipe.enable_compile`: static shapes, CUDA graphs), then eager. The
-   default decoders are every exact decoder of `spatial_pipelines.DECODERS` (ar, sjd, medusa, eagle, hawk, adt), AR,
-   SJD and Medusa first, so their compiled rows at 1 and 4 images come first. Each decoder gets heads of the kind
+2. Rows, per model (the embedded model, then the 1B-class backbone): at each ``--num-images-per-prompt`` in turn,
+   every decoder of ``--decoders``, first compiled (`pipe.enable_compile`: static shapes, CUDA graphs), then eager.
+   The default decoders are every exact decoder of `spatial_pipelines.DECODERS` (ar, sjd, medusa, eagle, hawk, adt),
+   AR, SJD and Medusa first, so every decoder's compiled one-image row comes before any larger batch. Each decoder gets heads of the kind
    its ``heads_needed()`` names: on the embedded model the shipped ones (`cli.embedded_heads_path`: the spatial heads
    for Medusa and Hawk, the EAGLE drafter for EAGLE-2 and ADT-Tree); on the 1B-class backbone (random weights,
    class-conditional) and in a dry run, random heads of that kind (`heads_class_for(kind).for_backbone`): there only
@@ -344,10 +344,11 @@ def row_key(name: str, n: int, compiled: bool) -> str:
 
 
 def row_plan(args) -> list:
-    """``(compiled, decoder, images per prompt)`` of every row, in the order they run: compiled then eager, decoder
-    by decoder in ``--decoders`` order (AR, SJD and Medusa first by default), each at every images-per-prompt."""
+    """``(compiled, decoder, images per prompt)`` of every row, in the order they run: compiled then eager, each
+    images-per-prompt in turn, and at each every decoder in ``--decoders`` order (AR, SJD and Medusa first by default):
+    a budget that runs out leaves every decoder's one-image row, not the first decoders' larger batches."""
     modes = [m for m in (True, False) if not (args.skip_compiled if m else args.skip_eager)]
-    return [(m, name, n) for m in modes for name in args.decoders for n in args.num_images_per_prompt]
+    return [(m, name, n) for m in modes for n in args.num_images_per_prompt for name in args.decoders]
 
 
 def timed_calls(pipe, prompts, n: int, device) -> dict:

@@ -26,9 +26,9 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
     assert set(report["decoders"]) == set(DECODERS)
     section = report["decoding"]["embedded"]
     rows = section["rows"]
-    expected = [f"{d} x{n}{m}" for m in (" [compiled]", "") for d in report["decoders"] for n in (1, 2)]
+    expected = [f"{d} x{n}{m}" for m in (" [compiled]", "") for n in (1, 2) for d in report["decoders"]]
     assert list(rows) == expected and not section["skipped_rows"]  # in the order they ran
-    assert expected[:6] == [f"{d} x{n} [compiled]" for d in ("ar", "sjd", "medusa") for n in (1, 2)]
+    assert expected[:3] == [f"{d} x1 [compiled]" for d in ("ar", "sjd", "medusa")]
     assert set(section["heads"]) == {"medusa", "hawk", "eagle", "adt"}  # random heads of each decoder's kind
     for key, r in rows.items():
         assert all(r[c] is not None for c in COLUMNS), key
