@@ -21,6 +21,7 @@ from spatial_pipelines import (
     JanusProPipeline,
     LatentDraftHeads,
     LlamaGenPipeline,
+    LlamaGenTransformer,
     MedusaDecoder,
     SpatialDraftHeads,
     SSDDecoder,
@@ -114,6 +115,72 @@ def test_bad_folders(saved, tmp_path, edit, names, monkeypatch):
         LlamaGenPipeline.from_pretrained(folder)
     assert snapshot(folder) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+# every door a folder comes through runs the same checks: the pipeline class, diffusers' own loader (which calls each
+# component class's `from_pretrained`), the component class itself, the command line's `--model`, and Hub ids (a Hub
+# cache laid out by the test, read offline)
+def _door_hub(tmp_path, folder):
+    hub = tmp_path / "hub"
+    lay_out_hub_cache(hub, "org/tiny-pipe", folder, HUB_COMMIT)
+    return hub
+
+
+def _door_cli(folder, tmp_path, capsys):
+    from spatial_pipelines.cli import main
+
+    code = main(["generate", "a fox", "--model", str(folder), "--out", str(tmp_path / "fox.png"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    raise ValueError(err)
+
+
+DOORS = {  # id -> load(folder, tmp_path, capsys)
+    "pipeline-class": lambda folder, tmp, cap: LlamaGenPipeline.from_pretrained(folder),
+    "DiffusionPipeline": lambda folder, tmp, cap: __import__("diffusers").DiffusionPipeline.from_pretrained(folder),
+    "component-class": lambda folder, tmp, cap: LlamaGenTransformer.from_pretrained(folder / "transformer"),
+    "component-subfolder": lambda folder, tmp, cap: LlamaGenTransformer.from_pretrained(folder, subfolder="transformer"),
+    "command-line": _door_cli,
+    "hub-id-DiffusionPipeline": lambda folder, tmp, cap: __import__("diffusers").DiffusionPipeline.from_pretrained(
+        "org/tiny-pipe", cache_dir=_door_hub(tmp, folder)),
+    "hub-id-component": lambda folder, tmp, cap: LlamaGenTransformer.from_pretrained(
+        "org/tiny-pipe", subfolder="transformer", cache_dir=_door_hub(tmp, folder)),
+}
+DOOR_CASES = [  # (id, edit of a copy of the saved folder, what the message names)
+    ("truncated-weights", _truncate, r"transformer/diffusion_pytorch_model.safetensors' is truncated or corrupt: it holds \d+ bytes but its header lists"),
+    ("pickle-instead", _pickle_instead, r"`transformer` folder .*transformer' holds pickled weights \(diffusion_pytorch_model.bin\).*pickles are "
+                                        r"refused.*nothing was loaded.*`safetensors.torch.save_file\(torch.load\('.*transformer/diffusion_pytorch_model.bin', "
+                                        r"weights_only=True\), '.*transformer/diffusion_pytorch_model.safetensors'\)`"),
+]
+
+
+@pytest.mark.parametrize("door", list(DOORS))
+@pytest.mark.parametrize("edit,names", [c[1:] for c in DOOR_CASES], ids=[c[0] for c in DOOR_CASES])
+def test_every_door_checks_the_folder(saved, tmp_path, edit, names, door, monkeypatch, capsys):
+    from diffusers.models import model_loading_utils
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(saved / "pipe", folder)
+    edit(folder)
+    before = snapshot(folder)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a pickle was loaded"))
+    monkeypatch.setattr(model_loading_utils, "load_state_dict", lambda *a, **k: pytest.fail("weights were read before the check"))
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", lambda *a, **k: pytest.fail("weights were used before the check"))
+    with pytest.raises(ValueError, match=names):
+        DOORS[door](folder, tmp_path, capsys)
+    assert snapshot(folder) == before
+
+
+def test_the_component_doors_load_a_whole_folder(saved, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    from spatial_pipelines import LlamaGenTransformer as Transformer
+
+    hub = _door_hub(tmp_path, saved / "pipe")
+    for model in (Transformer.from_pretrained(saved / "pipe" / "transformer"),
+                  Transformer.from_pretrained("org/tiny-pipe", subfolder="transformer", cache_dir=hub)):
+        assert model.config.grid_height == 4
+    assert type(DiffusionPipeline.from_pretrained("org/tiny-pipe", cache_dir=hub)) is LlamaGenPipeline
 
 
 def test_a_saved_folder_loads_and_records_its_grid(saved):
@@ -373,7 +440,7 @@ def test_weights_not_yet_downloaded_are_checked_by_their_header(saved_transforme
     from huggingface_hub.errors import SafetensorsParsingError
     from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo
 
-    from spatial_pipelines.pipelines import folder_checks
+    from spatial_pipelines import weight_checks
     from spatial_pipelines.utils import safetensors_header
 
     folder = tmp_path / "original"
@@ -391,15 +458,15 @@ def test_weights_not_yet_downloaded_are_checked_by_their_header(saved_transforme
         return SafetensorsFileMetadata(metadata=header.pop("__metadata__", {}), tensors={
             k: TensorInfo(dtype=v["dtype"], shape=v["shape"], data_offsets=tuple(v["data_offsets"])) for k, v in header.items()})
 
-    init = folder_checks._HubCheckpoint.__init__
+    init = weight_checks.HubCheckpoint.__init__
 
     def online(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.offline = False
 
     monkeypatch.setattr(HfApi, "parse_safetensors_file_metadata", parse)
-    monkeypatch.setattr(folder_checks._HubCheckpoint, "__init__", online)
-    monkeypatch.setattr(folder_checks._HubCheckpoint, "cached", lambda self, name: None)
+    monkeypatch.setattr(weight_checks.HubCheckpoint, "__init__", online)
+    monkeypatch.setattr(weight_checks.HubCheckpoint, "cached", lambda self, name: None)
     _nothing_loaded(monkeypatch)
     with pytest.raises(ValueError, match=names):
         JanusProPipeline.from_backbone(repo_id, cache_dir=hub, revision=HUB_COMMIT)
