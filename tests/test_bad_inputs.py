@@ -541,6 +541,61 @@ def test_the_embedded_model_records_its_trained_grid(tmp_path, monkeypatch):
     assert snapshot(folder) == before
 
 
+# original-format checkpoints (`.pt`, `.ckpt`) are read with torch's restricted unpickler: one that holds objects other
+# than tensors is named with the argument, never unpickled, and torch's advice to load it unsafely is not passed on
+def _original_llamagen(folder):
+    """A tiny LlamaGen GPT and VQ as original .pt files (state dicts under `model`)."""
+    pipe = dummy_pipeline("llamagen")
+    torch.save({"model": pipe.transformer.state_dict()}, folder / "gpt.pt")
+    torch.save({"model": pipe.vqvae.state_dict()}, folder / "vq.pt")
+    return pipe
+
+
+ORIGINAL_PT_CASES = [  # (id, argument, the object planted beside the tensors)
+    ("gpt-with-args", "repo_or_path", "gpt.pt"),
+    ("vq-with-args", "vq_checkpoint", "vq.pt"),
+]
+
+
+@pytest.mark.parametrize("argument,name", [c[1:] for c in ORIGINAL_PT_CASES], ids=[c[0] for c in ORIGINAL_PT_CASES])
+def test_an_original_checkpoint_holding_objects_is_named_and_never_unpickled(tmp_path, argument, name, monkeypatch):
+    import argparse
+
+    _original_llamagen(tmp_path)
+    path = tmp_path / name
+    ckpt = torch.load(path, weights_only=True)
+    torch.save({**ckpt, "args": argparse.Namespace(lr=1e-4)}, path)  # as training scripts save their arguments
+    built = []
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", lambda *a, **k: built.append(a) or pytest.fail("a model was built"))
+    with pytest.raises(ValueError) as caught:
+        LlamaGenPipeline.from_backbone(tmp_path / "gpt.pt", vq_checkpoint=tmp_path / "vq.pt", gpt_model=None,
+                                       num_attention_heads=2, image_size=8, downsample_size=2)
+    message = str(caught.value)
+    assert f"`{argument}` {str(path)!r} holds objects other than tensors (`argparse.Namespace`)" in message
+    assert "will not unpickle them" in message and "torch.serialization.safe_globals([argparse.Namespace])" in message
+    assert "weights_only=False" not in message and "weights_only` set to `False" not in message
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+
+
+def test_a_truncated_original_checkpoint_is_named(tmp_path):
+    _original_llamagen(tmp_path)
+    data = (tmp_path / "vq.pt").read_bytes()
+    (tmp_path / "vq.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"`vq_checkpoint` '.*vq.pt' is not a readable torch.save checkpoint \(truncated or corrupt\?\)"):
+        LlamaGenPipeline.from_backbone(tmp_path / "gpt.pt", vq_checkpoint=tmp_path / "vq.pt", num_attention_heads=2,
+                                       image_size=8, downsample_size=2)
+
+
+def test_the_original_vqgan_ckpt_is_read_as_tensors_only(tmp_path):
+    import argparse
+
+    from spatial_pipelines.models.vq_chameleon import load_chameleon_vq, tiny_chameleon_vq
+
+    torch.save({"state_dict": tiny_chameleon_vq().state_dict(), "hyper_parameters": argparse.Namespace(lr=1)}, tmp_path / "vqgan.ckpt")
+    with pytest.raises(ValueError, match=r"`source` '.*vqgan.ckpt' holds objects other than tensors \(`argparse.Namespace`\)"):
+        load_chameleon_vq(tmp_path / "vqgan.ckpt", config={})
+
+
 # -- 2. heads that do not belong: checked at attach and at call time -------------------------------------------------
 def _heads(pipe, **changes):
     facts = {**pipe.backbone.facts(), **changes}
@@ -797,7 +852,52 @@ def test_a_caption_longer_than_the_text_encoder_reads_is_refused_before_any_work
     assert pipe("a fox", output_type="latent", generator=torch.Generator().manual_seed(0)).tokens.shape == (1, 4, 4)
 
 
-# -- 4. saving onto a file: a ValueError naming the path, nothing written ---------------------------------------------
+# -- 4. call arguments that diffusers refuses, or whose meaning would depend on the hash seed -------------------------
+CALL_CASES = [  # (id, call arguments, what the message names)
+    ("prompt-set", {"prompt": {"a fox", "a cat"}}, r"`prompt` must be a list of prompts, got a set: its order \(and so which image is which\) would depend on the hash seed"),
+    ("prompt-frozenset", {"prompt": frozenset({"a fox"})}, r"`prompt` must be a list of prompts, got a frozenset"),
+    ("prompt-dict-keys", {"prompt": {"a fox": 1}.keys()}, r"`prompt` must be a list of prompts, got a dict_keys"),
+    ("negative-prompt-set", {"prompt": ["a fox", "a cat"], "negative_prompt": {"blurry", "dark"}}, r"`negative_prompt` must be a list of prompts, got a set"),
+    ("unknown-callback-tensor", {"prompt": "a fox", "callback_on_step_end_tensor_inputs": ["prompt_embeds"]},
+     r"`callback_on_step_end_tensor_inputs` has \['prompt_embeds'\]; allowed: \['tokens', 'latents', 'acceptance_map'\]"),
+    ("unknown-callback-tensor-with-callback", {"prompt": "a fox", "callback_on_step_end": lambda p, i, t, k: k,
+                                               "callback_on_step_end_tensor_inputs": ["noise_pred"]},
+     r"`callback_on_step_end_tensor_inputs` has \['noise_pred'\]; allowed: \['tokens', 'latents', 'acceptance_map'\]"),
+]
+
+
+@pytest.mark.parametrize("kwargs,names", [c[1:] for c in CALL_CASES], ids=[c[0] for c in CALL_CASES])
+def test_bad_call_arguments_are_refused_before_any_work(kwargs, names, monkeypatch):
+    pipe = dummy_pipeline("llamagen")
+    monkeypatch.setattr(type(pipe.backbone), "encode_prompt", lambda *a, **k: pytest.fail("work began before the check"))
+    with pytest.raises(ValueError, match=names):
+        pipe(output_type="latent", guidance_scale=2.0, **kwargs)
+
+
+def test_latents_is_the_code_grid_a_callback_may_ask_for():
+    """``latents`` (diffusers' name) is one of `_callback_tensor_inputs`: the code grid, the same tensor as ``tokens``."""
+    pipe = dummy_pipeline("llamagen")
+    seen = []
+    pipe("a fox", output_type="latent", generator=torch.Generator().manual_seed(0), callback_on_step_end_tensor_inputs=["latents"],
+         callback_on_step_end=lambda p, i, t, kwargs: seen.append(sorted(kwargs)) or kwargs)
+    assert seen and all(keys == ["latents"] for keys in seen) and "latents" in pipe._callback_tensor_inputs
+
+
+# -- 5. the command line's output path: checked before the model loads (exit code 2, one line) -----------------------
+@pytest.mark.parametrize("out", ["/proc/x.png", "/proc/new-folder/x.png", "{tmp}/file/x.png"], ids=["proc", "proc-subfolder", "under-a-file"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_loading(out, tmp_path, capsys, monkeypatch):
+    from spatial_pipelines import cli
+
+    (tmp_path / "file").write_text("mine")
+    monkeypatch.setattr(cli, "load_pipeline", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = out.format(tmp=tmp_path)
+    assert cli.main(["generate", "a fox", "--out", out, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: `--out`") and repr(out) in err, err
+    assert not Path(out).parent.exists() or Path(out).parent in (Path("/proc"), tmp_path / "file")
+
+
+# -- 6. saving onto a file: a ValueError naming the path, nothing written ---------------------------------------------
 SAVE_CASES = [  # (id, what is saved)
     ("pipeline", lambda pipe: pipe),
     ("heads", lambda pipe: pipe.draft_heads),
