@@ -372,7 +372,9 @@ def check_writable_parent(path: str, name: str, start: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"`{name}` {path!r} lies under {parent!r}, which is a file, not a folder.")
-    try:  # a real write, not `os.access`: a read-only mount or /proc refuses even root
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"`{name}` {path!r}: the folder {parent!r} is not writable by this user.")
+    try:  # and a real write: `os.access` lets root through a read-only mount or /proc
         os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=parent))
     except OSError as err:
         raise ValueError(f"`{name}` {path!r}: nothing can be written in the folder {parent!r} "
