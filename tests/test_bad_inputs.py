@@ -21,6 +21,7 @@ from spatial_pipelines import (
     JanusProPipeline,
     LatentDraftHeads,
     LlamaGenPipeline,
+    LlamaGenTransformer,
     MedusaDecoder,
     SpatialDraftHeads,
     SSDDecoder,
@@ -114,6 +115,72 @@ def test_bad_folders(saved, tmp_path, edit, names, monkeypatch):
         LlamaGenPipeline.from_pretrained(folder)
     assert snapshot(folder) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+# every door a folder comes through runs the same checks: the pipeline class, diffusers' own loader (which calls each
+# component class's `from_pretrained`), the component class itself, the command line's `--model`, and Hub ids (a Hub
+# cache laid out by the test, read offline)
+def _door_hub(tmp_path, folder):
+    hub = tmp_path / "hub"
+    lay_out_hub_cache(hub, "org/tiny-pipe", folder, HUB_COMMIT)
+    return hub
+
+
+def _door_cli(folder, tmp_path, capsys):
+    from spatial_pipelines.cli import main
+
+    code = main(["generate", "a fox", "--model", str(folder), "--out", str(tmp_path / "fox.png"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    raise ValueError(err)
+
+
+DOORS = {  # id -> load(folder, tmp_path, capsys)
+    "pipeline-class": lambda folder, tmp, cap: LlamaGenPipeline.from_pretrained(folder),
+    "DiffusionPipeline": lambda folder, tmp, cap: __import__("diffusers").DiffusionPipeline.from_pretrained(folder),
+    "component-class": lambda folder, tmp, cap: LlamaGenTransformer.from_pretrained(folder / "transformer"),
+    "component-subfolder": lambda folder, tmp, cap: LlamaGenTransformer.from_pretrained(folder, subfolder="transformer"),
+    "command-line": _door_cli,
+    "hub-id-DiffusionPipeline": lambda folder, tmp, cap: __import__("diffusers").DiffusionPipeline.from_pretrained(
+        "org/tiny-pipe", cache_dir=_door_hub(tmp, folder)),
+    "hub-id-component": lambda folder, tmp, cap: LlamaGenTransformer.from_pretrained(
+        "org/tiny-pipe", subfolder="transformer", cache_dir=_door_hub(tmp, folder)),
+}
+DOOR_CASES = [  # (id, edit of a copy of the saved folder, what the message names)
+    ("truncated-weights", _truncate, r"transformer/diffusion_pytorch_model.safetensors' is truncated or corrupt: it holds \d+ bytes but its header lists"),
+    ("pickle-instead", _pickle_instead, r"`transformer` folder .*transformer' holds pickled weights \(diffusion_pytorch_model.bin\).*pickles are "
+                                        r"refused.*nothing was loaded.*`safetensors.torch.save_file\(torch.load\('.*transformer/diffusion_pytorch_model.bin', "
+                                        r"weights_only=True\), '.*transformer/diffusion_pytorch_model.safetensors'\)`"),
+]
+
+
+@pytest.mark.parametrize("door", list(DOORS))
+@pytest.mark.parametrize("edit,names", [c[1:] for c in DOOR_CASES], ids=[c[0] for c in DOOR_CASES])
+def test_every_door_checks_the_folder(saved, tmp_path, edit, names, door, monkeypatch, capsys):
+    from diffusers.models import model_loading_utils
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(saved / "pipe", folder)
+    edit(folder)
+    before = snapshot(folder)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a pickle was loaded"))
+    monkeypatch.setattr(model_loading_utils, "load_state_dict", lambda *a, **k: pytest.fail("weights were read before the check"))
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", lambda *a, **k: pytest.fail("weights were used before the check"))
+    with pytest.raises(ValueError, match=names):
+        DOORS[door](folder, tmp_path, capsys)
+    assert snapshot(folder) == before
+
+
+def test_the_component_doors_load_a_whole_folder(saved, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    from spatial_pipelines import LlamaGenTransformer as Transformer
+
+    hub = _door_hub(tmp_path, saved / "pipe")
+    for model in (Transformer.from_pretrained(saved / "pipe" / "transformer"),
+                  Transformer.from_pretrained("org/tiny-pipe", subfolder="transformer", cache_dir=hub)):
+        assert model.config.grid_height == 4
+    assert type(DiffusionPipeline.from_pretrained("org/tiny-pipe", cache_dir=hub)) is LlamaGenPipeline
 
 
 def test_a_saved_folder_loads_and_records_its_grid(saved):
@@ -373,7 +440,7 @@ def test_weights_not_yet_downloaded_are_checked_by_their_header(saved_transforme
     from huggingface_hub.errors import SafetensorsParsingError
     from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo
 
-    from spatial_pipelines.pipelines import folder_checks
+    from spatial_pipelines import weight_checks
     from spatial_pipelines.utils import safetensors_header
 
     folder = tmp_path / "original"
@@ -391,15 +458,15 @@ def test_weights_not_yet_downloaded_are_checked_by_their_header(saved_transforme
         return SafetensorsFileMetadata(metadata=header.pop("__metadata__", {}), tensors={
             k: TensorInfo(dtype=v["dtype"], shape=v["shape"], data_offsets=tuple(v["data_offsets"])) for k, v in header.items()})
 
-    init = folder_checks._HubCheckpoint.__init__
+    init = weight_checks.HubCheckpoint.__init__
 
     def online(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.offline = False
 
     monkeypatch.setattr(HfApi, "parse_safetensors_file_metadata", parse)
-    monkeypatch.setattr(folder_checks._HubCheckpoint, "__init__", online)
-    monkeypatch.setattr(folder_checks._HubCheckpoint, "cached", lambda self, name: None)
+    monkeypatch.setattr(weight_checks.HubCheckpoint, "__init__", online)
+    monkeypatch.setattr(weight_checks.HubCheckpoint, "cached", lambda self, name: None)
     _nothing_loaded(monkeypatch)
     with pytest.raises(ValueError, match=names):
         JanusProPipeline.from_backbone(repo_id, cache_dir=hub, revision=HUB_COMMIT)
@@ -472,6 +539,61 @@ def test_the_embedded_model_records_its_trained_grid(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"transformer/config.json': `grid_height` is 32, but the weights were trained with grid_height=24"):
         LlamaGenPipeline.from_pretrained(folder)
     assert snapshot(folder) == before
+
+
+# original-format checkpoints (`.pt`, `.ckpt`) are read with torch's restricted unpickler: one that holds objects other
+# than tensors is named with the argument, never unpickled, and torch's advice to load it unsafely is not passed on
+def _original_llamagen(folder):
+    """A tiny LlamaGen GPT and VQ as original .pt files (state dicts under `model`)."""
+    pipe = dummy_pipeline("llamagen")
+    torch.save({"model": pipe.transformer.state_dict()}, folder / "gpt.pt")
+    torch.save({"model": pipe.vqvae.state_dict()}, folder / "vq.pt")
+    return pipe
+
+
+ORIGINAL_PT_CASES = [  # (id, argument, the object planted beside the tensors)
+    ("gpt-with-args", "repo_or_path", "gpt.pt"),
+    ("vq-with-args", "vq_checkpoint", "vq.pt"),
+]
+
+
+@pytest.mark.parametrize("argument,name", [c[1:] for c in ORIGINAL_PT_CASES], ids=[c[0] for c in ORIGINAL_PT_CASES])
+def test_an_original_checkpoint_holding_objects_is_named_and_never_unpickled(tmp_path, argument, name, monkeypatch):
+    import argparse
+
+    _original_llamagen(tmp_path)
+    path = tmp_path / name
+    ckpt = torch.load(path, weights_only=True)
+    torch.save({**ckpt, "args": argparse.Namespace(lr=1e-4)}, path)  # as training scripts save their arguments
+    built = []
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", lambda *a, **k: built.append(a) or pytest.fail("a model was built"))
+    with pytest.raises(ValueError) as caught:
+        LlamaGenPipeline.from_backbone(tmp_path / "gpt.pt", vq_checkpoint=tmp_path / "vq.pt", gpt_model=None,
+                                       num_attention_heads=2, image_size=8, downsample_size=2)
+    message = str(caught.value)
+    assert f"`{argument}` {str(path)!r} holds objects other than tensors (`argparse.Namespace`)" in message
+    assert "will not unpickle them" in message and "torch.serialization.safe_globals([argparse.Namespace])" in message
+    assert "weights_only=False" not in message and "weights_only` set to `False" not in message
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+
+
+def test_a_truncated_original_checkpoint_is_named(tmp_path):
+    _original_llamagen(tmp_path)
+    data = (tmp_path / "vq.pt").read_bytes()
+    (tmp_path / "vq.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"`vq_checkpoint` '.*vq.pt' is not a readable torch.save checkpoint \(truncated or corrupt\?\)"):
+        LlamaGenPipeline.from_backbone(tmp_path / "gpt.pt", vq_checkpoint=tmp_path / "vq.pt", num_attention_heads=2,
+                                       image_size=8, downsample_size=2)
+
+
+def test_the_original_vqgan_ckpt_is_read_as_tensors_only(tmp_path):
+    import argparse
+
+    from spatial_pipelines.models.vq_chameleon import load_chameleon_vq, tiny_chameleon_vq
+
+    torch.save({"state_dict": tiny_chameleon_vq().state_dict(), "hyper_parameters": argparse.Namespace(lr=1)}, tmp_path / "vqgan.ckpt")
+    with pytest.raises(ValueError, match=r"`source` '.*vqgan.ckpt' holds objects other than tensors \(`argparse.Namespace`\)"):
+        load_chameleon_vq(tmp_path / "vqgan.ckpt", config={})
 
 
 # -- 2. heads that do not belong: checked at attach and at call time -------------------------------------------------
@@ -730,7 +852,52 @@ def test_a_caption_longer_than_the_text_encoder_reads_is_refused_before_any_work
     assert pipe("a fox", output_type="latent", generator=torch.Generator().manual_seed(0)).tokens.shape == (1, 4, 4)
 
 
-# -- 4. saving onto a file: a ValueError naming the path, nothing written ---------------------------------------------
+# -- 4. call arguments that diffusers refuses, or whose meaning would depend on the hash seed -------------------------
+CALL_CASES = [  # (id, call arguments, what the message names)
+    ("prompt-set", {"prompt": {"a fox", "a cat"}}, r"`prompt` must be a list of prompts, got a set: its order \(and so which image is which\) would depend on the hash seed"),
+    ("prompt-frozenset", {"prompt": frozenset({"a fox"})}, r"`prompt` must be a list of prompts, got a frozenset"),
+    ("prompt-dict-keys", {"prompt": {"a fox": 1}.keys()}, r"`prompt` must be a list of prompts, got a dict_keys"),
+    ("negative-prompt-set", {"prompt": ["a fox", "a cat"], "negative_prompt": {"blurry", "dark"}}, r"`negative_prompt` must be a list of prompts, got a set"),
+    ("unknown-callback-tensor", {"prompt": "a fox", "callback_on_step_end_tensor_inputs": ["prompt_embeds"]},
+     r"`callback_on_step_end_tensor_inputs` has \['prompt_embeds'\]; allowed: \['tokens', 'latents', 'acceptance_map'\]"),
+    ("unknown-callback-tensor-with-callback", {"prompt": "a fox", "callback_on_step_end": lambda p, i, t, k: k,
+                                               "callback_on_step_end_tensor_inputs": ["noise_pred"]},
+     r"`callback_on_step_end_tensor_inputs` has \['noise_pred'\]; allowed: \['tokens', 'latents', 'acceptance_map'\]"),
+]
+
+
+@pytest.mark.parametrize("kwargs,names", [c[1:] for c in CALL_CASES], ids=[c[0] for c in CALL_CASES])
+def test_bad_call_arguments_are_refused_before_any_work(kwargs, names, monkeypatch):
+    pipe = dummy_pipeline("llamagen")
+    monkeypatch.setattr(type(pipe.backbone), "encode_prompt", lambda *a, **k: pytest.fail("work began before the check"))
+    with pytest.raises(ValueError, match=names):
+        pipe(output_type="latent", guidance_scale=2.0, **kwargs)
+
+
+def test_latents_is_the_code_grid_a_callback_may_ask_for():
+    """``latents`` (diffusers' name) is one of `_callback_tensor_inputs`: the code grid, the same tensor as ``tokens``."""
+    pipe = dummy_pipeline("llamagen")
+    seen = []
+    pipe("a fox", output_type="latent", generator=torch.Generator().manual_seed(0), callback_on_step_end_tensor_inputs=["latents"],
+         callback_on_step_end=lambda p, i, t, kwargs: seen.append(sorted(kwargs)) or kwargs)
+    assert seen and all(keys == ["latents"] for keys in seen) and "latents" in pipe._callback_tensor_inputs
+
+
+# -- 5. the command line's output path: checked before the model loads (exit code 2, one line) -----------------------
+@pytest.mark.parametrize("out", ["/proc/x.png", "/proc/new-folder/x.png", "{tmp}/file/x.png"], ids=["proc", "proc-subfolder", "under-a-file"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_loading(out, tmp_path, capsys, monkeypatch):
+    from spatial_pipelines import cli
+
+    (tmp_path / "file").write_text("mine")
+    monkeypatch.setattr(cli, "load_pipeline", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = out.format(tmp=tmp_path)
+    assert cli.main(["generate", "a fox", "--out", out, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: `--out`") and repr(out) in err, err
+    assert not Path(out).parent.exists() or Path(out).parent in (Path("/proc"), tmp_path / "file")
+
+
+# -- 6. saving onto a file: a ValueError naming the path, nothing written ---------------------------------------------
 SAVE_CASES = [  # (id, what is saved)
     ("pipeline", lambda pipe: pipe),
     ("heads", lambda pipe: pipe.draft_heads),

@@ -8,7 +8,9 @@ if they move.
 
 ``DiffusionPipeline.from_pretrained(folder_or_repo)`` looks the folder's ``_class_name`` up on the ``diffusers``
 module; our pipeline classes are bound there (only names diffusers does not define), so after
-``import spatial_pipelines`` it returns a `LlamaGenPipeline` as ``LlamaGenPipeline.from_pretrained`` would.
+``import spatial_pipelines`` it returns a `LlamaGenPipeline` as ``LlamaGenPipeline.from_pretrained`` would. A folder
+(or Hub repo) of one of our pipelines is handed to that class's ``from_pretrained`` (`route_diffusion_pipeline_loading`),
+so its folder checks run before any component is loaded.
 Every pipeline is also a text-to-image entry of ``AutoPipelineForText2Image`` (its
 ``AUTO_TEXT2IMAGE_PIPELINES_MAPPING``, keyed ``spatial-pipelines-<class name>``), so that loads a saved folder too.
 
@@ -20,6 +22,7 @@ user's file or a test module joins them by being defined; `find_registered` reso
 ``spatial_pipelines.<Name>``, which is how diffusers loads a saved folder's decoder).
 """
 
+import functools
 from typing import Dict, Optional
 
 LIBRARY = "spatial_pipelines"
@@ -40,6 +43,56 @@ def register_with_diffusers() -> None:
         pipeline_utils.LIBRARIES.append(LIBRARY)
     bind_pipelines_on_diffusers()
     register_auto_pipelines()
+    route_diffusion_pipeline_loading()
+
+
+def _named_pipeline(pretrained_model_name_or_path, kwargs) -> Optional[type]:
+    """The pipeline class of this library that the folder's (or Hub repo's) ``model_index.json`` names; ``None`` for
+    anything else, or where the index cannot be read (diffusers then says why)."""
+    import os
+
+    from diffusers import DiffusionPipeline
+
+    from .pipelines.pipeline_utils import SpatialARPipeline
+    from .utils import find_subclass, read_json_file
+
+    if not isinstance(pretrained_model_name_or_path, (str, os.PathLike)) or kwargs.get("custom_pipeline") is not None:
+        return None
+    path = os.fspath(pretrained_model_name_or_path)
+    if os.path.isdir(path):
+        index_path = os.path.join(path, "model_index.json")
+        index = read_json_file(index_path, "model_index.json") if os.path.isfile(index_path) else None
+    else:
+        hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision")
+               if k in kwargs}
+        try:  # model_index.json alone (small, the Hub cache first), as diffusers reads it first
+            index = DiffusionPipeline.load_config(path, **hub)
+        except Exception:
+            return None
+    name = index.get("_class_name") if isinstance(index, dict) else None
+    found = find_subclass(SpatialARPipeline, name) if isinstance(name, str) else None
+    return found if found is not None and found.backbone_class is not None else None
+
+
+def route_diffusion_pipeline_loading() -> None:
+    """``DiffusionPipeline.from_pretrained(folder_or_repo)`` of a folder whose ``model_index.json`` names a pipeline of
+    this library goes through that class's ``from_pretrained``, so the folder checks run before any component is
+    loaded (diffusers loads the components in no fixed order); every other folder loads as diffusers loads it."""
+    from diffusers import DiffusionPipeline
+
+    original = DiffusionPipeline.__dict__["from_pretrained"].__func__
+    if getattr(original, "_spatial_pipelines_route", False):
+        return
+
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        target = _named_pipeline(pretrained_model_name_or_path, kwargs) if cls is DiffusionPipeline else None
+        if target is not None:
+            return target.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        return original(cls, pretrained_model_name_or_path, **kwargs)
+
+    from_pretrained._spatial_pipelines_route = True
+    DiffusionPipeline.from_pretrained = classmethod(from_pretrained)
 
 
 def register_auto_pipelines() -> None:

@@ -25,26 +25,35 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def load_pipeline(model: str, torch_dtype: torch.dtype = torch.float32, revision: Optional[str] = None):
     """Load a saved pipeline (a folder, or a Hub repo id through the Hub cache) with the pipeline class its
-    ``model_index.json`` names. Raises `ValueError` naming ``model`` when it cannot."""
+    ``model_index.json`` names, through that class's ``from_pretrained`` (the folder checks of docs/checks.md run
+    before any weight is read). Raises `ValueError` naming ``model`` when it cannot."""
     from diffusers import DiffusionPipeline
 
     import spatial_pipelines
-    from .utils import check_path_or_repo_id
+    from .utils import check_path_or_repo_id, find_subclass, read_json_file
 
     check_path_or_repo_id(model, "--model")
+    offline = " (HF_HUB_OFFLINE is set: only the Hub cache is read)" if os.environ.get("HF_HUB_OFFLINE") else ""
     if os.path.exists(model):
-        if not os.path.isfile(os.path.join(model, "model_index.json")):
+        index_path = os.path.join(model, "model_index.json")
+        if not os.path.isfile(index_path):
             raise ValueError(f"`--model` {model!r} is not a pipeline folder (no model_index.json).")
         if revision is not None:
             raise ValueError(f"`--revision` applies to Hub repo ids; `--model` {model!r} is a local folder.")
+        index = read_json_file(index_path, "model_index.json")
+    else:
+        try:  # model_index.json alone (small), from the Hub cache first
+            index = DiffusionPipeline.load_config(model, revision=revision)
+        except (OSError, ValueError) as err:  # not in the cache when offline, unknown repo or revision
+            raise ValueError(f"`--model` {model!r} could not be loaded{offline}: {err}") from err
+    name = index.get("_class_name") if isinstance(index, dict) else None
+    cls = find_subclass(spatial_pipelines.SpatialARPipeline, name) if isinstance(name, str) else None
+    if cls is None or cls.backbone_class is None:
+        raise ValueError(f"`--model` {model!r} holds a {name or 'folder'}, which is not a spatial_pipelines pipeline.")
     try:
-        pipe = DiffusionPipeline.from_pretrained(model, revision=revision, dtype=torch_dtype)
+        return cls.from_pretrained(model, revision=revision, dtype=torch_dtype)
     except (OSError, AttributeError) as err:  # not in the cache when offline, unknown repo, unknown class
-        offline = " (HF_HUB_OFFLINE is set: only the Hub cache is read)" if os.environ.get("HF_HUB_OFFLINE") else ""
         raise ValueError(f"`--model` {model!r} could not be loaded{offline}: {err}") from err
-    if not isinstance(pipe, spatial_pipelines.SpatialARPipeline):
-        raise ValueError(f"`--model` {model!r} holds a {type(pipe).__name__}, which is not a spatial_pipelines pipeline.")
-    return pipe
 
 
 def grid_image(images):

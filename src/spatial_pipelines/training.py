@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -113,6 +114,21 @@ def setup(args: argparse.Namespace) -> Tuple[Accelerator, TrainingLog]:
         raise RuntimeError(f"Launched as {world} processes but the accelerator joined {accelerator.num_processes}.")
     set_seed(args.seed)
     return accelerator, TrainingLog(args.out)
+
+
+def end_run(accelerator: Accelerator) -> None:
+    """The end of a training script: every process waits for the others, then the process group is destroyed. A
+    process of a multi-process run then leaves at once (output flushed, `os._exit`): once DDP has wrapped a model,
+    torch keeps the gloo group alive past ``destroy_process_group`` (its two worker threads and its socket thread run
+    on), so the group would otherwise be torn down by the interpreter's exit, racing the other processes closing
+    their sockets (an abort, or a hang that only the launcher's bound ends). Everything the run writes is written
+    before this call."""
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.num_processes > 1:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)
 
 
 def prepare_and_resume(accelerator: Accelerator, args: argparse.Namespace, log: TrainingLog, model, optimizer, loader, scheduler):

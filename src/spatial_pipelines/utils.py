@@ -374,6 +374,11 @@ def check_writable_parent(path: str, name: str, start: str) -> None:
         raise ValueError(f"`{name}` {path!r} lies under {parent!r}, which is a file, not a folder.")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"`{name}` {path!r}: the folder {parent!r} is not writable by this user.")
+    try:  # and a real write: `os.access` lets root through a read-only mount or /proc
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=parent))
+    except OSError as err:
+        raise ValueError(f"`{name}` {path!r}: nothing can be written in the folder {parent!r} "
+                         f"({err.strerror or err}).") from None
 
 
 def check_path_or_repo_id(value, name: str) -> None:

@@ -163,7 +163,8 @@ def test_dataset_chunks_resume_after_a_kill(tmp_path):
     assert data["x"][:, 0].tolist() == list(range(7)) and not (tmp_path / "data.safetensors.chunks").exists()
 
 
-#: seconds one ``accelerate launch`` of the two-process test may take (it takes about 30 on 2 cores)
+#: seconds one ``accelerate launch`` of the two-process test may take (it takes about 30 on 2 cores): a safety net,
+#: not what ends a run (each process leaves through `spatial_pipelines.training.end_run`)
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -182,7 +183,7 @@ def test_generation_and_training_on_two_processes(tmp_path):
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "scripts" / "train_heads.py")]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     two = tmp_path / "two"
-    # a bound on each launch: a rank stuck in the process group's teardown fails the test instead of the suite hanging
+    # a bound on each launch: a failure of the teardown (`end_run`) would fail the test instead of hanging the suite
     done = subprocess.run([*launch, *map(str, common), "--steps", "2", "--out", str(two)], capture_output=True, text=True, env=env,
                           timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]

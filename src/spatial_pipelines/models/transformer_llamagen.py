@@ -17,6 +17,7 @@ from torch import nn
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
 from ..utils import CheckedSaveMixin, check_number, compute_dtype
+from ..weight_checks import CheckedLoadMixin
 from .blocks import RMSNorm, TransformerBlock, llamagen_intermediate_size, rope_2d_table
 
 CONDITION_TYPES = ("class", "text")
@@ -76,7 +77,7 @@ class LlamaGenTransformerOutput(BaseOutput):
     last_hidden_state: Optional[torch.Tensor] = None
 
 
-class LlamaGenTransformer(CheckedSaveMixin, ModelMixin, ConfigMixin):
+class LlamaGenTransformer(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, ConfigMixin):
     r"""LlamaGen's GPT: a decoder-only Llama over ``[condition prefix, image codes]`` with 2-D RoPE.
 
     Args:

@@ -50,6 +50,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from ..utils import CheckedSaveMixin
+from ..weight_checks import CheckedLoadMixin, load_tensor_checkpoint
 from .vq_blocks import AttnBlock, ResnetBlock, VQAutoencoderMixin, code_distances, decoder_stages, encoder_stages, vq_norm
 from .vq_llamagen import VQEncoderOutput
 
@@ -124,7 +125,7 @@ class ChameleonVQDecoder(nn.Module):
         return self.conv_out(F.silu(self.norm_out(h)))
 
 
-class ChameleonVQModel(CheckedSaveMixin, ModelMixin, ConfigMixin, VQAutoencoderMixin):
+class ChameleonVQModel(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, ConfigMixin, VQAutoencoderMixin):
     r"""Chameleon's VQGAN image tokenizer (Anole, Lumina-mGPT): 8192 codes of width 256, 16x downsampling.
 
     Module and parameter names are those of the original ``vqgan.ckpt`` (see the module docstring); load real weights
@@ -376,7 +377,7 @@ def _read_hf_weights(folder: Path) -> Dict[str, torch.Tensor]:
     if not files:
         binary = folder / "pytorch_model.bin"
         if binary.is_file():
-            return torch.load(binary, map_location="cpu", weights_only=True)
+            return load_tensor_checkpoint(binary, "source")  # tensors only: anything else is named, never unpickled
         raise ValueError(f"{str(folder)!r} has a config.json but no *.safetensors weights.")
     from safetensors import safe_open
 
@@ -426,7 +427,7 @@ def load_chameleon_vq(
         config = path.with_suffix(".yaml")
         if not config.is_file():
             raise ValueError(f"`config` is needed: no {config.name} beside {str(path)!r}.")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint = load_tensor_checkpoint(path, "source")
     return chameleon_vq_from_original(checkpoint, _read_config(config), norm_num_groups=norm_num_groups, torch_dtype=torch_dtype)
 
 

@@ -15,6 +15,7 @@ from diffusers.utils import BaseOutput
 from torch import nn
 
 from ..utils import CheckedSaveMixin
+from ..weight_checks import CheckedLoadMixin
 from .vq_blocks import AttnBlock, ResnetBlock, VQAutoencoderMixin, code_distances, decoder_stages, encoder_stages, vq_norm
 
 
@@ -85,7 +86,7 @@ def _entropy_loss(affinity: torch.Tensor, temperature: float = 0.01) -> torch.Te
     return -(probs * logits.log_softmax(-1)).sum(-1).mean() + (avg * torch.log(avg + 1e-5)).sum()
 
 
-class LlamaGenVQModel(CheckedSaveMixin, ModelMixin, ConfigMixin, VQAutoencoderMixin):
+class LlamaGenVQModel(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, ConfigMixin, VQAutoencoderMixin):
     r"""LlamaGen's VQ image tokenizer.
 
     Args:

@@ -15,10 +15,11 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from ..utils import CheckedSaveMixin
+from ..weight_checks import CheckedLoadMixin
 from .vq_llamagen import VQEncoderOutput
 
 
-class PatchVQModel(CheckedSaveMixin, ModelMixin, ConfigMixin):
+class PatchVQModel(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, ConfigMixin):
     r"""Image tokenizer whose codebook is a set of pixel patches: encoding picks the nearest patch (L2 in pixel space),
     decoding pastes the patches back. Fit the codebook with `PatchVQModel.fit` (k-means).
 

@@ -33,7 +33,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
 from .backbone import PromptEmbeddings
-from .folder_checks import check_backbone_checkpoint, precheck_backbone
+from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
 from .pass_cost import GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import (

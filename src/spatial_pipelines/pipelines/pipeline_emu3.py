@@ -23,7 +23,7 @@ from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
-from .folder_checks import check_backbone_checkpoint, precheck_backbone
+from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
 from .pass_cost import GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, left_padded

@@ -15,6 +15,7 @@ from ..models.transformer_llamagen import LlamaGenTransformer
 from ..models.vq_llamagen import LlamaGenVQModel
 from ..models.vq_patch import PatchVQModel
 from ..text_encoders import PACKAGE_ATTRIBUTE, load_packaged_text_encoder
+from ..weight_checks import load_tensor_checkpoint
 from .backbone import PROMPT_CHARACTERS_PER_TOKEN, PromptEmbeddings, SpatialBackbone
 from .pipeline_utils import SpatialARPipeline
 
@@ -314,10 +315,11 @@ class LlamaGenPipeline(SpatialARPipeline):
         if image_size % downsample_size:
             raise ValueError(f"`image_size` ({image_size}) must be a multiple of `downsample_size` ({downsample_size}).")
         grid = image_size // downsample_size
-        transformer = llamagen_transformer_from_state_dict(
-            load_original_checkpoint(repo_or_path), grid, gpt_model=gpt_model, num_attention_heads=num_attention_heads
-        )
-        vqvae = llamagen_vq_from_state_dict(load_original_checkpoint(vq_checkpoint))
+        gpt_state = load_original_checkpoint(repo_or_path, "repo_or_path")  # both read (tensors only) before a model is built
+        vq_state = load_original_checkpoint(vq_checkpoint, "vq_checkpoint")
+        transformer = llamagen_transformer_from_state_dict(gpt_state, grid, gpt_model=gpt_model,
+                                                           num_attention_heads=num_attention_heads)
+        vqvae = llamagen_vq_from_state_dict(vq_state)
         if vqvae.downsample_factor != downsample_size:
             raise ValueError(
                 f"`downsample_size` is {downsample_size}, but the VQ checkpoint downsamples by {vqvae.downsample_factor}."
@@ -333,11 +335,12 @@ class LlamaGenPipeline(SpatialARPipeline):
 
 
 # -- original checkpoints ---------------------------------------------------------------------------------
-def load_original_checkpoint(path: Union[str, os.PathLike]) -> Dict[str, torch.Tensor]:
-    """The model weights of an original LlamaGen ``.pt`` file (tensors only: ``weights_only=True``)."""
+def load_original_checkpoint(path: Union[str, os.PathLike], argument: str = "repo_or_path") -> Dict[str, torch.Tensor]:
+    """The model weights of an original LlamaGen ``.pt`` file (tensors only: `load_tensor_checkpoint`); ``argument``
+    names it in errors."""
     if not os.path.isfile(path):
-        raise ValueError(f"checkpoint {os.fspath(path)!r} does not exist.")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)  # restricted unpickler: tensors and containers only
+        raise ValueError(f"`{argument}` {os.fspath(path)!r} does not exist.")
+    ckpt = load_tensor_checkpoint(path, argument)  # restricted unpickler: tensors and containers only
     for key in ("model", "module", "state_dict", "ema"):
         if isinstance(ckpt, dict) and key in ckpt and isinstance(ckpt[key], dict):
             return ckpt[key]

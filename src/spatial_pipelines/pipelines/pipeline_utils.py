@@ -3,6 +3,7 @@ conventions around the generation loop (`generation.GenerationLoop`: the cache, 
 Its output types live in `pipeline_output.py`, the backbone contract in `backbone.py`, the costs behind "auto" sizes
 in `pass_cost.py`, Hub saving in `spatial_pipelines.hub`."""
 
+import collections.abc
 import inspect
 import os
 import time
@@ -666,4 +667,7 @@ def _as_list(prompt, name: str = "prompt") -> List[Any]:
     if prompt is None or isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"`{name}` must be a prompt (a string, or a class label for class-conditional models) or a "
                          f"list of them, got {prompt!r}.")
+    if isinstance(prompt, collections.abc.Set):  # a set, frozenset or dict view: its order follows the hash seed
+        raise ValueError(f"`{name}` must be a list of prompts, got a {type(prompt).__name__}: its order (and so which "
+                         "image is which) would depend on the hash seed. Pass a list.")
     return list(prompt)

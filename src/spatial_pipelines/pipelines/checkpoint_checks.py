@@ -1,0 +1,207 @@
+"""An original transformers checkpoint checked before ``from_backbone`` reads a weight (docs/checks.md, "Folders").
+
+`check_backbone_checkpoint` gives ``from_backbone`` the weights and grid checks a pipeline folder's ``transformer`` gets
+(`spatial_pipelines.weight_checks`) on an original transformers checkpoint, a local folder or a Hub id (its config,
+index and weights' headers resolved as transformers resolves them, before any weight is downloaded);
+`precheck_backbone` checks its JSON files before transformers parses them. `check_trained_positions`: a transformers
+family's grid (``image_grid`` in its generation config; Janus: ``vision_config.num_image_tokens``) leaves room for a
+prompt in the positions its config says the model was trained for (``max_position_embeddings``).
+"""
+
+import os
+from typing import Any, Dict, Optional
+
+from ..utils import check_json_text, read_json_file, safetensors_header
+from ..weight_checks import (PICKLE_WEIGHTS_NAMES, SAFE_WEIGHTS_NAMES, HubCheckpoint, _variant, check_shapes, meta_model,
+                             pickle_refusal, weights_files)
+
+
+def check_trained_positions(backbone_class, config, generation_config: Dict[str, Any], grid_where: str,
+                            limit_where: str, grid_file: Optional[str] = None) -> None:
+    """A transformers family's grid (`TransformersBackbone.grid_from_configs`, from the transformers ``config`` and
+    the generation config) against the positions its model was trained for (the text config's
+    ``max_position_embeddings``): a grid whose image leaves no position for a prompt is a `ValueError` naming
+    ``grid_where`` (the file and key, or the argument, that set it); a grid that is not one names ``grid_file``."""
+    from .transformers_utils import check_image_fits_context
+
+    if backbone_class is None or not hasattr(backbone_class, "grid_from_configs"):
+        return
+    if backbone_class.grid_file == "generation_config.json" and "image_grid" not in generation_config:
+        return  # the family's default grid: checked at every call (`TransformersBackbone.check_image_positions`)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text_config, "max_position_embeddings", None)
+    try:
+        grid = backbone_class.grid_from_configs(config, generation_config)
+    except (ValueError, AttributeError, TypeError) as err:
+        raise ValueError(f"{grid_file!r}: {err}" if grid_file else str(err)) from None
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        check_image_fits_context(grid, backbone_class.image_positions(grid), limit, grid_where, limit_where)
+
+
+def _generation_config(component_dir: str) -> Dict[str, Any]:
+    path = os.path.join(component_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    generation = read_json_file(path, "generation config")
+    if not isinstance(generation, dict):
+        raise ValueError(f"{path!r} must hold a JSON object, got {type(generation).__name__}.")
+    return generation
+
+
+def _index_shards(index_path: str) -> list:
+    """The shard files a ``model.safetensors.index.json`` names (``weight_map``'s values): plain safetensors file
+    names beside it, or a `ValueError` naming the file and key."""
+    index = read_json_file(index_path, "safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path!r}: `weight_map` must be an object of tensor names to safetensors files, got "
+                         f"{type(weight_map).__name__}.")
+    shards = []
+    for tensor, shard in weight_map.items():
+        if not (isinstance(shard, str) and shard.endswith(".safetensors") and "/" not in shard and "\\" not in shard
+                and shard not in (".", "..")):
+            raise ValueError(f"{index_path!r}: `weight_map` maps {tensor!r} to {shard!r}, not a safetensors file "
+                             "beside the index.")
+        shards.append(shard)
+    return sorted(set(shards))
+
+
+def _weights_names(raw, variant: Optional[str]):
+    """``(single file, index)``: the safetensors names transformers looks for, in that order (the config's
+    ``transformers_weights`` where it names one; ``None`` for the kind it does not name)."""
+    explicit = raw.get("transformers_weights") if isinstance(raw, dict) else None
+    if isinstance(explicit, str) and explicit.endswith(".safetensors.index.json"):
+        return None, explicit
+    if isinstance(explicit, str) and explicit.endswith(".safetensors"):
+        return explicit, None
+    return tuple(_variant(n, variant) for n in SAFE_WEIGHTS_NAMES)
+
+
+def _local_headers(folder: str, config_path: str, variant: Optional[str]) -> Dict[str, dict]:
+    """The headers of a local checkpoint's safetensors, the files transformers would load (``model.safetensors``, else
+    the shards its index names; else every safetensors file there); pickles alone are a `ValueError`."""
+    single, index = _weights_names(read_json_file(config_path, "model config"), variant)
+    if single is not None and os.path.isfile(os.path.join(folder, single)):
+        files = [os.path.join(folder, single)]
+    elif index is not None and os.path.isfile(os.path.join(folder, index)):
+        index_path = os.path.join(folder, index)
+        files = [os.path.join(folder, shard) for shard in _index_shards(index_path)]
+        for path in files:
+            if not os.path.isfile(path):
+                raise ValueError(f"{index_path!r}: `weight_map` names {os.path.basename(path)!r}, which is not in "
+                                 f"{folder!r} (an incomplete download or copy?).")
+    else:
+        files, pickles = weights_files(folder)
+        if not files and pickles:
+            raise ValueError(pickle_refusal(f"The checkpoint folder {folder!r}", pickles, folder, "model.safetensors"))
+    return {p: safetensors_header(p, "checkpoint weights") for p in files}
+
+
+def _hub_checkpoint(repo_id: str, kwargs: Dict[str, Any]):
+    """``(config path, headers or None)`` of a Hub checkpoint, its small files in the cache: ``None`` headers where the
+    weights cannot be read without downloading them and the Hub is offline (transformers then says they are not in
+    the cache). A repo with pickled weights and no safetensors is a `ValueError` (nothing downloaded)."""
+    hub = HubCheckpoint(repo_id, kwargs)
+    config_path = hub.small_file("config.json")
+    if config_path is None:
+        return None, None  # transformers' AutoConfig has said what is missing
+    folder = os.path.dirname(config_path)
+    hub.small_file("generation_config.json")  # beside the config, for the grid check
+    single, index = _weights_names(read_json_file(config_path, "model config"), hub.variant)
+    shards = []
+    if single is not None and hub.has(single):
+        shards = [single]
+    elif index is not None:
+        index_path = hub.small_file(index)
+        if index_path is not None:
+            shards = _index_shards(index_path)
+    if not shards:
+        pickles = [n for n in (_variant(p, hub.variant) for p in PICKLE_WEIGHTS_NAMES) if hub.has(n)]
+        if pickles:
+            raise ValueError(f"The Hub checkpoint {hub.where} holds pickled weights ({', '.join(pickles)}) and no "
+                             f"safetensors ({' or '.join(n for n in (single, index) if n)}): pickles are refused here, "
+                             "because loading one can run any code; nothing was downloaded. Convert them to "
+                             "safetensors where you trust them.")
+        return config_path, None  # transformers says that no weights file is there
+    headers = {}
+    for shard in shards:
+        shown = os.path.join(folder, shard)
+        cached = hub.cached(shard)
+        if cached is not None:
+            headers[shown] = safetensors_header(cached, "checkpoint weights")
+        elif hub.offline:
+            return config_path, None  # not in the cache, and the Hub is offline: transformers says so
+        else:
+            headers[shown] = hub.remote_header(shard)
+    return config_path, headers
+
+
+def _checkpoint_folder(repo_or_path, subfolder: Optional[str]) -> Optional[str]:
+    path = os.fspath(repo_or_path)
+    return os.path.join(path, subfolder or "") if os.path.isdir(path) else None
+
+
+def precheck_backbone(repo_or_path, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """What a family's ``from_backbone`` checks before transformers reads even the config: ``config.json`` and
+    ``generation_config.json`` (of the local folder, or of the Hub repo, downloaded into the cache as transformers
+    would: they are small) nest at most `MAX_JSON_DEPTH` levels (a `ValueError` naming the file, not a
+    `RecursionError`); ``use_safetensors=False`` is refused (the model is loaded with ``use_safetensors=True``: never
+    a pickle). Returns ``kwargs`` without ``use_safetensors``."""
+    kwargs = dict(kwargs)
+    if kwargs.pop("use_safetensors", None) is False:
+        raise ValueError("`use_safetensors=False` asks for pickled weights: pickles are refused here, because loading "
+                         "one can run any code.")
+    folder = _checkpoint_folder(repo_or_path, kwargs.get("subfolder"))
+    hub = None if folder is not None else HubCheckpoint(os.fspath(repo_or_path), kwargs)
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(folder, name) if folder is not None else hub.small_file(name)
+        if path is not None and os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                check_json_text(f.read(), path, "model config" if name == "config.json" else "generation config")
+    return kwargs
+
+
+def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=None, image_grid=None,
+                              subfolder: Optional[str] = None, hub_kwargs: Optional[Dict[str, Any]] = None) -> None:
+    """What a family's ``from_backbone`` reads, checked before transformers reads a weight. ``image_grid`` (the
+    argument) against the positions the model was trained for (``config``: its transformers config, read first and
+    completed as the family completes it; the model is built from it on the meta device); and the checkpoint (the
+    original transformers layout: ``config.json`` + safetensors) as a pipeline folder's ``transformer`` is: every
+    tensor its config builds is in its safetensors files, of that shape, and nothing else (`check_shapes`), and the
+    grid its generation config asks for fits those positions. Pickled weights without safetensors are refused.
+
+    A local folder is read where it is. A Hub id is resolved as transformers resolves it (``hub_kwargs``: ``revision``,
+    ``cache_dir``, ``token``, ``local_files_only``, ``variant``; ``HF_HUB_OFFLINE`` honoured): its ``config.json``,
+    ``generation_config.json`` and ``model.safetensors.index.json`` are downloaded into the Hub cache (small), its
+    weights' headers are read from the cached files, or from the Hub by ranged reads when they are not cached; no
+    weight is downloaded before the checks pass. ``subfolder``: where in ``repo_or_path`` the checkpoint is."""
+    hub_kwargs = {**(hub_kwargs or {}), **({"subfolder": subfolder} if subfolder else {})}
+    folder = _checkpoint_folder(repo_or_path, subfolder)
+    if folder is not None:
+        config_path = os.path.join(folder, "config.json")
+        headers = None
+        if os.path.isfile(config_path):
+            headers = _local_headers(folder, config_path, hub_kwargs.get("variant"))
+        else:
+            config_path = None
+    else:
+        config_path, headers = _hub_checkpoint(os.fspath(repo_or_path), hub_kwargs)
+        folder = os.path.dirname(config_path) if config_path is not None else None
+    if config_path is not None:
+        raw = read_json_file(config_path, "model config")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_path!r} must hold a JSON object, got {type(raw).__name__}.")
+        if headers:
+            model = meta_model(model_cls, config if config is not None else raw, config_path)
+            check_shapes(model, headers, folder, strict=False)
+    if config is None:
+        return
+    known = config_path is not None
+    generation = _generation_config(folder) if known else {}
+    grid_file = os.path.join(folder, backbone_class.grid_file) if known else None
+    grid_where = f"{grid_file!r}: `{backbone_class.grid_key}`" if known else f"the checkpoint's `{backbone_class.grid_key}`"
+    if image_grid is not None:
+        generation = {**generation, "image_grid": list(image_grid) if isinstance(image_grid, (list, tuple)) else image_grid}
+        grid_where, grid_file = "`image_grid`", None
+    limit_where = f"{config_path!r}: `max_position_embeddings`" if known else "the config's `max_position_embeddings`"
+    check_trained_positions(backbone_class, config, generation, grid_where, limit_where, grid_file)
