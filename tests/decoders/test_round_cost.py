@@ -513,7 +513,26 @@ def test_every_family_names_its_fixed_draft_sizes(family):
     sized = [d for d in set(DECODERS.values()) if d.draft_size_name is not None]
     assert sized, "no decoder has a draft size"
     pipe = cls.__new__(cls)
-    for decoder_cls in sized:
-        size = pipe.default_draft_size(decoder_cls.__new__(decoder_cls))
-        assert any(c.__name__ in cls.default_draft_sizes for c in decoder_cls.__mro__), (family, decoder_cls.__name__)
-        check_draft_size(decoder_cls.draft_size_name, size)
+    for device in ("cuda", "cpu"):
+        table = pipe.draft_size_table(torch.device(device))
+        for decoder_cls in sized:
+            size = pipe.default_draft_size(decoder_cls.__new__(decoder_cls), torch.device(device))
+            assert any(c.__name__ in table for c in decoder_cls.__mro__), (family, device, decoder_cls.__name__)
+            check_draft_size(decoder_cls.draft_size_name, size)
+
+
+@pytest.mark.parametrize("family, name", [("JanusProPipeline", "janus"), ("Emu3Pipeline", "emu3"), ("ChameleonARPipeline", "anole")])
+def test_the_gpu_families_draft_smaller_on_a_cpu(family, name):
+    """The transformers families draft with `GPU_DRAFT_SIZES` on an accelerator and `CPU_DRAFT_SIZES` on a CPU, where
+    a fed token past about 8 costs; a pipeline reads the table of its own execution device."""
+    import spatial_pipelines.pipelines
+    from spatial_pipelines.pipelines import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
+
+    cls = getattr(spatial_pipelines.pipelines, family)
+    bare = cls.__new__(cls)
+    assert bare.draft_size_table(torch.device("cuda")) is GPU_DRAFT_SIZES
+    assert bare.draft_size_table(torch.device("cpu")) is CPU_DRAFT_SIZES
+    pipe = dummy_pipeline(name, JacobiDecoder())
+    assert pipe.default_draft_size(pipe.decoder) == CPU_DRAFT_SIZES["JacobiDecoder"] != GPU_DRAFT_SIZES["JacobiDecoder"]
+    pipe("a fox", output_type="latent", generator=torch.Generator().manual_seed(0))
+    assert pipe.decoder.fixed_sizes() == {"window_size": CPU_DRAFT_SIZES["JacobiDecoder"]}

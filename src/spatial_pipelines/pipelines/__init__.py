@@ -7,10 +7,10 @@ has none: the pipeline and backbone classes it defines). A new family is its fil
 from ..utils import import_modules
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .generation import GenerationLoop, LoopHooks
-from .pass_cost import GPU_DRAFT_SIZES, DraftPassCost, PassCost
+from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES, DraftPassCost, PassCost
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .pipeline_utils import SpatialARPipeline
 
-__all__ = ["DecodingStats", "DraftPassCost", "GPU_DRAFT_SIZES", "GenerationLoop", "LoopHooks", "PassCost", "PromptEmbeddings", "SpatialBackbone",
+__all__ = ["CPU_DRAFT_SIZES", "DecodingStats", "DraftPassCost", "GPU_DRAFT_SIZES", "GenerationLoop", "LoopHooks", "PassCost", "PromptEmbeddings", "SpatialBackbone",
            "SpatialPipelineOutput",
            *import_modules(globals(), "pipeline_", lambda c: issubclass(c, (SpatialARPipeline, SpatialBackbone)))]

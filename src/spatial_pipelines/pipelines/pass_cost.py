@@ -358,6 +358,12 @@ class PerRowCost:
 #: class defaults are the same numbers.
 GPU_DRAFT_SIZES: Dict[str, int] = {"JacobiDecoder": 32, "MedusaDecoder": 16, "HawkDecoder": 32, "EagleDecoder": 60}
 
+#: Fixed draft sizes on a CPU: there every fed token past about 8 costs (a pass over 32 tokens took 2.0 AR steps on
+#: Llama trunks of 5-40M parameters, 2-core AMD EPYC, fp32, 2026-11-24), so a 32-token SJD window makes a round cost
+#: more than its codes repay. The sizes `tune_decoder` picked on the embedded LlamaGen model v3 there (2026-11-27,
+#: `scripts/check_auto_sizes.py`): LlamaGen's fixed sizes, and the transformers families' on a CPU.
+CPU_DRAFT_SIZES: Dict[str, int] = {"JacobiDecoder": 8, "MedusaDecoder": 4, "HawkDecoder": 4, "EagleDecoder": 2}
+
 
 class DraftSizingMixin:
     """The pipeline side of draft sizes: the family's fixed defaults (`default_draft_sizes`), ``"auto"`` sizes from
@@ -365,16 +371,28 @@ class DraftSizingMixin:
     it reads the pipeline's ``backbone``, ``decoder``, ``draft_heads``, ``static_shapes`` and ``_execution_device``."""
 
     #: The family's fixed draft size per decoder class name (a subclass inherits its base's entry): what a decoder whose
-    #: size is left at ``None`` drafts with, the same on every machine. A decoder the family does not name drafts with
-    #: its class's ``default_draft_size``. Each family says where its numbers come from.
+    #: size is left at ``None`` drafts with on an accelerator, and on a CPU unless `cpu_draft_sizes` names its own. A
+    #: decoder the family does not name drafts with its class's ``default_draft_size``. Each family says where its
+    #: numbers come from.
     default_draft_sizes: ClassVar[Dict[str, int]] = {}
+    #: The family's fixed sizes when the pipeline runs on a CPU (``None``: `default_draft_sizes` there too).
+    cpu_draft_sizes: ClassVar[Optional[Dict[str, int]]] = None
 
-    def default_draft_size(self, decoder) -> int:
-        """The size ``decoder`` (a decoder with a ``draft_size_name``) drafts with when its config leaves it at ``None``:
-        this family's entry for its class or the nearest base class that has one, else the class's own default."""
+    def draft_size_table(self, device: Optional[torch.device] = None) -> Dict[str, int]:
+        """The fixed sizes the family drafts with on ``device`` (default: the pipeline's execution device)."""
+        device = torch.device(device) if device is not None else self._execution_device
+        if device.type == "cpu" and self.cpu_draft_sizes is not None:
+            return self.cpu_draft_sizes
+        return self.default_draft_sizes
+
+    def default_draft_size(self, decoder, device: Optional[torch.device] = None) -> int:
+        """The size ``decoder`` (a decoder with a ``draft_size_name``) drafts with when its config leaves it at ``None``
+        on ``device`` (default: the pipeline's execution device): this family's entry for its class or the nearest
+        base class that has one (`draft_size_table`), else the class's own default."""
+        table = self.draft_size_table(device)
         for cls in type(decoder).__mro__:
-            if cls.__name__ in self.default_draft_sizes:
-                return self.default_draft_sizes[cls.__name__]
+            if cls.__name__ in table:
+                return table[cls.__name__]
         return type(decoder).default_draft_size
 
     def pass_cost(self, rows: int) -> PassCost:

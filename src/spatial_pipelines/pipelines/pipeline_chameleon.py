@@ -34,7 +34,7 @@ from ..heads.heads_utils import DraftHeadsMixin
 from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
 from .backbone import PromptEmbeddings
 from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
-from .pass_cost import GPU_DRAFT_SIZES
+from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import (
     GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, configure_generation,
@@ -241,6 +241,7 @@ class ChameleonARPipeline(SpatialARPipeline):
 
     backbone_class = ChameleonBackbone
     default_draft_sizes = GPU_DRAFT_SIZES  # a 1-8B model on a GPU: drafts as large as acceptance pays for
+    cpu_draft_sizes = CPU_DRAFT_SIZES  # on a CPU a fed token past about 8 costs: the sizes tuned there
     model_cpu_offload_seq = "transformer->vqgan"
     _optional_components = ["draft_heads"]
     #: the VQ checkpoint `from_backbone` reads when ``vq`` is not given (Chameleon's VQGAN, shared by Anole and

@@ -24,7 +24,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
 from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
-from .pass_cost import GPU_DRAFT_SIZES
+from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, left_padded
 from .transformers_utils import configure_generation as configure_shared
@@ -207,6 +207,7 @@ class Emu3Pipeline(SpatialARPipeline):
 
     backbone_class = Emu3Backbone
     default_draft_sizes = GPU_DRAFT_SIZES  # a 1-8B model on a GPU: drafts as large as acceptance pays for
+    cpu_draft_sizes = CPU_DRAFT_SIZES  # on a CPU a fed token past about 8 costs: the sizes tuned there
     model_cpu_offload_seq = "transformer"
     _optional_components = ["draft_heads"]
 

@@ -25,7 +25,7 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
 from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
-from .pass_cost import GPU_DRAFT_SIZES
+from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, use_tree_attention
 
@@ -215,6 +215,7 @@ class JanusProPipeline(SpatialARPipeline):
 
     backbone_class = JanusProBackbone
     default_draft_sizes = GPU_DRAFT_SIZES  # a 1-8B model on a GPU: drafts as large as acceptance pays for
+    cpu_draft_sizes = CPU_DRAFT_SIZES  # on a CPU a fed token past about 8 costs: the sizes tuned there
     model_cpu_offload_seq = "transformer"
     _optional_components = ["draft_heads"]
 

@@ -17,6 +17,7 @@ from ..models.vq_patch import PatchVQModel
 from ..text_encoders import PACKAGE_ATTRIBUTE, load_packaged_text_encoder
 from ..weight_checks import load_tensor_checkpoint
 from .backbone import PROMPT_CHARACTERS_PER_TOKEN, PromptEmbeddings, SpatialBackbone
+from .pass_cost import CPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 
 #: LlamaGen's GPT sizes: (layers, heads, width).
@@ -247,7 +248,7 @@ class LlamaGenPipeline(SpatialARPipeline):
     # every batch, so a row drafts in a batch as it does alone (batch equals alone, passes included); for one image
     # on this CPU `JacobiDecoder(window_size=16)` is faster (2.87x AR against 2.42x, 10 prompts). A LlamaGen
     # checkpoint on a GPU drafts more: pass sizes, `GPU_DRAFT_SIZES`, or `pipe.tune_decoder(...)`.
-    default_draft_sizes = {"JacobiDecoder": 8, "MedusaDecoder": 4, "HawkDecoder": 4, "EagleDecoder": 2}
+    default_draft_sizes = CPU_DRAFT_SIZES  # SJD 8, Medusa 4, Hawk 4, EAGLE-2 2, on every machine
     model_cpu_offload_seq = "text_encoder->transformer->vqvae"
     _optional_components = ["text_encoder", "tokenizer", "draft_heads"]
 
