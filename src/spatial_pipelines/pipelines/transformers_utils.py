@@ -148,8 +148,8 @@ def grouped_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
 def folded_group_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                            scaling: Optional[float] = None) -> torch.Tensor:
     """Attention of queries ``(B, H, T, D)`` on keys and values ``(B, H_kv, S, D)`` with each key/value head's group
-    of ``G = H / H_kv`` query heads folded into the query axis: queries ``(B, H_kv, G*T, D)``, the mask ``(B, 1, T, S)``
-    (or ``(B, H, T, S)``) repeated to ``(B, 1 or H_kv, G*T, S)``. Returns ``(B, H, T, D)``."""
+    of ``G = H / H_kv`` query heads folded into the query axis: queries ``(B, H_kv, G*T, D)``, the mask
+    ``(B, 1, T, S)`` (or ``(B, H, T, S)``) repeated to ``(B, 1 or H_kv, G*T, S)``. Returns ``(B, H, T, D)``."""
     b, h, t, d = query.shape
     hkv = key.shape[1]
     groups = h // hkv
@@ -158,8 +158,13 @@ def folded_group_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         mask = mask.expand(mb, groups, t, s).reshape(mb, 1, groups * t, s)
     else:
         mask = mask.reshape(mb, hkv, groups * t, s)
-    out = F.scaled_dot_product_attention(query.reshape(b, hkv, groups * t, d), key, value, attn_mask=mask, scale=scaling)
+    query = query.reshape(b, hkv, groups * t, d)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, h, t, value.shape[-1])
+
+
+#: transformers' attention arguments the grouped function leaves to transformers' sdpa when given.
+_SDPA_EXTRA_TERMS = ("softcap", "position_bias", "sinks", "s_aux")
 
 
 def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -175,13 +180,14 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    extra = kwargs.get("output_attentions") or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sinks", "s_aux"))
+    extra = kwargs.get("output_attentions") or any(kwargs.get(k) is not None for k in _SDPA_EXTRA_TERMS)
     if groups == 1 or attention_mask is None or attention_mask.dim() != 4 or dropout or extra:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    # CPU: SDPA's flash kernel reads grouped heads under a mask, eager and compiled, copying nothing (the fastest of
-    # repeat / fold / enable_gqa, scripts/gqa_step.py). CUDA's masked kernel (memory-efficient) takes no grouped
-    # heads and `enable_gqa` with a mask falls back to the math kernel: the groups are folded into the query axis.
-    attend = grouped_head_attention if query.device.type == "cpu" else folded_group_attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    # CPU, several fed tokens: the flash kernel takes grouped heads under a mask (scripts/gqa_step.py: faster than
+    # folding at 2 threads, 16 tokens); one token, or CUDA (whose masked kernel takes no grouped heads): fold
+    grouped = query.device.type == "cpu" and query.shape[2] > 1
+    attend = grouped_head_attention if grouped else folded_group_attention
     return attend(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
 
 
