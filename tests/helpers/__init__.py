@@ -9,6 +9,7 @@ from .fixtures import (
     code_ids_from_names,
     expected_passes,
     lay_out_hub_cache,
+    transformers_sdpa,
     write_transformers_repo,
 )
 from .pipeline_tester import PipelineTesterMixin, gen
@@ -47,5 +48,6 @@ __all__ = [
     "make",
     "naive_greedy",
     "run_script",
+    "transformers_sdpa",
     "write_transformers_repo",
 ]

@@ -1,6 +1,7 @@
 """Test fixtures shared by several test files: heads that know the answer, the SSD schedule written out from the
 method, and the Chameleon-family reference loop and checkpoint layout."""
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from spatial_pipelines import LatentDraftHeads
+from spatial_pipelines.pipelines.transformers_utils import GROUPED_SDPA
 
 
 def expected_passes(grid, num_horizontal=5, horizontal_rounds=1, vertical_rounds=2, num_vertical_rows=1,
@@ -54,6 +56,22 @@ def code_ids_from_names(vocab):
     return torch.tensor([codes[c] for c in range(len(codes))])
 
 
+@contextlib.contextmanager
+def transformers_sdpa(model):
+    """Inside the block, ``model``'s trunk runs transformers' own ``sdpa`` attention (keys and values repeated to every
+    query head) where a pipeline switched it to the library's grouped attention: the references run the model as
+    transformers does."""
+    configs = {id(m.config): m.config for m in model.modules()
+               if getattr(getattr(m, "config", None), "_attn_implementation", None) == GROUPED_SDPA}
+    for config in configs.values():
+        config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config._attn_implementation = GROUPED_SDPA
+
+
 # -- the reference: a plain loop over the transformers model ---------------------------------------------------------
 @torch.no_grad()
 def chameleon_reference_greedy(pipe, prompts, guidance_scale, negative_prompts=None, lumina=False, eol=True):
@@ -84,7 +102,8 @@ def chameleon_reference_greedy(pipe, prompts, guidance_scale, negative_prompts=N
             rows.append(turn(negative_prompts[i]) if negative_prompts else ([] if lumina else [vocab["<s>"]]) + start)
         codes = []
         for j in range(h * w):
-            hidden = [model.model(input_ids=torch.tensor([r]), use_cache=False).last_hidden_state[:, -1] for r in rows]
+            with transformers_sdpa(model):
+                hidden = [model.model(input_ids=torch.tensor([r]), use_cache=False).last_hidden_state[:, -1] for r in rows]
             logits = [model.lm_head(x)[0, code_ids] for x in hidden]  # post-norm state -> image columns
             mixed = logits[1] + guidance_scale * (logits[0] - logits[1]) if len(rows) == 2 else logits[0]
             code = int(mixed.argmax())

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from transformers.models.chameleon.modeling_chameleon import ChameleonImageVocabularyMapping
 
 from spatial_pipelines import AnolePipeline, AutoregressiveDecoder, ChameleonVQModel, JacobiDecoder, MedusaDecoder
+from spatial_pipelines.pipelines.transformers_utils import GROUPED_SDPA
 from spatial_pipelines.testing import dummy_pipeline
 
 from helpers import (
@@ -144,7 +145,7 @@ def test_attention_that_cannot_take_tree_masks_is_switched_to_sdpa():
     components = dummy_chameleon_components()
     components["transformer"].config._attn_implementation = "flex_attention"
     pipe = AnolePipeline(**components, decoder=JacobiDecoder(window_size=3))
-    assert pipe.transformer.config._attn_implementation == "sdpa"
+    assert pipe.transformer.config._attn_implementation == GROUPED_SDPA  # sdpa, its GQA trunk grouped
     with pytest.raises(ValueError, match="vqgan"):
         AnolePipeline(**{**components, "vqgan": torch.nn.Linear(2, 2)}, decoder=AutoregressiveDecoder())
 
@@ -196,7 +197,7 @@ def test_from_backbone_folders(tmp_path):
     heads = dummy_pipeline("anole", MedusaDecoder(num_heads=2), "random", grid=(4, 5)).draft_heads
     loaded = AnolePipeline.from_backbone(repo, vq=tmp_path / "vq", image_grid=(4, 5), decoder=MedusaDecoder(num_heads=2),
                                          draft_heads=heads)
-    assert loaded.transformer.config._attn_implementation == "sdpa" and loaded.draft_heads is heads
+    assert loaded.transformer.config._attn_implementation == GROUPED_SDPA and loaded.draft_heads is heads
     loaded.set_progress_bar_config(disable=True)
     ref = pipe(PROMPTS, temperature=0, output_type="latent").tokens
     assert torch.equal(loaded(PROMPTS, temperature=0, output_type="latent").tokens, ref)

@@ -15,6 +15,7 @@ from transformers.models.emu3.modeling_emu3 import Emu3ImageVocabularyMapping
 from spatial_pipelines import AutoregressiveDecoder, Emu3Pipeline, JacobiDecoder, MedusaDecoder, SSDDecoder
 from spatial_pipelines.core import SamplingConfig
 from spatial_pipelines.pipelines.pipeline_emu3 import EMU3_NEGATIVE_PROMPT
+from spatial_pipelines.pipelines.transformers_utils import GROUPED_SDPA
 from spatial_pipelines.testing import dummy_pipeline
 
 from helpers import (
@@ -28,6 +29,7 @@ from helpers import (
     grid_index,
     lay_out_hub_cache,
     naive_greedy,
+    transformers_sdpa,
 )
 
 
@@ -108,8 +110,9 @@ def transformers_generate(pipe, prompts, guidance_scale, negative_prompts=None, 
     if guidance_scale != 1.0:
         negatives = processor_inputs(pipe, negative_prompts or [pipe.backbone.default_negative_prompt] * len(prompts))
         kwargs = dict(negative_prompt_ids=negatives.input_ids, negative_prompt_attention_mask=negatives.attention_mask)
-    out = model.generate(**inputs, prefix_allowed_tokens_fn=allowed, do_sample=False, guidance_scale=guidance_scale,
-                         max_new_tokens=stride * h + 3, **kwargs)
+    with transformers_sdpa(model):
+        out = model.generate(**inputs, prefix_allowed_tokens_fn=allowed, do_sample=False, guidance_scale=guidance_scale,
+                             max_new_tokens=stride * h + 3, **kwargs)
     generated = out[:, inputs.input_ids.shape[1]:]
     if not eol:
         return model.vocabulary_mapping.bpe2img_mapping_tensor[generated[:, : h * w]].reshape(-1, h, w).long(), generated
@@ -228,7 +231,7 @@ def test_from_backbone_folder(tmp_path):
 
     heads = dummy_pipeline("emu3", MedusaDecoder(num_heads=2), "random", grid=(4, 5)).draft_heads
     loaded = Emu3Pipeline.from_backbone(tmp_path / "repo", decoder=MedusaDecoder(num_heads=2), draft_heads=heads, **REPO_OPTIONS)
-    assert loaded.transformer.config.text_config._attn_implementation == "sdpa" and loaded.draft_heads is heads
+    assert loaded.transformer.config.text_config._attn_implementation == GROUPED_SDPA and loaded.draft_heads is heads
     loaded.set_progress_bar_config(disable=True)
     ref = pipe(["a red fox", "x"], temperature=0, output_type="latent").tokens
     assert torch.equal(loaded(["a red fox", "x"], temperature=0, output_type="latent").tokens, ref)

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, JanusProPipeline
+from spatial_pipelines.pipelines.transformers_utils import GROUPED_SDPA
 from spatial_pipelines.testing import dummy_pipeline
 
-from helpers import PipelineTesterMixin, gen, lay_out_hub_cache
+from helpers import PipelineTesterMixin, gen, lay_out_hub_cache, transformers_sdpa
 
 PROMPTS = ["a red fox", "blue sky", "x"]  # different lengths: left padding
 
@@ -47,7 +48,8 @@ def transformers_image_generate(pipe, prompts, guidance_scale):
     backbone = pipe.backbone
     inputs = pipe.processor(text=[backbone.prompt_text(p) for p in prompts], generation_mode="image", padding=True,
                             return_tensors="pt")
-    return pipe.transformer.generate(**inputs, generation_mode="image", do_sample=False, guidance_scale=guidance_scale)
+    with transformers_sdpa(pipe.transformer):
+        return pipe.transformer.generate(**inputs, generation_mode="image", do_sample=False, guidance_scale=guidance_scale)
 
 
 @pytest.mark.parametrize("guidance_scale", [5.0, 2.0])
@@ -158,7 +160,7 @@ def test_attention_that_cannot_take_tree_masks_is_switched_to_sdpa():
     assert model.model.language_model.config._attn_implementation == "eager"  # eager takes 4-D masks: kept
     model.config._attn_implementation = "flex_attention"
     pipe = JanusProPipeline(**components, decoder=JacobiDecoder(window_size=3))
-    assert model.model.language_model.config._attn_implementation == "sdpa"
+    assert model.model.language_model.config._attn_implementation == GROUPED_SDPA  # sdpa, its GQA trunk grouped
     pipe.set_progress_bar_config(disable=True)
     assert pipe("a fox", temperature=0, output_type="latent").tokens.shape == (1, 4, 4)
 

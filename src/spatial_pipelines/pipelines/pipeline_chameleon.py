@@ -38,7 +38,7 @@ from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import (
     GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, configure_generation,
-    device_map_kwargs, left_padded, onload, use_tree_attention,
+    device_map_kwargs, left_padded, onload, use_grouped_attention, use_tree_attention,
 )
 
 #: Chameleon's structural tokens (names in the model's ``vocabulary_map``).
@@ -263,6 +263,7 @@ class ChameleonARPipeline(SpatialARPipeline):
             raise ValueError(f"`vqgan` must be a ChameleonVQModel (Chameleon's VQGAN decoder), got {type(vqgan).__name__}; "
                              "convert the released weights with `load_chameleon_vq` or scripts/convert_chameleon_vqgan.py.")
         use_tree_attention(transformer, transformer.config._attn_implementation, "Chameleon")
+        use_grouped_attention(transformer.model)
         self.register_modules(transformer=transformer.eval(), processor=processor, vqgan=vqgan.eval(), decoder=decoder)
         self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
 

@@ -26,7 +26,10 @@ from .backbone import PromptEmbeddings
 from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
 from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, left_padded
+from .transformers_utils import (
+    GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, left_padded,
+    use_grouped_attention,
+)
 from .transformers_utils import configure_generation as configure_shared
 
 #: Emu3's published sampling settings (its image-generation example: CFG 3.0 with this negative prompt; top-k 2048
@@ -229,6 +232,7 @@ class Emu3Pipeline(SpatialARPipeline):
         super().__init__()
         if not isinstance(transformer, Emu3ForConditionalGeneration):
             raise ValueError(f"`transformer` must be an Emu3ForConditionalGeneration (text model + VQ model), got {type(transformer).__name__}.")
+        use_grouped_attention(transformer.model.text_model)
         self.register_modules(transformer=transformer, processor=processor, decoder=decoder)
         self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
 

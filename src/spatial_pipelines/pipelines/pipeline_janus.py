@@ -27,7 +27,9 @@ from .backbone import PromptEmbeddings
 from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
 from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, use_tree_attention
+from .transformers_utils import (
+    TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, use_grouped_attention, use_tree_attention,
+)
 
 #: Janus-Pro's CFG scale (the checkpoints' generation config and the paper's sampling setting).
 JANUS_DEFAULT_GUIDANCE_SCALE = 5.0
@@ -241,6 +243,7 @@ class JanusProPipeline(SpatialARPipeline):
             raise ValueError(f"`transformer` must be a JanusForConditionalGeneration, got {type(transformer).__name__}.")
         # the trunk's implementation: what tree masks reach
         use_tree_attention(transformer, transformer.model.language_model.config._attn_implementation, "Janus")
+        use_grouped_attention(transformer.model.language_model)
         self.register_modules(transformer=transformer.eval(), processor=processor, decoder=decoder)
         self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
 

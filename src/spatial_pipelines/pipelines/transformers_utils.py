@@ -130,8 +130,82 @@ def check_image_fits_context(grid: Sequence[int], positions: int, limit: Optiona
                      f"positions past them give no image. Choose a grid of fewer than {limit} positions.")
 
 
-#: Attention implementations that take the 4-D float masks tree decoding needs.
+#: Attention implementations that take the 4-D float masks tree decoding needs (what a family loads a model with).
 TREE_MASK_ATTENTION = ("sdpa", "eager")
+
+#: The attention implementation a family's GQA trunk runs with once in a pipeline (`use_grouped_attention`),
+#: registered with transformers under this name.
+GROUPED_SDPA = "spatial_grouped_sdpa"
+
+
+def grouped_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                           scaling: Optional[float] = None) -> torch.Tensor:
+    """Attention of queries ``(B, H, T, D)`` on keys and values ``(B, H_kv, S, D)``, SDPA pairing the heads itself
+    (``enable_gqa``). Returns ``(B, H, T, D)``."""
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+
+def folded_group_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                           scaling: Optional[float] = None) -> torch.Tensor:
+    """Attention of queries ``(B, H, T, D)`` on keys and values ``(B, H_kv, S, D)`` with each key/value head's group
+    of ``G = H / H_kv`` query heads folded into the query axis: queries ``(B, H_kv, G*T, D)``, the mask
+    ``(B, 1, T, S)`` (or ``(B, H, T, S)``) repeated to ``(B, 1 or H_kv, G*T, S)``. Returns ``(B, H, T, D)``."""
+    b, h, t, d = query.shape
+    hkv = key.shape[1]
+    groups = h // hkv
+    mb, mh, _, s = mask.shape
+    if mh == 1:
+        mask = mask.expand(mb, groups, t, s).reshape(mb, 1, groups * t, s)
+    else:
+        mask = mask.reshape(mb, hkv, groups * t, s)
+    query = query.reshape(b, hkv, groups * t, d)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, h, t, value.shape[-1])
+
+
+#: transformers' attention arguments the grouped function leaves to transformers' sdpa when given.
+_SDPA_EXTRA_TERMS = ("softcap", "position_bias", "sinks", "s_aux")
+
+
+def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                           **kwargs) -> Tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except that a GQA trunk's queries ``(B, H, T, D)`` attend to the cache's keys and
+    values ``(B, H_kv, S, D)`` as they are. transformers' ``sdpa`` repeats them to every query head (``repeat_kv``)
+    whenever a mask is given, so on every pass of the library's chain and tree masks: a copy of the whole attended
+    cache per layer. Query head ``h`` reads key/value head ``h // (H / H_kv)``, as ``repeat_kv`` pairs them.
+
+    MHA trunks, passes without a 4-D mask (transformers' own ``generate`` may give none), dropout and transformers'
+    extra terms (``softcap``, ``position_bias``, sinks) take transformers' ``sdpa`` unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    extra = kwargs.get("output_attentions") or any(kwargs.get(k) is not None for k in _SDPA_EXTRA_TERMS)
+    if groups == 1 or attention_mask is None or attention_mask.dim() != 4 or dropout or extra:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    # CPU, several fed tokens: the flash kernel takes grouped heads under a mask (scripts/gqa_step.py: faster than
+    # folding at 2 threads, 16 tokens); one token, or CUDA (whose masked kernel takes no grouped heads): fold
+    grouped = query.device.type == "cpu" and query.shape[2] > 1
+    attend = grouped_head_attention if grouped else folded_group_attention
+    return attend(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+
+
+def use_grouped_attention(text_model: torch.nn.Module) -> None:
+    """Run a family's GQA trunk (``text_model``: fewer key/value heads than query heads, attention ``sdpa``) with
+    `grouped_sdpa_attention`, registered with transformers (attention and mask functions). ``eager``, other
+    implementations and MHA trunks are left as they are. The implementation is not saved with the config: the
+    pipeline switches a loaded model again."""
+    config = text_model.config
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if getattr(config, "_attn_implementation", None) != "sdpa" or kv_heads == config.num_attention_heads:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # for the masks transformers builds itself (`generate`)
+    config._attn_implementation = GROUPED_SDPA
 
 
 def check_load_arguments(
@@ -168,7 +242,7 @@ def check_device_map(model: torch.nn.Module) -> None:
 def use_tree_attention(transformer: torch.nn.Module, attention: str, family: str) -> None:
     """Switch ``transformer`` to ``sdpa`` (with a warning) when its trunk's ``attention`` implementation cannot take
     tree masks."""
-    if attention not in TREE_MASK_ATTENTION:
+    if attention not in (*TREE_MASK_ATTENTION, GROUPED_SDPA):
         logger.warning(f"{family} attention implementation {attention!r} cannot take tree masks; switching to 'sdpa'.")
         transformer.set_attn_implementation("sdpa")
 
@@ -293,7 +367,7 @@ class TransformersBackbone(SpatialBackbone):
 
     def check_tree_attention(self, attention: str) -> None:
         """A `ValueError` unless the trunk's attention implementation takes the arbitrary masks of draft trees."""
-        if attention not in TREE_MASK_ATTENTION:
+        if attention not in (*TREE_MASK_ATTENTION, GROUPED_SDPA):
             raise ValueError(f"{self.family_name} runs with `attn_implementation` 'sdpa' or 'eager' (draft trees need an "
                              f"arbitrary attention mask), got {attention!r}.")
 
