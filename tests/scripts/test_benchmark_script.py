@@ -208,3 +208,37 @@ def test_benchmark_resume_times_only_the_prompts_it_does_not_hold(tmp_path):
     assert refused.returncode != 0 and "other seed" in refused.stderr
     refused = run_script(*cmd, "--resume", "--quality", "--out", str(out), check=False)
     assert refused.returncode == 2 and "--resume" in refused.stderr
+
+
+def test_benchmark_reports_training_and_held_out_captions_apart():
+    """`by_split`: each row's figures on the captions the embedded model trained on and on the held-out ones, with
+    the ratios against AR computed within each split; a prompt file has no split."""
+    from types import SimpleNamespace
+
+    from spatial_pipelines.data.twemoji import split_of, twemoji_items
+
+    bench_module = load_script("benchmark.py")
+    captions = [it.caption for it in twemoji_items("all")]
+    train, held_out = next(c for c in captions if split_of(c) == "train"), next(c for c in captions if split_of(c) == "eval")
+
+    def part(seconds, passes, accepted):
+        return None, None, {"passes": passes, "draft_passes": 0, "tokens": 16, "seconds": seconds, "images": 1,
+                            "accepted_sum": accepted, "accepted_count": 1}
+
+    args = SimpleNamespace(prompts_file=None, batch_size=1)
+    bench = SimpleNamespace(prompts=[train, held_out, train])
+    ar = bench_module.by_split(args, bench, [part(1.0, 16, 1.0)] * 3)
+    sjd = bench_module.by_split(args, bench, [part(0.25, 4, 4.0), part(0.5, 8, 2.0), part(0.25, 4, 4.0)])
+    assert ar["train"]["prompts"] == 2 and ar["eval"]["prompts"] == 1
+    assert sjd["train"]["mean_accepted_length"] == 4.0 and sjd["eval"]["mean_accepted_length"] == 2.0
+    rows = {"ar": {"decoder": "ar", "compiled": False, "images_per_prompt": 1, "images_per_s": 1.0,
+                   "target_forward_passes_per_image": 16, "by_split": ar},
+            "sjd": {"decoder": "sjd", "compiled": False, "images_per_prompt": 1, "images_per_s": 3.0,
+                    "target_forward_passes_per_image": 16 / 3, "by_split": sjd}}
+    bench_module.add_speedups(rows)
+    assert rows["sjd"]["by_split"]["train"]["speedup_vs_same_ar"] == 4.0
+    assert rows["sjd"]["by_split"]["eval"]["speedup_vs_same_ar"] == 2.0 and rows["sjd"]["by_split"]["eval"]["pass_reduction_vs_ar"] == 2.0
+    table = "\n".join(bench_module.markdown_table(SimpleNamespace(compile=False, quality=False),
+                                                  {k: {**r, "exact": True, "mean_accepted_length": 1.0, "seconds_per_image": 1.0} for k, r in rows.items()}))
+    assert "held-out" in table and "| `sjd` | 1 | 2.00 | 2.00x | 2 | 4.00 | 4.00x |" in table
+    assert bench_module.by_split(SimpleNamespace(prompts_file="p.txt", batch_size=1), bench, []) is None
