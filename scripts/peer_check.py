@@ -27,8 +27,8 @@ Layouts and peers (`peer_families.py` holds one adapter per family: the model, t
   CFG 4, temperature 1, top-k 2000 (at most the codebook).
 
 Each layout is built with random weights (nothing downloaded) at a stated shape: the trunk's width, depth, query and
-key/value heads and MLP width, and the image grid and codebook (`LAYOUTS`); the CPU ones at a tiny model's natural
-weight scale (std 1/sqrt(fan_in): codes depend on the content).
+key/value heads and MLP width, and the image grid and codebook (`LAYOUTS`), at a tiny model's natural weight scale
+(std 1/sqrt(fan_in): codes depend on the content) but on CUDA, where Janus keeps transformers' init (std 0.02).
 
 Rows, per images-per-prompt: the peer's, our AR eager (``ar``) and compiled (``ar [compiled]``), our SJD (``sjd``,
 its defaults) eager and compiled, and, with ``--trees``, Medusa on random heads of the kind it drafts with. Every row
@@ -190,7 +190,9 @@ def build_rows(args, subject, n: int) -> List[Row]:
             if decoder.heads_needed() is not None:
                 from spatial_pipelines.testing import random_draft_heads
 
-                heads = subject.heads.setdefault((compiled, name), random_draft_heads(pipe, decoder))
+                if (compiled, name) not in subject.heads:
+                    subject.heads[(compiled, name)] = random_draft_heads(pipe, decoder)
+                heads = subject.heads[(compiled, name)]
 
             def ours(prompts, n_, seed, pipe=pipe, decoder=decoder, heads=heads):
                 pipe.decoder = decoder
