@@ -221,19 +221,22 @@ def tiny_emu3_processor(num_codes: int = 16):
     return Emu3Processor(image_processor=Emu3ImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3), tokenizer=tokenizer)
 
 
-def dummy_emu3_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16) -> Dict[str, Any]:
-    """Random tiny Emu3 components (call under a fixed seed): a 2-layer trunk of width 32 over a ~300-token vocabulary
-    whose ``vocabulary_map`` names the visual tokens, a VQ model with ``num_codes`` codes that upsamples 2x, and the
-    image grid, CFG default and unconditional prompt in the generation config."""
+def dummy_emu3_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16, *, hidden_size: int = 32,
+                          num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                          intermediate_size: int = 64) -> Dict[str, Any]:
+    """Random tiny Emu3 components (call under a fixed seed): a 2-layer trunk of width 32 (or the trunk the keyword
+    arguments give) over a ~300-token vocabulary whose ``vocabulary_map`` names the visual tokens, a VQ model with
+    ``num_codes`` codes that upsamples 2x, and the image grid, CFG default and unconditional prompt in the generation
+    config."""
     from transformers import Emu3Config, Emu3ForConditionalGeneration
 
     from .pipelines.pipeline_emu3 import configure_generation
 
     processor = tiny_emu3_processor(num_codes)
     tokenizer = processor.tokenizer
-    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     vq = dict(codebook_size=num_codes, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
               num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1, temporal_downsample_factor=1)
     config = Emu3Config(text_config=text, vq_config=vq, vocabulary_map=tokenizer.get_vocab())
@@ -302,10 +305,12 @@ def tiny_chameleon_tokenizer(num_codes: int = 16):
                                    extra_special_tokens={"image_token": "<image>"})
 
 
-def dummy_chameleon_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16, lumina: bool = False) -> Dict[str, Any]:
+def dummy_chameleon_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16, lumina: bool = False, *,
+                               hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                               intermediate_size: int = 64) -> Dict[str, Any]:
     """Random tiny Chameleon-architecture components (call under a fixed seed): a 2-layer trunk of width 32 (qk-norm,
-    GQA) whose ``vocabulary_map`` names ``num_codes`` image tokens, a tiny `ChameleonVQModel` (2 px per code) and the
-    image grid and CFG default in the generation config. Anole gets a `ChameleonProcessor`; Lumina-mGPT (``lumina``)
+    GQA; or the trunk the keyword arguments give) whose ``vocabulary_map`` names ``num_codes`` image tokens, a tiny
+    `ChameleonVQModel` (2 px per code) and the image grid and CFG default in the generation config. Anole gets a `ChameleonProcessor`; Lumina-mGPT (``lumina``)
     the bare tokenizer its repos ship and one resolution step per code (``resolution_patch_size`` 2 px)."""
     from transformers import ChameleonConfig, ChameleonForConditionalGeneration, ChameleonProcessor
     from transformers.models.chameleon.image_processing_pil_chameleon import ChameleonImageProcessorPil
@@ -316,8 +321,9 @@ def dummy_chameleon_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 
     tokenizer = tiny_chameleon_tokenizer(num_codes)
     vq = dict(embed_dim=4, num_embeddings=num_codes, latent_channels=4, base_channels=32, channel_multiplier=[1],
               num_res_blocks=1, resolution=8, attn_resolutions=[])
-    config = ChameleonConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    config = ChameleonConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                             num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                             max_position_embeddings=4096,
                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id, vocabulary_map=tokenizer.get_vocab(), vq_config=vq)
     config._attn_implementation = "sdpa"

@@ -22,3 +22,16 @@ def test_minimal_ar_loop_reproduces_the_pipeline(dtype, top_k, noise):
                generator=[torch.Generator().manual_seed(s) for s in (0, 1)]).tokens
     got = minimal_ar_generate(pipe, prompts, 1.5, 1.0, top_k, [torch.Generator().manual_seed(s) for s in (0, 1)], noise)
     assert torch.equal(got.reshape(ref.shape).to(ref.device), ref)
+
+
+def test_compiled_minimal_ar_loop_reproduces_the_pipeline():
+    """``compile=True`` (the decode step as one compiled function over buffers kept across calls; the ``eager``
+    backend here: dynamo's trace and the buffer reuse, not inductor's kernels) draws the same codes, twice."""
+    pipe = dummy_pipeline("llamagen", decoder="ar")
+    prompts = ["a red heart", "pizza"]
+    ref = pipe(prompts, guidance_scale=1.5, top_k=3, output_type="latent",
+               generator=[torch.Generator().manual_seed(s) for s in (0, 1)]).tokens
+    for _ in range(2):  # the second call reuses the first one's cache buffers
+        got = minimal_ar_generate(pipe, prompts, 1.5, 1.0, 3, [torch.Generator().manual_seed(s) for s in (0, 1)],
+                                  compile=True, compile_backend="eager")
+        assert torch.equal(got.reshape(ref.shape), ref)
