@@ -80,7 +80,7 @@ def family_pages() -> dict:
 def family_table() -> str:
     """One row per family in `family_pipelines`, its checkpoints, grid and status from its page's front matter (``-``
     where it has no page)."""
-    from spatial_pipelines._registration import family_pipelines
+    from spatial_pipelines import family_pipelines
 
     pages = family_pages()
     rows = ["| family | pipeline | `from_backbone` id | grid, pixels | status |", "|---|---|---|---|---|"]
@@ -105,13 +105,13 @@ def _reference(classes, **options) -> str:
 
 
 def _decoders():
-    from spatial_pipelines._registration import decoder_classes
+    from spatial_pipelines import decoder_classes
 
     return list(decoder_classes().values())
 
 
 def _families():
-    from spatial_pipelines._registration import family_pipelines
+    from spatial_pipelines import family_pipelines
 
     return list(family_pipelines().values())
 
@@ -125,8 +125,12 @@ def _heads():
 
 def api_pipelines() -> str:
     from spatial_pipelines import SpatialARPipeline
+    from spatial_pipelines.pipelines.call_checks import CallChecksMixin
+    from spatial_pipelines.pipelines.loop_settings import LoopSettingsMixin
 
-    return _reference([SpatialARPipeline, *_families()])
+    # the pipeline's own methods kept in the modules it is split into (its call's checks, its loop's settings)
+    split = [name for mixin in (CallChecksMixin, LoopSettingsMixin) for name in vars(mixin) if not name.startswith("_")]
+    return _reference([SpatialARPipeline], inherited_members=split) + "\n" + _reference(_families())
 
 
 def api_decoders() -> str:

@@ -12,12 +12,12 @@ from diffusers import DiffusionPipeline, ModelMixin, SchedulerMixin
 from . import decoders as _decoders
 from . import heads as _heads
 from . import pipelines as _pipelines
-from ._registration import decoder_classes, family_pipelines, find_registered, register_with_diffusers
+from ._registration import find_registered, register_with_diffusers
 from .core import ImageTokenLayout, SamplingConfig
-from .decoders import DECODERS, SpatialDecoderMixin
+from .decoders import DECODERS, SpatialDecoderMixin, decoder_classes
 from .heads import DraftHeadsMixin
 from .models import ChameleonVQModel, LlamaGenTransformer, LlamaGenVQModel, PatchVQModel
-from .pipelines import DecodingStats, GenerationLoop, SpatialARPipeline, SpatialBackbone, SpatialPipelineOutput
+from .pipelines import DecodingStats, GenerationLoop, SpatialARPipeline, SpatialBackbone, SpatialPipelineOutput, family_pipelines
 
 register_with_diffusers()
 

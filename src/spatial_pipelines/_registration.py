@@ -7,25 +7,35 @@ loading resolve our classes. These are private tables of diffusers; ``tests/test
 if they move.
 
 ``DiffusionPipeline.from_pretrained(folder_or_repo)`` looks the folder's ``_class_name`` up on the ``diffusers``
-module; our pipeline classes are bound there (only names diffusers does not define), so after
-``import spatial_pipelines`` it returns a `LlamaGenPipeline` as ``LlamaGenPipeline.from_pretrained`` would. A folder
+module; our pipeline classes are bound there (only names diffusers does not define: `bind_pipelines_on_diffusers`, which
+`SpatialARPipeline` runs again for each family defined later), so after ``import spatial_pipelines`` it returns a `LlamaGenPipeline` as ``LlamaGenPipeline.from_pretrained`` would. A folder
 (or Hub repo) of one of our pipelines is handed to that class's ``from_pretrained`` (`route_diffusion_pipeline_loading`),
 so its folder checks run before any component is loaded.
 Every pipeline is also a text-to-image entry of ``AutoPipelineForText2Image`` (its
-``AUTO_TEXT2IMAGE_PIPELINES_MAPPING``, keyed ``spatial-pipelines-<class name>``), so that loads a saved folder too.
+``AUTO_TEXT2IMAGE_PIPELINES_MAPPING``, keyed ``spatial-pipelines-<class name>``: `register_auto_pipelines`), so that
+loads a saved folder too.
 
-The library's own registries are read off the loaded classes (`spatial_pipelines.utils.subclasses`), never listed:
-`decoder_classes` (a `SpatialDecoderMixin` subclass that sets its own ``short_name``), `family_pipelines` (a
-`SpatialARPipeline` subclass that defines its own ``dummy_components``), acceptance rules (`ACCEPTANCE_RULES`, filled
-as `AcceptanceRule` subclasses are defined) and draft heads (`heads_class_for`, by ``kind``). A class defined in a
-user's file or a test module joins them by being defined; `find_registered` resolves it by name (as
-``spatial_pipelines.<Name>``, which is how diffusers loads a saved folder's decoder).
+The library's own registries are read off the loaded classes (`spatial_pipelines.utils.subclasses`), never listed,
+each beside its base class: `decoder_classes` (``decoders/decoding_utils.py``: a `SpatialDecoderMixin` subclass that
+sets its own ``short_name``), `family_pipelines` (``pipelines/pipeline_utils.py``: a `SpatialARPipeline` subclass that
+defines its own ``dummy_components``), acceptance rules (`ACCEPTANCE_RULES`, filled as `AcceptanceRule` subclasses are
+defined) and draft heads (`heads_class_for`, by ``kind``). A class defined in a user's file or a test module joins them
+by being defined; `find_registered` resolves it by name (as ``spatial_pipelines.<Name>``, which is how diffusers loads
+a saved folder's decoder).
+
+This module reads the subpackages and sits above them: only the package's ``__init__`` imports it.
 """
 
 import functools
-from typing import Dict, Optional
+import os
+from typing import Optional
 
-LIBRARY = "spatial_pipelines"
+from .core.acceptance import AcceptanceRule
+from .decoders.decoding_utils import SpatialDecoderMixin
+from .heads.heads_utils import DraftHeadsMixin
+from .pipelines.pipeline_utils import SpatialARPipeline, bind_pipelines_on_diffusers, register_auto_pipelines
+from .utils import LIBRARY, find_subclass, read_json_file
+
 ENTRY = {
     "ModelMixin": ["save_pretrained", "from_pretrained"],
     "SchedulerMixin": ["save_pretrained", "from_pretrained"],
@@ -49,12 +59,7 @@ def register_with_diffusers() -> None:
 def _named_pipeline(pretrained_model_name_or_path, kwargs) -> Optional[type]:
     """The pipeline class of this library that the folder's (or Hub repo's) ``model_index.json`` names; ``None`` for
     anything else, or where the index cannot be read (diffusers then says why)."""
-    import os
-
     from diffusers import DiffusionPipeline
-
-    from .pipelines.pipeline_utils import SpatialARPipeline
-    from .utils import find_subclass, read_json_file
 
     if not isinstance(pretrained_model_name_or_path, (str, os.PathLike)) or kwargs.get("custom_pipeline") is not None:
         return None
@@ -95,68 +100,8 @@ def route_diffusion_pipeline_loading() -> None:
     DiffusionPipeline.from_pretrained = classmethod(from_pretrained)
 
 
-def register_auto_pipelines() -> None:
-    """Make ``AutoPipelineForText2Image.from_pretrained`` resolve every `SpatialARPipeline` subclass by the
-    ``_class_name`` of a saved folder (diffusers matches the class name against its text-to-image table)."""
-    from diffusers.pipelines import auto_pipeline
-
-    from .pipelines.pipeline_utils import SpatialARPipeline
-    from .utils import subclasses
-
-    for cls in subclasses(SpatialARPipeline):
-        auto_pipeline.AUTO_TEXT2IMAGE_PIPELINES_MAPPING.setdefault(f"spatial-pipelines-{cls.__name__}", cls)
-
-
-def bind_pipelines_on_diffusers() -> None:
-    """Make every `SpatialARPipeline` subclass resolvable as ``diffusers.<ClassName>`` (never replacing a diffusers name)."""
-    import diffusers
-
-    from .pipelines.pipeline_utils import SpatialARPipeline
-    from .utils import subclasses
-
-    for cls in subclasses(SpatialARPipeline):
-        try:
-            getattr(diffusers, cls.__name__)  # a diffusers name (lazily importable too) is never replaced
-        except AttributeError:
-            setattr(diffusers, cls.__name__, cls)
-
-
-def decoder_classes() -> Dict[str, type]:
-    """``{short name: decoder class}``: every loaded `SpatialDecoderMixin` subclass that sets its own ``short_name``
-    (the CLI's ``--decoder`` choices, benchmark specs, `DECODERS`), in definition order."""
-    from .decoders.decoding_utils import SpatialDecoderMixin
-    from .utils import subclasses
-
-    found = {}
-    for cls in subclasses(SpatialDecoderMixin):
-        name = cls.__dict__.get("short_name")
-        if name is not None:
-            found.setdefault(name, cls)
-    return found
-
-
-def family_pipelines() -> Dict[str, type]:
-    """``{family: pipeline class}``: every loaded `SpatialARPipeline` subclass that defines its own
-    ``dummy_components`` (the tiny random components `spatial_pipelines.testing.dummy_pipeline` builds it from), keyed by
-    its backbone's ``family``. Bases shared by several families (`ChameleonARPipeline`) define none."""
-    from .pipelines.pipeline_utils import SpatialARPipeline
-    from .utils import subclasses
-
-    found = {}
-    for cls in subclasses(SpatialARPipeline):
-        if "dummy_components" in cls.__dict__ and cls.backbone_class is not None:
-            found.setdefault(cls.backbone_class.family, cls)
-    return found
-
-
 def find_registered(name: str) -> Optional[type]:
     """The loaded decoder, draft heads, pipeline or acceptance rule class called ``name`` (``None``: none is)."""
-    from .core.acceptance import AcceptanceRule
-    from .decoders.decoding_utils import SpatialDecoderMixin
-    from .heads.heads_utils import DraftHeadsMixin
-    from .pipelines.pipeline_utils import SpatialARPipeline
-    from .utils import find_subclass
-
     for base in (SpatialDecoderMixin, SpatialARPipeline, DraftHeadsMixin, AcceptanceRule):
         found = find_subclass(base, name)
         if found is not None:

@@ -140,7 +140,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Every option that can be checked before the model loads; `ValueError` naming the option."""
     from PIL import Image
 
-    from .pipelines.pipeline_utils import MAX_GUIDANCE_SCALE
+    from .pipelines.call_checks import MAX_GUIDANCE_SCALE
     from .utils import check_number, check_path_or_repo_id
 
     if args.prompts_file is None:

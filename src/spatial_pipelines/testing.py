@@ -8,11 +8,10 @@ import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
-from ._registration import family_pipelines
 from .decoders import DECODERS, AutoregressiveDecoder, SpatialDecoderMixin
 from .heads import DraftHeadsMixin, heads_class_for
 from .models import LlamaGenTransformer, LlamaGenVQModel
-from .pipelines import SpatialARPipeline
+from .pipelines import SpatialARPipeline, family_pipelines
 from .utils import DerivedMapping
 
 #: ``{family: pipeline class}`` of every loaded family (`family_pipelines`: a pipeline class with its own

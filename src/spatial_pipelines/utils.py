@@ -9,10 +9,12 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
-from typing import Callable, Dict, Iterable, Iterator
+from typing import Callable, Dict, Iterable, Iterator, Optional
 
 import torch
 
+#: The package's name: the library diffusers records its components under (``["spatial_pipelines", "<Name>"]``).
+LIBRARY = "spatial_pipelines"
 SAVED_MARKERS = ("model_index.json", "config.json")
 
 
@@ -407,3 +409,23 @@ def compute_dtype(module: torch.nn.Module) -> torch.dtype:
         if hook is not None:
             return hook.compute_dtype
     return next(module.parameters()).dtype
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Free bytes on ``device``: CUDA's free memory, or the host's available memory for ``cpu`` (Linux
+    ``MemAvailable``, else ``os.sysconf``); ``None`` where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -4,10 +4,9 @@
 Every ``decoding_*.py`` module here is imported with the package and exports the names in its ``__all__`` (where it
 has none: its decoder classes, those that set their own ``short_name``). A new decoder is its file."""
 
-from .._registration import decoder_classes
 from ..utils import DerivedMapping, import_modules
 from .decoding_tree import TreeDecoderMixin, TreeState
-from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput
+from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput, decoder_classes
 
 #: ``{short name: decoder class}`` (the CLI's ``--decoder``, benchmark specs): every loaded decoder class that sets
 #: its own ``short_name``, read off the classes at each access (`decoder_classes`), so a decoder defined in a user's

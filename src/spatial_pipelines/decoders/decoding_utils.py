@@ -20,8 +20,7 @@ from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.contracts import HeadsNeed, check_heads
 from ..core.layout import ImageTokenLayout
 from ..core.sampling import RandomSource, SamplingConfig
-from .._registration import LIBRARY
-from ..utils import check_number, check_save_directory, subclasses
+from ..utils import LIBRARY, check_number, check_save_directory, subclasses
 
 DECODER_CONFIG_NAME = "decoder_config.json"
 AUTO = "auto"
@@ -305,7 +304,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 
     Class attributes:
         short_name (`str`): the decoder's name in `DECODERS` (the CLI's ``--decoder``, benchmark specs); a class that
-            sets its own is a public decoder (`spatial_pipelines._registration.decoder_classes`), one that does not
+            sets its own is a public decoder (`decoder_classes`), one that does not
             (a helper base, a variant) is not listed.
         lossless (`bool`): the method keeps the model's own distribution under exact acceptance (SSD: ``False``).
         acceptance_rule (`AcceptanceRule`): the rule candidates are accepted by; decoders that take
@@ -508,3 +507,12 @@ def draft_through(backbone, decoder: SpatialDecoderMixin):
     return backbone
 
 
+def decoder_classes() -> Dict[str, type]:
+    """``{short name: decoder class}``: every loaded `SpatialDecoderMixin` subclass that sets its own ``short_name``
+    (the CLI's ``--decoder`` choices, benchmark specs, `DECODERS`), in definition order."""
+    found = {}
+    for cls in subclasses(SpatialDecoderMixin):
+        name = cls.__dict__.get("short_name")
+        if name is not None:
+            found.setdefault(name, cls)
+    return found

@@ -16,8 +16,8 @@ from torch import nn
 
 from ..core.contracts import HEADS_KINDS, HeadsProvide, as_offsets
 from ..hub import heads_card, push_with_card, save_with_card
-from ..utils import (PICKLE_SUFFIXES, check_path_or_repo_id, check_safe_serialization, check_safetensors_file,
-                     find_subclass, read_json_file, subclasses)
+from ..utils import (PICKLE_SUFFIXES, available_memory, check_path_or_repo_id, check_safe_serialization,
+                     check_safetensors_file, find_subclass, read_json_file, subclasses)
 
 logger = logging.get_logger(__name__)
 
@@ -193,8 +193,6 @@ MAX_HEADS_VALUES = 2**32
 def check_heads_size(class_name: str, values: int, sizes) -> None:
     """Raise `ValueError` naming the size arguments ``sizes`` (``(name, value)`` pairs) when heads of ``values``
     parameters and buffers exceed `MAX_HEADS_VALUES` or the free host memory, before anything is allocated."""
-    from ..pipelines.pipeline_utils import available_memory
-
     import torch
 
     named = ", ".join(f"`{n}={v}`" for n, v in sizes)

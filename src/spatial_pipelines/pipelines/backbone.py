@@ -3,17 +3,15 @@ prefix it is prefilled with (`PromptEmbeddings`). One subclass per family, in th
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+from diffusers import DiffusionPipeline
 
 from ..core.acceptance import codebook_neighbours
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
 from ..utils import compute_dtype
-
-if TYPE_CHECKING:
-    from .pipeline_utils import SpatialARPipeline
 
 #: The most characters a prompt may hold per position it may take: no tokenizer of these families averages more than a
 #: few characters a token, so a longer prompt cannot fit, and it is refused (or truncated) before it is tokenized.
@@ -63,7 +61,7 @@ class SpatialBackbone(abc.ABC):
     #: The model family (``"llamagen"``, ``"janus"``, ...): draft heads record it and are refused by another family.
     family: Optional[str] = None
 
-    def __init__(self, pipe: "SpatialARPipeline"):
+    def __init__(self, pipe: DiffusionPipeline):  # the family's `SpatialARPipeline` (a subclass of it)
         self.pipe = pipe
         self.caches = BackboneCaches()  # built once per pipeline (`SpatialARPipeline.backbone`), so they last
 

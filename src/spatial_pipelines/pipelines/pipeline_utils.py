@@ -1,10 +1,11 @@
-"""The pipeline every family shares (`SpatialARPipeline`): input checks, prompt encoding, VQ decoding and diffusers'
-conventions around the generation loop (`generation.GenerationLoop`: the cache, the rounds, fixed shapes, compile).
-Its output types live in `pipeline_output.py`, the backbone contract in `backbone.py`, the costs behind "auto" sizes
-in `pass_cost.py`, Hub saving in `spatial_pipelines.hub`."""
+"""The pipeline every family shares (`SpatialARPipeline`): its components (the backbone adapter, decoder and draft
+heads), loading and saving, and the numbered steps of a call (prompt encoding, the generation loop, VQ decoding) with
+diffusers' conventions around them. The checks of a call live in `call_checks.py`, the loop's settings in
+`loop_settings.py` (`generation.GenerationLoop`: the cache, the rounds, fixed shapes, compile), its output types in
+`pipeline_output.py`, the backbone contract in `backbone.py`, the costs behind "auto" sizes in `pass_cost.py`, Hub
+saving in `spatial_pipelines.hub`. The pipeline classes are read off the loaded classes here (`family_pipelines`) and
+bound on diffusers' tables as they are defined (`bind_pipelines_on_diffusers`, `register_auto_pipelines`)."""
 
-import collections.abc
-import inspect
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -15,27 +16,23 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import logging
 
-from ..core.sampling import SAMPLING_NOISE, SamplingConfig
+from ..core.sampling import SamplingConfig
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from ..utils import check_number, check_path_or_repo_id, check_safe_serialization, check_weights_folder
+from ..utils import check_path_or_repo_id, check_safe_serialization, check_weights_folder, subclasses
 from .backbone import PromptEmbeddings, SpatialBackbone
+from .call_checks import CallChecksMixin, PromptInput, as_list
 from .callbacks import CallbackStateMixin
-from .generation import GenerationLoop, LoopHooks, check_rounds_per_sync
+from .generation import LoopHooks
+from .loop_settings import LoopSettingsMixin
 from .pass_cost import DraftSizingMixin
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 
 logger = logging.get_logger(__name__)
 
-#: The largest `guidance_scale` a call takes: beyond it ``uncond + s * (cond - uncond)`` overflows fp32 logits.
-MAX_GUIDANCE_SCALE = 1e4
 
-OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-PromptInput = Union[str, int, Sequence[Union[str, int]]]
-
-
-class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline):
+class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, LoopSettingsMixin, DiffusionPipeline):
     r"""Base of the AR image pipelines: the generation loop, written once for every family and decoder.
 
     Components of a family pipeline: the backbone's modules, a ``decoder`` (a `SpatialDecoderMixin`: the
@@ -43,13 +40,16 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline)
     """
 
     backbone_class: type = None
+    #: What `from_pretrained` checks a folder with before anything is loaded from it (``_folder_check(cls, folder,
+    #: variant, passed)`` returns the components to pass on): `folder_checks.check_pipeline_folder`, which looks this
+    #: class's subclasses up, so it is set where the package binds its modules (`spatial_pipelines.pipelines`).
+    _folder_check: Callable[..., Dict[str, Any]] = None
 
     def __init_subclass__(cls, **kwargs):
         """A family defined anywhere (a user's module, a test) is found by ``DiffusionPipeline.from_pretrained`` and
-        ``AutoPipelineForText2Image`` as the shipped ones are (`spatial_pipelines._registration`)."""
+        ``AutoPipelineForText2Image`` as the shipped ones are (`bind_pipelines_on_diffusers`,
+        `register_auto_pipelines`)."""
         super().__init_subclass__(**kwargs)
-        from .._registration import bind_pipelines_on_diffusers, register_auto_pipelines
-
         bind_pipelines_on_diffusers()
         register_auto_pipelines()
 
@@ -140,8 +140,6 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline)
         ``model_index.json``, with a warning), config values have their types and ranges, weights are whole
         safetensors (never a pickle) whose names and shapes the configs build. Each finding is a `ValueError` naming
         the file and the key. A Hub repo is downloaded (safetensors only) and checked the same way."""
-        from .folder_checks import check_pipeline_folder
-
         path = pretrained_model_name_or_path
         check_path_or_repo_id(path, "pretrained_model_name_or_path")
         kwargs["use_safetensors"] = True  # never a pickled .bin in place of a missing safetensors file
@@ -151,7 +149,7 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline)
                                                 "revision", "variant") if k in kwargs}
             folder = cls.download(folder, use_safetensors=True, **download)
         check_weights_folder(folder, "pipeline weights")
-        preloaded = check_pipeline_folder(cls, folder, kwargs.get("variant"), passed=set(kwargs))
+        preloaded = cls._folder_check(cls, folder, kwargs.get("variant"), passed=set(kwargs))
         for name, component in preloaded.items():
             kwargs.setdefault(name, component)
         pipe = super().from_pretrained(folder, **kwargs)
@@ -251,230 +249,6 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline)
     def _packaged_components(self) -> List[str]:
         """Components loaded from an installed package rather than from the pipeline folder."""
         return []
-
-    # -- the loop's settings ------------------------------------------------------------------------------
-    @property
-    def loop(self) -> GenerationLoop:
-        """The generation loop (`GenerationLoop`: cache, prompt pass, rounds, fixed shapes, compile, syncs), built once
-        per pipeline over its backbone adapter; a copied pipeline builds its own with the same settings."""
-        loop = self.__dict__.get("_loop")
-        backbone = self.backbone
-        if loop is None or loop.backbone is not backbone:
-            settings = loop.settings() if loop is not None else {}
-            loop = self.__dict__["_loop"] = GenerationLoop(backbone)
-            for name, value in settings.items():
-                setattr(loop, name, value)
-        return loop
-
-    @property
-    def static_shapes(self) -> bool:
-        """Whether every round of a generation runs the target with a few fixed shapes: the KV cache (its length rounded
-        up) attended over one of at most ``attend_buckets`` fixed lengths and every draft padded to the decoder's
-        largest (`static_shapes` module). On by default when the target is compiled (`enable_compile`), off otherwise
-        (eager, the growing slice is cheaper). Set it to ``True``/``False`` to choose, ``None`` for the default.
-        Outputs are the same either way."""
-        return self.loop.static_shapes
-
-    @static_shapes.setter
-    def static_shapes(self, value: Optional[bool]) -> None:
-        self.loop.static_shapes_setting = _check_optional_bool("static_shapes", value, "the default: on when compiled")
-
-    @property
-    def device_rounds(self) -> Optional[bool]:
-        """Rounds run whole on the device where the decoder allows (`GenerationLoop.device_plan`: keyed noise or greedy,
-        no ``callback_on_step_end``); ``False``: always the row-group loop (every decoder's own `propose` and `step`)."""
-        return self.loop.device_rounds
-
-    @device_rounds.setter
-    def device_rounds(self, value: Optional[bool]) -> None:
-        self.loop.device_rounds = _check_optional_bool("device_rounds", value, "where the decoder allows")
-
-    @property
-    def max_rounds_per_sync(self) -> int:
-        """Rounds on the device run between two host reads at most (``K``; default `MAX_ROUNDS_PER_SYNC`, 8). The
-        loop runs the fewest rounds the slowest row still needs, up to ``K``, then reads once: a larger ``K`` reads
-        less often, and between reads each pass attends to up to ``K`` rounds of slots no row has filled yet."""
-        return self.loop.max_rounds_per_sync
-
-    @max_rounds_per_sync.setter
-    def max_rounds_per_sync(self, value: int) -> None:
-        self.loop.max_rounds_per_sync = check_rounds_per_sync(value)
-
-    @property
-    def is_compiled(self) -> bool:
-        return self.loop.is_compiled
-
-    def enable_compile(self, mode: Optional[str] = None, dynamic: bool = False, fullgraph: Optional[bool] = None,
-                       backend: str = "inductor", keep_if_slower: bool = False, measure: bool = True, **kwargs) -> Dict[str, Any]:
-        """Compile the round's target step once per shape, and keep it unless it measures slower.
-
-        With the target compiled, `static_shapes` is on: every round of a generation feeds the same number of slots
-        and attends to one of a few fixed lengths (`StaticKVCache`'s ``attend_buckets``), so a handful of graphs (one
-        per length reached) serve the whole generation and every later one of the same batch, draft size and cache
-        size; a new prompt length compiles nothing (the prefill runs eagerly). A round that runs whole on the device
-        (`GenerationLoop.device_plan`) is compiled whole with the same options (``fullgraph=True``). The first round
-        of each new shape compiles (tens of seconds with inductor on a CPU). Dynamo's per-function recompile limit is
-        raised to at least `RECOMPILE_LIMIT` (64), since swapping decoders adds graphs.
-
-        Args:
-            mode (`str`, *optional*): ``torch.compile``'s mode; default ``"reduce-overhead"`` (CUDA graphs) on a GPU
-                with inductor, none otherwise.
-            dynamic (`bool`): ``False`` (the default): static shapes, one graph per shape.
-            fullgraph (`bool`, *optional*): no graph breaks allowed; default: the backbone's ``supports_fullgraph``.
-            backend (`str`): ``"inductor"``, or ``"eager"`` / ``"aot_eager"`` to check graphs and recompiles quickly.
-            keep_if_slower (`bool`): keep the compiled step even when it measures slower (by default it is dropped
-                when its passes take more than `COMPILE_TOLERANCE`, 5%, longer than the eager ones: the compiled
-                round also drops the eager ops around the pass, which that timing does not see).
-            measure (`bool`): time the eager and compiled passes (one fed token and eight, CFG rows, after warming up)
-                and drop the compiled step when it is slower (above); ``False`` keeps it unmeasured.
-            kwargs: further ``torch.compile`` options.
-
-        Returns:
-            ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool, "kept_by_default": bool, "options":
-            {...}}``: ``kept_by_default`` says whether the measured rule alone keeps it (what ``keep_if_slower=False``
-            decides; no timings when ``measure=False``).
-        """
-        return self.loop.compile(self._execution_device, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
-                                 backend=backend, keep_if_slower=keep_if_slower, measure=measure, **kwargs)
-
-    def disable_compile(self) -> None:
-        """Undo `enable_compile`: the target forward runs eagerly again."""
-        self.loop.disable_compile()
-
-    def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):
-        """Time every part of every round of the calls made inside the block (``scripts/bench_cost.py``); they run
-        in row groups, whose parts are separate.
-
-        Yields a `RoundTimer`: ``seconds`` per section (``draft``, ``eol``, ``forward``, ``accept``, ``kv``, and
-        ``round`` for the whole round) summed over ``rounds``. On a GPU pass ``synchronize=torch.cuda.synchronize``.
-        """
-        return self.loop.profile_rounds(synchronize)
-
-    # -- inputs -----------------------------------------------------------------------------------------
-    def check_inputs(
-        self,
-        prompt,
-        negative_prompt,
-        guidance_scale,
-        temperature,
-        top_k,
-        top_p,
-        num_images_per_prompt,
-        generator,
-        output_type,
-        callback_on_step_end_tensor_inputs,
-        callback_on_step_end=None,
-        sampling_noise=None,
-    ) -> List[Any]:
-        """Validate the call's arguments; returns the prompt as a list. Raises `ValueError` naming the argument."""
-        prompts = _as_list(prompt, "prompt")
-        if len(prompts) == 0:
-            raise ValueError("`prompt` must hold at least one prompt, got an empty list.")
-        backbone = self.backbone
-        backbone.check_prompt(prompts, "prompt")
-        _check_text(prompts, "prompt", backbone.max_prompt_characters)
-        if negative_prompt is not None:
-            negatives = _as_list(negative_prompt, "negative_prompt")
-            if len(negatives) not in (1, len(prompts)):
-                raise ValueError(
-                    f"`negative_prompt` must hold 1 or len(prompt)={len(prompts)} prompts, got {len(negatives)}."
-                )
-            backbone.check_prompt(negatives, "negative_prompt")
-            _check_text(negatives, "negative_prompt", backbone.max_prompt_characters)
-        check_number("guidance_scale", guidance_scale, 0, MAX_GUIDANCE_SCALE, meaning="1 disables guidance; beyond "
-                     f"{MAX_GUIDANCE_SCALE:g} the mixed fp32 logits overflow")
-        if negative_prompt is not None and guidance_scale == 1:
-            raise ValueError("`negative_prompt` is only used by classifier-free guidance, which `guidance_scale=1` turns "
-                             "off: pass a `guidance_scale` other than 1, or no `negative_prompt`.")
-        check_number("temperature", temperature, 0, meaning="0 is greedy")
-        check_number("top_k", top_k, 0, integer=True, optional=True, meaning="0 keeps every code")
-        check_number("top_p", top_p, 0, 1, low_open=True, optional=True)
-        check_number("num_images_per_prompt", num_images_per_prompt, 1, integer=True)
-        _check_generator(generator, len(prompts), num_images_per_prompt)
-        if sampling_noise is not None and (not isinstance(sampling_noise, str) or sampling_noise not in SAMPLING_NOISE):
-            raise ValueError(f"`sampling_noise` must be one of {SAMPLING_NOISE} or None (keyed where the decoder "
-                             f"supports it), got {sampling_noise!r}.")
-        if sampling_noise == "keyed" and not self.decoder.supports_keyed_noise:
-            raise ValueError(f"`sampling_noise='keyed'` needs an exact decoder that tests drafts against the target's "
-                             f"sample; {type(self.decoder).__name__} with its config (a relaxed acceptance rule, or SSD) "
-                             "draws from the generators: pass `sampling_noise='drawn'` or None.")
-        if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
-            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
-        self._check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
-        return prompts
-
-    def _check_callback(self, callback_on_step_end, callback_on_step_end_tensor_inputs) -> None:
-        """`check_inputs`' part for ``callback_on_step_end`` and the state tensors it is given."""
-        if callback_on_step_end is not None and not callable(callback_on_step_end):
-            raise ValueError(f"`callback_on_step_end` must be callable or None, got {type(callback_on_step_end).__name__}.")
-        if callback_on_step_end is not None:
-            _check_callback_signature(callback_on_step_end)
-        if callback_on_step_end_tensor_inputs is None or not isinstance(callback_on_step_end_tensor_inputs, (list, tuple, str)):
-            raise ValueError(f"`callback_on_step_end_tensor_inputs` must be a list of names (`[]` for none), got "
-                             f"{callback_on_step_end_tensor_inputs!r}; allowed names: {self._callback_tensor_inputs}.")
-        if isinstance(callback_on_step_end_tensor_inputs, str):
-            raise ValueError(f"`callback_on_step_end_tensor_inputs` must be a list of names, got the string {callback_on_step_end_tensor_inputs!r}.")
-        unknown = [k for k in callback_on_step_end_tensor_inputs or () if k not in self._callback_tensor_inputs]
-        if unknown:
-            raise ValueError(
-                f"`callback_on_step_end_tensor_inputs` has {unknown}; allowed: {self._callback_tensor_inputs}."
-            )
-
-    def check_components(self) -> None:
-        """Raise `ValueError` naming every required component that is ``None`` (a pipeline built with ``vqvae=None``
-        or ``decoder=None``), and a pipeline whose weights are on the ``meta`` device (nothing to compute with)."""
-        missing = [name for name in self.components if name not in self._optional_components and getattr(self, name, None) is None]
-        if missing:
-            raise ValueError(f"This {type(self).__name__} has no {', '.join(f'`{m}`' for m in missing)}: a call needs every "
-                             f"component but {self._optional_components} (set it, e.g. `pipe.decoder = JacobiDecoder()`).")
-        if self.draft_heads is not None:
-            self.draft_heads.check_modules()  # heads edited after they were attached
-            self._check_heads_fit(self.draft_heads)  # or a backbone component swapped under them
-        if self.device.type == "meta":
-            raise ValueError(f"This {type(self).__name__} is on the meta device (its weights hold no values): load it "
-                             "with real weights, or move it to `cpu` or `cuda`.")
-
-    def check_prompt_length(self, prompt_length: int) -> None:
-        """Raise `ValueError` naming ``prompt`` when ``prompt_length`` positions (the longest prompt with its template)
-        and the image's positions exceed the model's context (`SpatialBackbone.max_sequence_length`): checked after
-        tokenizing, before the prompt pass."""
-        backbone = self.backbone
-        limit, layout = backbone.max_sequence_length, backbone.layout
-        if limit is None:
-            return
-        image = layout.sequence_length
-        if prompt_length + image > limit:
-            raise ValueError(f"`prompt` takes {prompt_length} positions (with its template) and the image {image}: more "
-                             f"than the {limit} this {type(self).__name__} model was trained for. Shorten the prompt to at "
-                             f"most {max(limit - image, 0)} positions (its template included).")
-
-    def check_memory(self, batch_size: int, do_cfg: bool, name: str = "num_images_per_prompt") -> None:
-        """Raise `ValueError` naming ``name`` when the largest buffers of a call of ``batch_size`` images (the KV cache
-        of every row, the decoder's per-row window and one round's logits) would not fit in the device's free memory,
-        before anything is allocated (`memory_estimate`)."""
-        free = available_memory(self._execution_device)
-        if free is None:
-            return
-        need = self.memory_estimate(batch_size, do_cfg)
-        if need > 0.9 * free:
-            raise ValueError(
-                f"A call of {batch_size} images needs about {need / 2**30:.1f} GiB ({type(self.decoder).__name__}, "
-                f"{'with' if do_cfg else 'without'} CFG rows) and {self._execution_device} has {free / 2**30:.1f} GiB "
-                f"free: lower `{name}` or the number of prompts, or generate in several calls."
-            )
-
-    def memory_estimate(self, batch_size: int, do_cfg: bool) -> int:
-        """Bytes a call of ``batch_size`` images allocates for its largest buffers: the KV cache (every row, the grid
-        and the widest round), one round's fp32 logits and probabilities, and the decoder's own per-row state
-        (`SpatialDecoderMixin.state_bytes`). The prompt's own activations are not counted."""
-        backbone, layout = self.backbone, self.backbone.layout
-        rows = batch_size * (2 if do_cfg else 1)
-        fed = self.decoder.max_fed_tokens(layout) * (2 if layout.has_eol else 1)
-        probe = backbone.make_cache(1, 1)  # one slot of one row: the bytes of a slot of every layer
-        slot = probe.storage.numel() * probe.storage.element_size()
-        slots = 256 + layout.sequence_length + fed  # the prompt, the grid, the widest round
-        vocab = backbone.num_image_codes
-        return rows * slots * slot + 3 * rows * fed * vocab * 4 + self.decoder.state_bytes(batch_size, vocab)
 
     # -- the loop ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -577,7 +351,7 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline)
         prompt_rows = [p for p in prompts for _ in range(num_images_per_prompt)]
         negative_rows = None
         if negative_prompt is not None:
-            negatives = _as_list(negative_prompt) * (len(prompts) if len(_as_list(negative_prompt)) == 1 else 1)
+            negatives = as_list(negative_prompt) * (len(prompts) if len(as_list(negative_prompt)) == 1 else 1)
             negative_rows = [n for n in negatives for _ in range(num_images_per_prompt)]
         return self.backbone.encode_prompt(prompt_rows, negative_rows, sampling.do_cfg, device)
 
@@ -592,82 +366,33 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, DiffusionPipeline)
             pixels = pixels.masked_fill(undecoded, 0.0)
         return self.image_processor.postprocess(pixels.float(), output_type=output_type)
 
-def available_memory(device: torch.device) -> Optional[int]:
-    """Free bytes on ``device``: CUDA's free memory, or the host's available memory for ``cpu`` (Linux
-    ``MemAvailable``, else ``os.sysconf``); ``None`` where it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+
+def family_pipelines() -> Dict[str, type]:
+    """``{family: pipeline class}``: every loaded `SpatialARPipeline` subclass that defines its own
+    ``dummy_components`` (the tiny random components `spatial_pipelines.testing.dummy_pipeline` builds it from), keyed by
+    its backbone's ``family``. Bases shared by several families (`ChameleonARPipeline`) define none."""
+    found = {}
+    for cls in subclasses(SpatialARPipeline):
+        if "dummy_components" in cls.__dict__ and cls.backbone_class is not None:
+            found.setdefault(cls.backbone_class.family, cls)
+    return found
 
 
-def _check_optional_bool(name: str, value, none_means: str) -> Optional[bool]:
-    """A loop setting that is True, False or None (``none_means``); anything else is a `ValueError` naming it."""
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True, False or None ({none_means}), got {value!r}.")
-    return value
+def register_auto_pipelines() -> None:
+    """Make ``AutoPipelineForText2Image.from_pretrained`` resolve every `SpatialARPipeline` subclass by the
+    ``_class_name`` of a saved folder (diffusers matches the class name against its text-to-image table)."""
+    from diffusers.pipelines import auto_pipeline
+
+    for cls in subclasses(SpatialARPipeline):
+        auto_pipeline.AUTO_TEXT2IMAGE_PIPELINES_MAPPING.setdefault(f"spatial-pipelines-{cls.__name__}", cls)
 
 
-def _check_generator(generator, num_prompts: int, num_images_per_prompt: int) -> None:
-    """``generator``: ``None``, one `torch.Generator`, or one per image (``num_prompts * num_images_per_prompt``)."""
-    batch_size = num_prompts * num_images_per_prompt
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != batch_size:
-            raise ValueError(
-                f"`generator` is a list of {len(generator)} generators, but the batch has {batch_size} images "
-                f"({num_prompts} prompts x num_images_per_prompt={num_images_per_prompt}); pass one per image or a single one."
-            )
-        if not all(isinstance(g, torch.Generator) for g in generator):
-            raise ValueError("`generator` list must hold only `torch.Generator` objects.")
-    elif generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"`generator` must be a torch.Generator, a list of them, or None; got {type(generator).__name__}.")
+def bind_pipelines_on_diffusers() -> None:
+    """Make every `SpatialARPipeline` subclass resolvable as ``diffusers.<ClassName>`` (never replacing a diffusers name)."""
+    import diffusers
 
-
-def _check_text(prompts: Sequence[Any], name: str, max_characters: Optional[int] = None) -> None:
-    """Raise `ValueError` naming ``name`` for a text prompt that is not valid Unicode (a lone surrogate, which no
-    tokenizer can encode), or that is longer than ``max_characters`` (`SpatialBackbone.max_prompt_characters`: it cannot
-    fit the model's context, and tokenizing it would cost time for nothing)."""
-    for i, p in enumerate(prompts):
-        if isinstance(p, str) and max_characters is not None and len(p) > max_characters:
-            raise ValueError(f"`{name}` [{i}] holds {len(p)} characters; this model reads at most {max_characters} "
-                             "(its context, less the image's positions): shorten the prompt.")
-        if isinstance(p, str):
-            try:
-                p.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise ValueError(f"`{name}` [{i}] is not valid text: {err.reason} at character {err.start} "
-                                 f"({p[err.start:err.end]!r}); decode it with errors='replace' first.") from None
-
-
-def _check_callback_signature(callback) -> None:
-    """Raise `ValueError` unless ``callback`` takes diffusers' ``(pipe, step_index, timestep, callback_kwargs)``."""
-    try:
-        inspect.signature(callback).bind(None, 0, 0, {})
-    except TypeError as err:
-        raise ValueError(f"`callback_on_step_end` must take (pipe, step_index, timestep, callback_kwargs) as diffusers "
-                         f"callbacks do; {callback!r} does not ({err}).") from None
-    except ValueError:  # a builtin without a signature: let the call tell
-        pass
-
-
-def _as_list(prompt, name: str = "prompt") -> List[Any]:
-    if isinstance(prompt, (str, int)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 0):
-        return [prompt]
-    if prompt is None or isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-        raise ValueError(f"`{name}` must be a prompt (a string, or a class label for class-conditional models) or a "
-                         f"list of them, got {prompt!r}.")
-    if isinstance(prompt, collections.abc.Set):  # a set, frozenset or dict view: its order follows the hash seed
-        raise ValueError(f"`{name}` must be a list of prompts, got a {type(prompt).__name__}: its order (and so which "
-                         "image is which) would depend on the hash seed. Pass a list.")
-    return list(prompt)
+    for cls in subclasses(SpatialARPipeline):
+        try:
+            getattr(diffusers, cls.__name__)  # a diffusers name (lazily importable too) is never replaced
+        except AttributeError:
+            setattr(diffusers, cls.__name__, cls)

@@ -1,0 +1,117 @@
+"""The generation loop's settings on the pipeline (`LoopSettingsMixin`): the loop it builds once over its backbone
+adapter (`generation.GenerationLoop`), fixed shapes, rounds on the device, syncs and compile."""
+
+from typing import Any, Callable, Dict, Optional
+
+from .generation import GenerationLoop, check_rounds_per_sync
+
+
+class LoopSettingsMixin:
+    """`SpatialARPipeline`'s generation loop and its settings, read and set on the pipeline (the loop is built once per
+    pipeline over its backbone adapter, ``self.backbone``, and keeps them)."""
+
+    @property
+    def loop(self) -> GenerationLoop:
+        """The generation loop (`GenerationLoop`: cache, prompt pass, rounds, fixed shapes, compile, syncs), built once
+        per pipeline over its backbone adapter; a copied pipeline builds its own with the same settings."""
+        loop = self.__dict__.get("_loop")
+        backbone = self.backbone
+        if loop is None or loop.backbone is not backbone:
+            settings = loop.settings() if loop is not None else {}
+            loop = self.__dict__["_loop"] = GenerationLoop(backbone)
+            for name, value in settings.items():
+                setattr(loop, name, value)
+        return loop
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether every round of a generation runs the target with a few fixed shapes: the KV cache (its length rounded
+        up) attended over one of at most ``attend_buckets`` fixed lengths and every draft padded to the decoder's
+        largest (`static_shapes` module). On by default when the target is compiled (`enable_compile`), off otherwise
+        (eager, the growing slice is cheaper). Set it to ``True``/``False`` to choose, ``None`` for the default.
+        Outputs are the same either way."""
+        return self.loop.static_shapes
+
+    @static_shapes.setter
+    def static_shapes(self, value: Optional[bool]) -> None:
+        self.loop.static_shapes_setting = _check_optional_bool("static_shapes", value, "the default: on when compiled")
+
+    @property
+    def device_rounds(self) -> Optional[bool]:
+        """Rounds run whole on the device where the decoder allows (`GenerationLoop.device_plan`: keyed noise or greedy,
+        no ``callback_on_step_end``); ``False``: always the row-group loop (every decoder's own `propose` and `step`)."""
+        return self.loop.device_rounds
+
+    @device_rounds.setter
+    def device_rounds(self, value: Optional[bool]) -> None:
+        self.loop.device_rounds = _check_optional_bool("device_rounds", value, "where the decoder allows")
+
+    @property
+    def max_rounds_per_sync(self) -> int:
+        """Rounds on the device run between two host reads at most (``K``; default `MAX_ROUNDS_PER_SYNC`, 8). The
+        loop runs the fewest rounds the slowest row still needs, up to ``K``, then reads once: a larger ``K`` reads
+        less often, and between reads each pass attends to up to ``K`` rounds of slots no row has filled yet."""
+        return self.loop.max_rounds_per_sync
+
+    @max_rounds_per_sync.setter
+    def max_rounds_per_sync(self, value: int) -> None:
+        self.loop.max_rounds_per_sync = check_rounds_per_sync(value)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.loop.is_compiled
+
+    def enable_compile(self, mode: Optional[str] = None, dynamic: bool = False, fullgraph: Optional[bool] = None,
+                       backend: str = "inductor", keep_if_slower: bool = False, measure: bool = True, **kwargs) -> Dict[str, Any]:
+        """Compile the round's target step once per shape, and keep it unless it measures slower.
+
+        With the target compiled, `static_shapes` is on: every round of a generation feeds the same number of slots
+        and attends to one of a few fixed lengths (`StaticKVCache`'s ``attend_buckets``), so a handful of graphs (one
+        per length reached) serve the whole generation and every later one of the same batch, draft size and cache
+        size; a new prompt length compiles nothing (the prefill runs eagerly). A round that runs whole on the device
+        (`GenerationLoop.device_plan`) is compiled whole with the same options (``fullgraph=True``). The first round
+        of each new shape compiles (tens of seconds with inductor on a CPU). Dynamo's per-function recompile limit is
+        raised to at least `RECOMPILE_LIMIT` (64), since swapping decoders adds graphs.
+
+        Args:
+            mode (`str`, *optional*): ``torch.compile``'s mode; default ``"reduce-overhead"`` (CUDA graphs) on a GPU
+                with inductor, none otherwise.
+            dynamic (`bool`): ``False`` (the default): static shapes, one graph per shape.
+            fullgraph (`bool`, *optional*): no graph breaks allowed; default: the backbone's ``supports_fullgraph``.
+            backend (`str`): ``"inductor"``, or ``"eager"`` / ``"aot_eager"`` to check graphs and recompiles quickly.
+            keep_if_slower (`bool`): keep the compiled step even when it measures slower (by default it is dropped
+                when its passes take more than `COMPILE_TOLERANCE`, 5%, longer than the eager ones: the compiled
+                round also drops the eager ops around the pass, which that timing does not see).
+            measure (`bool`): time the eager and compiled passes (one fed token and eight, CFG rows, after warming up)
+                and drop the compiled step when it is slower (above); ``False`` keeps it unmeasured.
+            kwargs: further ``torch.compile`` options.
+
+        Returns:
+            ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool, "kept_by_default": bool, "options":
+            {...}}``: ``kept_by_default`` says whether the measured rule alone keeps it (what ``keep_if_slower=False``
+            decides; no timings when ``measure=False``).
+        """
+        return self.loop.compile(self._execution_device, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
+                                 backend=backend, keep_if_slower=keep_if_slower, measure=measure, **kwargs)
+
+    def disable_compile(self) -> None:
+        """Undo `enable_compile`: the target forward runs eagerly again."""
+        self.loop.disable_compile()
+
+    def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):
+        """Time every part of every round of the calls made inside the block (``scripts/bench_cost.py``); they run
+        in row groups, whose parts are separate.
+
+        Yields a `RoundTimer`: ``seconds`` per section (``draft``, ``eol``, ``forward``, ``accept``, ``kv``, and
+        ``round`` for the whole round) summed over ``rounds``. On a GPU pass ``synchronize=torch.cuda.synchronize``.
+        """
+        return self.loop.profile_rounds(synchronize)
+
+
+
+def _check_optional_bool(name: str, value, none_means: str) -> Optional[bool]:
+    """A loop setting that is True, False or None (``none_means``); anything else is a `ValueError` naming it."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True, False or None ({none_means}), got {value!r}.")
+    return value
+
