@@ -349,8 +349,6 @@ class AnolePipeline(ChameleonARPipeline):
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
         """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
         fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
-        from ..testing import dummy_chameleon_components
-
         return dummy_chameleon_components(grid, num_codes)
 
 
@@ -372,3 +370,89 @@ def load_vq(vq: Union[str, os.PathLike, ChameleonVQModel], torch_dtype: Optional
         path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.ckpt", "*.yaml"],
                                  **{k: v for k, v in hub_kwargs.items() if k in keys and v is not None})
     return load_chameleon_vq(path, torch_dtype=torch_dtype).eval()
+
+
+# -- tiny random components, for tests (`dummy_components`, `spatial_pipelines.testing.dummy_pipeline`) --------------
+#: The tiny Chameleon tokenizer's special tokens (Chameleon's names): BOS/pad/EOS/unk at ids 0..3 as in the released
+#: vocabulary, then the image tokens, end/begin image, the end-of-turn token, Lumina-mGPT's end-of-row token and
+#: resolution tokens ``<reserved08801>`` ... ``<reserved08864>``, and the ``<image>`` placeholder.
+CHAMELEON_SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")
+CHAMELEON_STRUCTURE_TOKENS = ("<eoss>", "<racm3:break>", "<reserved08706>", "<reserved08799>",
+                              *(f"<reserved{8800 + n:05d}>" for n in range(1, 65)), "<image>")
+
+
+#: words the tiny Chameleon tokenizer merges into one token each (byte-level: "Ġ" is a leading space)
+CHAMELEON_MERGED_WORDS = ("Generate", "Ġan", "Ġimage", "Ġof", "Ġaccording", "Ġto", "Ġthe", "Ġfollowing", "Ġprompt")
+
+
+def chameleon_image_token(code: int) -> str:
+    """Chameleon's name of image code ``code``: ``IMGIMG`` + its decimal digits written as letters A-J + ``Z``."""
+    return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
+
+
+def tiny_chameleon_tokenizer(num_codes: int = 16):
+    """A byte-level tokenizer (one token per byte but for the words of Lumina-mGPT's template) with Chameleon's special
+    tokens, ``num_codes`` image tokens ``IMGIMG...Z`` and the end-of-turn token as ``sep_token``, BOS prepended as
+    Chameleon's tokenizer does; built in memory. The image tokens get ids 4..4+V-1 in a shuffled code order, so code -> id is not an offset (Chameleon maps
+    them by name)."""
+    import random
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    codes = list(range(num_codes))
+    random.Random(num_codes).shuffle(codes)
+    names = [*CHAMELEON_SPECIAL_TOKENS, *(chameleon_image_token(c) for c in codes), *CHAMELEON_STRUCTURE_TOKENS]
+    vocab = {t: i for i, t in enumerate(names)}
+    for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[c] = len(vocab)
+    merges = []  # Lumina-mGPT's prompt-template words as single tokens (a real BPE's length), by prefix chains
+    for word in CHAMELEON_MERGED_WORDS:
+        for i in range(2, len(word) + 1):
+            if word[:i] not in vocab:
+                vocab[word[:i]] = len(vocab)
+                merges.append((word[: i - 1], word[i - 1]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                                   sep_token="<reserved08706>", padding_side="left",
+                                   extra_special_tokens={"image_token": "<image>"})
+
+
+def dummy_chameleon_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16, lumina: bool = False, *,
+                               hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                               intermediate_size: int = 64) -> Dict[str, Any]:
+    """Random tiny Chameleon-architecture components (call under a fixed seed): a 2-layer trunk of width 32 (qk-norm,
+    GQA; or the trunk the keyword arguments give) whose ``vocabulary_map`` names ``num_codes`` image tokens, a tiny
+    `ChameleonVQModel` (2 px per code) and the image grid and CFG default in the generation config. Anole gets a `ChameleonProcessor`; Lumina-mGPT (``lumina``)
+    the bare tokenizer its repos ship and one resolution step per code (``resolution_patch_size`` 2 px)."""
+    from transformers import ChameleonConfig, ChameleonProcessor
+    from transformers.models.chameleon.image_processing_pil_chameleon import ChameleonImageProcessorPil
+
+    from ..models import tiny_chameleon_vq
+
+    tokenizer = tiny_chameleon_tokenizer(num_codes)
+    vq = dict(embed_dim=4, num_embeddings=num_codes, latent_channels=4, base_channels=32, channel_multiplier=[1],
+              num_res_blocks=1, resolution=8, attn_resolutions=[])
+    config = ChameleonConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                             num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                             max_position_embeddings=4096,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, vocabulary_map=tokenizer.get_vocab(), vq_config=vq)
+    config._attn_implementation = "sdpa"
+    model = ChameleonForConditionalGeneration(config).eval()
+    # weights at a tiny model's natural scale (not 0.02): outputs then depend on content and position (qk-norm kept)
+    for name, param in model.named_parameters():
+        if param.dim() == 2 and "norm" not in name and not name.startswith("model.vqmodel"):
+            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
+    torch.nn.init.normal_(model.model.embed_tokens.weight, std=0.5)  # 1.0 lets the last code dominate: constant grids
+    torch.nn.init.normal_(model.lm_head.weight, std=0.5)
+    vqgan = tiny_chameleon_vq(num_codes, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    extra = {"resolution_patch_size": vqgan.downsample_factor} if lumina else {}
+    configure_generation(model, image_grid=grid, guidance_scale=3.0, **extra)
+    processor = tokenizer if lumina else ChameleonProcessor(image_processor=ChameleonImageProcessorPil(), tokenizer=tokenizer,
+                                                            image_seq_length=grid[0] * grid[1])
+    return {"transformer": model, "processor": processor, "vqgan": vqgan}

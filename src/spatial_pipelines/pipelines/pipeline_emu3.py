@@ -218,8 +218,6 @@ class Emu3Pipeline(SpatialARPipeline):
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
         """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
         fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
-        from ..testing import dummy_emu3_components
-
         return dummy_emu3_components(grid, num_codes)
 
     def __init__(
@@ -298,3 +296,66 @@ def configure_generation(
         raise ValueError(f"`default_negative_prompt` must be a string, got {negative_prompt!r}.")
     configure_shared(transformer, image_grid=image_grid, guidance_scale=guidance_scale, top_k=top_k,
                      **{NEGATIVE_PROMPT_KEY: negative_prompt})
+
+
+# -- tiny random components, for tests (`dummy_components`, `spatial_pipelines.testing.dummy_pipeline`) --------------
+#: The tiny Emu3 tokenizer's special tokens: Emu3's names (BOS ``<|extra_203|>``, EOS ``<|extra_204|>``, pad, image
+#: start/end/wrapper, EOL ``<|extra_200|>``, EOF ``<|extra_201|>``, the ``<image>`` placeholder).
+TINY_EMU3_TOKENS = ("<|endoftext|>", "<|extra_203|>", "<|extra_204|>", "<image>", "<|image start|>", "<|image end|>",
+                    "<|image token|>", "<|extra_200|>", "<|extra_201|>")
+
+
+def tiny_emu3_processor(num_codes: int = 16):
+    """An `Emu3Processor` over a byte-level tokenizer (no merges: one token per byte, like Emu3's BPE without its
+    merges) holding Emu3's special tokens and ``num_codes`` visual tokens ``<|visual token NNNNNN|>``, built in memory.
+    The visual tokens get ids in a shuffled order, so code -> id is not an offset (Emu3 maps them by name)."""
+    import random
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Emu3ImageProcessor, PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    codes = list(range(num_codes))
+    random.Random(num_codes).shuffle(codes)
+    names = list(TINY_EMU3_TOKENS) + [f"<|visual token {c:06d}|>" for c in codes]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|extra_203|>", eos_token="<|extra_204|>", pad_token="<|endoftext|>",
+        padding_side="left", extra_special_tokens={"image_token": "<image>", "boi_token": "<|image start|>", "eoi_token": "<|image end|>",
+                                                   "image_wrapper_token": "<|image token|>", "eof_token": "<|extra_201|>"},
+    )
+    return Emu3Processor(image_processor=Emu3ImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3), tokenizer=tokenizer)
+
+
+def dummy_emu3_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16, *, hidden_size: int = 32,
+                          num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                          intermediate_size: int = 64) -> Dict[str, Any]:
+    """Random tiny Emu3 components (call under a fixed seed): a 2-layer trunk of width 32 (or the trunk the keyword
+    arguments give) over a ~300-token vocabulary whose ``vocabulary_map`` names the visual tokens, a VQ model with
+    ``num_codes`` codes that upsamples 2x, and the image grid, CFG default and unconditional prompt in the generation
+    config."""
+    from transformers import Emu3Config
+
+    processor = tiny_emu3_processor(num_codes)
+    tokenizer = processor.tokenizer
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vq = dict(codebook_size=num_codes, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
+              num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1, temporal_downsample_factor=1)
+    config = Emu3Config(text_config=text, vq_config=vq, vocabulary_map=tokenizer.get_vocab())
+    config.text_config._attn_implementation = "sdpa"
+    model = Emu3ForConditionalGeneration(config).eval()
+    # weights at a tiny model's natural scale (not 0.02): outputs then depend on content and position
+    for name, param in model.named_parameters():
+        if param.dim() == 2 and not name.startswith("model.vqmodel"):
+            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
+    torch.nn.init.normal_(model.model.text_model.embed_tokens.weight, std=1.0)
+    torch.nn.init.normal_(model.lm_head.weight, std=0.5)
+    gen = model.generation_config  # as the released checkpoint: sampling, EOS/pad; plus our grid and defaults
+    gen.do_sample, gen.pad_token_id, gen.eos_token_id = True, tokenizer.pad_token_id, tokenizer.eos_token_id
+    configure_generation(model, image_grid=grid, guidance_scale=3.0, negative_prompt="lowres, blurry")
+    return {"transformer": model, "processor": processor}

@@ -14,6 +14,7 @@ What image generation uses of the model (transformers 5.x, ``generate(..., gener
 """
 
 import os
+import string
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -225,8 +226,6 @@ class JanusProPipeline(SpatialARPipeline):
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
         """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
         fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
-        from ..testing import dummy_janus_components
-
         return dummy_janus_components(grid, num_codes)
 
     def __init__(
@@ -287,3 +286,70 @@ class JanusProPipeline(SpatialARPipeline):
         if processor is None:
             processor = JanusProcessor.from_pretrained(repo_or_path, **hub_kwargs)
         return {"transformer": model.eval(), "processor": processor}
+
+
+# -- tiny random components, for tests (`dummy_components`, `spatial_pipelines.testing.dummy_pipeline`) --------------
+#: The tiny Janus tokenizer's special tokens (the real checkpoints' image tokens; short BOS/EOS/pad names).
+JANUS_SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<begin_of_image>", "<end_of_image>", "<image_placeholder>",
+                        "<|User|>", "<|Assistant|>")
+#: Janus-Pro's chat template in short: ``<|User|>: {text}\n\n<|Assistant|>:`` (the processor then appends BOI).
+JANUS_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}<|User|>: {% else %}<|Assistant|>: {% endif %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "{{ '\\n\\n' }}{% endfor %}{% if add_generation_prompt %}<|Assistant|>:{% endif %}"
+)
+
+
+def tiny_janus_processor(image_size: int = 16):
+    """A `JanusProcessor` over a character-level tokenizer with Janus' special tokens and a chat template, built in
+    memory (BOS prepended as Janus' Llama tokenizer does; image processor normalising with mean = std = 0.5)."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import JanusProcessor, PreTrainedTokenizerFast
+    from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
+
+    chars = string.ascii_lowercase + string.digits + string.punctuation
+    vocab = list(JANUS_SPECIAL_TOKENS) + list(chars) + [f"##{c}" for c in chars]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in JANUS_SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab.index("<bos>"))])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>", "eoi_token": "<end_of_image>"},
+    )
+    image_processor = JanusImageProcessorPil(image_mean=[0.5] * 3, image_std=[0.5] * 3, size={"height": image_size, "width": image_size})
+    return JanusProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=JANUS_CHAT_TEMPLATE)
+
+
+def dummy_janus_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16) -> Dict[str, Any]:
+    """Random tiny Janus-Pro components (call under a fixed seed): a 2-layer Llama trunk of width 32, a VQ decoder
+    that upsamples 2x, and ``grid[0] * grid[1]`` codes per image (``num_image_tokens``; the VQ reads ``grid[0]`` rows)."""
+    from transformers import JanusConfig, JanusForConditionalGeneration, JanusVisionConfig, JanusVQVAEConfig, LlamaConfig
+
+    patch = 4
+    processor = tiny_janus_processor(grid[0] * patch)
+    tokenizer = processor.tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in
+           (("pad", "<pad>"), ("bos", "<bos>"), ("eos", "<eos>"), ("boi", "<begin_of_image>"), ("image", "<image_placeholder>"))}
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                       pad_token_id=ids["pad"])
+    vision = JanusVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2, image_size=grid[0] * patch,
+                               patch_size=patch, projection_dim=32, num_image_tokens=grid[0] * grid[1])
+    vq = JanusVQVAEConfig(embed_dim=4, num_embeddings=num_codes, latent_channels=8, base_channels=32, channel_multiplier=[1, 1],
+                          num_res_blocks=1, projection_dim=32, image_token_embed_dim=32, num_hidden_layers=2)
+    config = JanusConfig(text_config=text, vision_config=vision, vq_config=vq, image_token_id=ids["image"])
+    config._attn_implementation = "sdpa"
+    model = JanusForConditionalGeneration(config).eval()
+    # weights at a tiny model's natural scale (not 0.02): outputs then depend on content and position
+    for name, param in model.named_parameters():
+        if param.dim() == 2 and not name.startswith("model.vision_model"):
+            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
+    torch.nn.init.normal_(model.model.language_model.embed_tokens.weight, std=1.0)
+    torch.nn.init.normal_(model.model.generation_embeddings.weight, std=1.0)
+    gen = model.generation_config  # what `generate(generation_mode="image")` and the released checkpoints set
+    gen.guidance_scale, gen.temperature = 5.0, 1.0
+    gen.bos_token_id, gen.pad_token_id = ids["bos"], ids["pad"]
+    gen.generation_kwargs = {"boi_token_id": ids["boi"]}
+    return {"transformer": model, "processor": processor}

@@ -1,12 +1,13 @@
 """The LlamaGen family: class- or text-conditional LlamaGen GPT + VQ tokenizer, and original-checkpoint loading."""
 
 import os
+import string
 import re
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from diffusers.utils import logging
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
@@ -256,8 +257,6 @@ class LlamaGenPipeline(SpatialARPipeline):
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16, condition_type: str = "text", end_of_row: bool = False) -> Dict[str, Any]:
         """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
         fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
-        from ..testing import dummy_llamagen_components
-
         return dummy_llamagen_components(grid, num_codes, condition_type, end_of_row=end_of_row)
 
     def __init__(
@@ -426,3 +425,59 @@ def _load_strict(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], wh
             f"The {what} checkpoint does not match the LlamaGen layout: missing {missing[:8]}, "
             f"unexpected {result.unexpected_keys[:8]}."
         )
+
+
+# -- tiny random components, for tests (`dummy_components`, `spatial_pipelines.testing.dummy_pipeline`) --------------
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A BERT-style WordPiece tokenizer over single characters, built in memory (no vocabulary download)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    chars = string.ascii_lowercase + string.digits + string.punctuation
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + list(chars) + [f"##{c}" for c in chars]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+
+
+def dummy_llamagen_components(
+    grid: Tuple[int, int] = (4, 4),
+    num_codes: int = 16,
+    condition_type: str = "text",
+    num_classes: int = 10,
+    end_of_row: bool = False,
+) -> Dict[str, Any]:
+    """Random tiny LlamaGen components (call under a fixed seed for reproducibility)."""
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = tiny_tokenizer() if condition_type == "text" else None
+    text_encoder = None
+    if condition_type == "text":
+        text_encoder = T5EncoderModel(
+            T5Config(vocab_size=len(tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        ).eval()
+    transformer = LlamaGenTransformer(
+        vocab_size=num_codes, hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, condition_type=condition_type, num_classes=num_classes, caption_dim=16,
+        num_condition_tokens=8 if condition_type == "text" else 1, grid_height=grid[0], grid_width=grid[1],
+        end_of_row_token=end_of_row,
+    )
+    # weights at a tiny model's natural scale (not LlamaGen's 0.02 for wide models): attention then depends on
+    # content and position, so a wrong mask, position or cache entry changes the output and tests see it
+    for name, param in transformer.named_parameters():
+        if param.dim() == 2:
+            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
+    torch.nn.init.normal_(transformer.tok_embeddings.weight, std=1.0)
+    torch.nn.init.normal_(transformer.output.weight, std=0.5)
+    if end_of_row:  # drawn last: the other weights are those of the same seed without an EOL
+        torch.nn.init.normal_(transformer.eol_embedding, std=1.0)
+    vqvae = LlamaGenVQModel(
+        codebook_size=num_codes, codebook_embed_dim=4, encoder_ch_mult=(1, 2), decoder_ch_mult=(1, 2),
+        z_channels=8, base_channels=8, num_res_blocks=1, norm_num_groups=4,
+    )
+    return {"transformer": transformer.eval(), "vqvae": vqvae.eval(), "text_encoder": text_encoder, "tokenizer": tokenizer}

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..core.layout import ImageTokenLayout
 from ..utils import check_number
-from .pipeline_chameleon import ChameleonARPipeline, ChameleonBackbone, ChameleonVQModel
+from .pipeline_chameleon import ChameleonARPipeline, ChameleonBackbone, ChameleonVQModel, dummy_chameleon_components
 from .transformers_utils import configure_generation
 
 #: Lumina-mGPT's text-to-image prompt (``demos/demo_image_generation.py``), sizes in pixels.
@@ -104,8 +104,6 @@ class LuminaMGPTPipeline(ChameleonARPipeline):
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
         """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
         fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
-        from ..testing import dummy_chameleon_components
-
         return dummy_chameleon_components(grid, num_codes, lumina=True)
 
     @classmethod
