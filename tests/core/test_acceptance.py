@@ -26,7 +26,8 @@ from spatial_pipelines.core.acceptance import (
 )
 from spatial_pipelines.core.tree import chain_tree, tree_from_parents
 from spatial_pipelines.core.verification import verify_tree, verify_tree_sequential
-from spatial_pipelines.pipelines.device_loop import relaxed_chain, relaxed_matches, tree_tables
+from spatial_pipelines.pipelines.device_chain import relaxed_chain
+from spatial_pipelines.pipelines.device_tree import relaxed_matches, tree_tables
 from spatial_pipelines.testing import dummy_pipeline
 from spatial_pipelines.utils import check_number
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
-from spatial_pipelines.pipelines import device_loop
-from spatial_pipelines.pipelines.device_loop import (MAX_ROUNDS_PER_SYNC, ChainLoop, DeviceLoop, DynamicTreeLoop, HeadTreeLoop,
-                                                     chain_round, state_tensors)
+from spatial_pipelines.pipelines import device_chain
+from spatial_pipelines.pipelines.device_chain import ChainLoop, chain_round
+from spatial_pipelines.pipelines.device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, state_tensors
+from spatial_pipelines.pipelines.device_tree import DynamicTreeLoop, HeadTreeLoop
 from spatial_pipelines.pipelines.round_counts import count_rounds
 from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
 
@@ -277,7 +278,7 @@ def test_reads_are_counted_where_the_round_reads(monkeypatch):
         loop.state.committed.sum().item()
         return chain_round(loop)
 
-    monkeypatch.setattr(device_loop, "chain_round", reading_round)
+    monkeypatch.setattr(device_chain, "chain_round", reading_round)
     with count_rounds(pipe) as counts:
         pipe("a fox", output_type="latent")
     assert counts.host_reads == baseline + counts.rounds

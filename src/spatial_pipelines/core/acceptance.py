@@ -86,7 +86,7 @@ class AcceptanceRule:
         tvd_budget (`float`, *optional*): a TVD bound the siblings of one step share (LANTERN's delta).
         claims_neighbours (`bool`): a relaxed rule's claim is the mass of ``x`` and of the neighbours it keeps
             (`Relaxation.kept`), so one sample of ``p`` decides it: a tree's round on the device tests that sample
-            (`device_loop.relaxed_matches`). ``False`` (the default) for a rule that claims mass without naming its
+            (`device_tree.relaxed_matches`). ``False`` (the default) for a rule that claims mass without naming its
             codes: its trees take the row-group loop.
     """
 

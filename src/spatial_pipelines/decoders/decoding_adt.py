@@ -52,7 +52,7 @@ class ADTState(EagleState):
 
 
 class ADTDrafter(EagleDrafter):
-    """ADT-Tree's drafting on device tensors (`device_loop.DynamicTreeLoop`): every row keeps its own shape memory
+    """ADT-Tree's drafting on device tensors (`device_tree.DynamicTreeLoop`): every row keeps its own shape memory
     ``(N + 1, 2)`` and acceptance rate, and grows its tree at its own ``(depth, top_k)`` (`ADTTreeDecoder`'s rule, per
     row: no row shares another's shape). The expansions run at the deepest, widest shape the ranges allow (held to the
     kept node count, `EagleDecoder._grown_shape`), and the nodes a row's own shape does not grow score ``-inf``

@@ -34,7 +34,7 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
         super().__init__()
 
     def chain_window(self) -> Optional[int]:
-        """A chain of no drafts: one code per row per round, on the device (`spatial_pipelines.pipelines.device_loop`)."""
+        """A chain of no drafts: one code per row per round, on the device (`spatial_pipelines.pipelines.device_chain`)."""
         return 0
 
     def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> AutoregressiveState:

@@ -137,7 +137,7 @@ def next_frontier(cfg: bool, child_score, child_code, predicted, ancestors, k: i
 
 class EagleDrafter:
     """EAGLE-2's drafting on device tensors, for a round that runs whole on the device
-    (`spatial_pipelines.pipelines.device_loop.DynamicTreeLoop`): every row grows its own tree each round, as `propose`
+    (`spatial_pipelines.pipelines.device_tree.DynamicTreeLoop`): every row grows its own tree each round, as `propose`
     does, with fixed shapes and no host read.
 
     Its cache (made in `start`, over the loop's cache rows) keeps each row's accepted prefix on the device: a round

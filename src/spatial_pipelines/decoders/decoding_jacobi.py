@@ -251,11 +251,11 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         return self.tree.max_depth
 
     def chain_window(self) -> Optional[int]:
-        """The window, for a round run whole on the device under keyed noise (`spatial_pipelines.pipelines.device_loop`):
+        """The window, for a round run whole on the device under keyed noise (`spatial_pipelines.pipelines.device_chain`):
         one draft per position and ``init="above"``. Under keyed noise every redraw is the pass's own sample, so
         ``coupling``, ``continuation`` and ``anchor`` change nothing there under exact acceptance. A relaxed rule
         (LANTERN) runs there too without ``continuation`` (whose redraws change what a relaxed rule claims): each draft
-        is the keyed sample of its proposal, tested with a keyed uniform of its own (`device_loop.relaxed_chain`);
+        is the keyed sample of its proposal, tested with a keyed uniform of its own (`device_chain.relaxed_chain`);
         ``anchor`` is not applied there, so its proposals, and the relaxed output, differ from the row-group loop's."""
         c = self.config
         rule = self.acceptance_rule

@@ -38,7 +38,7 @@ def check_tree_paths(tree_paths, num_heads: int) -> List[Tuple[int, ...]]:
 
 
 class MedusaDrafter(HeadDrafter):
-    """Medusa's drafting on device tensors (`device_loop.HeadTreeLoop`): node ``i`` is the ``r_i``-th likeliest code
+    """Medusa's drafting on device tensors (`device_tree.HeadTreeLoop`): node ``i`` is the ``r_i``-th likeliest code
     of the horizontal head at offset ``d_i`` (its depth)."""
 
     def __init__(self, decoder: "MedusaDecoder", draft_heads, device):

@@ -336,7 +336,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 
     def chain_window(self) -> Optional[int]:
         """Drafts per row of a round that runs whole on the device under keyed noise
-        (`spatial_pipelines.pipelines.device_loop`), for a decoder that feeds its newest code and a chain of drafts
+        (`spatial_pipelines.pipelines.device_chain`), for a decoder that feeds its newest code and a chain of drafts
         after it, commits the drafts equal to the target's keyed samples, and redraws the rest from the pass (AR: 0).
         ``None`` (the default): the decoder's own `propose` and `step` run, in row groups."""
         return None
@@ -344,8 +344,8 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def device_drafter(self, draft_heads, layout, batch_size: int, device):
         """What drafts the tree in a round that runs whole on the device under keyed noise, for a decoder whose
         siblings are distinct codes (or ``-1``: none): a `HeadDrafter` for ``batch_size`` rows (a static tree,
-        `device_loop.HeadTreeLoop`), or a drafter with ``per_row_trees`` that grows each row's tree
-        (`device_loop.DynamicTreeLoop`, `EagleDrafter`); either has ``tree_depth`` and ``nodes_per_depth`` (host ints,
+        `device_tree.HeadTreeLoop`), or a drafter with ``per_row_trees`` that grows each row's tree
+        (`device_tree.DynamicTreeLoop`, `EagleDrafter`); either has ``tree_depth`` and ``nodes_per_depth`` (host ints,
         at most). The pipeline asks when the acceptance is exact, or relaxed (LANTERN: the candidates are verified as
         point masses). ``None`` (the default): the decoder's own `propose` and `step` run, in row groups."""
         return None

@@ -29,7 +29,9 @@ from ..decoders.decoding_utils import DecodingState, RowsDiverged, SpatialDecode
 from ..utils import NULL_TIMER, RoundTimer, check_number
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
-from .device_loop import MAX_ROUNDS_PER_SYNC, ChainLoop, DeviceLoop, DynamicTreeLoop, HeadTreeLoop, TreeLoop, compile_round
+from .device_chain import ChainLoop
+from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, compile_round
+from .device_tree import DynamicTreeLoop, HeadTreeLoop, TreeLoop
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
 from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
@@ -124,7 +126,7 @@ class GenerationLoop:
         (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
         tree shallower than a row), exact under keyed noise or greedy, or with a relaxed acceptance rule (LANTERN,
         LANTERN++: the round keys the target's samples by a seed each image draws from its generator and accepts by
-        `device_loop.relaxed_matches`), with no per-round callback (it sees every round: the row-group loop serves it)
+        `device_tree.relaxed_matches`), with no per-round callback (it sees every round: the row-group loop serves it)
         and no `profile_rounds` (it times the row-group loop's parts). ``device_rounds`` ``False`` turns it off."""
         decoder = self.decoder
         relaxed = decoder.lossless and decoder.acceptance_rule.relaxes  # LANTERN, LANTERN++: seeds from the generators
@@ -480,7 +482,7 @@ class GenerationLoop:
         self.backbone.caches.kv_cache = None
 
     def _compiled_device_round(self, round_fn):
-        """With the target compiled: a round that runs whole on the device (`device_loop.chain_round`,
+        """With the target compiled: a round that runs whole on the device (`device_chain.chain_round`,
         `head_tree_round`, `dynamic_tree_round`) compiled whole with the same options (`device_loop.compile_round`,
         ``fullgraph=True``), made once per function and compile; ``None`` when eager."""
         if not self.is_compiled:

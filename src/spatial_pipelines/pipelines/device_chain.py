@@ -1,0 +1,214 @@
+"""A chain decoder's rounds run whole on the device (`ChainLoop`: AR and SJD; what every device loop shares is
+`device_loop.DeviceLoop`).
+
+A chain decoder feeds, per row, its newest committed code and ``L`` drafts for the positions after it (``L = 0``:
+AR), and commits the longest prefix of drafts that equal the target's own keyed samples, plus the sample after it.
+Under keyed noise (`keyed_sample`) that rule needs no random draw, so the whole round is a function of device
+tensors with fixed shapes (`chain_round`):
+
+1. feed every row ``[last code, drafts]`` at its own positions (``(B, L + 1)``; a finished row feeds them too and
+   keeps nothing), the CFG rows the same;
+2. one target pass, each cache row writing at its own filled slots (`StaticKVCache.track_rows_on_device`);
+3. CFG mix, then each slot's keyed sample ``s`` (slot ``k`` predicts grid index ``n + k``);
+4. accepted count ``a = 1 + cumprod(draft == s).sum()`` per row (``0`` once the row is finished, never past the grid);
+   under a relaxed rule (LANTERN, LANTERN++), a draft is tested with a keyed uniform of its own stream against
+   ``p~(x) / q(x)``, its proposal ``q`` kept in the state (`relaxed_chain`);
+5. commit ``s[:a]`` to the grid and the acceptance map (slots past ``a`` write a spare column: no duplicate index);
+6. the next drafts: the samples this pass made for the positions after the commit (SJD's redraw), then the code one
+   row above each new position (``init="above"``; the newest code where the row above is not decoded yet);
+7. each cache row keeps its first ``a`` fed slots (a prefix: nothing moves), and its start moves by ``a``.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..core.acceptance import EXACT, AcceptanceRule
+from ..core.kv_cache import StaticKVCache
+from ..core.sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample, keyed_uniform, logits_to_probs,
+                             one_hot)
+from .backbone import PromptEmbeddings, SpatialBackbone
+from .device_loop import DeviceLoop, DeviceState
+
+
+#: What a draw from an already-filtered distribution samples with: its log as the logits, at temperature 1
+UNIT_SAMPLING = SamplingConfig()
+
+
+@dataclass
+class ChainState(DeviceState):
+    """`DeviceState` plus each row's drafts.
+
+    Args:
+        drafts (`torch.LongTensor` `(B, L)`): each row's drafts for the ``L`` positions after its newest code.
+    """
+
+    drafts: torch.Tensor
+
+
+@dataclass
+class RelaxedChainState(ChainState):
+    """`ChainState` plus each draft's proposal, which a relaxed rule tests it against (`relaxed_chain`).
+
+    Args:
+        q (`torch.Tensor` `(B, L, V)`): the distribution each draft was drawn from (a point mass for a copied one).
+    """
+
+    q: torch.Tensor
+
+
+class ChainLoop(DeviceLoop):
+    """A chain decoder's generation (`SpatialDecoderMixin.chain_window`): `chain_round`, steps 1-7 of the module
+    docstring.
+
+    Args:
+        window (`int`): drafts per row per round (``0``: AR); the other arguments are `DeviceLoop`'s.
+    """
+
+    def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
+                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None):
+        self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
+        self.num_codes = backbone.num_image_codes
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
+        device = prefix.embeds.device
+        self.draft_offsets = torch.arange(window, device=device)  # (L,)
+        self.mask = torch.ones(self.fed, self.fed, dtype=torch.bool, device=device).tril()  # (T, T) causal chain
+
+    @staticmethod
+    def fed_slots(layout, window: int, **_) -> int:
+        """Slots a round feeds per row, before the loop is made (the cache's size)."""
+        return fed_slots(layout, window)
+
+    def new_state(self, **common) -> ChainState:
+        device = common["tokens"].device
+        drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=device)
+        if self.rule.relaxes:
+            q = torch.zeros(self.batch_size, self.window, self.num_codes, device=device)
+            return RelaxedChainState(drafts=drafts, q=q, **common)
+        return ChainState(drafts=drafts, **common)
+
+    @classmethod
+    def default_round(cls) -> Callable:
+        return chain_round
+
+    def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.state.drafts.copy_(first[:, None].expand_as(self.state.drafts))  # the first row has nothing above
+        if self.rule.relaxes:  # copies: point masses
+            self.state.q.copy_(one_hot(self.state.drafts, self.num_codes))
+
+
+def fed_slots(layout, window: int) -> int:
+    """Slots a chain round feeds per row: the newest code, ``window`` drafts, and the end-of-row tokens that may
+    fall among them."""
+    return window + 1 + (-(-(window + 1) // layout.width) if layout.has_eol else 0)
+
+
+def chain_round(loop: ChainLoop) -> None:
+    """One round of a chain decoder, steps 1-7 of the module docstring, on device tensors only."""
+    s, backbone, sampling, layout, cache = loop.state, loop.backbone, loop.sampling, loop.layout, loop.cache
+    n, width, window = layout.num_tokens, layout.width, loop.window
+    active = s.committed < n  # (B,)
+    codes = s.committed[:, None] + loop.code_offsets  # (B, L + 1) the grid index each code slot predicts
+    # 1. feed the newest code and the drafts at each row's own positions (with end-of-row tokens: every sequence
+    #    position from the newest code's on, an EOL where a row ends; past the grid, positions are clamped)
+    start = layout.sequence_offset(s.committed - 1)  # (B,) sequence offset of the newest code
+    offset = start[:, None] + loop.slots  # (B, T) sequence offset of every fed slot
+    position_ids = loop.first_position + offset.clamp_max(layout.sequence_length - 1)  # (B, T)
+    if layout.has_eol:
+        row, column = offset // layout.row_stride, offset % layout.row_stride
+        is_eol = column == width  # (B, T)
+        draft = row * width + column.clamp_max(width - 1) - s.committed[:, None]  # (B, T) which draft a slot feeds
+        fed = torch.cat([s.last[:, None], s.drafts, s.last[:, None]], 1).gather(1, (draft + 1).clamp(0, window + 1))
+        predicting = (layout.sequence_offset(codes.clamp_max(n - 1)) - 1 - start[:, None]).clamp(0, loop.fed - 1)
+    else:
+        fed = torch.cat([s.last[:, None], s.drafts], 1)  # (B, T)
+    embeds = backbone.embed_image_tokens(fed.repeat(2, 1) if sampling.do_cfg else fed)  # (R, T, D)
+    if layout.has_eol:
+        eol = is_eol.repeat(2, 1) if sampling.do_cfg else is_eol
+        embeds = torch.where(eol[..., None], backbone.eol_embedding.to(embeds.dtype), embeds)
+    # 2. one target pass, each cache row writing after its own filled slots (the CFG rows verify the same drafts)
+    position_ids = position_ids.repeat(2, 1) if sampling.do_cfg else position_ids  # (R, T)
+    hidden = backbone.forward(embeds, position_ids, loop.mask, None, cache)  # (R, T, D)
+    if layout.has_eol:  # the slot before each code predicts it (after a row's end: the EOL's slot)
+        rows = predicting.repeat(2, 1) if sampling.do_cfg else predicting  # (R, L + 1)
+        hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, L + 1, D)
+    logits = backbone.image_logits(hidden)  # (R, L + 1, V) fp32
+    # 3. CFG mix and every code slot's keyed sample
+    logits = loop.guided(logits)  # (B, L + 1, V)
+    samples = keyed_sample(logits, sampling, s.seeds, codes.clamp_max(n - 1))  # (B, L + 1)
+    # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position (a
+    #    relaxed rule: LANTERN's test of each draft against its proposal, `relaxed_chain`)
+    probs = logits_to_probs(logits, sampling) if loop.rule.relaxes else None  # (B, L + 1, V)
+    if probs is not None:
+        commit, matches = relaxed_chain(loop, probs, codes.clamp_max(n - 1))  # (B, L + 1), (B,)
+    else:
+        commit, matches = samples, (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)
+    accepted = torch.minimum(1 + matches, n - s.committed) * active  # (B,) 0 once finished
+    # 5. commit the run; the slots past it write the spare column N
+    taken = loop.code_offsets < accepted[:, None]  # (B, L + 1)
+    target = torch.where(taken, codes, n)  # (B, L + 1)
+    s.tokens.scatter_(1, target, torch.where(taken, commit, -1))
+    s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
+    s.rounds.add_(1)
+    s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
+    committed = s.committed + accepted  # (B,)
+    s.last.copy_(torch.where(active, commit.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
+    # 6. the next drafts: this pass's samples after the run, then the code one row above (the newest where none)
+    if window:
+        next_drafts(loop, samples, accepted, committed, probs)
+    # 7. each cache row keeps the fed slots up to its newest code (a prefix), its CFG twin the same
+    kept = (layout.sequence_offset(committed - 1) - start) * active  # (B,) = accepted without EOLs
+    s.committed.copy_(committed)
+    cache.keep_prefixes(kept.repeat(2) if sampling.do_cfg else kept)
+
+
+def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, committed: torch.Tensor,
+                probs: Optional[torch.Tensor]) -> None:
+    """Step 6 of a chain round: each row's next drafts are this pass's samples ``(B, L + 1)`` for the positions after
+    its ``accepted`` codes, then the code one row above each later position (the newest code where none is decoded);
+    with ``probs`` ``(B, L + 1, V)`` (a relaxed rule) each draft's proposal too: the ``p`` it was drawn from, a point
+    mass for a copy."""
+    s, window, n = loop.state, loop.window, loop.layout.num_tokens
+    source = accepted[:, None] + loop.draft_offsets  # (B, L) code slot whose sample is the draft's
+    redrawn = samples.gather(1, source.clamp_max(window))  # (B, L)
+    above = committed[:, None] + loop.draft_offsets - loop.layout.width  # (B, L) grid index one row above each draft
+    known = (above >= 0) & (above < committed[:, None])
+    copied = torch.where(known, s.tokens.gather(1, above.clamp(0, n)), s.last[:, None])  # (B, L)
+    s.drafts.copy_(torch.where(source <= window, redrawn, copied))
+    if probs is not None:
+        drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
+        s.q.copy_(torch.where((source <= window)[..., None], drawn_from, one_hot(copied, probs.shape[-1])))
+
+
+def relaxed_chain(loop: ChainLoop, probs: torch.Tensor, index: torch.Tensor):
+    """Step 4 of a chain round under a relaxed rule (LANTERN, LANTERN++): draft ``k`` (code ``x``, drawn from its
+    proposal ``q``) is accepted when a keyed uniform ``u < p~_x(x) / q(x)``; the position of the first rejected draft
+    takes a keyed draw from ``norm(max(p~_x - q, 0))``, and a row that accepts every draft a draw from the next
+    position's ``p``: speculative sampling of the relaxed target ``p~``.
+
+    Why keyed streams of their own (`ACCEPT_STREAM`, `RESIDUAL_STREAM`): a draft is the keyed sample of its proposal,
+    drawn with the target's noise for that position; testing it against that same noise would couple the two and move
+    more than the rule allows. A position is tested once (it is committed then), and nothing tested before it read
+    its noise, so given what came before, ``x ~ q`` and the uniform and the draw are fresh.
+
+    Args:
+        probs (`torch.Tensor` `(B, L + 1, V)`): the pass's ``p`` at every code slot.
+        index (`torch.LongTensor` `(B, L + 1)`): the grid index each slot predicts (clamped to the grid).
+
+    Returns the codes each slot commits ``(B, L + 1)`` (the drafts, then the draw; read up to the accepted count) and
+    the accepted drafts per row ``(B,)``.
+    """
+    s, rule, window = loop.state, loop.rule, loop.window
+    relaxed = rule.relax(probs[:, :window], s.drafts, loop.neighbours)  # (B, L) the drafts' claims
+    qx = s.q.gather(2, s.drafts[..., None])[..., 0]  # (B, L)
+    u = keyed_uniform(s.seeds ^ ACCEPT_STREAM, index[:, :window])  # (B, L)
+    matches = (u * qx < relaxed.mass).long().cumprod(1).sum(1)  # (B,) u < min(1, p~/q) without dividing
+    rest = (relaxed.target(probs[:, :window], s.drafts) - s.q).clamp_min(0)  # (B, L, V)
+    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, probs[:, :window])  # p~ == q: never rejected anyway
+    rest = torch.cat([rest, probs[:, window:]], 1)  # (B, L + 1, V) past the window: the next position's p
+    left = rest.gather(1, matches[:, None, None].expand(-1, 1, rest.shape[-1]))  # (B, 1, V)
+    drawn = keyed_sample(left.log(), UNIT_SAMPLING, s.seeds ^ RESIDUAL_STREAM, index.gather(1, matches[:, None]))  # (B, 1)
+    commit = torch.cat([s.drafts, drawn], 1)  # (B, L + 1)
+    return torch.where(loop.code_offsets < matches[:, None], commit, drawn), matches

@@ -1,0 +1,472 @@
+"""Tree decoders' rounds run whole on the device (what every device loop shares is `device_loop.DeviceLoop`).
+
+A head tree (`HeadTreeLoop`, `head_tree_round`) drafts a static tree of the draft heads' candidates (Medusa's top-k,
+Hawk's pools) from the hidden state that predicted each row's newest code (the decoder's `HeadDrafter`), feeds it with
+the tree mask, and accepts the deepest node whose path matches the keyed samples node by node (a sibling is accepted
+exactly when it equals its parent's sample, as `verify_tree` does with a point mass); the codes are the samples along
+that path, and the cache moves the path's slots to the row's first ones (`StaticKVCache.keep_paths`). A grown tree
+(`DynamicTreeLoop`, `dynamic_tree_round`) comes from a drafter with its own cache (`EagleDrafter`): it reads the codes
+the last round committed with the target features that predicted them, grows one tree per row (`RowTrees`), and the
+same verification (`verify_tree_round`) reads that tree's per-row tables. With end-of-row tokens a tree round also
+feeds one EOL slot per node at the depth whose code ends a row (`end_of_row_slots`): the node's children see it, its
+output predicts the next row's first code, and the cache keeps it where the accepted path crossed the row end.
+
+Under a relaxed acceptance rule (LANTERN, LANTERN++; lossy) a node is accepted when its parent's keyed sample lies in
+the node's claim (`relaxed_matches`).
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..core.acceptance import EXACT, AcceptanceRule
+from ..core.kv_cache import StaticKVCache
+from ..core.sampling import SamplingConfig, keyed_sample, logits_to_probs
+from .backbone import PromptEmbeddings, SpatialBackbone
+from .device_loop import DeviceLoop, DeviceState
+
+
+@dataclass
+class HeadTreeState(DeviceState):
+    """`DeviceState` plus the hidden state the heads draft from.
+
+    Args:
+        hidden (`torch.Tensor` `(B, D)`): per row, the pre-norm hidden state that predicted its newest code.
+        path (`torch.LongTensor` `(R, D + 1)`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots of the
+            last round's accepted path and how many of them it keeps: the next round moves them first
+            (`StaticKVCache.keep_paths`).
+    """
+
+    hidden: torch.Tensor
+    path: torch.Tensor
+    kept: torch.Tensor
+
+
+@dataclass
+class DynamicTreeState(DeviceState):
+    """`DeviceState` plus what a drafter that grows per-row trees reads (`DynamicTreeLoop`).
+
+    Args:
+        path (`torch.LongTensor` `(R, D + 1)`), kept (`torch.LongTensor` `(R,)`): as `HeadTreeState`'s.
+        features (`torch.Tensor` `(R, D + 1, D)`): per cache row (CFG rows too), the pre-norm hidden states of the
+            last round's accepted path: the ones that predicted the codes it committed (after the prompt pass: the
+            prompt's last, in slot 0).
+        fresh (`torch.LongTensor` `(B,)`): codes the last round committed per row (the drafter has not read them yet).
+        tree_shapes (`torch.LongTensor` `(N + 1, B, 2)`): per round (as ``accepted``), each row's kept tree depth and
+            the ``k`` it was grown with.
+    """
+
+    path: torch.Tensor
+    kept: torch.Tensor
+    features: torch.Tensor
+    fresh: torch.Tensor
+    tree_shapes: torch.Tensor
+
+
+class TreeLoop(DeviceLoop):
+    """What the tree loops share: ``T`` tree nodes per row, then (with end-of-row tokens) ``E`` EOL slots, one for each
+    node at the depth whose code ends a row (`end_of_row_slots`; at most one such depth, the tree being shallower than
+    a row); the accepted path's cache slots (an EOL slot among them where it crossed a row end) moved by the next
+    round. A subclass sets ``drafter``, ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before
+    `DeviceLoop.__init__`.
+
+    Under a relaxed rule a node is accepted when its parent's keyed sample lies in the set the node claims
+    (`relaxed_matches`): LANTERN's own verification of point-mass candidates, with the sample as its only
+    randomness."""
+
+    def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
+                 cache: StaticKVCache, round_fn: Optional[Callable] = None, rule: AcceptanceRule = EXACT,
+                 neighbours: Optional[torch.Tensor] = None):
+        layout = backbone.layout
+        if not self.fits(layout, self.max_codes - 1):
+            raise ValueError(f"A tree of depth {self.max_codes - 1} crosses two row ends of a {layout.width}-wide grid "
+                             "in one round: such a tree takes the row-group loop.")
+        self.fed = self.num_nodes + self.eol_slots
+        self.path_slots = self.max_codes + int(layout.has_eol)  # a crossed row end keeps its EOL slot too
+        self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
+        device = prefix.embeds.device
+        self.node_slots = self.slots[: self.num_nodes]  # (T,)
+        self.eol_offsets = torch.arange(self.eol_slots, device=device)  # (E,)
+        self.eol_eye = torch.eye(self.eol_slots, dtype=torch.bool, device=device)  # (E, E) an EOL slot sees itself
+        self.path_offsets = torch.arange(self.path_slots, device=device)  # (D + 1 (+ 1),)
+
+    @staticmethod
+    def fits(layout, tree_depth: int) -> bool:
+        """Whether a tree of that depth crosses at most one row end per round (with EOLs: shallower than a row)."""
+        return not layout.has_eol or tree_depth < layout.width
+
+    @staticmethod
+    def eol_slot_count(layout, nodes_per_depth: int) -> int:
+        """EOL slots a round feeds: as many as the most nodes at one depth, where the layout has EOLs."""
+        return nodes_per_depth if layout.has_eol else 0
+
+    def extra_buffers(self) -> List[torch.Tensor]:
+        return self.drafter.buffers()
+
+
+class HeadTreeLoop(TreeLoop):
+    """A static tree of draft-head candidates (Medusa, Hawk: `SpatialDecoderMixin.device_drafter`), verified exactly
+    under keyed noise: `head_tree_round`.
+
+    Args:
+        drafter (`HeadDrafter`): drafts the tree's nodes from each row's hidden state; the other arguments are
+            `DeviceLoop`'s.
+    """
+
+    def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
+                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None):
+        tree = drafter.tree
+        self.drafter, self.num_nodes, self.max_codes = drafter, tree.num_nodes, tree.max_depth + 1
+        self.eol_slots = self.eol_slot_count(backbone.layout, drafter.nodes_per_depth)
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
+        self.tree_tables = tree_tables(tree, self.node_slots)  # the static tree's, built once
+
+    @staticmethod
+    def fed_slots(layout, drafter, **_) -> int:
+        """Slots a round feeds per row, before the loop is made (the cache's size)."""
+        return drafter.tree.num_nodes + TreeLoop.eol_slot_count(layout, drafter.nodes_per_depth)
+
+    def new_state(self, **common) -> HeadTreeState:
+        device = common["tokens"].device
+        hidden = torch.zeros(self.batch_size, self.hidden_size, dtype=self.hidden_dtype, device=device)
+        rows = self.cache.num_rows
+        path = torch.zeros(rows, self.path_slots, dtype=torch.long, device=device)
+        kept = torch.zeros(rows, dtype=torch.long, device=device)  # the prompt pass left nothing to move
+        return HeadTreeState(hidden=hidden, path=path, kept=kept, **common)
+
+    draft_passes_per_round = 1  # the heads
+
+    @classmethod
+    def default_round(cls) -> Callable:
+        return head_tree_round
+
+    def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.state.hidden.copy_(hidden[: self.batch_size])  # the conditional rows' (the heads read no CFG twin)
+
+
+class DynamicTreeLoop(TreeLoop):
+    """A drafter that grows each row's own tree every round (EAGLE-2: `SpatialDecoderMixin.device_drafter` returns one
+    with ``per_row_trees``), verified exactly under keyed noise: `dynamic_tree_round`.
+
+    Args:
+        drafter: grows the trees (`EagleDrafter`): ``drafter(loop)`` gives each row's node codes ``(B, T - 1)`` and its
+            `RowTrees`; it has ``num_nodes`` (``T - 1``), ``tree_depth`` (the trees' at most), ``nodes_per_depth`` (at
+            most), ``draft_passes`` per round, ``start(loop)`` (after the prompt pass), ``report(shapes)``,
+            ``buffers()`` and ``set_bound(committed)`` (a host bound on any row's committed codes before a round).
+            The other arguments are `DeviceLoop`'s.
+    """
+
+    def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
+                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None):
+        self.drafter, self.num_nodes, self.max_codes = drafter, drafter.num_nodes + 1, drafter.tree_depth + 1
+        self.eol_slots = self.eol_slot_count(backbone.layout, drafter.nodes_per_depth)
+        self.draft_passes_per_round = drafter.draft_passes
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
+
+    @staticmethod
+    def fed_slots(layout, drafter, **_) -> int:
+        """Slots a round feeds per row, before the loop is made (the cache's size)."""
+        return drafter.num_nodes + 1 + TreeLoop.eol_slot_count(layout, drafter.nodes_per_depth)
+
+    def new_state(self, **common) -> "DynamicTreeState":
+        device, rows = common["tokens"].device, self.cache.num_rows
+        return DynamicTreeState(
+            path=torch.zeros(rows, self.path_slots, dtype=torch.long, device=device),
+            kept=torch.zeros(rows, dtype=torch.long, device=device),  # the prompt pass left nothing to move
+            features=torch.zeros(rows, self.max_codes, self.hidden_size, dtype=self.hidden_dtype, device=device),
+            fresh=torch.zeros(self.batch_size, dtype=torch.long, device=device),
+            tree_shapes=torch.zeros(*common["accepted"].shape, 2, dtype=torch.long, device=device), **common)
+
+    @classmethod
+    def default_round(cls) -> Callable:
+        return dynamic_tree_round
+
+    def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.state.features[:, 0].copy_(hidden)  # the prompt's last features predicted the first code (every row)
+        self.state.fresh.fill_(1)
+        self.drafter.start(self)
+
+    def report(self) -> Dict[str, float]:
+        rounds = self.state.accepted[1 : self.num_rounds + 1] > 0  # (rounds, B) the rows' active rounds
+        return self.drafter.report(self.state.tree_shapes[1 : self.num_rounds + 1][rounds])  # (M, 2)
+
+    def step(self) -> None:
+        # the newest code of the fastest row is at most this far along (the target cache's bound, less the prompt)
+        self.drafter.set_bound(min(self.bound - self.prefix_length + 1, self.layout.num_tokens))
+        super().step()
+
+
+def head_tree_round(loop: HeadTreeLoop) -> None:
+    """One round of a head tree (`HeadTreeLoop`) on device tensors only: draft, one target pass, keyed samples, the
+    deepest node whose path matches them, commit, and the path's cache slots moved to the row's first ones."""
+    s, backbone = loop.state, loop.backbone
+    active = s.committed < loop.layout.num_tokens  # (B,)
+    # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
+    loop.cache.keep_paths(s.path, s.kept)
+    # 1. draft the tree's nodes from the hidden state that predicted each row's newest code (-1: none offered)
+    fed = torch.cat([s.last[:, None], loop.drafter(backbone, s.hidden, s.committed)], 1)  # (B, T) the root first
+    # 2-5. verify and commit (`verify_tree_round`)
+    hidden, path, accepted = verify_tree_round(loop, fed, loop.tree_tables, active)  # (R, T, D), (B, D + 1), (B,)
+    # 6. the heads' next input: the hidden state of the node that predicted the newest code (conditional rows)
+    node = path.gather(1, (accepted - 1).clamp_min(0)[:, None])  # (B, 1)
+    picked = hidden[: loop.batch_size].gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # (B, D)
+    s.hidden.copy_(torch.where(active[:, None], picked, s.hidden))
+
+
+def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
+    """One round of a drafter that grows each row's own tree (`DynamicTreeLoop`, EAGLE-2) on device tensors only:
+    the drafter reads the codes the last round committed with the features that predicted them and grows the trees,
+    then one target pass, keyed samples, the deepest matching node, commit, and the features of the accepted path
+    kept for the drafter's next round."""
+    s = loop.state
+    active = s.committed < loop.layout.num_tokens  # (B,)
+    # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
+    loop.cache.keep_paths(s.path, s.kept)
+    # 1. the drafter grows one tree per row (its own cache keeps each row's accepted prefix)
+    nodes, tree = loop.drafter(loop)  # (B, T - 1) codes (-1: not offered), `RowTrees`
+    fed = torch.cat([s.last[:, None], nodes], 1)  # (B, T) the root first
+    # 2-5. verify and commit (`verify_tree_round`)
+    tables = tree_tables(tree, loop.node_slots)  # per row
+    hidden, path, accepted = verify_tree_round(loop, fed, tables, active)  # (R, T, D), (B, D + 1), (B,)
+    # 6. the drafter's next input: every row's (CFG rows too) features of the accepted path, and how many it committed
+    path_r = path.repeat(2, 1) if loop.sampling.do_cfg else path  # (R, D + 1)
+    s.features.copy_(hidden.gather(1, path_r[..., None].expand(-1, -1, hidden.shape[-1])))  # (R, D + 1, D)
+    s.fresh.copy_(accepted)
+    s.tree_shapes.index_copy_(0, s.rounds.clamp_max(loop.layout.num_tokens)[None], loop.drafter.shape[None])
+
+
+def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", active: torch.Tensor):
+    """Steps 2-5 and 7 of a tree round: one target pass over the tree ``fed`` ``(B, T)`` (root first, ``-1``: a node
+    not offered) with the tree mask, node ``i`` at the position of grid index (newest + depth; clamped past the grid,
+    where nothing is committed), and the EOL slots where the layout has them (`end_of_row_slots`); every node's keyed
+    sample; the deepest node whose path matches the samples node by node (a sibling is accepted exactly when it equals
+    its parent's sample: `verify_tree` with a point mass); the samples along it committed; the path's cache slots and
+    their count left for the next round's move. Returns the hidden states each node's output stands for ``(R, T, D)``
+    (a node that ends a row: its EOL slot's), the accepted path ``(B, D + 1)`` (padded with its last node) and the
+    codes each row committed ``(B,)``."""
+    s, backbone, sampling, cache, layout = loop.state, loop.backbone, loop.sampling, loop.cache, loop.layout
+    n = layout.num_tokens
+    newest = s.committed[:, None] - 1 + tables.depths  # (B, T) the grid index each node drafts (the root: the newest)
+    offsets = layout.sequence_offset(newest.clamp_max(n - 1))  # (B, T)
+    predicts = newest + 1  # (B, T) the grid index each fed slot's output predicts
+    codes = fed.clamp_min(0)  # (B, T) a slot with no candidate is fed as code 0 and never accepted
+    embeds = backbone.embed_image_tokens(codes.repeat(2, 1) if sampling.do_cfg else codes)  # (R, T, D)
+    mask = tables.mask  # (T, T) or (B, T, T)
+    if layout.has_eol:  # the EOL slots after the nodes that end a row
+        eol = end_of_row_slots(loop, tables, s.committed)
+        offsets, predicts = torch.cat([offsets, eol.offsets], 1), torch.cat([predicts, eol.predicts], 1)  # (B, T + E)
+        eol_embeds = backbone.eol_embedding.to(embeds.dtype).expand(embeds.shape[0], loop.eol_slots, -1)
+        embeds, mask = torch.cat([embeds, eol_embeds], 1), eol.mask  # (R, T + E, D), (B, T + E, T + E)
+    position_ids = loop.first_position + offsets.clamp_max(layout.sequence_length - 1)  # (B, T (+ E))
+    position_ids = position_ids.repeat(2, 1) if sampling.do_cfg else position_ids  # (R, T (+ E))
+    mask = mask.repeat(2, 1, 1) if sampling.do_cfg and mask.dim() == 3 else mask
+    hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T (+ E), D)
+    logits = backbone.image_logits(hidden)  # (R, T (+ E), V) fp32
+    # 3. CFG mix and every slot's keyed sample, then the sample each node's output stands for (a row end: its EOL's)
+    logits = loop.guided(logits)  # (B, T (+ E), V)
+    samples = keyed_sample(logits, sampling, s.seeds, predicts.clamp_max(n - 1))  # (B, T (+ E))
+    if layout.has_eol:
+        samples = samples.gather(1, eol.predictor)  # (B, T)
+        predictor = eol.predictor.repeat(2, 1) if sampling.do_cfg else eol.predictor  # (R, T)
+        hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
+    # 4. a node matches when it equals its parent's sample (a relaxed rule: when the sample lies in the node's claim);
+    #    the accepted node is the deepest whose path all matches
+    if loop.rule.relaxes:
+        predictor = eol.predictor if layout.has_eol else None
+        matches = relaxed_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed, samples, tables)
+    else:
+        matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
+    path, depth = deepest_match(tables, matches)  # (B, D + 1), (B,)
+    accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
+    below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) each code: an accepted node, then the last one's sample
+    codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), samples.gather(1, path))  # (B, D + 1)
+    # 5. commit the run; the slots past it write the spare column N
+    taken = loop.code_offsets < accepted[:, None]  # (B, D + 1)
+    target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, D + 1)
+    s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
+    s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
+    s.rounds.add_(1)
+    s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
+    last = (accepted - 1).clamp_min(0)[:, None]  # (B, 1)
+    s.last.copy_(torch.where(active, codes.gather(1, last)[:, 0], s.last))
+    # 7. each cache row keeps the path's slots (and a crossed row end's EOL slot), moved by the next round (step 0)
+    kept_path, kept = (path_with_end_of_row(loop, eol, path, accepted) if layout.has_eol else (path, accepted))
+    s.committed.add_(accepted)
+    s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
+    s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
+    return hidden, path, accepted
+
+
+def deepest_match(tables: "TreeTables", matches: torch.Tensor):
+    """The deepest node whose every ancestor matches, per row (``matches`` ``(B, T)``): its root-to-node slots
+    ``(B, D + 1)`` (padded with the node) and its depth ``(B,)``. One matmul counts the misses on each node's path."""
+    misses = (~matches).float()[:, None] @ tables.ancestors.transpose(-1, -2)  # (B, 1, T) misses on each node's path
+    best = ((misses[:, 0] == 0) * tables.score).argmax(1)  # (B,)
+    paths = tables.paths.expand(matches.shape[0], -1, -1)  # (B, T, D + 1)
+    path = paths.gather(1, best[:, None, None].expand(-1, 1, paths.shape[-1]))[:, 0]  # (B, D + 1)
+    return path, tables.depths.expand_as(matches).gather(1, best[:, None])[:, 0]
+
+
+def node_probs(logits: torch.Tensor, sampling: SamplingConfig, predictor: Optional[torch.Tensor]) -> torch.Tensor:
+    """``p`` of every tree node's output ``(B, T, V)`` from the mixed logits of every fed slot ``(B, T (+ E), V)``: with
+    end-of-row slots, a node that ends a row stands for its EOL slot's output (``predictor`` ``(B, T)``)."""
+    if predictor is not None:
+        logits = logits.gather(1, predictor[..., None].expand(-1, -1, logits.shape[-1]))  # (B, T, V)
+    return logits_to_probs(logits, sampling)
+
+
+def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], probs: torch.Tensor, fed: torch.Tensor,
+                    samples: torch.Tensor, tables: "TreeTables") -> torch.Tensor:
+    """Which nodes a relaxed rule (LANTERN, LANTERN++) accepts, for point-mass candidates: node ``i`` (code ``x``)
+    matches when its parent's keyed sample ``y`` lies in ``x``'s claim, ``{x}`` and the neighbours it keeps, reckoned
+    on the parent's ``p`` less the claims of the siblings tried before it (whose TVD budget it shares).
+
+    Why this is LANTERN: ``y ~ p``, so sibling ``i`` is accepted, given its earlier siblings were not, with its claim
+    on the residual, and a row that accepts none keeps ``y``, distributed as the residual left after every sibling:
+    `verify_tree_sequential`'s walk, with ``y`` the only randomness. Siblings never both match: an earlier claim's codes
+    have no mass left, so ``y`` among them fails the later ones. Returns ``(B, T)`` bool (the root always matches).
+
+    Args:
+        probs (`torch.Tensor` `(B, T, V)`): the distribution each node's output gives its children.
+        fed (`torch.LongTensor` `(B, T)`): the nodes' codes (``-1``: none offered), root first.
+        samples (`torch.LongTensor` `(B, T)`): each node's keyed sample from ``probs``.
+    """
+    b, t, v = probs.shape
+    parents = tables.parents.expand(b, t)  # (B, T)
+    x, y = fed.clamp_min(0), samples.gather(1, parents)  # (B, T) each node's code and its parent's sample
+    offered = (fed >= 0) & tables.valid & ~tables.is_root  # (B, T)
+    rank, spare = tables.rank.expand(b, t), torch.full_like(parents, t)
+    # per parent (row T: a spare the untried nodes write to): p less its tried children's claims, the TVD they used
+    # (in units of p) and the mass of p the residual stands for
+    residual = torch.cat([probs, probs.new_zeros(b, 1, v)], 1)  # (B, T + 1, V)
+    spent, scale = probs.new_zeros(b, t + 1), probs.new_ones(b, t + 1)  # (B, T + 1)
+    matches = tables.is_root.expand(b, t)
+    for r in range(tables.max_siblings):  # the r-th child of every parent at once (at most one per parent)
+        tried = offered & (rank == r)  # (B, T)
+        p = residual.gather(1, parents[..., None].expand(b, t, v))  # (B, T, V) the parent's residual
+        spent_p, scale_p = spent.gather(1, parents), scale.gather(1, parents)  # (B, T)
+        relaxed = rule.relax(p, x, neighbours, rule.budget_left(spent_p, scale_p))
+        claimed = y == x
+        if relaxed.kept is not None:
+            claimed = claimed | ((relaxed.neighbours == y[..., None]) & relaxed.kept).any(-1)
+        live = p.gather(2, y[..., None])[..., 0] > 0  # y lies in no earlier sibling's claim
+        matches = matches | (tried & claimed & live)
+        rest = relaxed.removed(p, x)  # (B, T, V) what the next sibling is tried against, unnormalised
+        total, spent_next, scale_next = relaxed.rejected(rest, spent_p, scale_p)  # (B, T) each
+        dest = torch.where(tried, parents, spare)[..., None]  # (B, T, 1)
+        nxt = rest / total.clamp_min(1e-30)[..., None]  # all zero once a claim took the rest: no later sibling lives
+        residual = residual.scatter(1, dest.expand(b, t, v), nxt)
+        spent, scale = spent.scatter(1, dest[..., 0], spent_next), scale.scatter(1, dest[..., 0], scale_next)
+    return matches
+
+
+@dataclass
+class EndOfRowSlots:
+    """A round's EOL slots (`end_of_row_slots`), per row.
+
+    Args:
+        depth (`torch.LongTensor` `(B,)`): the depth whose code ends a row (meaningful where ``ends``).
+        ends (`torch.BoolTensor` `(B,)`): a row end (not the grid's last) falls within the tree.
+        predictor (`torch.LongTensor` `(B, T)`): the fed slot whose output predicts the code after each node: the
+            node itself, or its EOL slot ``T + j``.
+        offsets (`torch.LongTensor` `(B, E)`), predicts (`torch.LongTensor` `(B, E)`): each EOL slot's sequence offset
+            and the grid index its output predicts.
+        mask (`torch.BoolTensor` `(B, T + E, T + E)`): the tree mask with the EOL slots.
+    """
+
+    depth: torch.Tensor
+    ends: torch.Tensor
+    predictor: torch.Tensor
+    offsets: torch.Tensor
+    predicts: torch.Tensor
+    mask: torch.Tensor
+
+
+def end_of_row_slots(loop: TreeLoop, tables: "TreeTables", committed: torch.Tensor) -> EndOfRowSlots:
+    """Per row, the EOL slots of a tree round: the nodes at the depth whose code ends a row take EOL slot ``j`` each
+    (in node order; the tree is shallower than a row, so at most one depth does). An EOL slot sits one sequence
+    position after its node's code, sees that node and its ancestors, and is seen by the node's descendants; its
+    output predicts the next row's first code. Unused slots see only themselves and no node sees them."""
+    layout, t, e = loop.layout, loop.num_nodes, loop.eol_slots
+    b, n = committed.shape[0], layout.num_tokens
+    newest = committed - 1  # (B,)
+    depth = layout.width - 1 - newest % layout.width  # (B,) the depth whose code ends the newest code's row
+    ends = (newest // layout.width < layout.height - 1) & (depth < loop.max_codes)  # (B,)
+    depths = tables.depths.expand(b, t)  # (B, T)
+    at_end = (depths == depth[:, None]) & ends[:, None] & tables.valid  # (B, T)
+    rank = at_end.long().cumsum(1) - 1  # (B, T) the node's EOL slot
+    at_end = at_end & (rank < e)
+    node = loop.node_slots.expand(b, t)  # (B, T)
+    owner = torch.full((b, e + 1), -1, dtype=torch.long, device=committed.device)  # (B, E + 1) a spare column
+    owner = owner.scatter(1, torch.where(at_end, rank, e), torch.where(at_end, node, -1))[:, :e]  # (B, E) -1: unused
+    used, owner0 = owner >= 0, owner.clamp_min(0)
+    ancestors = tables.mask.expand(b, t, t)  # (B, T, T) [i, j]: j is i or an ancestor of i
+    # node i sees EOL slot j when the slot's node is a strict ancestor of i; the slot sees its node's ancestors
+    sees = ancestors.gather(2, owner0[:, None, :].expand(b, t, e)) & (node[:, :, None] != owner0[:, None, :]) & used[:, None, :]
+    seen = ancestors.gather(1, owner0[:, :, None].expand(b, e, t)) & used[:, :, None]  # (B, E, T)
+    mask = torch.cat([torch.cat([ancestors, sees], 2), torch.cat([seen, loop.eol_eye.expand(b, e, e)], 2)], 1)
+    end_code = (newest + depth).clamp_max(n - 1)  # (B,) the code that ends the row
+    offsets = (layout.sequence_offset(end_code) + 1)[:, None].expand(b, e)  # (B, E) the EOL's own position
+    return EndOfRowSlots(depth=depth, ends=ends, predictor=torch.where(at_end, t + rank, node),
+                         offsets=offsets, predicts=(end_code + 1)[:, None].expand(b, e), mask=mask)
+
+
+def path_with_end_of_row(loop: TreeLoop, eol: EndOfRowSlots, path: torch.Tensor, accepted: torch.Tensor):
+    """The cache slots a row keeps: its accepted path's ``accepted`` nodes, with the EOL slot after the node that
+    ends a row when the path reaches it (the sequence has the EOL there). Returns ``(slots (B, D + 2), count (B,))``."""
+    offsets, d = loop.path_offsets, eol.depth[:, None]  # (D + 2,), (B, 1)
+    crossed = eol.ends & (eol.depth < accepted)  # (B,) the kept nodes include the row's last code
+    source = torch.where(offsets <= d, offsets, offsets - 1).clamp_max(path.shape[1] - 1)  # (B, D + 2)
+    shifted = path.gather(1, source)  # the path, one later after the row end
+    end_node = path.gather(1, d.clamp_max(path.shape[1] - 1))  # (B, 1)
+    shifted = torch.where(offsets == d + 1, eol.predictor.gather(1, end_node), shifted)  # its EOL slot
+    padded = torch.cat([path, path[:, -1:]], 1)  # (B, D + 2)
+    return torch.where(crossed[:, None], shifted, padded), accepted + crossed.long()
+
+
+@dataclass
+class TreeTables:
+    """What verifying a tree reads, for one tree ``(T, ...)`` shared by every row (`HeadTreeLoop`) or one per row
+    ``(B, T, ...)`` (`DynamicTreeLoop`).
+
+    Args:
+        depths (`torch.LongTensor` `(T,)` or `(B, T)`): node depths (root 0).
+        mask (`torch.BoolTensor` `(T, T)` or `(B, T, T)`): each node sees itself and its ancestors.
+        parents (`torch.LongTensor`): each node's parent (the root and padding: itself's slot 0, never read as a
+            match: ``is_root`` or a missing candidate).
+        is_root (`torch.BoolTensor` `(T,)`): the root, always accepted.
+        ancestors (`torch.Tensor` float): ``[.., i, j]`` is 1 when ``j`` is ``i`` or an ancestor (a matmul counts misses).
+        paths (`torch.LongTensor` `(T, D + 1)` or `(B, T, D + 1)`): root-to-node slots, padded with the node itself.
+        score (`torch.LongTensor`): > 0 for a node that may be accepted, deeper first; 0 for padding.
+        valid (`torch.BoolTensor` `(T,)` or `(B, T)`): real nodes (padding is not).
+        rank (`torch.LongTensor` `(T,)` or `(B, T)`): a node's place among its siblings (tried in that order).
+        max_siblings (`int`): a bound on any node's children (host int).
+    """
+
+    depths: torch.Tensor
+    mask: torch.Tensor
+    parents: torch.Tensor
+    is_root: torch.Tensor
+    ancestors: torch.Tensor
+    paths: torch.Tensor
+    score: torch.Tensor
+    valid: torch.Tensor
+    rank: torch.Tensor
+    max_siblings: int
+
+
+def tree_tables(tree, slots: torch.Tensor) -> TreeTables:
+    """`TreeTables` of a `DraftTree` (built once per generation) or of `RowTrees` (every round, on the device);
+    ``slots`` is ``0 .. T - 1`` ``(T,)``. The deepest matching node wins; siblings never both match (distinct
+    candidates against one sample)."""
+    t = tree.num_nodes
+    node = slots[None, :, None] if tree.per_row else slots[:, None]  # a node's own slot pads its path
+    valid = tree.valid if tree.per_row else torch.ones_like(slots, dtype=torch.bool)
+    return TreeTables(depths=tree.depths, mask=tree.attention_mask, parents=tree.parents.clamp_min(0), is_root=slots == 0,
+                      ancestors=tree.attention_mask.float(), paths=torch.where(tree.node_paths < 0, node, tree.node_paths),
+                      score=((tree.depths + 1) * t - slots) * valid, valid=valid,
+                      rank=tree.earlier_siblings.sum(-1), max_siblings=tree.max_children)
