@@ -28,11 +28,7 @@ ALLOWED = {}  # none today
 
 #: (importer, imported) -> why the import is still there: an import cycle through it is not reported; an entry that is
 #: no longer an import fails (`test_the_import_allowances_are_not_stale`)
-ALLOWED_IMPORTS = {
-    ("spatial_pipelines.pipelines.folder_checks", "spatial_pipelines"):
-        "`_resolve` looks a component's class up by name on the package's public face (`import spatial_pipelines`, "
-        "as diffusers does); it goes when that lookup reads the registries (`find_registered`) instead",
-}
+ALLOWED_IMPORTS = {}
 
 #: ``{subpackage: subpackages it must not import}`` (a function-level import counts)
 LOWER_LAYERS = {

@@ -60,15 +60,8 @@ def _resolve(library, class_name, where: str):
     if top not in KNOWN_LIBRARIES:
         raise ValueError(f"{where} names the library {library!r}; a pipeline folder's components come from "
                          f"{', '.join(KNOWN_LIBRARIES)} only.")
-    if top == "spatial_pipelines":
-        import spatial_pipelines
-
-        found = getattr(spatial_pipelines, class_name, None)
-        if found is None:
-            for base in (SpatialDecoderMixin, DraftHeadsMixin, ModelMixin):
-                found = find_subclass(base, class_name)
-                if found is not None:
-                    break
+    if top == "spatial_pipelines":  # a component class of this library: read off the loaded classes (the registries)
+        found = next(filter(None, (find_subclass(base, class_name) for base in (SpatialDecoderMixin, DraftHeadsMixin, ModelMixin))), None)
     else:
         try:
             found = getattr(importlib.import_module(library), class_name, None)
