@@ -47,7 +47,6 @@ by a time limit keeps what it measured) and ``peer_check.md``.
 import argparse
 import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -61,6 +60,7 @@ import spatial_pipelines
 from spatial_pipelines import DECODERS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from keyed_noise_cost import cpu_name  # noqa: E402
 from peer_families import Subject, family_of, peer_rows  # noqa: E402
 
 PROMPTS = ["a red fox in the snow", "a bowl of ramen on a wooden table", "a lighthouse at dusk", "an astronaut riding a horse",
@@ -284,13 +284,7 @@ def columns(rows: List[Row]) -> dict:
 def device_name(args) -> str:
     if args.device.type == "cuda":
         return torch.cuda.get_device_name(args.device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"cpu ({cpu}, {torch.get_num_threads()} threads)"
+    return f"cpu ({cpu_name()}, {torch.get_num_threads()} threads)"
 
 
 def markdown(report: dict) -> str:

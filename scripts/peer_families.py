@@ -8,6 +8,7 @@ unless ``temperature`` is 0, ``warm``: a short call that warms kernels and the a
 whole). ``passes``: the peer's forward steps (one per generated token; the CFG rows advance in the same step).
 """
 
+import abc
 import contextlib
 import copy
 from typing import Dict, List, Optional, Tuple
@@ -54,26 +55,33 @@ class Subject:
         return {"trunk_m": round(trunk / 1e6, 1), "total_m": round(total / 1e6, 1)}
 
 
-class Family:
-    name: str = ""
-    pipeline_class = None
+class Family(abc.ABC):
+    """A family's adapter; a subclass sets ``name`` and ``pipeline_class`` and writes every abstract method (one it
+    forgets fails at instantiation)."""
+
+    name: str
+    pipeline_class: type
     #: whether the peer has a compiled row (``peer [compiled]``)
     compiled_peer: bool = False
 
+    @abc.abstractmethod
     def build(self, layout: dict, device, dtype, natural_scale: bool) -> dict:
-        raise NotImplementedError
+        """The model's components for ``layout``."""
 
+    @abc.abstractmethod
     def sampling(self, layout: dict) -> dict:
-        raise NotImplementedError
+        """The family's released sampling defaults."""
 
+    @abc.abstractmethod
     def trunk(self, model) -> torch.nn.Module:
-        raise NotImplementedError
+        """The language model trunk of ``model``."""
 
     def prompts(self, layout: dict, texts: List[str]) -> List[str]:
         return list(texts)
 
+    @abc.abstractmethod
     def peer(self, subject: Subject, prompts, n: int, temperature: float, seed: int, compiled=False, warm=False):
-        raise NotImplementedError
+        """The peer's codes for ``prompts`` (``n`` images each)."""
 
     def peer_text(self) -> str:
         """What the peer is, for the report (the class docstring from ``Peer:`` on, on one line)."""
