@@ -39,8 +39,8 @@ and named in the report):
    - recompiles while timed (graphs dynamo compiled during the timed calls, 0 expected), codes per pass, passes per
      image, images per second, padded share, speed-ups against eager AR and AR of the same mode.
 3. Round breakdown, while the budget lasts: one generation per decoder at one image under `pipe.profile_rounds`
-   (synchronised on a GPU: ms per round in the draft, end-of-row, forward, accept and KV parts of the row-group loop,
-   which profile_rounds always runs), compiled then eager.
+   (synchronised on a GPU: ms per round whole and in the host's reads; eager rounds also in their draft,
+   end-of-row, forward, accept and KV parts), compiled then eager.
 
 Time on one H100 (bf16; from the runs of 2026-11-26): the roofline takes about 7 s, a compiled row of the embedded
 model about 20 s (inductor compiles its graphs in its untimed call), an eager row 5 to 15 s, a compiled row of the
@@ -89,7 +89,7 @@ FIRST_DECODERS = ("ar", "sjd", "medusa")  # the rows that come first: AR is ever
 # budget seconds a row needs to start, eager and compiled: a compiled row's untimed call compiles its graphs (about
 # 20 s with inductor on the embedded model; 90 s on the 1B-class trunk)
 ROW_RESERVE_S = {"embedded": {False: 15.0, True: 40.0}, "janus-pro-1b-layout": {False: 40.0, True: 150.0}}
-PARTS = ("draft", "eol", "forward", "accept", "kv", "round")
+PARTS = ("draft", "eol", "forward", "accept", "kv", "round", "sync")
 
 
 def default_decoders() -> list:
@@ -448,8 +448,8 @@ def add_ar_reference(rows: dict) -> None:
 
 def round_breakdown(rows: ModelRows, compiled: bool) -> dict:
     """Where a round's time goes, per decoder at one image: a generation under `pipe.profile_rounds` (synchronised on
-    a GPU; the row-group loop, which it always runs) after one that compiles what it runs: ms per round in the draft,
-    end-of-row, forward, accept and KV parts."""
+    a GPU) after one that compiles what it runs: ms per round whole and in the host's reads, and an eager round's
+    draft, end-of-row, forward, accept and KV parts."""
     args, run, out = rows.args, rows.run, {}
     synchronize = (lambda: sync(args.device)) if args.device.type == "cuda" else None
     for name in args.decoders:
@@ -458,7 +458,7 @@ def round_breakdown(rows: ModelRows, compiled: bool) -> dict:
             rows.section["skipped_rows"].append(f"breakdown {key}")
             continue
         pipe = rows.use(compiled, name)
-        for _ in range(2):  # the first call compiles the row-group loop's graphs, the second is kept
+        for _ in range(2):  # the first call compiles the round's graphs, the second is kept
             with pipe.profile_rounds(synchronize=synchronize) as timer:
                 res = pipe(rows.prompts[:1], generator=torch.Generator().manual_seed(0), output_type="latent")
         rounds = res.stats.num_forward_passes - 1  # the prefill is no round

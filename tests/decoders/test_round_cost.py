@@ -342,8 +342,9 @@ def test_sequential_walk_takes_a_chain_tail_in_one_step_with_the_same_law(propos
     assert _same_law(fast, slow) > 1e-4
 
 
-def test_round_timer_sections():
+def test_round_timer_sections_of_the_row_group_loop():
     pipe = dummy_pipeline("llamagen", MedusaDecoder(), "random", grid=(4, 5))
+    pipe.device_rounds = False  # the device round's sections: tests/pipelines/test_device_loop.py
     with pipe.profile_rounds() as timer:
         out = pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
     assert timer.rounds == out.stats.num_forward_passes - 1

@@ -156,8 +156,7 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
     (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
     (JacobiDecoder(window_size=3, init="random"), {}),  # drafts what the device round does not
     (JacobiDecoder(window_size=3), {"sampling_noise": "drawn"}),  # random draws as the decoder goes
-    (JacobiDecoder(window_size=3), {"callback_on_step_end": lambda pipe, i, n, kwargs: kwargs}),  # sees every round
-], ids=["medusa-deeper-than-a-row", "sjd-lantern-continuation", "eagle-deeper-than-a-row", "adt-random", "proactive", "init-random", "drawn-noise", "callback"])
+], ids=["medusa-deeper-than-a-row", "sjd-lantern-continuation", "eagle-deeper-than-a-row", "adt-random", "proactive", "init-random", "drawn-noise"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
     pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)
@@ -298,3 +297,95 @@ def test_the_state_is_typed_and_the_cache_rows_advance_on_the_device():
     assert torch.equal(loop.cache.row_starts, torch.full((4,), prefix + n - 1))
     assert torch.equal(loop.cache.key_valid[:, prefix: prefix + n - 1], torch.ones(4, n - 1, dtype=torch.bool))
     assert not loop.cache.key_valid[:, prefix + n - 1:].any()
+
+
+#: a chain, a static tree and a grown tree, with and without end-of-row tokens
+CALLBACK_CASES = [pytest.param("llamagen", False, *DECODERS[2], id="sjd-3"),
+                  pytest.param("llamagen", True, *TREES[1], id="eol-medusa-4"),
+                  pytest.param("janus", False, *EAGLE_TREES[1], id="janus-eagle-8")]
+
+
+def _grids_after_each_round(out):
+    """``(rounds, B, H, W)``: the output's grids as they stood after each round (``-1``: not yet committed), from its
+    per-pass accepted lengths."""
+    tokens, accepted = out.tokens.flatten(1), out.stats.accepted_lengths  # (B, N), (passes, B)
+    committed = accepted.cumsum(0)[1:]  # (rounds, B) after each round
+    index = torch.arange(tokens.shape[1])
+    return torch.where(index < committed[..., None], tokens, -1).unflatten(-1, out.tokens.shape[1:])
+
+
+@pytest.mark.parametrize("family,end_of_row,decoder_cls,kwargs", CALLBACK_CASES)
+def test_a_step_callback_runs_on_the_device_and_sees_every_round(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+    """diffusers' ``callback_on_step_end`` on the device rounds: the host reads after every round, the callback sees
+    each round's grids, counts and ``num_timesteps`` and changes nothing it does not return, a guidance scale it sets
+    is used from the next round, and ``pipe._interrupt`` stops the call after its round."""
+    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
+    loops = _device_runs(monkeypatch, pipe)
+    common = dict(guidance_scale=2.0, output_type="latent")
+    plain = pipe(PROMPTS[:2], generator=_generators(2), **common)
+    seen = []
+
+    def callback(p, i, n, kwargs):
+        seen.append((i, n, p.num_timesteps, kwargs["tokens"].clone()))
+        kwargs["tokens"].fill_(0)  # a copy: changes nothing
+        return None
+
+    out = pipe(PROMPTS[:2], generator=_generators(2), callback_on_step_end=callback,
+               callback_on_step_end_tensor_inputs=["tokens"], **common)
+    assert len(loops) == 2 and torch.equal(out.tokens, plain.tokens)
+    assert torch.equal(out.stats.accepted_lengths, plain.stats.accepted_lengths)
+    rounds = out.stats.num_forward_passes - 1
+    grids = _grids_after_each_round(out)
+    assert [s[0] for s in seen] == list(range(rounds)) and rounds > 3
+    assert [s[2] for s in seen] == [i + 2 for i in range(rounds - 1)] + [rounds]  # `num_timesteps`: run, and one more
+    for i, (_, n, _, tokens) in enumerate(seen):
+        assert torch.equal(tokens, grids[i]) and n == int((grids[i] >= 0).flatten(1).sum(1).min())
+
+    def rescale(p, i, n, kwargs):
+        if i == 1:
+            p._guidance_scale = 6.0
+        return kwargs
+
+    rescaled = pipe(PROMPTS[:2], generator=_generators(2), callback_on_step_end=rescale, **common)
+    before = _grids_after_each_round(plain)[1]  # what the first two rounds committed: the same
+    assert torch.equal(torch.where(before >= 0, rescaled.tokens, -1), before)
+    assert not torch.equal(rescaled.tokens, plain.tokens)
+
+    def stop(p, i, n, kwargs):
+        p._interrupt = i == 2
+        return kwargs
+
+    stopped = pipe(PROMPTS[:2], generator=_generators(2), callback_on_step_end=stop, **common)
+    assert stopped.stats.num_forward_passes == 4 and torch.equal(stopped.tokens, _grids_after_each_round(plain)[2])
+    assert len(loops) == 4
+
+
+def test_profile_rounds_times_the_parts_of_an_eager_device_round_and_every_round_of_a_compiled_one():
+    pipe = _pipe("llamagen", True, MedusaDecoder(num_draft_tokens=4))
+    loops = []
+    run = pipe.loop._run_device
+    pipe.loop._run_device = lambda loop, *a: (loops.append(loop), run(loop, *a))[1]
+    with pipe.profile_rounds() as timer:
+        out = pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert len(loops) == 1 and timer.rounds == out.stats.num_forward_passes - 1
+    assert {"draft", "eol", "forward", "accept", "kv", "round", "sync"} <= set(timer.seconds)
+    assert 0 < sum(timer.seconds[k] for k in ("draft", "eol", "forward", "accept", "kv")) <= timer.seconds["round"]
+    pipe.enable_compile(backend="eager", keep_if_slower=True, measure=False)
+    with pipe.profile_rounds() as timer:
+        again = pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert torch.equal(again.tokens, out.tokens) and len(loops) == 2
+    assert set(timer.seconds) == {"round", "sync"} and timer.rounds == again.stats.num_forward_passes - 1
+
+
+def test_a_compiled_round_with_a_step_callback_stays_one_graph():
+    """With a step callback the host reads the device after every round; the round is still one graph, and the read
+    and the callback's copies are all that runs around it."""
+    pipe = _pipe("llamagen", False, JacobiDecoder(window_size=3), grid=(8, 8))
+    pipe.enable_compile(backend="eager", keep_if_slower=True, measure=False)
+    callback = lambda p, i, n, kwargs: kwargs  # noqa: E731
+    pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent", callback_on_step_end=callback)  # compiles
+    with torch._dynamo.config.patch(error_on_recompile=True), count_rounds(pipe) as counts:
+        out = pipe(PROMPTS[1:], guidance_scale=3.0, generator=_generators(2), output_type="latent", callback_on_step_end=callback)
+    assert counts.rounds == out.stats.num_forward_passes - 1 > 0
+    assert counts.recompiles == 0 and counts.compiled_calls == counts.rounds
+    assert counts.eager_ops_per_round <= 10, counts.as_dict()

@@ -30,8 +30,8 @@ class CallbackStateMixin:
     the last round is ``step_index == pipe.num_timesteps - 1``; after the call, the rounds run), set
     ``pipe._guidance_scale`` (used from the next round; a call with ``guidance_scale=1`` cannot turn guidance on) and
     set ``pipe._interrupt = True`` (the call stops after this round; undecoded codes stay ``-1`` and are mid-grey in
-    images). A callback sees every round, so a call with one runs the row-group loop, which reads the device every
-    round (chain decoders otherwise run their rounds on the device and read it once per sync: `device_loop`).
+    images). A callback sees every round, so while one is set the rounds on the device (`device_loop`) read the device
+    after every round instead of once per sync; the round itself stays one graph.
     """
 
     _callback_tensor_inputs = CALLBACK_TENSOR_INPUTS
@@ -89,7 +89,9 @@ class CallbackStateMixin:
         silently dropped. After the last round a returned grid replaces the output."""
         layout = state.layout
         grid = layout.grid(state.tokens)
-        tensors = {"tokens": grid, "latents": grid, "acceptance_map": layout.grid(state.acceptance_map)}
+        tensors = {"tokens": grid, "latents": grid}
+        if "acceptance_map" in tensor_inputs:  # built only when asked for: a round with a callback runs few ops around it
+            tensors["acceptance_map"] = layout.grid(state.acceptance_map)
         outputs = callback(self, step_index, state.num_committed, {k: tensors[k].clone() for k in tensor_inputs})
         self._follow_guidance(state)
         if outputs is None:
@@ -104,7 +106,8 @@ class CallbackStateMixin:
             if not isinstance(value, torch.Tensor) or value.shape != current.shape:
                 raise ValueError(f"`callback_on_step_end` returned `{name}` of shape "
                                  f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}; expected {tuple(current.shape)}.")
-            value = value.to(current.device, current.dtype)
+            if value.device != current.device or value.dtype != current.dtype:
+                value = value.to(current.device, current.dtype)
             if name in ("tokens", "latents") and not torch.equal(value, current):
                 if not state.finished:
                     raise ValueError(f"`callback_on_step_end` returned `{name}` with changed codes before the last round; "

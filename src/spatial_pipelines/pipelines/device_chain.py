@@ -29,7 +29,7 @@ from ..core.kv_cache import StaticKVCache
 from ..core.sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample, keyed_uniform, logits_to_probs,
                              one_hot)
 from .backbone import PromptEmbeddings, SpatialBackbone
-from .device_loop import DeviceLoop, DeviceState
+from .device_loop import DeviceLoop, DeviceState, record_progress
 
 
 #: What a draw from an already-filtered distribution samples with: its log as the logits, at temperature 1
@@ -107,13 +107,54 @@ def fed_slots(layout, window: int) -> int:
 
 def chain_round(loop: ChainLoop) -> None:
     """One round of a chain decoder, steps 1-7 of the module docstring, on device tensors only."""
-    s, backbone, sampling, layout, cache = loop.state, loop.backbone, loop.sampling, loop.layout, loop.cache
-    n, width, window = layout.num_tokens, layout.width, loop.window
+    s, sampling, layout, cache, timer = loop.state, loop.sampling, loop.layout, loop.cache, loop.timer
+    n, window = layout.num_tokens, loop.window
     active = s.committed < n  # (B,)
     codes = s.committed[:, None] + loop.code_offsets  # (B, L + 1) the grid index each code slot predicts
+    start = layout.sequence_offset(s.committed - 1)  # (B,) sequence offset of the newest code
+    with timer.section("forward"):  # `profile_rounds` in an eager round (a compiled round keeps no sections)
+        logits = chain_forward(loop, start, codes)  # (R, L + 1, V) fp32
+    with timer.section("accept"):
+        # 3. CFG mix and every code slot's keyed sample
+        logits = loop.guided(logits)  # (B, L + 1, V)
+        samples = keyed_sample(logits, sampling, s.seeds, codes.clamp_max(n - 1))  # (B, L + 1)
+        # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position (a
+        #    relaxed rule: LANTERN's test of each draft against its proposal, `relaxed_chain`)
+        probs = logits_to_probs(logits, sampling) if loop.rule.relaxes else None  # (B, L + 1, V)
+        if probs is not None:
+            commit, matches = relaxed_chain(loop, probs, codes.clamp_max(n - 1))  # (B, L + 1), (B,)
+        else:
+            commit, matches = samples, (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)
+        accepted = torch.minimum(1 + matches, n - s.committed) * active  # (B,) 0 once finished
+        # 5. commit the run; the slots past it write the spare column N
+        taken = loop.code_offsets < accepted[:, None]  # (B, L + 1)
+        target = torch.where(taken, codes, n)  # (B, L + 1)
+        s.tokens.scatter_(1, target, torch.where(taken, commit, -1))
+        s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
+        s.rounds.add_(1)
+        s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
+        committed = s.committed + accepted  # (B,)
+        s.last.copy_(torch.where(active, commit.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
+    # 6. the next drafts: this pass's samples after the run, then the code one row above (the newest where none)
+    if window:
+        with timer.section("draft"):
+            next_drafts(loop, samples, accepted, committed, probs)
+    # 7. each cache row keeps the fed slots up to its newest code (a prefix), its CFG twin the same
+    kept = (layout.sequence_offset(committed - 1) - start) * active  # (B,) = accepted without EOLs
+    s.committed.copy_(committed)
+    record_progress(s)
+    with timer.section("kv"):
+        cache.keep_prefixes(kept.repeat(2) if sampling.do_cfg else kept)
+
+
+def chain_forward(loop: ChainLoop, start: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Steps 1-2 of a chain round: every row's newest code and drafts fed at its own positions from sequence offset
+    ``start`` ``(B,)``, one target pass; the logits of the slot before each code slot ``codes`` ``(B, L + 1)`` (grid
+    indices) predicts, ``(R, L + 1, V)`` fp32."""
+    s, backbone, sampling, layout, cache = loop.state, loop.backbone, loop.sampling, loop.layout, loop.cache
+    n, width, window = layout.num_tokens, layout.width, loop.window
     # 1. feed the newest code and the drafts at each row's own positions (with end-of-row tokens: every sequence
     #    position from the newest code's on, an EOL where a row ends; past the grid, positions are clamped)
-    start = layout.sequence_offset(s.committed - 1)  # (B,) sequence offset of the newest code
     offset = start[:, None] + loop.slots  # (B, T) sequence offset of every fed slot
     position_ids = loop.first_position + offset.clamp_max(layout.sequence_length - 1)  # (B, T)
     if layout.has_eol:
@@ -134,34 +175,7 @@ def chain_round(loop: ChainLoop) -> None:
     if layout.has_eol:  # the slot before each code predicts it (after a row's end: the EOL's slot)
         rows = predicting.repeat(2, 1) if sampling.do_cfg else predicting  # (R, L + 1)
         hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, L + 1, D)
-    logits = backbone.image_logits(hidden)  # (R, L + 1, V) fp32
-    # 3. CFG mix and every code slot's keyed sample
-    logits = loop.guided(logits)  # (B, L + 1, V)
-    samples = keyed_sample(logits, sampling, s.seeds, codes.clamp_max(n - 1))  # (B, L + 1)
-    # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position (a
-    #    relaxed rule: LANTERN's test of each draft against its proposal, `relaxed_chain`)
-    probs = logits_to_probs(logits, sampling) if loop.rule.relaxes else None  # (B, L + 1, V)
-    if probs is not None:
-        commit, matches = relaxed_chain(loop, probs, codes.clamp_max(n - 1))  # (B, L + 1), (B,)
-    else:
-        commit, matches = samples, (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)
-    accepted = torch.minimum(1 + matches, n - s.committed) * active  # (B,) 0 once finished
-    # 5. commit the run; the slots past it write the spare column N
-    taken = loop.code_offsets < accepted[:, None]  # (B, L + 1)
-    target = torch.where(taken, codes, n)  # (B, L + 1)
-    s.tokens.scatter_(1, target, torch.where(taken, commit, -1))
-    s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
-    s.rounds.add_(1)
-    s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
-    committed = s.committed + accepted  # (B,)
-    s.last.copy_(torch.where(active, commit.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
-    # 6. the next drafts: this pass's samples after the run, then the code one row above (the newest where none)
-    if window:
-        next_drafts(loop, samples, accepted, committed, probs)
-    # 7. each cache row keeps the fed slots up to its newest code (a prefix), its CFG twin the same
-    kept = (layout.sequence_offset(committed - 1) - start) * active  # (B,) = accepted without EOLs
-    s.committed.copy_(committed)
-    cache.keep_prefixes(kept.repeat(2) if sampling.do_cfg else kept)
+    return backbone.image_logits(hidden)  # (R, L + 1, V) fp32
 
 
 def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, committed: torch.Tensor,

@@ -29,6 +29,7 @@ import torch
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
 from ..core.sampling import TINY_TEMPERATURE, SamplingConfig, cfg_mix, keyed_sample
+from ..utils import NULL_TIMER
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 
@@ -51,6 +52,8 @@ class DeviceState:
         accepted (`torch.LongTensor` `(P, B)`): codes each pass committed per row (row 0: the prompt pass).
         rounds (`torch.LongTensor` `()`): rounds run (the next row of ``accepted``).
         seeds (`torch.LongTensor` `(B,)`): the rows' noise seeds.
+        progress (`torch.LongTensor` `(3,)`): the fewest, the most and the total codes committed over the rows, written
+            by every round (`record_progress`) so that a sync reads one small tensor and runs no op of its own.
     """
 
     tokens: torch.Tensor
@@ -60,6 +63,7 @@ class DeviceState:
     accepted: torch.Tensor
     rounds: torch.Tensor
     seeds: torch.Tensor
+    progress: torch.Tensor
 
 
 class DeviceLoop:
@@ -93,6 +97,7 @@ class DeviceLoop:
             raise ValueError(f"{rule!r} needs the codebook neighbour table: pass `neighbours` "
                              "(`SpatialBackbone.code_neighbours`).")
         self.rule, self.neighbours = rule, neighbours
+        self.user_sampling = sampling  # what the call asked for (a step callback reads it and changes its guidance scale)
         layout, guidance_scale, temperature = backbone.layout, sampling.guidance_scale, sampling.temperature
         # the round sees the CFG scale and the temperature as tensors only, so its graph does not depend on their
         # values (the logits are divided by the temperature before sampling at 1: the same floats)
@@ -113,6 +118,7 @@ class DeviceLoop:
             accepted=torch.zeros(n + 1, b, dtype=torch.long, device=device),
             rounds=torch.zeros((), dtype=torch.long, device=device),
             seeds=seeds.to(device),
+            progress=torch.zeros(3, dtype=torch.long, device=device),
         )
         # constants of every round, built once: nothing is made from Python values inside a round
         self.slots = torch.arange(self.fed, device=device)  # (T,)
@@ -126,6 +132,9 @@ class DeviceLoop:
         self.bound = 0  # host-side: no cache row holds more than this many filled slots
         self.last_start = self.prefix_length + layout.sequence_offset(n - 1)  # a row's filled slots when it is done
         self.max_rounds_per_sync = MAX_ROUNDS_PER_SYNC
+        # `profile_rounds`: ``timer`` times the parts of an eager round (a compiled round is one graph: it keeps
+        # `NULL_TIMER`, whose sections trace to nothing), ``host_timer`` each whole round and each read of the device
+        self.timer = self.host_timer = NULL_TIMER
 
     def new_state(self, **common) -> DeviceState:
         raise NotImplementedError(f"{type(self).__name__} must define `new_state`.")
@@ -161,6 +170,7 @@ class DeviceLoop:
         s.committed.fill_(1)
         s.last.copy_(first)
         s.accepted[0] = 1
+        record_progress(s)
         self.start_rows(first, hidden[:, -1])
         self.cache.track_rows_on_device(self.fed)
         self.bound = self.prefix_length
@@ -169,27 +179,36 @@ class DeviceLoop:
             for tensor in self.static_tensors():
                 torch._dynamo.mark_static_address(tensor)
 
-    def run(self, on_sync: Optional[Callable[[int], None]] = None) -> int:
+    def run(self, on_sync: Optional[Callable[[int], None]] = None, on_round: Optional[Callable[[int, int], None]] = None,
+            interrupted: Optional[Callable[[], bool]] = None) -> int:
         """Rounds until every grid is full; returns how many. Between two reads of the device run the fewest rounds
         the slowest row still needs, at most ``max_rounds_per_sync``; ``on_sync(codes committed over the batch)`` is
-        called after each read (the progress bar)."""
-        n, committed = self.layout.num_tokens, self.state.committed
+        called after each read (the progress bar).
+
+        With ``on_round`` (a step callback) the host reads the device after every round and calls
+        ``on_round(round index, the slowest row's committed codes)`` (`RoundView` shows the grids). ``interrupted()`` is asked after every
+        read: true stops the generation there."""
+        n, progress = self.layout.num_tokens, self.state.progress
         while True:
-            slowest, fastest, total = torch.stack([committed.min(), committed.max(), committed.sum()]).tolist()  # the sync
+            with self.host_timer.section("sync"):
+                slowest, fastest, total = progress.tolist()  # the sync: what the last round recorded
             self.bound = self.prefix_length + self.layout.sequence_offset(fastest - 1)  # the longest cache row, exactly
             if on_sync is not None:
                 on_sync(total)
-            if slowest >= n:
+            if on_round is not None and self.num_rounds:  # the callback sees the round just run
+                on_round(self.num_rounds - 1, slowest)
+            if slowest >= n or (interrupted is not None and interrupted()):
                 return self.num_rounds
             needed = math.ceil((n - slowest) / self.max_codes)  # rounds the slowest row needs at least
-            for _ in range(min(needed, self.max_rounds_per_sync)):
+            for _ in range(1 if on_round is not None else min(needed, self.max_rounds_per_sync)):
                 self.step()
 
     def step(self) -> None:
         """One round, after telling the cache the host's bound on its rows' filled slots."""
         end = min(self.bound, self.last_start) + self.fed
         self.cache.set_bound(end)
-        self.round_fn(self)
+        with self.host_timer.section("round"):
+            self.round_fn(self)
         self.bound = end
         self.num_rounds += 1
 
@@ -213,6 +232,39 @@ class DeviceLoop:
         return {}
 
 
+class RoundView:
+    """What a step callback sees of a generation on the device (`CallbackStateMixin._run_callback`): every row's grid
+    and acceptance record so far (views of the device state: a callback's returned grid is written into it), the
+    slowest row's count, and the call's sampling, whose guidance scale a callback may change (the rounds read it as a
+    tensor, so a new scale is no new graph).
+
+    Args:
+        loop (`DeviceLoop`): the generation.
+        num_committed (`int`): the slowest row's committed codes (read by the host after the round).
+    """
+
+    def __init__(self, loop: DeviceLoop, num_committed: int):
+        self.loop, self.num_committed, self.layout = loop, num_committed, loop.layout
+        self.finished = num_committed >= loop.layout.num_tokens
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.loop.state.tokens[:, :-1]  # (B, N) without the spare column
+
+    @property
+    def acceptance_map(self) -> torch.Tensor:
+        return self.loop.state.acceptance_map[:, :-1]  # (B, N)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.loop.user_sampling
+
+    @sampling.setter
+    def sampling(self, value: SamplingConfig) -> None:
+        self.loop.user_sampling = value
+        self.loop.guidance_scale.fill_(float(value.guidance_scale))
+
+
 def compile_round(round_fn: Callable, fullgraph: bool = True, **options) -> Callable[[DeviceLoop], None]:
     """A round function (a loop's `DeviceLoop.default_round`: `device_chain.chain_round`, `device_tree.head_tree_round`
     or `device_tree.dynamic_tree_round`) compiled whole (``torch.compile(fullgraph=True)``): one graph per batch, draft
@@ -230,6 +282,13 @@ def compile_round(round_fn: Callable, fullgraph: bool = True, **options) -> Call
             compiled(loop)
 
     return run
+
+
+def record_progress(state: DeviceState) -> None:
+    """The end of every round (and of the prompt pass): the fewest, most and total committed codes, which the host
+    reads at a sync (inside the round's graph the reductions cost nothing; outside it they would be four ops)."""
+    committed = state.committed
+    state.progress.copy_(torch.stack([committed.min(), committed.max(), committed.sum()]))
 
 
 def state_tensors(state: DeviceState) -> List[torch.Tensor]:

@@ -24,7 +24,7 @@ from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
 from ..core.sampling import SamplingConfig, keyed_sample, logits_to_probs
 from .backbone import PromptEmbeddings, SpatialBackbone
-from .device_loop import DeviceLoop, DeviceState
+from .device_loop import DeviceLoop, DeviceState, record_progress
 
 
 @dataclass
@@ -206,9 +206,11 @@ def head_tree_round(loop: HeadTreeLoop) -> None:
     s, backbone = loop.state, loop.backbone
     active = s.committed < loop.layout.num_tokens  # (B,)
     # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
-    loop.cache.keep_paths(s.path, s.kept)
+    with loop.timer.section("kv"):  # `profile_rounds` in an eager round (a compiled round keeps no sections)
+        loop.cache.keep_paths(s.path, s.kept)
     # 1. draft the tree's nodes from the hidden state that predicted each row's newest code (-1: none offered)
-    fed = torch.cat([s.last[:, None], loop.drafter(backbone, s.hidden, s.committed)], 1)  # (B, T) the root first
+    with loop.timer.section("draft"):
+        fed = torch.cat([s.last[:, None], loop.drafter(backbone, s.hidden, s.committed)], 1)  # (B, T) the root first
     # 2-5. verify and commit (`verify_tree_round`)
     hidden, path, accepted = verify_tree_round(loop, fed, loop.tree_tables, active)  # (R, T, D), (B, D + 1), (B,)
     # 6. the heads' next input: the hidden state of the node that predicted the newest code (conditional rows)
@@ -225,9 +227,11 @@ def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
     s = loop.state
     active = s.committed < loop.layout.num_tokens  # (B,)
     # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
-    loop.cache.keep_paths(s.path, s.kept)
+    with loop.timer.section("kv"):  # `profile_rounds` in an eager round (a compiled round keeps no sections)
+        loop.cache.keep_paths(s.path, s.kept)
     # 1. the drafter grows one tree per row (its own cache keeps each row's accepted prefix)
-    nodes, tree = loop.drafter(loop)  # (B, T - 1) codes (-1: not offered), `RowTrees`
+    with loop.timer.section("draft"):
+        nodes, tree = loop.drafter(loop)  # (B, T - 1) codes (-1: not offered), `RowTrees`
     fed = torch.cat([s.last[:, None], nodes], 1)  # (B, T) the root first
     # 2-5. verify and commit (`verify_tree_round`)
     tables = tree_tables(tree, loop.node_slots)  # per row
@@ -248,6 +252,54 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
     their count left for the next round's move. Returns the hidden states each node's output stands for ``(R, T, D)``
     (a node that ends a row: its EOL slot's), the accepted path ``(B, D + 1)`` (padded with its last node) and the
     codes each row committed ``(B,)``."""
+    s, sampling, layout = loop.state, loop.sampling, loop.layout
+    n, eol = layout.num_tokens, None
+    if layout.has_eol:  # the EOL slots after the nodes that end a row
+        with loop.timer.section("eol"):
+            eol = end_of_row_slots(loop, tables, s.committed)
+    with loop.timer.section("forward"):
+        hidden, logits, predicts = tree_forward(loop, fed, tables, eol)  # (R, T (+ E), D)
+    with loop.timer.section("accept"):
+        # 3. CFG mix and every slot's keyed sample, then the sample each node's output stands for (a row end: its EOL's)
+        logits = loop.guided(logits)  # (B, T (+ E), V)
+        samples = keyed_sample(logits, sampling, s.seeds, predicts.clamp_max(n - 1))  # (B, T (+ E))
+        if layout.has_eol:
+            samples = samples.gather(1, eol.predictor)  # (B, T)
+            predictor = eol.predictor.repeat(2, 1) if sampling.do_cfg else eol.predictor  # (R, T)
+            hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
+        # 4. a node matches when it equals its parent's sample (a relaxed rule: when the sample lies in the node's claim);
+        #    the accepted node is the deepest whose path all matches
+        if loop.rule.relaxes:
+            predictor = eol.predictor if layout.has_eol else None
+            matches = relaxed_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed, samples, tables)
+        else:
+            matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
+        path, depth = deepest_match(tables, matches)  # (B, D + 1), (B,)
+        accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
+        below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) each code: an accepted node, then the last one's sample
+        codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), samples.gather(1, path))  # (B, D + 1)
+        # 5. commit the run; the slots past it write the spare column N
+        taken = loop.code_offsets < accepted[:, None]  # (B, D + 1)
+        target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, D + 1)
+        s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
+        s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
+        s.rounds.add_(1)
+        s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
+        last = (accepted - 1).clamp_min(0)[:, None]  # (B, 1)
+        s.last.copy_(torch.where(active, codes.gather(1, last)[:, 0], s.last))
+        # 7. each cache row keeps the path's slots (and a crossed row end's EOL slot), moved by the next round (step 0)
+        kept_path, kept = (path_with_end_of_row(loop, eol, path, accepted) if layout.has_eol else (path, accepted))
+        s.committed.add_(accepted)
+        record_progress(s)
+        s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
+        s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
+    return hidden, path, accepted
+
+
+def tree_forward(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", eol: Optional["EndOfRowSlots"]):
+    """Step 2 of a tree round: the nodes ``fed`` ``(B, T)`` (and the EOL slots ``eol``) at their positions with the tree
+    mask, one target pass. Returns the hidden states ``(R, T (+ E), D)``, their logits ``(R, T (+ E), V)`` fp32 and the
+    grid index each slot's output predicts ``(B, T (+ E))``."""
     s, backbone, sampling, cache, layout = loop.state, loop.backbone, loop.sampling, loop.cache, loop.layout
     n = layout.num_tokens
     newest = s.committed[:, None] - 1 + tables.depths  # (B, T) the grid index each node drafts (the root: the newest)
@@ -256,8 +308,7 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
     codes = fed.clamp_min(0)  # (B, T) a slot with no candidate is fed as code 0 and never accepted
     embeds = backbone.embed_image_tokens(codes.repeat(2, 1) if sampling.do_cfg else codes)  # (R, T, D)
     mask = tables.mask  # (T, T) or (B, T, T)
-    if layout.has_eol:  # the EOL slots after the nodes that end a row
-        eol = end_of_row_slots(loop, tables, s.committed)
+    if eol is not None:
         offsets, predicts = torch.cat([offsets, eol.offsets], 1), torch.cat([predicts, eol.predicts], 1)  # (B, T + E)
         eol_embeds = backbone.eol_embedding.to(embeds.dtype).expand(embeds.shape[0], loop.eol_slots, -1)
         embeds, mask = torch.cat([embeds, eol_embeds], 1), eol.mask  # (R, T + E, D), (B, T + E, T + E)
@@ -266,39 +317,7 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
     mask = mask.repeat(2, 1, 1) if sampling.do_cfg and mask.dim() == 3 else mask
     hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T (+ E), D)
     logits = backbone.image_logits(hidden)  # (R, T (+ E), V) fp32
-    # 3. CFG mix and every slot's keyed sample, then the sample each node's output stands for (a row end: its EOL's)
-    logits = loop.guided(logits)  # (B, T (+ E), V)
-    samples = keyed_sample(logits, sampling, s.seeds, predicts.clamp_max(n - 1))  # (B, T (+ E))
-    if layout.has_eol:
-        samples = samples.gather(1, eol.predictor)  # (B, T)
-        predictor = eol.predictor.repeat(2, 1) if sampling.do_cfg else eol.predictor  # (R, T)
-        hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
-    # 4. a node matches when it equals its parent's sample (a relaxed rule: when the sample lies in the node's claim);
-    #    the accepted node is the deepest whose path all matches
-    if loop.rule.relaxes:
-        predictor = eol.predictor if layout.has_eol else None
-        matches = relaxed_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed, samples, tables)
-    else:
-        matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
-    path, depth = deepest_match(tables, matches)  # (B, D + 1), (B,)
-    accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
-    below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) each code: an accepted node, then the last one's sample
-    codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), samples.gather(1, path))  # (B, D + 1)
-    # 5. commit the run; the slots past it write the spare column N
-    taken = loop.code_offsets < accepted[:, None]  # (B, D + 1)
-    target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, D + 1)
-    s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
-    s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
-    s.rounds.add_(1)
-    s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
-    last = (accepted - 1).clamp_min(0)[:, None]  # (B, 1)
-    s.last.copy_(torch.where(active, codes.gather(1, last)[:, 0], s.last))
-    # 7. each cache row keeps the path's slots (and a crossed row end's EOL slot), moved by the next round (step 0)
-    kept_path, kept = (path_with_end_of_row(loop, eol, path, accepted) if layout.has_eol else (path, accepted))
-    s.committed.add_(accepted)
-    s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
-    s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
-    return hidden, path, accepted
+    return hidden, logits, predicts
 
 
 def deepest_match(tables: "TreeTables", matches: torch.Tensor):

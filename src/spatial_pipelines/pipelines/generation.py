@@ -30,7 +30,7 @@ from ..utils import NULL_TIMER, RoundTimer, check_number
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 from .device_chain import ChainLoop
-from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, compile_round
+from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, RoundView, compile_round
 from .device_tree import DynamicTreeLoop, HeadTreeLoop, TreeLoop
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
@@ -61,15 +61,17 @@ class LoopHooks:
     Args:
         progress_bar (`Callable`): ``progress_bar(total=...)``, a context manager yielding a bar with ``update(k)`` and
             ``n`` (`DiffusionPipeline.progress_bar`); it counts codes over the batch.
-        on_round (`Callable`, *optional*): ``on_round(step_index, batch)`` after every round with every row's grid
-            gathered (``callback_on_step_end``). A loop with it runs in row groups: it sees every round.
+        on_round (`Callable`, *optional*): ``on_round(step_index, view)`` after every round, ``view`` showing every row's
+            grid (``tokens``, ``acceptance_map``, ``num_committed``, ``finished``, ``sampling``: `device_loop.RoundView`
+            or the row-group loop's `RowBatch`) (``callback_on_step_end``). The host reads the device after every round
+            while it is set.
         interrupted (`Callable`): ``interrupted()`` is checked before every row-group round (``pipe.interrupt``).
         rounds_known (`Callable`): ``rounds_known(n)``: the rounds known so far, those run and one more while a grid is
             not full (``pipe.num_timesteps``; a callback finds its last step as ``step_index == num_timesteps - 1``).
     """
 
     progress_bar: Callable[..., ContextManager] = _no_progress_bar
-    on_round: Optional[Callable[[int, RowBatch], None]] = None
+    on_round: Optional[Callable[[int, Any], None]] = None
     interrupted: Callable[[], bool] = lambda: False
     rounds_known: Callable[[int], None] = lambda n: None
 
@@ -126,12 +128,10 @@ class GenerationLoop:
         (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
         tree shallower than a row), exact under keyed noise or greedy, or with a relaxed acceptance rule (LANTERN,
         LANTERN++: the round keys the target's samples by a seed each image draws from its generator and accepts by
-        `device_tree.relaxed_matches`), with no per-round callback (it sees every round: the row-group loop serves it)
-        and no `profile_rounds` (it times the row-group loop's parts). ``device_rounds`` ``False`` turns it off."""
+        `device_tree.relaxed_matches`). ``device_rounds`` ``False`` turns it off."""
         decoder = self.decoder
         relaxed = decoder.lossless and decoder.acceptance_rule.relaxes  # LANTERN, LANTERN++: seeds from the generators
-        if (self.device_rounds is False or self.hooks.on_round is not None or self.timer is not None
-                or not (sampling.keyed or sampling.greedy or relaxed)):
+        if self.device_rounds is False or not (sampling.keyed or sampling.greedy or relaxed):
             return None
         if not (decoder.is_exact or relaxed):
             return None
@@ -165,17 +165,30 @@ class GenerationLoop:
         round_fn = self._compiled_device_round(loop_class.default_round())
         loop = loop_class(backbone, sampling=sampling, seeds=seeds, prefix=prefix, cache=cache, round_fn=round_fn, **kwargs)
         loop.max_rounds_per_sync = self.max_rounds_per_sync
+        if self.timer is not None:  # `profile_rounds`: the parts of an eager round, every round and read
+            loop.host_timer, loop.timer = self.timer, (self.timer if round_fn is None else loop.timer)
         # 4. the prompt pass
         loop.prefill(prefix)
-        # 5. rounds, the host reading the device once per sync
+        # 5. rounds, the host reading the device once per sync (after every round while a step callback is set)
         with self.hooks.progress_bar(total=layout.num_tokens * batch_size) as progress_bar:
             rounds = self._run_device(loop, lambda done: progress_bar.update(done - progress_bar.n))
+        if self.timer is not None:
+            self.timer.rounds += rounds
         self.hooks.rounds_known(rounds)
         return loop.grid_tokens(), self._device_stats(loop, rounds, batch_size)
 
     def _run_device(self, loop: DeviceLoop, on_sync: Callable[[int], None]) -> int:
-        """Step 5 on the device (`DeviceLoop.run`); returns the rounds run."""
-        return loop.run(on_sync)
+        """Step 5 on the device (`DeviceLoop.run`) with the call's hooks: a step callback sees every round (`RoundView`),
+        ``pipe.num_timesteps`` is the rounds run plus one while a grid is not full, ``pipe.interrupt`` stops the rounds;
+        returns the rounds run."""
+        hooks = self.hooks
+        on_round = None
+        if hooks.on_round is not None:
+            def on_round(index: int, slowest: int) -> None:
+                view = RoundView(loop, slowest)
+                hooks.rounds_known(index + 1 + (0 if view.finished else 1))
+                hooks.on_round(index, view)
+        return loop.run(on_sync, on_round, hooks.interrupted)
 
     def _device_stats(self, loop: DeviceLoop, rounds: int, batch_size: int) -> DecodingStats:
         """What a device generation cost: one host read of the per-pass accepted lengths, after the last round."""

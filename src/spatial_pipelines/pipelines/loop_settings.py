@@ -38,8 +38,8 @@ class LoopSettingsMixin:
 
     @property
     def device_rounds(self) -> Optional[bool]:
-        """Rounds run whole on the device where the decoder allows (`GenerationLoop.device_plan`: keyed noise or greedy,
-        no ``callback_on_step_end``); ``False``: always the row-group loop (every decoder's own `propose` and `step`)."""
+        """Rounds run whole on the device where the decoder allows (`GenerationLoop.device_plan`: keyed noise or greedy;
+        a step callback or `profile_rounds` too); ``False``: always the row-group loop (every decoder's own `propose` and `step`)."""
         return self.loop.device_rounds
 
     @device_rounds.setter
@@ -99,11 +99,12 @@ class LoopSettingsMixin:
         self.loop.disable_compile()
 
     def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):
-        """Time every part of every round of the calls made inside the block (``scripts/bench_cost.py``); they run
-        in row groups, whose parts are separate.
+        """Time the rounds of the calls made inside the block (``scripts/bench_cost.py``).
 
-        Yields a `RoundTimer`: ``seconds`` per section (``draft``, ``eol``, ``forward``, ``accept``, ``kv``, and
-        ``round`` for the whole round) summed over ``rounds``. On a GPU pass ``synchronize=torch.cuda.synchronize``.
+        Yields a `RoundTimer`: ``seconds`` per section summed over ``rounds``: ``round`` for each whole round and
+        ``sync`` for the host's reads between rounds; an eager round (or one in row groups) also its parts, ``draft``,
+        ``eol``, ``forward``, ``accept`` and ``kv``. A compiled round is one graph, timed whole (its parts:
+        ``torch.profiler``). On a GPU pass ``synchronize=torch.cuda.synchronize``.
         """
         return self.loop.profile_rounds(synchronize)
 
