@@ -317,10 +317,9 @@ def build_app(pipe, heads: Dict[str, object], max_images: int = 4, max_queue: in
                 result = compare_decoders(pipe, heads, *request, progress=lambda f, desc: progress(f, desc=desc))
         except ValueError as err:
             raise gr.Error(str(err), print_exception=False) from None
-        mark = "✅" if result.identical else ("⚠️" if result.decoder.is_exact else "≠")
         return (image_grid(result.ar.images), image_grid(result.decoder.images),
                 acceptance_picture(result.decoder.stats.acceptance_map), stats_table(result),
-                f"{mark} {result.verdict}  \n**Speed-up: {result.speedup:.2f}x** ({result.decoder.name} over ar).")
+                f"{result.verdict}  \n**Speed-up: {result.speedup:.2f}x** ({result.decoder.name} over ar).")
 
     with gr.Blocks(title="spatial_pipelines demo") as app:
         gr.Markdown(f"# spatial_pipelines: AR and a speculative decoder side by side\nModel: {model_name}. Each click "
