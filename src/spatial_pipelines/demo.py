@@ -332,9 +332,9 @@ def build_app(pipe, heads: Dict[str, object], max_images: int = 4, max_queue: in
             num_images = gr.Slider(1, max_images, value=1, step=1, label="Images per prompt", elem_id="num-images", scale=1)
         button = gr.Button("Generate", variant="primary", elem_id="generate")
         with gr.Row():
-            ar_image = gr.Image(label="AR (autoregressive)", type="pil", elem_id="ar-image", format="png")
-            decoder_image = gr.Image(label="Speculative decoder", type="pil", elem_id="decoder-image", format="png")
-            acceptance = gr.Image(label="Where the drafts landed", type="pil", elem_id="acceptance", format="png")
+            ar_image = gr.Image(label="AR (autoregressive)", type="pil", elem_id="ar-image", format="png", height=380)
+            decoder_image = gr.Image(label="Speculative decoder", type="pil", elem_id="decoder-image", format="png", height=380)
+            acceptance = gr.Image(label="Where the drafts landed", type="pil", elem_id="acceptance", format="png", height=380)
         verdict = gr.Markdown(label="Verdict", elem_id="verdict")
         stats = gr.Markdown(label="Stats", elem_id="stats")
         inputs = [prompt, decoder, seed, num_images]
