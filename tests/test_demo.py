@@ -93,7 +93,6 @@ def test_acceptance_picture_colours_each_code_by_its_pass():
 
 
 def test_demo_options_are_checked_before_the_model_loads(capsys):
-    pytest.importorskip("gradio", reason="the check runs after the Gradio import; test_without_gradio covers the rest")
     assert main(["demo", "--port", "70000"]) == 2
     assert "`--port` must be an int in [0, 65535]" in capsys.readouterr().err
     assert demo.main(["--max-images", "0"]) == 2

@@ -360,6 +360,7 @@ def check_demo_args(args: argparse.Namespace) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """``spatial-pipelines demo``: load the model once, then serve the app on 127.0.0.1 until interrupted."""
+    check_demo_args(args)
     try:
         import gradio  # noqa: F401
     except ImportError:
@@ -368,7 +369,6 @@ def serve(args: argparse.Namespace) -> int:
     from .cli_utils import load_pipeline
     from .embedded import default_model_path
 
-    check_demo_args(args)
     pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype]).to(args.device)
     heads = load_heads(pipe, args.heads, embedded=args.model is None)
     name = args.model or "the embedded Twemoji model"
