@@ -150,17 +150,26 @@ def test_decoder_that_needs_heads_refuses_to_run_without_them():
         pipe("a fox")
 
 
-def test_distribution_test_detects_a_biased_acceptance_rule(monkeypatch):
-    """A tree decoder whose acceptance over-accepts (q = 0.5 instead of the candidates' point masses) is
-    rejected by the same chi-square test the exact decoders pass."""
+@pytest.mark.parametrize("engine", ["device", "row-groups"])
+def test_distribution_test_detects_a_biased_acceptance_rule(engine, monkeypatch):
+    """A tree decoder whose acceptance over-accepts is rejected by the same chi-square test the exact decoders pass:
+    on the device, a node also accepted on a coin flip; in row groups, verified against ``q = 0.5`` instead of its
+    point mass."""
     from spatial_pipelines.decoders import decoding_tree
+    from spatial_pipelines.pipelines import device_tree
 
-    exact_verify = decoding_tree.verify_tree
-    monkeypatch.setattr(
-        decoding_tree, "verify_tree",
-        lambda tree, tokens, probs, random, q=None, **kw: exact_verify(tree, tokens, probs, random, torch.full_like(probs, 0.5)),
-    )
+    if engine == "device":
+        exact_match = device_tree.deepest_match
+        monkeypatch.setattr(device_tree, "deepest_match", lambda tables, matches: exact_match(
+            tables, matches | ((torch.rand(matches.shape) < 0.5) & tables.valid)))
+    else:
+        exact_verify = decoding_tree.verify_tree
+        monkeypatch.setattr(
+            decoding_tree, "verify_tree",
+            lambda tree, tokens, probs, random, q=None, **kw: exact_verify(tree, tokens, probs, random, torch.full_like(probs, 0.5)),
+        )
     pipe = make(MedusaDecoder, {}, "random", grid=(2, 2), num_codes=4)
+    pipe.device_rounds = False if engine == "row-groups" else None
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     assert chi_square_pvalue(_empirical_counts(pipe, "a fox", sampling, seed=1), exact) < 1e-4

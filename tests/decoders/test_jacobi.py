@@ -165,19 +165,33 @@ def test_left_anchor_draft_follows_its_adjusted_proposal():
     assert (state.drafts[:, 0] == 1).all() and torch.allclose(state.q[:, 1, 1], torch.ones(8))
 
 
-def test_left_anchor_needs_its_adjusted_proposal(monkeypatch):
+@pytest.mark.parametrize("engine", ["device", "row-groups"])
+def test_left_anchor_needs_its_adjusted_proposal(engine, monkeypatch):
     """The distribution test has power here: anchoring the draft but verifying it against the unchanged ``q`` is
-    caught (four times the samples of the other distribution tests: in a batch, rows that accepted more than the
-    shortest row carry their codes into the next window untested, so fewer drafts pass through the anchor)."""
+    caught, on the device (drawn noise: speculative sampling against the kept proposals) and in row groups (four times
+    the samples of the other distribution tests: in a batch, rows that accepted more than the shortest row carry their
+    codes into the next window untested, so fewer drafts pass through the anchor)."""
+    from spatial_pipelines.pipelines import device_chain
+
     def wrong(state):
         left, q, x = state.last_token[:, None], state.q[:, 1], state.drafts[:, :1]
         state.drafts[:, :1] = torch.where(q.gather(-1, x) > q.gather(-1, left), x, left)  # q left as it was
 
+    def wrong_on_device(s):
+        left, q, x = s.last[:, None], s.q[:, 0], s.drafts[:, :1]
+        s.drafts[:, :1] = torch.where(q.gather(-1, x) > q.gather(-1, left), x, left)  # q left as it was
+
     monkeypatch.setattr(JacobiDecoder, "_anchor_left", staticmethod(wrong))
+    monkeypatch.setattr(device_chain, "anchor_left", wrong_on_device)
     pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", anchor="left"), None,
                           grid=(2, 2), num_codes=4)
+    loops = []
+    run = pipe.loop._run_device
+    pipe.loop._run_device = lambda loop, *a: (loops.append(loop), run(loop, *a))[1]
+    pipe.device_rounds = False if engine == "row-groups" else None
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=4 * DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent",
                sampling_noise="drawn")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
+    assert len(loops) == (engine == "device")

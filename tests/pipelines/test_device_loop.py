@@ -154,9 +154,10 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
     (EagleDecoder(depth=5, top_k=1, num_draft_tokens=5), {"end_of_row": True}),  # 5 deep: 2 row ends in a 5-wide grid
     (ADTTreeDecoder(tree_init="random"), {}),  # shapes drawn on the host
     (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
-    (JacobiDecoder(window_size=3, init="random"), {}),  # drafts what the device round does not
-    (JacobiDecoder(window_size=3), {"sampling_noise": "drawn"}),  # random draws as the decoder goes
-], ids=["medusa-deeper-than-a-row", "sjd-lantern-continuation", "eagle-deeper-than-a-row", "adt-random", "proactive", "init-random", "drawn-noise"])
+    (JacobiDecoder(window_size=3, init="heads"), {}),  # a head pass the device round does not run
+    (JacobiDecoder(window_size=3, continuation=True), {"sampling_noise": "drawn"}),  # redraws tested anew
+], ids=["medusa-deeper-than-a-row", "sjd-lantern-continuation", "eagle-deeper-than-a-row", "adt-random", "proactive", "init-heads",
+        "drawn-continuation"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
     pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)

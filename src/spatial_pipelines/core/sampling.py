@@ -205,6 +205,8 @@ def _keyed_unit(seeds: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
 #: uniforms that test drafts against their proposals, and the draws from what is left after a rejection
 ACCEPT_STREAM = 0x5DEECE66D1F0A3B7
 RESIDUAL_STREAM = 0x2545F4914F6CDD1D
+#: Salt of the keyed stream of drafts drawn uniformly (SJD's ``init="random"`` on the device)
+INIT_STREAM = 0x9E3779B97F4A7C15 & ((1 << 63) - 1)
 
 
 def draw_seeds(generator: GeneratorLike, batch_size: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
     def __init__(self):
         super().__init__()
 
-    def chain_window(self) -> Optional[int]:
+    def chain_window(self, drawn: bool = False) -> Optional[int]:
         """A chain of no drafts: one code per row per round, on the device (`spatial_pipelines.pipelines.device_chain`)."""
         return 0
 

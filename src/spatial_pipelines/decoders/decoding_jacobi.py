@@ -250,20 +250,28 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         """The window in use (``window_size``, or what ``"auto"`` resolved to): drafted positions."""
         return self.tree.max_depth
 
-    def chain_window(self) -> Optional[int]:
-        """The window, for a round run whole on the device under keyed noise (`spatial_pipelines.pipelines.device_chain`):
-        one draft per position and ``init="above"``. Under keyed noise every redraw is the pass's own sample, so
-        ``coupling``, ``continuation`` and ``anchor`` change nothing there under exact acceptance. A relaxed rule
-        (LANTERN) runs there too without ``continuation`` (whose redraws change what a relaxed rule claims): each draft
-        is the keyed sample of its proposal, tested with a keyed uniform of its own (`device_chain.relaxed_chain`);
-        ``anchor`` is not applied there, so its proposals, and the relaxed output, differ from the row-group loop's."""
+    def chain_window(self, drawn: bool = False) -> Optional[int]:
+        """The window, for a round run whole on the device (`spatial_pipelines.pipelines.device_chain`): one draft per
+        position and ``init`` above, left or random (`chain_drafting`). Under keyed noise every redraw is the pass's own
+        sample, so ``coupling``, ``continuation`` and ``anchor`` change no image there under exact acceptance. Under
+        drawn noise (``drawn``) or a relaxed rule (LANTERN) each draft is the keyed sample of its proposal ``q``, kept
+        in the state and tested with a keyed uniform of its own against ``p(x) / q(x)`` (``p~(x) / q(x)``:
+        `device_chain.relaxed_chain`), the left anchor applied to ``q``. Keyed per position, every redraw of one
+        position there races the same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there).
+        ``continuation`` under drawn noise or a relaxed rule (its redraws are tested anew), proactive drafting and
+        ``init="heads"`` take the row-group loop."""
         c = self.config
         rule = self.acceptance_rule
-        if not (rule.is_exact or (rule.relaxes and not c.continuation)) or not self.lossless:
+        if not (rule.is_exact or rule.relaxes) or not self.lossless or self.tree is None:
             return None
-        if c.proactive_width != 1 or c.init != "above" or self.tree is None:
+        if c.proactive_width != 1 or c.init == "heads":
+            return None
+        if (drawn or rule.relaxes) and c.continuation:
             return None
         return self.window
+
+    def chain_drafting(self):
+        return {"init": self.config.init, "anchor": self.config.anchor == "left"}
 
     def heads_needed(self) -> Optional[HeadsNeed]:
         """``init="heads"``: token-logit or latent heads with the vertical offset 1 (one row down); otherwise none."""

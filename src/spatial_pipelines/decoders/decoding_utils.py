@@ -334,12 +334,20 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         SSD; they draw their noise from the generators."""
         return self.is_exact
 
-    def chain_window(self) -> Optional[int]:
-        """Drafts per row of a round that runs whole on the device under keyed noise
-        (`spatial_pipelines.pipelines.device_chain`), for a decoder that feeds its newest code and a chain of drafts
-        after it, commits the drafts equal to the target's keyed samples, and redraws the rest from the pass (AR: 0).
-        ``None`` (the default): the decoder's own `propose` and `step` run, in row groups."""
+    def chain_window(self, drawn: bool = False) -> Optional[int]:
+        """Drafts per row of a round that runs whole on the device (`spatial_pipelines.pipelines.device_chain`), for a
+        decoder that feeds its newest code and a chain of drafts after it, commits the drafts equal to the target's
+        keyed samples (``drawn``: the drafts a keyed uniform accepts against their proposals, speculative sampling),
+        and redraws the rest from the pass (AR: 0). ``None`` (the default): the decoder's own `propose` and `step` run,
+        in row groups."""
         return None
+
+    def chain_drafting(self) -> Dict[str, Any]:
+        """How a chain round drafts what it does not redraw (`device_chain.ChainLoop`): ``init`` (``"above"``: the code
+        one row above, ``"left"``: the draft before it, ``"random"``: a keyed uniform draw) and ``anchor`` (the first
+        draft pulled onto the newest code where its proposal rates it below that code; read where proposals are
+        kept: drawn noise or a relaxed rule)."""
+        return {"init": "above", "anchor": False}
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device):
         """What drafts the tree in a round that runs whole on the device under keyed noise, for a decoder whose

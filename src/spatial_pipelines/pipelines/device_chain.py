@@ -26,8 +26,8 @@ import torch
 
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
-from ..core.sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample, keyed_uniform, logits_to_probs,
-                             one_hot)
+from ..core.sampling import (ACCEPT_STREAM, INIT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample, keyed_uniform,
+                             logits_to_probs, one_hot)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_loop import DeviceLoop, DeviceState, record_progress
 
@@ -49,7 +49,7 @@ class ChainState(DeviceState):
 
 @dataclass
 class RelaxedChainState(ChainState):
-    """`ChainState` plus each draft's proposal, which a relaxed rule tests it against (`relaxed_chain`).
+    """`ChainState` plus each draft's proposal, which drawn noise or a relaxed rule tests it against (`relaxed_chain`).
 
     Args:
         q (`torch.Tensor` `(B, L, V)`): the distribution each draft was drawn from (a point mass for a copied one).
@@ -63,13 +63,26 @@ class ChainLoop(DeviceLoop):
     docstring.
 
     Args:
-        window (`int`): drafts per row per round (``0``: AR); the other arguments are `DeviceLoop`'s.
+        window (`int`): drafts per row per round (``0``: AR).
+        init (`str`): how a position entering the window is drafted (`SpatialDecoderMixin.chain_drafting`):
+            ``"above"`` (the code one row above; the newest code where none), ``"left"`` (the draft before it) or
+            ``"random"`` (a keyed uniform draw of its own stream, `INIT_STREAM`).
+        anchor (`bool`): the left anchor on the first draft's proposal, where proposals are kept (`anchor_left`).
+        proposals (`bool`): keep each draft's proposal ``q`` and accept a draft when a keyed uniform is below
+            ``p(x) / q(x)`` (speculative sampling: drawn noise; a relaxed rule always does) instead of when it equals
+            the target's keyed sample.
+        The other arguments are `DeviceLoop`'s.
     """
 
     def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
                  prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
-                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None):
+                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None, init: str = "above",
+                 anchor: bool = False, proposals: bool = False):
+        if init not in ("above", "left", "random"):
+            raise ValueError(f"`init` must be 'above', 'left' or 'random' on the device, got {init!r}.")
         self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
+        self.init, self.proposals = init, proposals or rule.relaxes
+        self.anchor = anchor and self.proposals
         self.num_codes = backbone.num_image_codes
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         device = prefix.embeds.device
@@ -84,7 +97,7 @@ class ChainLoop(DeviceLoop):
     def new_state(self, **common) -> ChainState:
         device = common["tokens"].device
         drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=device)
-        if self.rule.relaxes:
+        if self.proposals:
             q = torch.zeros(self.batch_size, self.window, self.num_codes, device=device)
             return RelaxedChainState(drafts=drafts, q=q, **common)
         return ChainState(drafts=drafts, **common)
@@ -94,9 +107,12 @@ class ChainLoop(DeviceLoop):
         return chain_round
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.state.drafts.copy_(first[:, None].expand_as(self.state.drafts))  # the first row has nothing above
-        if self.rule.relaxes:  # copies: point masses
-            self.state.q.copy_(one_hot(self.state.drafts, self.num_codes))
+        s = self.state
+        index = 1 + self.draft_offsets.expand_as(s.drafts)  # (B, L) the grid index of each draft
+        codes, q = fresh_drafts(self, index, s.committed, first, s.drafts)  # the first row has nothing above
+        s.drafts.copy_(codes)
+        if self.proposals:
+            s.q.copy_(q)
 
 
 def fed_slots(layout, window: int) -> int:
@@ -118,9 +134,9 @@ def chain_round(loop: ChainLoop) -> None:
         # 3. CFG mix and every code slot's keyed sample
         logits = loop.guided(logits)  # (B, L + 1, V)
         samples = keyed_sample(logits, sampling, s.seeds, codes.clamp_max(n - 1))  # (B, L + 1)
-        # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position (a
-        #    relaxed rule: LANTERN's test of each draft against its proposal, `relaxed_chain`)
-        probs = logits_to_probs(logits, sampling) if loop.rule.relaxes else None  # (B, L + 1, V)
+        # 4. the accepted count: the first sample, then one more per leading draft equal to the sample at its position
+        #    (with proposals, speculative sampling: each draft tested against its proposal, `relaxed_chain`)
+        probs = logits_to_probs(logits, sampling) if loop.proposals else None  # (B, L + 1, V)
         if probs is not None:
             commit, matches = relaxed_chain(loop, probs, codes.clamp_max(n - 1))  # (B, L + 1), (B,)
         else:
@@ -181,19 +197,51 @@ def chain_forward(loop: ChainLoop, start: torch.Tensor, codes: torch.Tensor) -> 
 def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, committed: torch.Tensor,
                 probs: Optional[torch.Tensor]) -> None:
     """Step 6 of a chain round: each row's next drafts are this pass's samples ``(B, L + 1)`` for the positions after
-    its ``accepted`` codes, then the code one row above each later position (the newest code where none is decoded);
-    with ``probs`` ``(B, L + 1, V)`` (a relaxed rule) each draft's proposal too: the ``p`` it was drawn from, a point
-    mass for a copy."""
-    s, window, n = loop.state, loop.window, loop.layout.num_tokens
+    its ``accepted`` codes, then fresh drafts (`fresh_drafts`); with ``probs`` ``(B, L + 1, V)`` (proposals kept) each
+    draft's proposal too: the ``p`` it was drawn from, or the fresh draft's, the first one anchored (`anchor_left`)."""
+    s, window = loop.state, loop.window
     source = accepted[:, None] + loop.draft_offsets  # (B, L) code slot whose sample is the draft's
     redrawn = samples.gather(1, source.clamp_max(window))  # (B, L)
-    above = committed[:, None] + loop.draft_offsets - loop.layout.width  # (B, L) grid index one row above each draft
-    known = (above >= 0) & (above < committed[:, None])
-    copied = torch.where(known, s.tokens.gather(1, above.clamp(0, n)), s.last[:, None])  # (B, L)
-    s.drafts.copy_(torch.where(source <= window, redrawn, copied))
+    # the draft before the first fresh one: the last redraw, or the newest code when every draft was accepted
+    before = torch.where(accepted <= window, samples[:, window], s.last)  # (B,)
+    fresh, q = fresh_drafts(loop, committed[:, None] + loop.draft_offsets, committed, before, s.drafts)  # (B, L)
+    s.drafts.copy_(torch.where(source <= window, redrawn, fresh))
     if probs is not None:
         drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
-        s.q.copy_(torch.where((source <= window)[..., None], drawn_from, one_hot(copied, probs.shape[-1])))
+        s.q.copy_(torch.where((source <= window)[..., None], drawn_from, q))
+        if loop.anchor:
+            anchor_left(s)
+
+
+def fresh_drafts(loop: ChainLoop, index: torch.Tensor, committed: torch.Tensor, before: torch.Tensor, spare: torch.Tensor):
+    """Drafts of positions entering the window at grid indices ``index`` ``(B, L)`` by the loop's ``init``: the code one
+    row above (the newest code where none of the ``committed`` ``(B,)`` is), ``before`` ``(B,)`` (the draft before them),
+    or a keyed uniform draw. Returns the codes ``(B, L)`` (``spare``'s shape) and, where proposals are kept, their law
+    ``(B, L, V)``: point masses, or uniform for random draws (else ``None``)."""
+    s, n, v = loop.state, loop.layout.num_tokens, loop.num_codes
+    if loop.init == "random":
+        codes = (keyed_uniform(s.seeds ^ INIT_STREAM, index.clamp_max(n - 1)) * v).long().clamp_max(v - 1)  # (B, L)
+        return codes, (torch.full((*codes.shape, v), 1.0 / v, device=codes.device) if loop.proposals else None)
+    if loop.init == "left":
+        codes = before[:, None].expand_as(spare)
+    else:
+        above = index - loop.layout.width  # (B, L) grid index one row above each draft
+        known = (above >= 0) & (above < committed[:, None])
+        codes = torch.where(known, s.tokens.gather(1, above.clamp(0, n)), s.last[:, None])  # (B, L)
+    return codes, (one_hot(codes, v) if loop.proposals else None)
+
+
+def anchor_left(s: RelaxedChainState) -> None:
+    """``anchor="left"`` on the first draft ``x ~ q``: it becomes ``c``, the newest committed code, where
+    ``q(x) <= q(c)``; its proposal becomes the law of that choice, ``q`` on the codes it rates above ``c`` and the rest
+    of its mass on ``c`` (``c`` is known before ``x`` is drawn, so the draft is still verified exactly)."""
+    left = s.last[:, None]  # (B, 1) the code just committed
+    q = s.q[:, 0]  # (B, V)
+    x = s.drafts[:, :1]  # (B, 1)
+    above = q > q.gather(-1, left)  # (B, V) codes rated above the copy: they stay themselves
+    moved = q.masked_fill(above, 0.0).sum(-1, keepdim=True)  # (B, 1) the rest's mass, onto the copy
+    s.drafts[:, :1] = torch.where(above.gather(-1, x), x, left)
+    s.q[:, 0] = q.masked_fill(~above, 0.0).scatter(-1, left, moved)
 
 
 def relaxed_chain(loop: ChainLoop, probs: torch.Tensor, index: torch.Tensor):

@@ -126,22 +126,24 @@ class GenerationLoop:
         """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
         row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or a tree decoder's drafter
         (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
-        tree shallower than a row), exact under keyed noise or greedy, or with a relaxed acceptance rule (LANTERN,
-        LANTERN++: the round keys the target's samples by a seed each image draws from its generator and accepts by
-        `device_tree.relaxed_matches`). ``device_rounds`` ``False`` turns it off."""
+        tree shallower than a row), exact, or with a relaxed acceptance rule (LANTERN, LANTERN++: `relaxed_chain`,
+        `device_tree.relaxed_matches`). Every random draw comes from keyed streams of a seed each image draws from its
+        generator: under keyed noise (or greedy) a draft is accepted when it equals the target's keyed sample (AR's
+        image); under drawn noise a chain keeps its drafts' proposals and accepts by speculative sampling, and a tree
+        of distinct point-mass candidates by the parent's sample, which is that test for point masses.
+        ``device_rounds`` ``False`` turns it off."""
         decoder = self.decoder
         relaxed = decoder.lossless and decoder.acceptance_rule.relaxes  # LANTERN, LANTERN++: seeds from the generators
-        if self.device_rounds is False or not (sampling.keyed or sampling.greedy or relaxed):
-            return None
-        if not (decoder.is_exact or relaxed):
+        drawn = not (sampling.keyed or sampling.greedy)  # speculative sampling on keyed streams of the rows' seeds
+        if self.device_rounds is False or not (decoder.is_exact or relaxed):
             return None
         rule = decoder.acceptance_rule
         acceptance = {}
         if relaxed:
             acceptance = {"rule": rule, "neighbours": self.backbone.code_neighbours(rule.num_neighbours) if rule.num_neighbours else None}
-        window = decoder.chain_window()
+        window = decoder.chain_window(drawn=drawn)
         if window is not None:
-            return ChainLoop, {"window": window, **acceptance}
+            return ChainLoop, {"window": window, "proposals": drawn, **decoder.chain_drafting(), **acceptance}
         layout = self.backbone.layout
         if relaxed and not rule.claims_neighbours:  # a claim no sample of p decides (`relaxed_matches`)
             return None
