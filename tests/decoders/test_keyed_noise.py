@@ -135,9 +135,12 @@ def test_keyed_autoregressive_samples_follow_the_model(sampling):
 
 
 def test_drawn_noise_still_depends_on_the_decoder():
-    """The setting is real: with ``"drawn"`` a speculative decoder reads the generator differently from AR."""
+    """The setting is real: with ``"drawn"`` a speculative decoder runs its own acceptance test (SJD: a keyed uniform
+    against each draft's proposal), so its image differs from AR's, while AR, which tests no draft, samples the
+    target as under keyed noise."""
     pipe = dummy_pipeline("llamagen", AutoregressiveDecoder(), None, grid=(4, 5))
     ref = _tokens(pipe, AutoregressiveDecoder(), PROMPTS, sampling_noise="drawn").tokens
+    assert torch.equal(ref, _tokens(pipe, AutoregressiveDecoder(), PROMPTS, sampling_noise="keyed").tokens)
     out = _tokens(pipe, JacobiDecoder(window_size=4), PROMPTS, sampling_noise="drawn").tokens
     assert not torch.equal(out, ref)
 

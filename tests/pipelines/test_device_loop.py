@@ -152,11 +152,10 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
     (MedusaDecoder(num_heads=5, tree_paths=[[0] * d for d in range(1, 6)], num_draft_tokens=5), {"end_of_row": True}),
     (JacobiDecoder(window_size=3, continuation=True, acceptance="lantern"), {}),  # redraws that change the claims
     (EagleDecoder(depth=5, top_k=1, num_draft_tokens=5), {"end_of_row": True}),  # 5 deep: 2 row ends in a 5-wide grid
-    (ADTTreeDecoder(tree_init="random"), {}),  # shapes drawn on the host
     (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
     (JacobiDecoder(window_size=3, init="heads"), {}),  # a head pass the device round does not run
     (JacobiDecoder(window_size=3, continuation=True), {"sampling_noise": "drawn"}),  # redraws tested anew
-], ids=["medusa-deeper-than-a-row", "sjd-lantern-continuation", "eagle-deeper-than-a-row", "adt-random", "proactive", "init-heads",
+], ids=["medusa-deeper-than-a-row", "sjd-lantern-continuation", "eagle-deeper-than-a-row", "proactive", "init-heads",
         "drawn-continuation"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
@@ -390,3 +389,17 @@ def test_a_compiled_round_with_a_step_callback_stays_one_graph():
     assert counts.rounds == out.stats.num_forward_passes - 1 > 0
     assert counts.recompiles == 0 and counts.compiled_calls == counts.rounds
     assert counts.eager_ops_per_round <= 10, counts.as_dict()
+
+
+def test_token_logit_heads_without_their_own_frozen_function_run_on_the_device(monkeypatch):
+    """Any token-logit heads run in the device round: `DraftHeadsMixin.frozen` calls the heads as a decoder does, and
+    gives the codes the stacked weights of `SpatialDraftHeads.frozen` give (AR's, under keyed noise)."""
+    from spatial_pipelines.heads import SpatialDraftHeads
+    from spatial_pipelines.heads.heads_utils import DraftHeadsMixin
+
+    pipe = _pipe("llamagen", False, HawkDecoder(num_draft_tokens=6))
+    stacked = pipe(PROMPTS[:2], guidance_scale=2.0, generator=_generators(2), output_type="latent").tokens
+    monkeypatch.setattr(SpatialDraftHeads, "frozen", DraftHeadsMixin.frozen)
+    loops = _device_runs(monkeypatch, pipe)
+    plain = pipe(PROMPTS[:2], guidance_scale=2.0, generator=_generators(2), output_type="latent").tokens
+    assert len(loops) == 1 and torch.equal(plain, stacked)

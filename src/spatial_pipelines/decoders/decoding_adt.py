@@ -11,6 +11,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
+from ..core.sampling import SHAPE_STREAM, keyed_uniform
 from ..utils import check_number
 from .decoding_eagle import EagleDecoder, EagleDrafter, EagleState
 from .decoding_utils import StepOutput, check_draft_budget, check_int
@@ -73,6 +74,9 @@ class ADTDrafter(EagleDrafter):
         self.adapted = torch.zeros(b, dtype=torch.bool, device=device)  # a tree was verified: adapt from its rate
         c = self.decoder.config  # the rule's constants, built once
         self.first_shape = torch.tensor([c.depth, c.top_k], device=device)
+        self.range_low = torch.tensor([c.depth_range[0], c.width_range[0]], device=device)  # ``tree_init="random"``
+        self.range_span = torch.tensor([c.depth_range[1], c.width_range[1]], device=device) - self.range_low + 1
+        self.pair = torch.arange(2, device=device)  # a depth draw and a width draw
         self.step = torch.tensor([c.depth_step, -c.width_step], device=device)  # deeper, narrower when alpha >= beta
 
     def buffers(self):
@@ -94,6 +98,9 @@ class ADTDrafter(EagleDrafter):
         index = torch.where(above >= 0, above, left) if c.tree_init == "vertical" else left  # (B,)
         neighbour = self.memory.gather(1, index[:, None, None].expand(-1, 1, 2))[:, 0]  # (B, 2)
         shape = torch.where(neighbour[:, :1] >= 0, neighbour, self.first_shape)  # (B, 2)
+        if c.tree_init == "random":  # a uniform draw in the ranges, keyed by the row's seed and its newest code
+            u = keyed_uniform(s.seeds ^ SHAPE_STREAM, 2 * s.committed[:, None] + self.pair)  # (B, 2)
+            shape = self.range_low + (u * self.range_span).long().clamp_max(self.range_span - 1)  # (B, 2)
         move = torch.where(alpha >= c.beta, 1, -1)[:, None] * self.step  # (B, 2)
         shape = torch.where(self.adapted[:, None], shape + move, shape)
         depth = shape[:, 0].clamp(c.depth_range[0], c.depth_range[1])
@@ -181,8 +188,9 @@ class ADTTreeDecoder(EagleDecoder):
         return state
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional["ADTDrafter"]:
-        """`ADTDrafter` (``tree_init="random"`` draws its shapes on the host: the row-group loop)."""
-        return None if self.config.tree_init == "random" else ADTDrafter(self, draft_heads)
+        """`ADTDrafter`: every row's shape rule on the device (``tree_init="random"``: keyed uniform draws of a stream
+        of the row's own, `SHAPE_STREAM`, where the row-group loop draws them on the host)."""
+        return ADTDrafter(self, draft_heads)
 
     def _tree_shape(self, state: EagleState):
         c = self.config

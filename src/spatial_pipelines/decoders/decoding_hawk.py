@@ -180,10 +180,8 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         state.earlier_slot = torch.ones(self.pool_size, self.pool_size, dtype=torch.bool, device=device).tril(-1)
         return state
 
-    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional[HawkDrafter]:
+    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> HawkDrafter:
         """`HawkDrafter` over the tree in use (after the pipeline fixed its size)."""
-        if not hasattr(draft_heads, "frozen"):  # heads a compiled round cannot call (`SpatialDraftHeads.frozen`)
-            return None
         return HawkDrafter(self, draft_heads, layout, batch_size, device)
 
     def propose(self, state: HawkState, draft_heads=None, backbone=None) -> Draft:

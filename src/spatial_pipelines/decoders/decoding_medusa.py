@@ -117,10 +117,8 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self._num_ranks > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 
-    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional["MedusaDrafter"]:
+    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> "MedusaDrafter":
         """`MedusaDrafter` over the tree in use (after the pipeline fixed its size)."""
-        if not hasattr(draft_heads, "frozen"):  # heads a compiled round cannot call (`SpatialDraftHeads.frozen`)
-            return None
         return MedusaDrafter(self, draft_heads, device)
 
     def propose(self, state: TreeState, draft_heads=None, backbone=None) -> Draft:

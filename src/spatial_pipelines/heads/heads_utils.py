@@ -6,7 +6,7 @@ facts that must match (hidden size, number of image codes, grid); loading agains
 """
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.utils import logging
@@ -259,6 +259,14 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
                 if isinstance(module, nn.Linear):
                     nn.init.normal_(module.weight, std=1.0 / module.in_features**0.5)
         return heads
+
+    def frozen(self, horizontal: Sequence[int], vertical: Sequence[int]):
+        """The heads ``horizontal`` and ``vertical`` (indices) as a function of post-norm hidden states ``(B, D)``:
+        what a round compiled whole calls (`MedusaDrafter`, `HawkDrafter`). Token-logit heads are called as
+        ``heads(hidden_states, horizontal, vertical)``, so this serves any of them; a class may return a faster function
+        (`SpatialDraftHeads.frozen` stacks its weights once)."""
+        horizontal, vertical = list(horizontal), list(vertical)
+        return lambda hidden_states: self(hidden_states, horizontal, vertical)
 
     def check_modules(self) -> None:
         """Raise `ValueError` if the heads' modules no longer match their config (a head list emptied or resized

@@ -81,7 +81,7 @@ class ChainLoop(DeviceLoop):
         if init not in ("above", "left", "random"):
             raise ValueError(f"`init` must be 'above', 'left' or 'random' on the device, got {init!r}.")
         self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
-        self.init, self.proposals = init, proposals or rule.relaxes
+        self.init, self.proposals = init, (proposals and window > 0) or rule.relaxes  # AR tests no draft
         self.anchor = anchor and self.proposals
         self.num_codes = backbone.num_image_codes
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
