@@ -195,3 +195,34 @@ def test_left_anchor_needs_its_adjusted_proposal(engine, monkeypatch):
                sampling_noise="drawn")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
     assert len(loops) == (engine == "device")
+
+
+def test_continuation_on_the_device_needs_its_test(monkeypatch):
+    """The distribution test has power over SJD-PAC's continuation on the device (drawn noise): keeping every old
+    draft while recording this pass's ``p`` as its proposal, the test against ``p(x) / q(x)`` skipped, is caught where
+    the decoder as written passes."""
+    from spatial_pipelines.pipelines import device_chain
+
+    def p_value():
+        decoder = JacobiDecoder(window_size=3, init="left", coupling="none", anchor="none", continuation=True)
+        pipe = dummy_pipeline("llamagen", decoder, None, grid=(2, 2), num_codes=4)
+        loops = []
+        run = pipe.loop._run_device
+        pipe.loop._run_device = lambda loop, *a: (loops.append(loop), run(loop, *a))[1]
+        exact = exact_joint_distribution(pipe, "a fox", SamplingConfig(2.0, 1.0))
+        out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1),
+                   output_type="latent", sampling_noise="drawn")
+        assert len(loops) == 1 and loops[0].continuation
+        return chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact)
+
+    assert p_value() > 1e-4
+
+    def untested(loop, redrawn, p, source, index):
+        s, window = loop.state, loop.window
+        old = source.clamp_max(window - 1)
+        tested = (source < window) & ~s.raced.gather(1, old)
+        s.raced.copy_((source <= window) & ~tested)
+        return torch.where(tested, s.drafts.gather(1, old), redrawn)  # the old draft kept, untested
+
+    monkeypatch.setattr(device_chain, "continue_drafts", untested)
+    assert p_value() < 1e-4

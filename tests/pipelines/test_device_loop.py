@@ -150,13 +150,10 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
 
 @pytest.mark.parametrize("decoder,call", [
     (MedusaDecoder(num_heads=5, tree_paths=[[0] * d for d in range(1, 6)], num_draft_tokens=5), {"end_of_row": True}),
-    (JacobiDecoder(window_size=3, continuation=True, acceptance="lantern"), {}),  # redraws that change the claims
     (EagleDecoder(depth=5, top_k=1, num_draft_tokens=5), {"end_of_row": True}),  # 5 deep: 2 row ends in a 5-wide grid
     (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
     (JacobiDecoder(window_size=3, init="heads"), {}),  # a head pass the device round does not run
-    (JacobiDecoder(window_size=3, continuation=True), {"sampling_noise": "drawn"}),  # redraws tested anew
-], ids=["medusa-deeper-than-a-row", "sjd-lantern-continuation", "eagle-deeper-than-a-row", "proactive", "init-heads",
-        "drawn-continuation"])
+], ids=["medusa-deeper-than-a-row", "eagle-deeper-than-a-row", "proactive", "init-heads"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
     pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)

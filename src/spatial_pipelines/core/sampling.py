@@ -207,6 +207,8 @@ ACCEPT_STREAM = 0x5DEECE66D1F0A3B7
 RESIDUAL_STREAM = 0x2545F4914F6CDD1D
 #: Salt of the keyed stream of drafts drawn uniformly (SJD's ``init="random"`` on the device)
 INIT_STREAM = 0x9E3779B97F4A7C15 & ((1 << 63) - 1)
+#: Salt of the keyed streams of SJD-PAC's continuation on the device (its tests and its residual draws)
+CONTINUE_STREAM = 0x1B873593CC9E2D51
 #: Salt of the keyed stream of tree shapes drawn uniformly (ADT-Tree's ``tree_init="random"`` on the device)
 SHAPE_STREAM = 0x632BE59BD9B4E019
 

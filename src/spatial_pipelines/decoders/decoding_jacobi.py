@@ -256,9 +256,9 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         sample, so ``coupling``, ``continuation`` and ``anchor`` change no image there under exact acceptance. Under
         drawn noise (``drawn``) or a relaxed rule (LANTERN) each draft is the keyed sample of its proposal ``q``, kept
         in the state and tested with a keyed uniform of its own against ``p(x) / q(x)`` (``p~(x) / q(x)``:
-        `device_chain.relaxed_chain`), the left anchor applied to ``q``. Keyed per position, every redraw of one
-        position there races the same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there).
-        ``continuation`` under drawn noise or a relaxed rule (its redraws are tested anew), proactive drafting and
+        `device_chain.relaxed_chain`), the left anchor applied to ``q`` and ``continuation`` testing every draft that is
+        no race anew (`device_chain.continue_drafts`). Keyed per position, every redraw of one position there races the
+        same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there). Proactive drafting and
         ``init="heads"`` take the row-group loop."""
         c = self.config
         rule = self.acceptance_rule
@@ -266,12 +266,10 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             return None
         if c.proactive_width != 1 or c.init == "heads":
             return None
-        if (drawn or rule.relaxes) and c.continuation:
-            return None
         return self.window
 
     def chain_drafting(self):
-        return {"init": self.config.init, "anchor": self.config.anchor == "left"}
+        return {"init": self.config.init, "anchor": self.config.anchor == "left", "continuation": self.config.continuation}
 
     def heads_needed(self) -> Optional[HeadsNeed]:
         """``init="heads"``: token-logit or latent heads with the vertical offset 1 (one row down); otherwise none."""

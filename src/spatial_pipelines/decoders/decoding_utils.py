@@ -345,9 +345,10 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def chain_drafting(self) -> Dict[str, Any]:
         """How a chain round drafts what it does not redraw (`device_chain.ChainLoop`): ``init`` (``"above"``: the code
         one row above, ``"left"``: the draft before it, ``"random"``: a keyed uniform draw) and ``anchor`` (the first
-        draft pulled onto the newest code where its proposal rates it below that code; read where proposals are
-        kept: drawn noise or a relaxed rule)."""
-        return {"init": "above", "anchor": False}
+        draft pulled onto the newest code where its proposal rates it below that code) and ``continuation`` (SJD-PAC's:
+        drafts that are no race of their position's noise tested anew every pass); the last two are read where
+        proposals are kept (drawn noise or a relaxed rule)."""
+        return {"init": "above", "anchor": False, "continuation": False}
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device):
         """What drafts the tree in a round that runs whole on the device under keyed noise, for a decoder whose

@@ -26,8 +26,8 @@ import torch
 
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
-from ..core.sampling import (ACCEPT_STREAM, INIT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample, keyed_uniform,
-                             logits_to_probs, one_hot)
+from ..core.sampling import (ACCEPT_STREAM, CONTINUE_STREAM, INIT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample,
+                             keyed_uniform, logits_to_probs, one_hot)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_loop import DeviceLoop, DeviceState, record_progress
 
@@ -58,6 +58,19 @@ class RelaxedChainState(ChainState):
     q: torch.Tensor
 
 
+@dataclass
+class ContinuedChainState(RelaxedChainState):
+    """`RelaxedChainState` plus which drafts are the race of their position's keyed noise (SJD-PAC's continuation
+    tests the others anew every round: `continue_drafts`).
+
+    Args:
+        raced (`torch.BoolTensor` `(B, L)`): the draft is the keyed sample of its proposal (not a copy, a uniform draw
+            of its own stream or a continuation outcome).
+    """
+
+    raced: torch.Tensor
+
+
 class ChainLoop(DeviceLoop):
     """A chain decoder's generation (`SpatialDecoderMixin.chain_window`): `chain_round`, steps 1-7 of the module
     docstring.
@@ -68,6 +81,8 @@ class ChainLoop(DeviceLoop):
             ``"above"`` (the code one row above; the newest code where none), ``"left"`` (the draft before it) or
             ``"random"`` (a keyed uniform draw of its own stream, `INIT_STREAM`).
         anchor (`bool`): the left anchor on the first draft's proposal, where proposals are kept (`anchor_left`).
+        continuation (`bool`): SJD-PAC's continuation, where proposals are kept: a draft that is not the race of its
+            position's noise is tested anew against every pass's ``p`` (`continue_drafts`).
         proposals (`bool`): keep each draft's proposal ``q`` and accept a draft when a keyed uniform is below
             ``p(x) / q(x)`` (speculative sampling: drawn noise; a relaxed rule always does) instead of when it equals
             the target's keyed sample.
@@ -77,12 +92,12 @@ class ChainLoop(DeviceLoop):
     def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
                  prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
                  rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None, init: str = "above",
-                 anchor: bool = False, proposals: bool = False):
+                 anchor: bool = False, continuation: bool = False, proposals: bool = False):
         if init not in ("above", "left", "random"):
             raise ValueError(f"`init` must be 'above', 'left' or 'random' on the device, got {init!r}.")
         self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
         self.init, self.proposals = init, (proposals and window > 0) or rule.relaxes  # AR tests no draft
-        self.anchor = anchor and self.proposals
+        self.anchor, self.continuation = anchor and self.proposals, continuation and self.proposals
         self.num_codes = backbone.num_image_codes
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         device = prefix.embeds.device
@@ -99,6 +114,8 @@ class ChainLoop(DeviceLoop):
         drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=device)
         if self.proposals:
             q = torch.zeros(self.batch_size, self.window, self.num_codes, device=device)
+            if self.continuation:  # the first drafts are copies
+                return ContinuedChainState(drafts=drafts, q=q, raced=torch.zeros_like(drafts, dtype=torch.bool), **common)
             return RelaxedChainState(drafts=drafts, q=q, **common)
         return ChainState(drafts=drafts, **common)
 
@@ -204,13 +221,18 @@ def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, 
     redrawn = samples.gather(1, source.clamp_max(window))  # (B, L)
     # the draft before the first fresh one: the last redraw, or the newest code when every draft was accepted
     before = torch.where(accepted <= window, samples[:, window], s.last)  # (B,)
-    fresh, q = fresh_drafts(loop, committed[:, None] + loop.draft_offsets, committed, before, s.drafts)  # (B, L)
+    index = committed[:, None] + loop.draft_offsets  # (B, L) the grid index of each next draft
+    fresh, q = fresh_drafts(loop, index, committed, before, s.drafts)  # (B, L)
+    if probs is None:
+        s.drafts.copy_(torch.where(source <= window, redrawn, fresh))
+        return
+    drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
+    if loop.continuation:  # before the drafts and proposals move: the old ones are tested
+        redrawn = continue_drafts(loop, redrawn, drawn_from, source, index)
     s.drafts.copy_(torch.where(source <= window, redrawn, fresh))
-    if probs is not None:
-        drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
-        s.q.copy_(torch.where((source <= window)[..., None], drawn_from, q))
-        if loop.anchor:
-            anchor_left(s)
+    s.q.copy_(torch.where((source <= window)[..., None], drawn_from, q))
+    if loop.anchor:
+        anchor_left(s)
 
 
 def fresh_drafts(loop: ChainLoop, index: torch.Tensor, committed: torch.Tensor, before: torch.Tensor, spare: torch.Tensor):
@@ -240,8 +262,36 @@ def anchor_left(s: RelaxedChainState) -> None:
     x = s.drafts[:, :1]  # (B, 1)
     above = q > q.gather(-1, left)  # (B, V) codes rated above the copy: they stay themselves
     moved = q.masked_fill(above, 0.0).sum(-1, keepdim=True)  # (B, 1) the rest's mass, onto the copy
-    s.drafts[:, :1] = torch.where(above.gather(-1, x), x, left)
+    kept = above.gather(-1, x)  # (B, 1)
+    s.drafts[:, :1] = torch.where(kept, x, left)
     s.q[:, 0] = q.masked_fill(~above, 0.0).scatter(-1, left, moved)
+    if isinstance(s, ContinuedChainState):  # a copy is not the race of the position's noise
+        s.raced[:, :1] &= kept
+
+
+def continue_drafts(loop: ChainLoop, redrawn: torch.Tensor, p: torch.Tensor, source: torch.Tensor, index: torch.Tensor):
+    """SJD-PAC's continuation on the device, step 6 with kept proposals: the next drafts ``(B, L)`` at grid indices
+    ``index`` whose code slot ``source`` fed an old draft ``x`` (drawn from ``q``) are tested against this pass's ``p``
+    ``(B, L, V)``: a draft that is the race of its position's keyed noise stays with the race (the redraw, ``redrawn``);
+    any other is kept when a keyed uniform ``u < p(x) / q(x)``, else replaced by a keyed draw from
+    ``norm(max(p - q, 0))``: a maximal coupling, so the outcome follows ``p``, its new proposal. Both draws are keyed by
+    the position and the round (`CONTINUE_STREAM`, salted apart for the draw): a position may be continued in many
+    rounds, each time afresh.
+    Redraws become raced; the rest not."""
+    s, window, n = loop.state, loop.window, loop.layout.num_tokens
+    old = source.clamp_max(window - 1)  # (B, L) the old draft at each position (where source < L)
+    tested = (source < window) & ~s.raced.gather(1, old)  # (B, L) an old draft that is no race
+    x = s.drafts.gather(1, old)  # (B, L)
+    q_old = s.q.gather(1, old[..., None].expand_as(p))  # (B, L, V)
+    px, qx = p.gather(-1, x[..., None])[..., 0], q_old.gather(-1, x[..., None])[..., 0]  # (B, L)
+    key = index.clamp_max(n - 1) * (n + 1) + s.rounds.clamp_max(n)  # (B, L) one key per position and round
+    u = keyed_uniform(s.seeds ^ CONTINUE_STREAM, key)  # (B, L)
+    rest = (p - q_old).clamp_min(0)
+    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)  # p == q: never rejected anyway
+    drawn = keyed_sample(rest.log(), UNIT_SAMPLING, s.seeds ^ CONTINUE_STREAM ^ RESIDUAL_STREAM, key)  # (B, L)
+    continued = torch.where(u * qx < px, x, drawn)  # u < min(1, p/q) without dividing
+    s.raced.copy_((source <= window) & ~tested)  # the redraws; fresh drafts are copies or draws of their own
+    return torch.where(tested, continued, redrawn)
 
 
 def relaxed_chain(loop: ChainLoop, probs: torch.Tensor, index: torch.Tensor):
