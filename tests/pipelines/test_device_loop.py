@@ -152,8 +152,8 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
     (MedusaDecoder(num_heads=5, tree_paths=[[0] * d for d in range(1, 6)], num_draft_tokens=5), {"end_of_row": True}),
     (EagleDecoder(depth=5, top_k=1, num_draft_tokens=5), {"end_of_row": True}),  # 5 deep: 2 row ends in a 5-wide grid
     (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
-    (JacobiDecoder(window_size=3, init="heads"), {}),  # a head pass the device round does not run
-], ids=["medusa-deeper-than-a-row", "eagle-deeper-than-a-row", "proactive", "init-heads"])
+    (JacobiDecoder(window_size=3, init="heads"), {"sampling_noise": "drawn"}),  # head guesses with proposals
+], ids=["medusa-deeper-than-a-row", "eagle-deeper-than-a-row", "proactive", "drawn-init-heads"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
     pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)
@@ -213,6 +213,12 @@ COUNTED_DECODERS = {"ar": DECODERS[0], "sjd-3": DECODERS[2], "medusa-4": TREES[1
 COUNTED = [pytest.param(*FAMILIES[0], *decoder, id=f"llamagen-{decoder_id}") for decoder_id, decoder in COUNTED_DECODERS.items()]
 COUNTED += [pytest.param(*FAMILIES[2], *COUNTED_DECODERS[d], id=f"janus-{d}") for d in ("ar", "sjd-3", "medusa-4", "eagle-8")]
 COUNTED += [pytest.param(*FAMILIES[1], *COUNTED_DECODERS[d], id=f"llamagen-eol-{d}") for d in ("medusa-4", "eagle-8")]
+#: SJD's drafting options: the head's guesses made in the round, drawn noise (proposals, the anchor, continuation)
+COUNTED += [pytest.param(*FAMILIES[1], JacobiDecoder, {"window_size": 3, "init": "heads"}, id="llamagen-eol-sjd-3-heads"),
+            pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "init": "random", "continuation": True,
+                                                       "sampling_noise": "drawn"}, id="llamagen-sjd-3-random-continuation-drawn"),
+            pytest.param(*FAMILIES[2], EagleDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 3, "sampling_noise": "drawn"},
+                         id="janus-eagle-8-drawn")]
 #: the relaxed rules' rounds: a chain's (its proposals and keyed streams) and a tree's (the sibling-by-sibling claims)
 COUNTED += [pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "acceptance": "lantern"}, id="llamagen-sjd-3-lantern"),
             pytest.param(*FAMILIES[1], MedusaDecoder, {"num_draft_tokens": 4, "acceptance": "lantern++"}, id="llamagen-eol-medusa-4-lantern++")]
@@ -222,10 +228,13 @@ COUNTED += [pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "accept
 def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row, decoder_cls, kwargs, monkeypatch):
     """The counted test of a second compiled generation (other prompts, another CFG scale): no recompile (dynamo
     raises on one), one compiled region per round, at most 10 aten ops per round outside it (the sync's), and the device read once per sync; the state and
-    the cache keep their addresses from round to round; the round has no graph break (`torch._dynamo.explain`)."""
+    the cache keep their addresses from round to round; the round has no graph break (`torch._dynamo.explain`). A
+    case's ``sampling_noise`` goes to every call."""
+    kwargs = dict(kwargs)
+    noise = {"sampling_noise": kwargs.pop("sampling_noise")} if "sampling_noise" in kwargs else {}
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=(8, 8))
     pipe.enable_compile(backend="eager", keep_if_slower=True, measure=False)  # dynamo's graphs, no inductor time
-    pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent")  # the first generation compiles
+    pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent", **noise)  # the first generation compiles
     addresses = []
     step = DeviceLoop.step
 
@@ -239,7 +248,7 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
 
     monkeypatch.setattr(DeviceLoop, "step", recorded_step)
     with torch._dynamo.config.patch(error_on_recompile=True), count_rounds(pipe) as counts:  # another scale, prompts
-        out = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, temperature=0.8, generator=_generators(2),
+        out = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, temperature=0.8, generator=_generators(2), **noise,
                    output_type="latent")
     assert counts.rounds == out.stats.num_forward_passes - 1 > 0
     assert counts.recompiles == 0
@@ -256,7 +265,7 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
         return step(loop)
 
     monkeypatch.setattr(DeviceLoop, "step", explain_first_round)
-    again = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, temperature=0.8, generator=_generators(2),
+    again = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, temperature=0.8, generator=_generators(2), **noise,
                  output_type="latent")
     assert torch.equal(again.tokens, out.tokens)
     assert explained[0].graph_break_count == 0 and explained[0].graph_count == 1
@@ -400,3 +409,23 @@ def test_token_logit_heads_without_their_own_frozen_function_run_on_the_device(m
     loops = _device_runs(monkeypatch, pipe)
     plain = pipe(PROMPTS[:2], guidance_scale=2.0, generator=_generators(2), output_type="latent").tokens
     assert len(loops) == 1 and torch.equal(plain, stacked)
+
+
+@pytest.mark.parametrize("family,end_of_row", FAMILIES[:2], ids=FAMILY_IDS[:2])
+@pytest.mark.parametrize("heads_kind", ["spatial", "latent"])
+def test_sjd_with_head_guesses_runs_on_the_device(family, end_of_row, heads_kind, monkeypatch):
+    """``init="heads"`` on the device: the vertical head guesses the code one row below every committed code inside
+    the round (token-logit and latent heads), the fresh drafts read the guesses, and the codes are AR's and the row-group
+    loop's, every row as alone."""
+    from spatial_pipelines import LatentDraftHeads
+
+    decoder = JacobiDecoder(window_size=3, init="heads")
+    pipe = _pipe(family, end_of_row, decoder)
+    if heads_kind == "latent":
+        torch.manual_seed(0)
+        pipe.draft_heads = LatentDraftHeads.for_backbone(pipe.backbone, decoder)
+    loop, out, grouped = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
+    assert loop.draft_passes_per_round == 1 and isinstance(loop.state, device_chain.HeadGuessState)
+    guessed = loop.state.above[:, :-1]  # (B, N) what the head guessed for each position below the first row
+    width = pipe.backbone.layout.width
+    assert (guessed[:, width:] >= 0).all() and (guessed[:, :width] < 0).all()

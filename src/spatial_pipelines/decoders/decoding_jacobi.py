@@ -258,18 +258,33 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         in the state and tested with a keyed uniform of its own against ``p(x) / q(x)`` (``p~(x) / q(x)``:
         `device_chain.relaxed_chain`), the left anchor applied to ``q`` and ``continuation`` testing every draft that is
         no race anew (`device_chain.continue_drafts`). Keyed per position, every redraw of one position there races the
-        same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there). Proactive drafting and
-        ``init="heads"`` take the row-group loop."""
+        same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there). ``init="heads"`` runs there
+        under keyed noise or greedy (the head's guesses made in the round: `device_chain.predict_above`). Proactive
+        drafting, and ``init="heads"`` under drawn noise or a relaxed rule, take the row-group loop."""
         c = self.config
         rule = self.acceptance_rule
         if not (rule.is_exact or rule.relaxes) or not self.lossless or self.tree is None:
             return None
-        if c.proactive_width != 1 or c.init == "heads":
+        if c.proactive_width != 1 or (c.init == "heads" and (drawn or rule.relaxes)):
             return None
         return self.window
 
-    def chain_drafting(self):
-        return {"init": self.config.init, "anchor": self.config.anchor == "left", "continuation": self.config.continuation}
+    def chain_drafting(self, draft_heads=None):
+        c = self.config
+        drafting = {"init": c.init, "anchor": c.anchor == "left", "continuation": c.continuation}
+        if c.init == "heads":  # the vertical head's guesses, from the hidden states that predicted the committed codes
+            drafting["guess"] = lambda backbone, hidden, codes: self.vertical_logits(draft_heads, backbone, hidden, codes)
+        return drafting
+
+    def vertical_logits(self, draft_heads, backbone, hidden: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """``init="heads"``: the vertical head's logits ``(B, n, V)`` for the codes one row below ``codes`` ``(B, n)``,
+        from the pre-norm hidden states that predicted them ``(B, n, D)`` (token-logit heads: the head at vertical
+        offset 1 through the model's norm and output head; latent heads: their one-row-down prediction)."""
+        backbone = draft_through(backbone, self)
+        if draft_heads.kind == LATENT:  # predict the hidden state one row down
+            return draft_heads.draft_logits(backbone, hidden, codes, "vertical", 1)[:, :, 0]
+        _, feats = draft_heads(backbone.final_norm(hidden.flatten(0, 1)), [], [draft_heads.vertical_index(1)])  # (B*n, 1, D)
+        return backbone.output_head(feats[:, 0]).unflatten(0, hidden.shape[:2])  # (B, n, V)
 
     def heads_needed(self) -> Optional[HeadsNeed]:
         """``init="heads"``: token-logit or latent heads with the vertical offset 1 (one row down); otherwise none."""
@@ -376,14 +391,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         end = min(first + n + state.layout.width, state.layout.num_tokens)
         if first + state.layout.width >= end:  # nothing lands in the grid
             return
-        backbone = draft_through(backbone, self)
-        if draft_heads.kind == LATENT:  # predict the hidden state one row down
-            codes = state.tokens[:, first : first + n]
-            logits = draft_heads.draft_logits(backbone, hidden, codes, "vertical", 1)[:, :, 0]  # (B, n, V)
-        else:
-            idx = draft_heads.vertical_index(1)
-            _, feats = draft_heads(backbone.final_norm(hidden.flatten(0, 1)), [], [idx])  # (B*n, 1, D)
-            logits = backbone.output_head(feats[:, 0]).unflatten(0, hidden.shape[:2])  # (B, n, V)
+        logits = self.vertical_logits(draft_heads, backbone, hidden, state.tokens[:, first : first + n])  # (B, n, V)
         state.num_draft_passes += 1
         count = end - first - state.layout.width
         state.above[:, first + state.layout.width : end] = logits[:, :count].argmax(-1)

@@ -342,12 +342,14 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         in row groups."""
         return None
 
-    def chain_drafting(self) -> Dict[str, Any]:
+    def chain_drafting(self, draft_heads=None) -> Dict[str, Any]:
         """How a chain round drafts what it does not redraw (`device_chain.ChainLoop`): ``init`` (``"above"``: the code
-        one row above, ``"left"``: the draft before it, ``"random"``: a keyed uniform draw) and ``anchor`` (the first
+        one row above, ``"left"``: the draft before it, ``"random"``: a keyed uniform draw, ``"heads"``: a draft head's guess) and ``anchor`` (the first
         draft pulled onto the newest code where its proposal rates it below that code) and ``continuation`` (SJD-PAC's:
         drafts that are no race of their position's noise tested anew every pass); the last two are read where
-        proposals are kept (drawn noise or a relaxed rule)."""
+        proposals are kept (drawn noise or a relaxed rule). With ``init="heads"`` also ``guess``:
+        ``guess(backbone, hidden (B, n, D), codes (B, n))`` gives the logits ``(B, n, V)`` of the codes one row below
+        ``codes`` from the pre-norm hidden states that predicted them (``draft_heads``: the pipeline's)."""
         return {"init": "above", "anchor": False, "continuation": False}
 
     def device_drafter(self, draft_heads, layout, batch_size: int, device):

@@ -48,6 +48,18 @@ class ChainState(DeviceState):
 
 
 @dataclass
+class HeadGuessState(ChainState):
+    """`ChainState` plus a draft head's guess for each grid position (``init="heads"``).
+
+    Args:
+        above (`torch.LongTensor` `(B, N + 1)`): the code the vertical head guessed for each position when the code
+            above it was committed (``-1``: none yet; column ``N`` a spare).
+    """
+
+    above: torch.Tensor
+
+
+@dataclass
 class RelaxedChainState(ChainState):
     """`ChainState` plus each draft's proposal, which drawn noise or a relaxed rule tests it against (`relaxed_chain`).
 
@@ -78,8 +90,10 @@ class ChainLoop(DeviceLoop):
     Args:
         window (`int`): drafts per row per round (``0``: AR).
         init (`str`): how a position entering the window is drafted (`SpatialDecoderMixin.chain_drafting`):
-            ``"above"`` (the code one row above; the newest code where none), ``"left"`` (the draft before it) or
-            ``"random"`` (a keyed uniform draw of its own stream, `INIT_STREAM`).
+            ``"above"`` (the code one row above; the newest code where none), ``"left"`` (the draft before it),
+            ``"random"`` (a keyed uniform draw of its own stream, `INIT_STREAM`) or ``"heads"`` (``guess``'s code).
+        guess (`Callable`, *optional*): ``init="heads"``: ``guess(backbone, hidden, codes)``, the logits of the codes
+            one row below ``codes`` ``(B, n)`` from the hidden states that predicted them (`predict_above`).
         anchor (`bool`): the left anchor on the first draft's proposal, where proposals are kept (`anchor_left`).
         continuation (`bool`): SJD-PAC's continuation, where proposals are kept: a draft that is not the race of its
             position's noise is tested anew against every pass's ``p`` (`continue_drafts`).
@@ -92,9 +106,13 @@ class ChainLoop(DeviceLoop):
     def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
                  prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
                  rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None, init: str = "above",
-                 anchor: bool = False, continuation: bool = False, proposals: bool = False):
-        if init not in ("above", "left", "random"):
-            raise ValueError(f"`init` must be 'above', 'left' or 'random' on the device, got {init!r}.")
+                 anchor: bool = False, continuation: bool = False, proposals: bool = False, guess: Optional[Callable] = None):
+        if init not in ("above", "left", "random", "heads") or (init == "heads") != (guess is not None):
+            raise ValueError(f"`init` must be 'above', 'left', 'random' or 'heads' (with `guess`) on the device, got {init!r}.")
+        if guess is not None and (proposals or rule.relaxes):
+            raise ValueError("`init='heads'` runs on the device under keyed noise or greedy only, without proposals.")
+        self.guess = guess
+        self.draft_passes_per_round = int(guess is not None)  # the head's
         self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
         self.init, self.proposals = init, (proposals and window > 0) or rule.relaxes  # AR tests no draft
         self.anchor, self.continuation = anchor and self.proposals, continuation and self.proposals
@@ -112,6 +130,8 @@ class ChainLoop(DeviceLoop):
     def new_state(self, **common) -> ChainState:
         device = common["tokens"].device
         drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=device)
+        if self.guess is not None:  # keyed noise or greedy only (`JacobiDecoder.chain_window`): no proposals kept
+            return HeadGuessState(drafts=drafts, above=torch.full_like(common["tokens"], -1), **common)
         if self.proposals:
             q = torch.zeros(self.batch_size, self.window, self.num_codes, device=device)
             if self.continuation:  # the first drafts are copies
@@ -125,6 +145,8 @@ class ChainLoop(DeviceLoop):
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         s = self.state
+        if self.guess is not None:  # the prompt's last output predicted the first code: guess the one below it
+            predict_above(self, hidden[: self.batch_size, None], first[:, None], torch.ones_like(first), s.committed - 1)
         index = 1 + self.draft_offsets.expand_as(s.drafts)  # (B, L) the grid index of each draft
         codes, q = fresh_drafts(self, index, s.committed, first, s.drafts)  # the first row has nothing above
         s.drafts.copy_(codes)
@@ -146,7 +168,7 @@ def chain_round(loop: ChainLoop) -> None:
     codes = s.committed[:, None] + loop.code_offsets  # (B, L + 1) the grid index each code slot predicts
     start = layout.sequence_offset(s.committed - 1)  # (B,) sequence offset of the newest code
     with timer.section("forward"):  # `profile_rounds` in an eager round (a compiled round keeps no sections)
-        logits = chain_forward(loop, start, codes)  # (R, L + 1, V) fp32
+        hidden, logits = chain_forward(loop, start, codes)  # (R, L + 1, D), (R, L + 1, V) fp32
     with timer.section("accept"):
         # 3. CFG mix and every code slot's keyed sample
         logits = loop.guided(logits)  # (B, L + 1, V)
@@ -168,9 +190,11 @@ def chain_round(loop: ChainLoop) -> None:
         s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
         committed = s.committed + accepted  # (B,)
         s.last.copy_(torch.where(active, commit.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
-    # 6. the next drafts: this pass's samples after the run, then the code one row above (the newest where none)
+    # 6. the next drafts: this pass's samples after the run, then fresh ones by the decoder's init
     if window:
         with timer.section("draft"):
+            if loop.guess is not None:  # the head guesses the codes one row below the run
+                predict_above(loop, hidden[: loop.batch_size], commit, accepted, s.committed)
             next_drafts(loop, samples, accepted, committed, probs)
     # 7. each cache row keeps the fed slots up to its newest code (a prefix), its CFG twin the same
     kept = (layout.sequence_offset(committed - 1) - start) * active  # (B,) = accepted without EOLs
@@ -183,7 +207,7 @@ def chain_round(loop: ChainLoop) -> None:
 def chain_forward(loop: ChainLoop, start: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """Steps 1-2 of a chain round: every row's newest code and drafts fed at its own positions from sequence offset
     ``start`` ``(B,)``, one target pass; the logits of the slot before each code slot ``codes`` ``(B, L + 1)`` (grid
-    indices) predicts, ``(R, L + 1, V)`` fp32."""
+    indices) predicts: the hidden states ``(R, L + 1, D)`` and the logits ``(R, L + 1, V)`` fp32."""
     s, backbone, sampling, layout, cache = loop.state, loop.backbone, loop.sampling, loop.layout, loop.cache
     n, width, window = layout.num_tokens, layout.width, loop.window
     # 1. feed the newest code and the drafts at each row's own positions (with end-of-row tokens: every sequence
@@ -208,7 +232,20 @@ def chain_forward(loop: ChainLoop, start: torch.Tensor, codes: torch.Tensor) -> 
     if layout.has_eol:  # the slot before each code predicts it (after a row's end: the EOL's slot)
         rows = predicting.repeat(2, 1) if sampling.do_cfg else predicting  # (R, L + 1)
         hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, L + 1, D)
-    return backbone.image_logits(hidden)  # (R, L + 1, V) fp32
+    return hidden, backbone.image_logits(hidden)  # (R, L + 1, D), (R, L + 1, V) fp32
+
+
+def predict_above(loop: ChainLoop, hidden: torch.Tensor, codes: torch.Tensor, accepted: torch.Tensor,
+                  first: torch.Tensor) -> None:
+    """``init="heads"``: the head's guess for the code one row below each of the first ``accepted`` ``(B,)`` codes
+    ``codes`` ``(B, C)`` committed from grid index ``first`` ``(B,)`` on, from the hidden states that predicted them
+    ``(B, C, D)`` (all ``C`` guessed: fixed shapes; the rest write the spare column)."""
+    s, n = loop.state, loop.layout.num_tokens
+    offsets = loop.code_offsets[: codes.shape[1]]  # (C,)
+    guess = loop.guess(loop.backbone, hidden, codes).argmax(-1)  # (B, C)
+    below = first[:, None] + offsets + loop.layout.width  # (B, C) the grid index one row below each code
+    ok = (offsets < accepted[:, None]) & (below < n)
+    s.above.scatter_(1, torch.where(ok, below, n), torch.where(ok, guess, -1))
 
 
 def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, committed: torch.Tensor,
@@ -238,7 +275,7 @@ def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, 
 def fresh_drafts(loop: ChainLoop, index: torch.Tensor, committed: torch.Tensor, before: torch.Tensor, spare: torch.Tensor):
     """Drafts of positions entering the window at grid indices ``index`` ``(B, L)`` by the loop's ``init``: the code one
     row above (the newest code where none of the ``committed`` ``(B,)`` is), ``before`` ``(B,)`` (the draft before them),
-    or a keyed uniform draw. Returns the codes ``(B, L)`` (``spare``'s shape) and, where proposals are kept, their law
+    a keyed uniform draw, or the head's guess (`predict_above`; the newest code where none). Returns the codes ``(B, L)`` (``spare``'s shape) and, where proposals are kept, their law
     ``(B, L, V)``: point masses, or uniform for random draws (else ``None``)."""
     s, n, v = loop.state, loop.layout.num_tokens, loop.num_codes
     if loop.init == "random":
@@ -246,6 +283,9 @@ def fresh_drafts(loop: ChainLoop, index: torch.Tensor, committed: torch.Tensor, 
         return codes, (torch.full((*codes.shape, v), 1.0 / v, device=codes.device) if loop.proposals else None)
     if loop.init == "left":
         codes = before[:, None].expand_as(spare)
+    elif loop.init == "heads":  # the head's guess, where the code above was committed; the newest code where not
+        guess = s.above.gather(1, index.clamp_max(n))  # (B, L)
+        codes = torch.where(guess >= 0, guess, s.last[:, None])
     else:
         above = index - loop.layout.width  # (B, L) grid index one row above each draft
         known = (above >= 0) & (above < committed[:, None])

@@ -143,7 +143,7 @@ class GenerationLoop:
             acceptance = {"rule": rule, "neighbours": self.backbone.code_neighbours(rule.num_neighbours) if rule.num_neighbours else None}
         window = decoder.chain_window(drawn=drawn)
         if window is not None:
-            return ChainLoop, {"window": window, "proposals": drawn, **decoder.chain_drafting(), **acceptance}
+            return ChainLoop, {"window": window, "proposals": drawn, **decoder.chain_drafting(self.draft_heads), **acceptance}
         layout = self.backbone.layout
         if relaxed and not rule.claims_neighbours:  # a claim no sample of p decides (`relaxed_matches`)
             return None
