@@ -258,14 +258,13 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         in the state and tested with a keyed uniform of its own against ``p(x) / q(x)`` (``p~(x) / q(x)``:
         `device_chain.relaxed_chain`), the left anchor applied to ``q`` and ``continuation`` testing every draft that is
         no race anew (`device_chain.continue_drafts`). Keyed per position, every redraw of one position there races the
-        same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there). ``init="heads"`` runs there
-        under keyed noise or greedy (the head's guesses made in the round: `device_chain.predict_above`). Proactive
-        drafting, and ``init="heads"`` under drawn noise or a relaxed rule, take the row-group loop."""
+        same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there). ``init="heads"`` guesses in
+        the round (`device_chain.predict_above`; point masses). Proactive drafting takes the row-group loop."""
         c = self.config
         rule = self.acceptance_rule
         if not (rule.is_exact or rule.relaxes) or not self.lossless or self.tree is None:
             return None
-        if c.proactive_width != 1 or (c.init == "heads" and (drawn or rule.relaxes)):
+        if c.proactive_width != 1:
             return None
         return self.window
 

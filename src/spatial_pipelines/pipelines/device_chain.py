@@ -38,49 +38,22 @@ UNIT_SAMPLING = SamplingConfig()
 
 @dataclass
 class ChainState(DeviceState):
-    """`DeviceState` plus each row's drafts.
+    """`DeviceState` plus each row's drafts, and what the loop's options keep beside them (``None`` where unused).
 
     Args:
         drafts (`torch.LongTensor` `(B, L)`): each row's drafts for the ``L`` positions after its newest code.
+        q (`torch.Tensor` `(B, L, V)`, *optional*): the distribution each draft was drawn from (a point mass for a
+            copied one), where drawn noise or a relaxed rule tests drafts against their proposals (`relaxed_chain`).
+        raced (`torch.BoolTensor` `(B, L)`, *optional*): continuation: the draft is the keyed sample of its proposal
+            (not a copy, a guess, a uniform draw of its own stream or a continuation outcome; `continue_drafts`).
+        above (`torch.LongTensor` `(B, N + 1)`, *optional*): ``init="heads"``: the code the vertical head guessed for
+            each position when the code above it was committed (``-1``: none yet; column ``N`` a spare).
     """
 
     drafts: torch.Tensor
-
-
-@dataclass
-class HeadGuessState(ChainState):
-    """`ChainState` plus a draft head's guess for each grid position (``init="heads"``).
-
-    Args:
-        above (`torch.LongTensor` `(B, N + 1)`): the code the vertical head guessed for each position when the code
-            above it was committed (``-1``: none yet; column ``N`` a spare).
-    """
-
-    above: torch.Tensor
-
-
-@dataclass
-class RelaxedChainState(ChainState):
-    """`ChainState` plus each draft's proposal, which drawn noise or a relaxed rule tests it against (`relaxed_chain`).
-
-    Args:
-        q (`torch.Tensor` `(B, L, V)`): the distribution each draft was drawn from (a point mass for a copied one).
-    """
-
-    q: torch.Tensor
-
-
-@dataclass
-class ContinuedChainState(RelaxedChainState):
-    """`RelaxedChainState` plus which drafts are the race of their position's keyed noise (SJD-PAC's continuation
-    tests the others anew every round: `continue_drafts`).
-
-    Args:
-        raced (`torch.BoolTensor` `(B, L)`): the draft is the keyed sample of its proposal (not a copy, a uniform draw
-            of its own stream or a continuation outcome).
-    """
-
-    raced: torch.Tensor
+    q: Optional[torch.Tensor] = None
+    raced: Optional[torch.Tensor] = None
+    above: Optional[torch.Tensor] = None
 
 
 class ChainLoop(DeviceLoop):
@@ -109,8 +82,6 @@ class ChainLoop(DeviceLoop):
                  anchor: bool = False, continuation: bool = False, proposals: bool = False, guess: Optional[Callable] = None):
         if init not in ("above", "left", "random", "heads") or (init == "heads") != (guess is not None):
             raise ValueError(f"`init` must be 'above', 'left', 'random' or 'heads' (with `guess`) on the device, got {init!r}.")
-        if guess is not None and (proposals or rule.relaxes):
-            raise ValueError("`init='heads'` runs on the device under keyed noise or greedy only, without proposals.")
         self.guess = guess
         self.draft_passes_per_round = int(guess is not None)  # the head's
         self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
@@ -130,14 +101,10 @@ class ChainLoop(DeviceLoop):
     def new_state(self, **common) -> ChainState:
         device = common["tokens"].device
         drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=device)
-        if self.guess is not None:  # keyed noise or greedy only (`JacobiDecoder.chain_window`): no proposals kept
-            return HeadGuessState(drafts=drafts, above=torch.full_like(common["tokens"], -1), **common)
-        if self.proposals:
-            q = torch.zeros(self.batch_size, self.window, self.num_codes, device=device)
-            if self.continuation:  # the first drafts are copies
-                return ContinuedChainState(drafts=drafts, q=q, raced=torch.zeros_like(drafts, dtype=torch.bool), **common)
-            return RelaxedChainState(drafts=drafts, q=q, **common)
-        return ChainState(drafts=drafts, **common)
+        q = torch.zeros(self.batch_size, self.window, self.num_codes, device=device) if self.proposals else None
+        raced = torch.zeros_like(drafts, dtype=torch.bool) if self.continuation else None  # the first drafts are copies
+        above = torch.full_like(common["tokens"], -1) if self.guess is not None else None
+        return ChainState(drafts=drafts, q=q, raced=raced, above=above, **common)
 
     @classmethod
     def default_round(cls) -> Callable:
@@ -275,8 +242,9 @@ def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, 
 def fresh_drafts(loop: ChainLoop, index: torch.Tensor, committed: torch.Tensor, before: torch.Tensor, spare: torch.Tensor):
     """Drafts of positions entering the window at grid indices ``index`` ``(B, L)`` by the loop's ``init``: the code one
     row above (the newest code where none of the ``committed`` ``(B,)`` is), ``before`` ``(B,)`` (the draft before them),
-    a keyed uniform draw, or the head's guess (`predict_above`; the newest code where none). Returns the codes ``(B, L)`` (``spare``'s shape) and, where proposals are kept, their law
-    ``(B, L, V)``: point masses, or uniform for random draws (else ``None``)."""
+    a keyed uniform draw, or the head's guess (`predict_above`; the newest code where none). Returns the codes
+    ``(B, L)`` (``spare``'s shape) and, where proposals are kept, their law ``(B, L, V)``: point masses, or uniform for
+    random draws (else ``None``)."""
     s, n, v = loop.state, loop.layout.num_tokens, loop.num_codes
     if loop.init == "random":
         codes = (keyed_uniform(s.seeds ^ INIT_STREAM, index.clamp_max(n - 1)) * v).long().clamp_max(v - 1)  # (B, L)
@@ -293,7 +261,7 @@ def fresh_drafts(loop: ChainLoop, index: torch.Tensor, committed: torch.Tensor, 
     return codes, (one_hot(codes, v) if loop.proposals else None)
 
 
-def anchor_left(s: RelaxedChainState) -> None:
+def anchor_left(s: ChainState) -> None:
     """``anchor="left"`` on the first draft ``x ~ q``: it becomes ``c``, the newest committed code, where
     ``q(x) <= q(c)``; its proposal becomes the law of that choice, ``q`` on the codes it rates above ``c`` and the rest
     of its mass on ``c`` (``c`` is known before ``x`` is drawn, so the draft is still verified exactly)."""
@@ -305,7 +273,7 @@ def anchor_left(s: RelaxedChainState) -> None:
     kept = above.gather(-1, x)  # (B, 1)
     s.drafts[:, :1] = torch.where(kept, x, left)
     s.q[:, 0] = q.masked_fill(~above, 0.0).scatter(-1, left, moved)
-    if isinstance(s, ContinuedChainState):  # a copy is not the race of the position's noise
+    if s.raced is not None:  # a copy is not the race of the position's noise
         s.raced[:, :1] &= kept
 
 

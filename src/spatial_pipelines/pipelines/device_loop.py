@@ -292,5 +292,6 @@ def record_progress(state: DeviceState) -> None:
 
 
 def state_tensors(state: DeviceState) -> List[torch.Tensor]:
-    """The state's tensors (their ``data_ptr`` must not change from round to round)."""
-    return [getattr(state, f.name) for f in fields(state)]
+    """The state's tensors (their ``data_ptr`` must not change from round to round); a field a loop's options leave
+    unused is ``None`` and not listed."""
+    return [t for t in (getattr(state, f.name) for f in fields(state)) if t is not None]
