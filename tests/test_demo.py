@@ -10,20 +10,14 @@ import torch
 from spatial_pipelines import demo
 from spatial_pipelines.cli import main
 from spatial_pipelines.decoders import DECODERS
-from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
+
+from helpers import tiny_pipeline_with_every_heads
 
 
 @pytest.fixture(scope="module")
 def pipe_and_heads():
     """A tiny pipeline and random heads of every kind a registered decoder drafts with."""
-    pipe = dummy_pipeline("llamagen")
-    heads = {}
-    for cls in DECODERS.values():
-        need = cls().heads_needed()
-        if need is not None and need.kinds[0] not in heads:
-            heads[need.kinds[0]] = random_draft_heads(pipe, cls())
-    pipe.set_draft_heads(None)
-    return pipe, heads
+    return tiny_pipeline_with_every_heads()
 
 
 def test_choices_are_the_registry_but_ar():

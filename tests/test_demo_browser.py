@@ -17,6 +17,8 @@ import pytest
 
 from spatial_pipelines import demo
 
+from helpers import tiny_pipeline_with_every_heads
+
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 INSTALL = "apt-get install -y chromium chromium-driver"
 
@@ -41,17 +43,7 @@ def _load():
 
         pipe = load_default_pipeline()
         return pipe, demo.load_heads(pipe, embedded=True), "the embedded Twemoji model"
-    from spatial_pipelines.decoders import DECODERS
-    from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
-
-    pipe = dummy_pipeline("llamagen")
-    heads = {}
-    for cls in DECODERS.values():
-        need = cls().heads_needed()
-        if need is not None and need.kinds[0] not in heads:
-            heads[need.kinds[0]] = random_draft_heads(pipe, cls())
-    pipe.set_draft_heads(None)
-    return pipe, heads, "a tiny random LlamaGen model"
+    return (*tiny_pipeline_with_every_heads(), "a tiny random LlamaGen model")
 
 
 @pytest.fixture(scope="module")

@@ -138,3 +138,19 @@ def lay_out_hub_cache(hub: Path, repo_id: str, folder: Path, commit: str, refs=(
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     for ref in refs:
         (repo / "refs" / ref).write_text(commit)
+
+
+def tiny_pipeline_with_every_heads():
+    """A tiny random LlamaGen pipeline (no heads attached) and random heads of every kind a registered decoder drafts
+    with, ``{kind: heads}`` (the demo's tests serve every decoder from them)."""
+    from spatial_pipelines.decoders import DECODERS
+    from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
+
+    pipe = dummy_pipeline("llamagen")
+    heads = {}
+    for cls in DECODERS.values():
+        need = cls().heads_needed()
+        if need is not None and need.kinds[0] not in heads:
+            heads[need.kinds[0]] = random_draft_heads(pipe, cls())
+    pipe.set_draft_heads(None)
+    return pipe, heads

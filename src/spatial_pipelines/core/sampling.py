@@ -191,6 +191,12 @@ def keyed_uniform(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _keyed_unit(seeds, index + 1)
 
 
+def keyed_integer(seeds: torch.Tensor, index: torch.Tensor, span: Union[int, torch.Tensor]) -> torch.Tensor:
+    """An integer uniform in ``[0, span)`` that depends only on ``(seed, index)`` (`keyed_uniform` scaled): long
+    ``(B, ...)`` for ``index`` ``(B, ...)``; ``span`` an int or a tensor broadcasting against ``index``."""
+    return (keyed_uniform(seeds, index) * span).long().clamp_max(span - 1)
+
+
 def _keyed_unit(seeds: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     """SplitMix64's finaliser of ``seed + counter * gamma`` (``counter`` ``(B, ...)``, never 0), its top 23 bits as a
     number in ``(0, 1)``."""

@@ -11,7 +11,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
-from ..core.sampling import SHAPE_STREAM, keyed_uniform
+from ..core.sampling import SHAPE_STREAM, keyed_integer
 from ..utils import check_number
 from .decoding_eagle import EagleDecoder, EagleDrafter, EagleState
 from .decoding_utils import StepOutput, check_draft_budget, check_int
@@ -99,8 +99,8 @@ class ADTDrafter(EagleDrafter):
         neighbour = self.memory.gather(1, index[:, None, None].expand(-1, 1, 2))[:, 0]  # (B, 2)
         shape = torch.where(neighbour[:, :1] >= 0, neighbour, self.first_shape)  # (B, 2)
         if c.tree_init == "random":  # a uniform draw in the ranges, keyed by the row's seed and its newest code
-            u = keyed_uniform(s.seeds ^ SHAPE_STREAM, 2 * s.committed[:, None] + self.pair)  # (B, 2)
-            shape = self.range_low + (u * self.range_span).long().clamp_max(self.range_span - 1)  # (B, 2)
+            drawn = keyed_integer(s.seeds ^ SHAPE_STREAM, 2 * s.committed[:, None] + self.pair, self.range_span)  # (B, 2)
+            shape = self.range_low + drawn
         move = torch.where(alpha >= c.beta, 1, -1)[:, None] * self.step  # (B, 2)
         shape = torch.where(self.adapted[:, None], shape + move, shape)
         depth = shape[:, 0].clamp(c.depth_range[0], c.depth_range[1])

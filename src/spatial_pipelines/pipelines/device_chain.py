@@ -27,7 +27,7 @@ import torch
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
 from ..core.sampling import (ACCEPT_STREAM, CONTINUE_STREAM, INIT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample,
-                             keyed_uniform, logits_to_probs, one_hot)
+                             keyed_integer, keyed_uniform, logits_to_probs, one_hot)
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_loop import DeviceLoop, DeviceState, record_progress
 
@@ -88,6 +88,8 @@ class ChainLoop(DeviceLoop):
         self.init, self.proposals = init, (proposals and window > 0) or rule.relaxes  # AR tests no draft
         self.anchor, self.continuation = anchor and self.proposals, continuation and self.proposals
         self.num_codes = backbone.num_image_codes
+        # random drafts' proposal, built once (a round allocates nothing it could keep)
+        self.uniform_q = torch.full((self.num_codes,), 1.0 / self.num_codes, device=prefix.embeds.device)
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         device = prefix.embeds.device
         self.draft_offsets = torch.arange(window, device=device)  # (L,)
@@ -247,8 +249,8 @@ def fresh_drafts(loop: ChainLoop, index: torch.Tensor, committed: torch.Tensor, 
     random draws (else ``None``)."""
     s, n, v = loop.state, loop.layout.num_tokens, loop.num_codes
     if loop.init == "random":
-        codes = (keyed_uniform(s.seeds ^ INIT_STREAM, index.clamp_max(n - 1)) * v).long().clamp_max(v - 1)  # (B, L)
-        return codes, (torch.full((*codes.shape, v), 1.0 / v, device=codes.device) if loop.proposals else None)
+        codes = keyed_integer(s.seeds ^ INIT_STREAM, index.clamp_max(n - 1), v)  # (B, L)
+        return codes, (loop.uniform_q.expand(*codes.shape, v) if loop.proposals else None)
     if loop.init == "left":
         codes = before[:, None].expand_as(spare)
     elif loop.init == "heads":  # the head's guess, where the code above was committed; the newest code where not
