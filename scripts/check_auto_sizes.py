@@ -44,7 +44,8 @@ def parse_args(argv=None):
 
 def worker(args) -> dict:
     """In a fresh process: the size `tune_decoder` picks for each decoder at each batch size (with the decoder's heads
-    loaded), the pass costs and the fitted curve they came from, and each decoder's measured round overhead."""
+    loaded), each decoder's whole round per candidate size as `tune_decoder` timed it, and the target pass cost c(T) with
+    its fitted curve beside them."""
     import torch
 
     from spatial_pipelines.cli import embedded_heads_path, load_pipeline
@@ -53,23 +54,23 @@ def worker(args) -> dict:
 
     torch.set_num_threads(args.threads)
     pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype))
-    chosen, overhead = {}, {}
+    chosen, round_ms = {}, {}
     for name in args.decoders:
         pipe.decoder = DECODERS[name]()
         need = pipe.decoder.heads_needed()
         if need is not None:
             pipe.load_draft_heads(args.heads or embedded_heads_path(need.kinds[0]))
         chosen[name] = {str(n): pipe.tune_decoder(batch_size=n).config[pipe.decoder.draft_size_name] for n in args.images}
-        for per_decoder in pipe.__dict__.get("_round_overheads", {}).values():
+        for per_decoder in pipe.__dict__.get("_round_costs", {}).values():
             for kept in per_decoder.values():
                 if type(kept.decoder) is type(pipe.decoder):
-                    overhead[name] = {str(n): 1e3 * s for n, s in sorted(kept.seconds.items())}
-    costs = next(iter(pipe.backbone.caches.pass_costs.values()))
-    fit = costs.fitted()
+                    round_ms[name] = {str(n): 1e3 * s for n, s in sorted(kept.seconds.items())}
+    costs = pipe.pass_cost(2 if pipe.backbone.default_guidance_scale > 1 else 1)
+    fit = costs.fitted([1, 2, 4, 8, 16, 32])
     return {"chosen": chosen, "pass_cost_ms": {str(t): 1e3 * s for t, s in sorted(costs.seconds.items())},
             "fitted_pass_cost_ms": {"base": 1e3 * fit.base, "slope": 1e3 * fit.slope, "extra_slope": 1e3 * fit.extra_slope,
                                     "knee": fit.knee},
-            "round_overhead_ms": overhead}
+            "round_ms": round_ms}
 
 
 def main(argv=None):

@@ -13,7 +13,7 @@ from spatial_pipelines.core import RandomSource
 from spatial_pipelines.core.tree import tree_from_paths
 from spatial_pipelines.core.verification import verify_tree, verify_tree_sequential
 from spatial_pipelines.decoders.decoding_tree import AUTO_RATE_TOLERANCE, best_subtree, node_priors
-from spatial_pipelines.pipelines.pass_cost import RoundOverhead, fit_pass_cost
+from spatial_pipelines.pipelines.pass_cost import RoundCost, fit_pass_cost
 from spatial_pipelines.testing import dummy_pipeline
 
 from helpers import DECODER_CASES, make
@@ -170,10 +170,11 @@ def test_auto_size_is_resolved_once_per_pipeline_and_serves_the_invariants():
     assert pipe.decoder.sizes_from_pass_cost
     greedy = pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent")
     chosen = pipe.decoder.tree.num_nodes
-    costs = dict(pipe.pass_cost(4).seconds)
-    assert len(costs) > 3 and all(s > 0 for s in costs.values())
+    round_cost = pipe.decoder._resolved_for[2]
+    costs = dict(round_cost.seconds)  # two images: the rounds timed at the call's batch
+    assert round_cost.batch_size == 2 and len(costs) > 3 and all(s > 0 for s in costs.values())
     assert pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent").tokens.equal(greedy.tokens)
-    assert pipe.decoder.tree.num_nodes == chosen and pipe.pass_cost(4).seconds == costs  # measured once
+    assert pipe.decoder.tree.num_nodes == chosen and round_cost.seconds == costs  # measured once
 
 
 def test_fitted_pass_cost_recovers_the_curve_and_never_falls():
@@ -222,38 +223,50 @@ def test_auto_size_from_the_fitted_curve_holds_under_timing_noise(decoder_cls, s
 
 
 @pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
-def test_auto_size_counts_the_round_outside_the_pass(decoder_cls, size_arg):
-    """Work per node outside the target pass makes "auto" choose a smaller draft than the pass cost alone; a fixed
-    cost per round (amortised over more accepted codes) a larger one, never smaller."""
+def test_auto_size_counts_the_whole_round(decoder_cls, size_arg):
+    """A round cost that adds work per node to the pass makes "auto" choose a smaller draft than the pass cost alone;
+    a fixed cost per round (amortised over more accepted codes) a larger one, never smaller; the round cost replaces
+    the pass cost (a pass cost given beside it is not read)."""
     pass_cost = lambda t: 1.0 + 0.04 * t  # noqa: E731
     alone = decoder_cls(**{size_arg: "auto"})
     alone.resolve_draft_size(pass_cost)
     per_node = decoder_cls(**{size_arg: "auto"})
-    per_node.resolve_draft_size(pass_cost, round_overhead=lambda tree: 0.2 * tree.num_nodes)
+    per_node.resolve_draft_size(None, round_cost=lambda tree: pass_cost(tree.num_nodes) + 0.2 * tree.num_nodes)
     per_round = decoder_cls(**{size_arg: "auto"})
-    per_round.resolve_draft_size(pass_cost, round_overhead=lambda tree: 1.0)
+    per_round.resolve_draft_size(lambda t: 1 / 0, round_cost=lambda tree: pass_cost(tree.num_nodes) + 1.0)
     assert per_node.tree.num_nodes < alone.tree.num_nodes <= per_round.tree.num_nodes
 
 
-def test_pipeline_times_the_decoders_own_work_on_dry_rounds():
-    """A call with "auto" Medusa times the decoder's own round (propose, CFG mix, step) per candidate tree on dry
-    rounds, once per pipeline; the decoder keeps the tree it chose, and greedy output is unchanged by the choice."""
-    pipe = dummy_pipeline("llamagen", MedusaDecoder(num_draft_tokens="auto"), "random", grid=(4, 5))
+@pytest.mark.parametrize("decoder_cls,kwargs", [(MedusaDecoder, {"num_draft_tokens": "auto"}), (JacobiDecoder, {"window_size": "auto"})])
+def test_pipeline_times_whole_rounds_on_the_engine(decoder_cls, kwargs, monkeypatch):
+    """A call with an "auto" size times every candidate's whole round on real rounds of the engine (`DeviceLoop.step`,
+    nothing of the row-group loop), once per pipeline; the decoder keeps the tree it chose, and greedy output is unchanged
+    by the choice."""
+    from spatial_pipelines.pipelines.device_loop import DeviceLoop
+
+    steps = []
+    step = DeviceLoop.step
+    monkeypatch.setattr(DeviceLoop, "step", lambda loop: (steps.append(type(loop).__name__), step(loop))[1])
+    heads = "random" if decoder_cls is MedusaDecoder else None
+    pipe = dummy_pipeline("llamagen", decoder_cls(**kwargs), heads, grid=(4, 5))
     out = pipe("a fox", temperature=0, output_type="latent")
-    _, drafter, overhead, _ = pipe.decoder._resolved_for
-    assert drafter is None and isinstance(overhead, RoundOverhead) and overhead.decoder is pipe.decoder
+    pass_cost, drafter, round_cost, _ = pipe.decoder._resolved_for
+    assert pass_cost is None and drafter is None and isinstance(round_cost, RoundCost) and round_cost.decoder is pipe.decoder
     candidates = {pipe.decoder._sized_tree(n)[0].num_nodes for n in pipe.decoder._draft_sizes()}
-    assert set(overhead.seconds) == candidates and all(s > 0 for s in overhead.seconds.values())
-    chosen, timed = pipe.decoder.tree, dict(overhead.seconds)
+    assert set(round_cost.seconds) == candidates and all(s > 0 for s in round_cost.seconds.values())
+    timed_rounds = (round_cost.warmup + round_cost.repeats) * len(candidates) * (1 + round_cost.rounds)
+    assert len(steps) >= timed_rounds  # the timed rounds ran on the engine, then the call's own
+    chosen, timed = pipe.decoder.tree, dict(round_cost.seconds)
     assert pipe("a fox", temperature=0, output_type="latent").tokens.equal(out.tokens)
-    assert pipe.decoder.tree is chosen and overhead.seconds == timed  # timed once
+    assert pipe.decoder.tree is chosen and round_cost.seconds == timed  # timed once
     other = pipe.decoder
-    pipe.decoder = MedusaDecoder(num_draft_tokens="auto")  # a benchmark swaps decoders prompt by prompt: each is timed once
+    pipe.decoder = decoder_cls(**kwargs)  # a benchmark swaps decoders prompt by prompt: each is timed once
     pipe("a fox", temperature=0, output_type="latent")
     pipe.decoder = other
     pipe("a fox", temperature=0, output_type="latent")
-    assert pipe.decoder._resolved_for[2] is overhead and overhead.seconds == timed
-    fixed = dummy_pipeline("llamagen", MedusaDecoder(num_draft_tokens=chosen.num_nodes - 1), "random", grid=(4, 5))
+    assert pipe.decoder._resolved_for[2] is round_cost and round_cost.seconds == timed
+    size = {"num_draft_tokens": chosen.num_nodes - 1} if decoder_cls is MedusaDecoder else {"window_size": chosen.num_nodes - 1}
+    fixed = dummy_pipeline("llamagen", decoder_cls(**size), heads, grid=(4, 5))
     assert fixed("a fox", temperature=0, output_type="latent").tokens.equal(out.tokens)  # same seed, same weights
 
 
@@ -449,7 +462,8 @@ def test_tune_decoder_returns_the_chosen_sizes_as_config(decoder_cls, kwargs, he
         pipe.tune_decoder(batch_size=0)
     tuned = pipe.tune_decoder(batch_size=2)
     assert pipe.decoder.config[name] == size and pipe.decoder.sizes_from_pass_cost == (size == "auto")
-    assert pipe.backbone.caches.pass_costs, "tune_decoder measured nothing"
+    measured = pipe.backbone.caches.pass_costs if decoder_cls is EagleDecoder else pipe.__dict__.get("_round_costs")
+    assert measured, "tune_decoder measured nothing"  # the pass cost and drafter passes (EAGLE-2), else whole rounds
     chosen = tuned.config[name]
     assert isinstance(chosen, int) and chosen >= 1 and not tuned.sizes_from_pass_cost and not tuned.sizes_from_family
     tuned.save_config(tmp_path)

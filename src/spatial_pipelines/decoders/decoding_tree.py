@@ -131,8 +131,9 @@ class TreeDecoderMixin:
 
     A subclass calls ``self._set_tree(full_tree, size)`` in ``__init__``: ``full_tree`` is the largest tree it drafts,
     ``size`` an int (keep the ``size`` likeliest nodes, or all of them with ``None``) or ``"auto"``: the pipeline then
-    measures the pass cost ``c(T)`` and the decoder's own work per round on its device, and `resolve_draft_size` keeps
-    the node count that maximises the expected codes per second, ``(1 + E[accepted]) / (c(1 + nodes) + overhead)``.
+    times each candidate's whole round on real rounds of the engine on its device (a drafter model's decoder: the pass
+    cost ``c(T)`` and its drafter's passes), and `resolve_draft_size` keeps the node count that maximises the expected
+    codes per second, ``(1 + E[accepted]) / (seconds per round)``.
     The costs are measured on the device; ``E[accepted]`` is not: it comes from the prior `node_priors` with the
     class's ``acceptance_prior`` ``(first_rate, sibling_decay)``, fitted on the embedded model (`HEADS_ACCEPTANCE_PRIOR`,
     `EAGLE_ACCEPTANCE_PRIOR`, the SJD priors; docs/decoders.md, "Fitted constants"), also for other checkpoints. Its
@@ -195,28 +196,27 @@ class TreeDecoderMixin:
             return {}
         return {name: self._resolved_size}
 
-    def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None,
-                           round_overhead: Optional[Callable[[DraftTree], float]] = None, batch_size: int = 1) -> None:
+    def resolve_draft_size(self, pass_cost: Optional[Callable[[int], float]], draft_pass_cost: Optional[Callable[[int], float]] = None,
+                           round_cost: Optional[Callable[[DraftTree], float]] = None, batch_size: int = 1) -> None:
         resolved = self._resolved_for
         if self._size != AUTO or (resolved is not None and resolved[3] == batch_size
-                                  and all(a is b for a, b in zip(resolved, (pass_cost, draft_pass_cost, round_overhead)))):
+                                  and all(a is b for a, b in zip(resolved, (pass_cost, draft_pass_cost, round_cost)))):
             return  # once per pipeline cost model and batch size
         sizes = self._draft_sizes()
         candidates = [self._sized_tree(n) for n in sizes]  # (tree, expected accepted drafts)
         trees = [tree for tree, _ in candidates]
-        # a PassCost / RoundOverhead measures what it has not yet and returns a fitted curve (through these sizes only)
-        target = pass_cost.fitted(sorted({t.num_nodes for t in trees})) if hasattr(pass_cost, "fitted") else pass_cost
-        if round_overhead is not None:  # the decoder's own drafting and walk, per tree
-            outside = round_overhead.fitted(trees) if hasattr(round_overhead, "fitted") else round_overhead
-            cost = [target(tree.num_nodes) + outside(tree) for tree in trees]
-        else:
+        if round_cost is not None:  # every candidate's whole round, timed on real rounds (`RoundCost`)
+            whole = round_cost.fitted(trees) if hasattr(round_cost, "fitted") else round_cost
+            cost = [whole(tree) for tree in trees]
+        else:  # a PassCost measures what it has not yet and returns a fitted curve (through these sizes only)
+            target = pass_cost.fitted(sorted({t.num_nodes for t in trees})) if hasattr(pass_cost, "fitted") else pass_cost
             cost = [target(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost) for tree in trees]
         rates = [(tree, (1.0 + accepted) / seconds) for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
         best = max(rate for _, rate in rates)
         # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so
         # the argmax would follow what timing noise is left in the fitted curves from run to run
         self.tree, self._resolved_size = next((tree, n) for (tree, rate), n in zip(rates, sizes) if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
-        self._resolved_for = (pass_cost, draft_pass_cost, round_overhead, batch_size)
+        self._resolved_for = (pass_cost, draft_pass_cost, round_cost, batch_size)
 
     def _drafting_seconds(self, tree: DraftTree, draft_pass_cost: Optional[Callable[[int], float]]) -> float:
         """Seconds of drafter passes a round with ``tree`` adds to the target pass (none here: head passes are a few
@@ -319,8 +319,8 @@ class TreeDecoderMixin:
         runs = [min(a + 1, state.num_remaining) for a in accepted]
         if state.split_rows and len(set(runs)) > 1:  # nothing changed yet: the loop splits the rows by their runs
             raise RowsDiverged(dataclasses.replace(acc, host=(accepted, bool(prefix))), runs)
-        # the rows of one state commit the same run: each row's own when the loop splits rows that diverge; in dry
-        # rounds (`RoundOverhead`) the shortest row's run plus its bonus (a prefix of every row's exact sample is
+        # the rows of one state commit the same run: each row's own when the loop splits rows that diverge, else
+        # the shortest row's run plus its bonus (a prefix of every row's exact sample is
         # exact), never past the end of the grid
         shortest = min(accepted)
         n = min(runs)

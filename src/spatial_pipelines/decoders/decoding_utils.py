@@ -86,8 +86,7 @@ class DecodingState:
         tokens (`torch.LongTensor` `(B, H*W)`): committed codes in raster order, ``-1`` where not yet decoded.
         acceptance_map (`torch.LongTensor` `(B, H*W)`): accepted length of the pass that committed each code.
         num_committed (`int`): codes committed so far (host-side). A state holds the rows that advance together: one
-            image in a generation (every image of a batch has its own state and advances on its own, `RowBatch`),
-            or several in a decoder's dry rounds (`RoundOverhead`).
+            image in a generation (every image of a batch has its own state and advances on its own, `RowBatch`).
         accepted_lengths (`list[torch.LongTensor]`): one ``(B,)`` tensor per target pass.
         num_draft_passes (`int`): forward passes of draft heads/models.
 
@@ -431,13 +430,12 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 
     uses_drafter_passes: bool = False  # drafts with passes of a drafter model (EAGLE-2): "auto" sizes weigh their cost
 
-    def resolve_draft_size(self, pass_cost: Callable[[int], float], draft_pass_cost: Optional[Callable[[int], float]] = None,
-                           round_overhead: Optional[Callable[[Any], float]] = None, batch_size: int = 1) -> None:
-        """Fix ``"auto"`` sizes from ``pass_cost(T)``, the measured seconds of a target pass over ``T`` fed tokens,
-        and what a round costs outside it: ``round_overhead(tree)`` (`RoundOverhead`: the decoder's own work per
-        candidate tree) or ``draft_pass_cost(T)`` (decoders that ``uses_drafter_passes``: a drafter pass over ``T``
-        nodes), for calls of ``batch_size`` images (each row advances on its own; the pass over all of them and every
-        row's own work are what a round costs)."""
+    def resolve_draft_size(self, pass_cost: Optional[Callable[[int], float]], draft_pass_cost: Optional[Callable[[int], float]] = None,
+                           round_cost: Optional[Callable[[Any], float]] = None, batch_size: int = 1) -> None:
+        """Fix ``"auto"`` sizes from what a round costs: ``round_cost(tree)``, the measured seconds of a whole round
+        per candidate tree (`RoundCost`: real rounds of the engine), or else ``pass_cost(T)``, the measured seconds of
+        a target pass over ``T`` fed tokens, plus ``draft_pass_cost(T)`` (decoders that ``uses_drafter_passes``: a
+        drafter pass over ``T`` nodes), for calls of ``batch_size`` images."""
 
     def fixed_sizes(self) -> Dict[str, int]:
         """The config values that fix this decoder's ``"auto"`` sizes to the ones chosen (`resolve_draft_size`); ``{}``

@@ -115,6 +115,12 @@ class SpatialBackbone(abc.ABC):
         return None
 
     @property
+    def prefix_length(self) -> Optional[int]:
+        """The prompt positions before the first code where the family fixes them (LlamaGen: its condition tokens),
+        else ``None`` (the prompt's length varies)."""
+        return None
+
+    @property
     def max_prompt_characters(self) -> Optional[int]:
         """The longest text prompt a call reads, in characters: `PROMPT_CHARACTERS_PER_TOKEN` per position the prompt
         may take (`max_sequence_length` less the image's); longer prompts are refused before they are tokenized.

@@ -22,7 +22,7 @@ own stream is below ``p~(x) / q(x)``, its proposal ``q`` kept in the state (`dev
 import math
 import types
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -188,11 +188,9 @@ class DeviceLoop:
         With ``on_round`` (a step callback) the host reads the device after every round and calls
         ``on_round(round index, the slowest row's committed codes)`` (`RoundView` shows the grids). ``interrupted()`` is asked after every
         read: true stops the generation there."""
-        n, progress = self.layout.num_tokens, self.state.progress
+        n = self.layout.num_tokens
         while True:
-            with self.host_timer.section("sync"):
-                slowest, fastest, total = progress.tolist()  # the sync: what the last round recorded
-            self.bound = self.prefix_length + self.layout.sequence_offset(fastest - 1)  # the longest cache row, exactly
+            slowest, total = self.sync()
             if on_sync is not None:
                 on_sync(total)
             if on_round is not None and self.num_rounds:  # the callback sees the round just run
@@ -202,6 +200,14 @@ class DeviceLoop:
             needed = math.ceil((n - slowest) / self.max_codes)  # rounds the slowest row needs at least
             for _ in range(1 if on_round is not None else min(needed, self.max_rounds_per_sync)):
                 self.step()
+
+    def sync(self) -> Tuple[int, int]:
+        """The host's read of the device: the slowest row's committed codes and the batch's total (what the last round
+        recorded); the host's bound on the cache rows becomes exact again."""
+        with self.host_timer.section("sync"):
+            slowest, fastest, total = self.state.progress.tolist()
+        self.bound = self.prefix_length + self.layout.sequence_offset(fastest - 1)  # the longest cache row, exactly
+        return slowest, total
 
     def step(self) -> None:
         """One round, after telling the cache the host's bound on its rows' filled slots."""

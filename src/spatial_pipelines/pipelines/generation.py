@@ -157,20 +157,10 @@ class GenerationLoop:
                             plan: Tuple[type, Dict[str, Any]]) -> Tuple[torch.Tensor, DecodingStats]:
         """Steps 3-5 by a `DeviceLoop`: the cache, the prompt pass, then rounds on the device with a host read per
         sync (the progress bar moves at each)."""
-        loop_class, kwargs = plan
-        backbone = self.backbone
-        layout, rows = backbone.layout, prefix.embeds.shape[0]
-        # 3. one noise seed per image, the KV cache, the round (compiled whole when the step is)
+        layout = self.backbone.layout
+        # 3. one noise seed per image, the KV cache, the round (compiled whole when the step is); 4. the prompt pass
         seeds = torch.zeros(batch_size, dtype=torch.long) if sampling.greedy else draw_seeds(generator, batch_size)
-        fed = loop_class.fed_slots(layout, **kwargs)
-        cache = self.make_cache(rows, prefix.embeds.shape[1] + layout.sequence_length + fed, prefix.embeds.device)
-        round_fn = self._compiled_device_round(loop_class.default_round())
-        loop = loop_class(backbone, sampling=sampling, seeds=seeds, prefix=prefix, cache=cache, round_fn=round_fn, **kwargs)
-        loop.max_rounds_per_sync = self.max_rounds_per_sync
-        if self.timer is not None:  # `profile_rounds`: the parts of an eager round, every round and read
-            loop.host_timer, loop.timer = self.timer, (self.timer if round_fn is None else loop.timer)
-        # 4. the prompt pass
-        loop.prefill(prefix)
+        loop = self.start_device_loop(prefix, sampling, seeds, plan)
         # 5. rounds, the host reading the device once per sync (after every round while a step callback is set)
         with self.hooks.progress_bar(total=layout.num_tokens * batch_size) as progress_bar:
             rounds = self._run_device(loop, lambda done: progress_bar.update(done - progress_bar.n))
@@ -178,6 +168,28 @@ class GenerationLoop:
             self.timer.rounds += rounds
         self.hooks.rounds_known(rounds)
         return loop.grid_tokens(), self._device_stats(loop, rounds, batch_size)
+
+    def start_device_loop(self, prefix: PromptEmbeddings, sampling: SamplingConfig, seeds: torch.Tensor,
+                          plan: Tuple[type, Dict[str, Any]], cache: Optional[StaticKVCache] = None,
+                          compiled: bool = True) -> DeviceLoop:
+        """Steps 3-4 of a `device_plan`: the KV cache (``cache``: one of the caller's, reset here), the loop with its
+        round (compiled whole when the step is and ``compiled``), and the prompt pass. ``seeds`` ``(B,)``: one noise
+        seed per image."""
+        loop_class, kwargs = plan
+        backbone = self.backbone
+        layout, rows = backbone.layout, prefix.embeds.shape[0]
+        if cache is None:
+            fed = loop_class.fed_slots(layout, **kwargs)
+            cache = self.make_cache(rows, prefix.embeds.shape[1] + layout.sequence_length + fed, prefix.embeds.device)
+        else:
+            cache.reset()
+        round_fn = self._compiled_device_round(loop_class.default_round()) if compiled else None
+        loop = loop_class(backbone, sampling=sampling, seeds=seeds, prefix=prefix, cache=cache, round_fn=round_fn, **kwargs)
+        loop.max_rounds_per_sync = self.max_rounds_per_sync
+        if self.timer is not None:  # `profile_rounds`: the parts of an eager round, every round and read
+            loop.host_timer, loop.timer = self.timer, (self.timer if round_fn is None else loop.timer)
+        loop.prefill(prefix)
+        return loop
 
     def _run_device(self, loop: DeviceLoop, on_sync: Callable[[int], None]) -> int:
         """Step 5 on the device (`DeviceLoop.run`) with the call's hooks: a step callback sees every round (`RoundView`),

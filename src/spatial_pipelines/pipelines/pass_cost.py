@@ -17,7 +17,8 @@ import torch
 
 from ..core.contracts import DRAFTER
 from ..core.kv_cache import varying_length_attention
-from ..core.sampling import RandomSource, SamplingConfig, cfg_mix
+from ..core.sampling import SamplingConfig
+from .backbone import PromptEmbeddings
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 
 
@@ -227,29 +228,29 @@ def fit_line(seconds: Dict[int, float]) -> Callable[[int], float]:
     return lambda k: base + slope * k
 
 
-class RoundOverhead:
-    """Seconds of a decoder's own work in one round, outside the target pass: `propose` (drafting, head passes,
-    drafter passes), the CFG mix and `step` (verification, the tree walk, commits), per candidate draft tree. Timed on
-    dry rounds: the decoder runs on a fresh state with random target logits and hidden states in place of a forward
-    (sweeps over the trees in a shuffled order, combined by `sweep_estimate`), so nothing of the model runs.
-
-    ``"auto"`` sizes add it to the fitted target pass cost: a node costs the pass its slot and the round its walk.
+class RoundCost:
+    """Seconds of one whole round of a decoder per candidate draft tree (the target pass, the drafting, the
+    verification, the commit and the KV moves, and a read of the device per two rounds, as a generation syncs): timed
+    on real rounds of the engine (`GenerationLoop.start_device_loop`, eager), each candidate's loop prefilled with a
+    zero prompt of ``prefix_length`` positions and keyed noise, in sweeps over the candidates in a shuffled order
+    combined by `sweep_estimate`. What ``"auto"`` sizes divide each tree's expected codes by.
 
     Args:
+        generation (`GenerationLoop`): the pipeline's loop (its backbone, settings and `device_plan`).
         decoder: the `TreeDecoderMixin` decoder whose candidate trees are timed (its ``tree`` is restored after).
-        backbone: the pipeline's `SpatialBackbone` (final norm and output head for head-drafting decoders).
         draft_heads: the pipeline's draft heads (or ``None``).
         sampling (`SamplingConfig`): the call's sampling settings.
-        batch_size (`int`): images per pass.
+        batch_size (`int`): images per round.
         prefix_length (`int`): prompt positions before the first code.
-        repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed rounds per tree.
+        repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed sweeps.
+        rounds (`int`): rounds timed per candidate and sweep (after one untimed round).
     """
 
-    def __init__(self, decoder, backbone, draft_heads, sampling, batch_size: int, prefix_length: int,
-                 repeats: Optional[int] = None, warmup: int = 2):
-        self.decoder, self.backbone, self.draft_heads = decoder, backbone, draft_heads
+    def __init__(self, generation, decoder, draft_heads, sampling, batch_size: int, prefix_length: int,
+                 repeats: Optional[int] = None, warmup: int = 2, rounds: int = 2):
+        self.generation, self.decoder, self.draft_heads = generation, decoder, draft_heads
         self.sampling, self.batch_size, self.prefix_length = sampling, batch_size, prefix_length
-        self.repeats, self.warmup = SWEEPS if repeats is None else repeats, warmup
+        self.repeats, self.warmup, self.rounds = SWEEPS if repeats is None else repeats, warmup, rounds
         self.seconds: Dict[int, float] = {}  # per number of tree nodes (the root included)
 
     def __call__(self, tree) -> float:
@@ -258,82 +259,79 @@ class RoundOverhead:
         return self.seconds[tree.num_nodes]
 
     def fitted(self, trees) -> Callable[[Any], float]:
-        """Seconds per round of a tree, on the line `fit_line` draws through ``trees`` (timed first where needed)."""
-        line = fit_line(self.measure(trees))
-        return lambda tree: line(tree.num_nodes)
+        """Seconds per round of each of ``trees`` (every one timed: a round's cost need not be a line in its nodes)."""
+        self.measure(trees)
+        return self
 
     @torch.no_grad()
     def measure(self, trees) -> Dict[int, float]:
         """Time every tree of ``trees`` not timed yet; returns ``{num_nodes: seconds}`` of all of them."""
         todo = list({tree.num_nodes: tree for tree in trees if tree.num_nodes not in self.seconds}.values())
-        decoder, kept_tree = self.decoder, self.decoder.tree
-        device = self.backbone.pipe._execution_device
-        embedding = self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=device))  # (1, 1, D)
-        vocab = self.backbone.image_logits(torch.zeros_like(embedding)).shape[-1]
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        try:
-            runs = {}
-            for tree in todo:
-                decoder.tree = tree
-                runs[tree.num_nodes] = _DryRound(self, embedding, vocab, device, generator)
-            times = {n: [] for n in runs}
-            order = random.Random(0)  # a fixed shuffle per repeat: the same in every process, no size always first
-            for i in range(self.warmup + self.repeats):
-                sizes = list(runs)
-                order.shuffle(sizes)
-                for n in sizes:
-                    decoder.tree = runs[n].tree
-                    seconds = runs[n].timed_round()
-                    if i >= self.warmup:
-                        times[n].append(seconds)
-        finally:
-            decoder.tree = kept_tree
         if todo:
-            self.seconds.update(sweep_estimate(times))
+            self.seconds.update(self._sweeps(todo))
         return {tree.num_nodes: self.seconds[tree.num_nodes] for tree in trees}
 
+    def _sweeps(self, trees) -> Dict[int, float]:
+        generation, decoder = self.generation, self.decoder
+        backbone, layout = generation.backbone, generation.backbone.layout
+        device = backbone.pipe._execution_device
+        embedding = backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=device))  # (1, 1, D)
+        rows = self.batch_size * (2 if self.sampling.do_cfg else 1)
+        length = self.prefix_length if backbone.prefix_length is None else backbone.prefix_length  # as a call's prompt
+        if backbone.max_sequence_length is not None:  # within the model's context
+            length = max(1, min(length, backbone.max_sequence_length - layout.sequence_length))
+        prefix = PromptEmbeddings(embedding.new_zeros(rows, length, embedding.shape[-1]),  # (R, P, D)
+                                  torch.ones(rows, length, dtype=torch.bool, device=device))
+        seeds = torch.arange(self.batch_size)  # keyed noise: one seed per image
+        kept = (decoder.tree, generation.decoder, generation.draft_heads, generation.timer)
+        generation.decoder, generation.draft_heads, generation.timer = decoder, self.draft_heads, None
+        try:
+            plans = {}
+            for tree in trees:
+                decoder.tree = tree
+                plan = generation.device_plan(self.sampling, self.batch_size, device)
+                if plan is None:
+                    raise ValueError(f"{type(decoder).__name__} does not run on the device rounds with "
+                                     f"{tree.num_nodes} tree nodes: its draft size cannot be timed.")
+                plans[tree.num_nodes] = (tree, plan)
+            fed = max(loop_class.fed_slots(layout, **kwargs) for _, (loop_class, kwargs) in plans.values())
+            # one cache for every candidate, reset for each: the candidates' loops never live at once
+            cache = backbone.make_cache(rows, length + layout.sequence_length + fed)
+            cache.fixed_shape = generation.static_shapes
+            times = {n: [] for n in plans}
+            order = random.Random(0)  # a fixed shuffle per sweep: the same in every process
+            with eager_target(backbone.target_module):  # one graph per candidate would be minutes of compiling
+                for i in range(self.warmup + self.repeats):
+                    sizes = list(plans)
+                    order.shuffle(sizes)
+                    for n in sizes:
+                        decoder.tree, plan = plans[n]
+                        seconds = self._timed_rounds(prefix, seeds, plan, cache, device)
+                        if i >= self.warmup:
+                            times[n].append(seconds)
+        finally:
+            decoder.tree, generation.decoder, generation.draft_heads, generation.timer = kept
+        return sweep_estimate(times)
 
-class _DryRound:
-    """One dry generation of `RoundOverhead`: a state, and random logits and hidden states sized for its tree."""
+    def _timed_rounds(self, prefix, seeds, plan, cache, device) -> float:
+        """Mean seconds of ``rounds`` rounds of a freshly prefilled loop (one untimed round first), with one read of
+        the device per two rounds."""
+        loop = self.generation.start_device_loop(prefix, self.sampling, seeds, plan, cache=cache, compiled=False)
+        loop.step()
+        loop.sync()
 
-    def __init__(self, owner: RoundOverhead, embedding: torch.Tensor, vocab: int, device: torch.device,
-                 generator: torch.Generator):
-        self.owner, self.tree, self.device = owner, owner.decoder.tree, device
-        self.rows = owner.batch_size * (2 if owner.sampling.do_cfg else 1)
-        self.hidden_rows = self.rows if owner.decoder.uses_all_rows else owner.batch_size
-        fed, width = owner.decoder.max_draft_tokens, embedding.shape[-1]
-        self.logits = torch.randn(self.rows, fed, vocab, generator=generator).to(device)  # (R, T, V) fp32, as the loop's
-        # (B or R, T, D) in the backbone's dtype, as the forward returns them
-        self.hidden = torch.randn(self.hidden_rows, fed, width, generator=generator).to(device, embedding.dtype)
-        self.random = RandomSource(torch.Generator(device="cpu").manual_seed(0), owner.batch_size, device)
-        self.state = None
+        def rounds():
+            for r in range(self.rounds):
+                loop.step()
+                if r % 2 == 1 or r == self.rounds - 1:
+                    loop.sync()
 
-    def _restart(self) -> None:
-        owner = self.owner
-        self.state = owner.decoder.init_state(owner.backbone.layout, owner.sampling, self.random, owner.batch_size,
-                                              owner.prefix_length, self.device, owner.backbone)
-        self._step(self.logits[:, :1], self.hidden[:, :1], None)  # the prefill's step
-
-    def _step(self, logits, hidden, draft):
-        logits = cfg_mix(logits, self.owner.sampling.guidance_scale) if self.owner.sampling.do_cfg else logits  # (B, T, V)
-        return self.owner.decoder.step(logits, hidden, draft, self.state, self.owner.draft_heads, self.owner.backbone)
-
-    def timed_round(self) -> float:
-        if self.state is None or self.state.num_remaining <= self.tree.num_nodes:
-            self._restart()  # untimed
-        decoder, heads, state = self.owner.decoder, self.owner.draft_heads, self.state
-
-        def one_round():
-            draft = decoder.propose(state, heads, self.owner.backbone)
-            fed = draft.input_ids.shape[1]
-            self._step(self.logits[:, :fed], self.hidden[:, :fed], draft)
-
-        return PassCost._timed(one_round, 1, self.device)
+        return PassCost._timed(rounds, 1, device) / self.rounds
 
 
 class PerRowCost:
-    """A decoder's own cost per round measured on one image (`RoundOverhead`, `DraftPassCost`), times the images of a
-    call: every row proposes and accepts on its own (`RowBatch`), so a round pays each row's work once.
+    """A drafter's cost per round measured on one image (`DraftPassCost`), times the images of a call: the drafter's
+    passes grow each row's tree on its own.
 
     Args:
         cost: the one-image cost (a callable, with ``fitted`` where the wrapped cost has it).
@@ -409,9 +407,9 @@ class DraftSizingMixin:
         """Fix the decoder's ``"auto"`` draft sizes for calls of ``num_images`` images (a call does this itself before
         its first round; nothing happens for fixed sizes or sizes already chosen for this cost model).
 
-        The target pass cost ``c(T)`` is measured at up to 4 images (a big batch would take long to time) and fitted
-        (`PassCost.fitted`); the decoder's own work per round is measured on dry rounds (`RoundOverhead`), or for a
-        drafter model (EAGLE-2, ADT-Tree) its passes (`DraftPassCost`).
+        Each candidate's whole round is timed on real rounds of the engine at up to 4 images (`RoundCost`;
+        a big batch would take long to time); a drafter model's decoder (EAGLE-2, ADT-Tree) weighs the fitted target
+        pass cost ``c(T)`` (`PassCost.fitted`) and its drafter's passes (`DraftPassCost`).
 
         Args:
             num_images (`int`): images per call.
@@ -431,8 +429,8 @@ class DraftSizingMixin:
             drafter = self._per_row_cost(self.draft_pass_cost(cfg), num_images)
             self.decoder.resolve_draft_size(self.pass_cost(rows), drafter, batch_size=num_images)
         else:
-            overhead = self._per_row_cost(self.round_overhead(cfg, sampling, prefix_length), num_images)
-            self.decoder.resolve_draft_size(self.pass_cost(rows), round_overhead=overhead, batch_size=num_images)
+            round_cost = self.round_cost(min(num_images, 4), sampling, prefix_length)
+            self.decoder.resolve_draft_size(None, round_cost=round_cost, batch_size=num_images)
 
     def tune_decoder(self, batch_size: int = 1, guidance_scale: Optional[float] = None, temperature: float = 1.0,
                      top_k: Optional[int] = None, prefix_length: int = 16):
@@ -486,17 +484,16 @@ class DraftSizingMixin:
             kept[num_images] = PerRowCost(cost, num_images)
         return kept[num_images]
 
-    def round_overhead(self, rows: int, sampling: SamplingConfig, prefix_length: int) -> RoundOverhead:
-        """The measured cost of the current decoder's own work in a round (`RoundOverhead`) with ``rows`` target rows,
-        kept per pipeline, decoder object and heads (measured with the first call's sampling settings), so that
+    def round_cost(self, batch_size: int, sampling: SamplingConfig, prefix_length: int) -> RoundCost:
+        """The measured cost of the current decoder's whole round per candidate tree (`RoundCost`) at ``batch_size``
+        images, kept per pipeline, decoder object and heads (measured with the first call's sampling settings), so that
         decoders swapped back and forth (a benchmark's interleaved rows) are timed once each."""
-        per_decoder = self.__dict__.setdefault("_round_overheads", weakref.WeakKeyDictionary())
+        per_decoder = self.__dict__.setdefault("_round_costs", weakref.WeakKeyDictionary())
         costs = per_decoder.setdefault(self.decoder, {})
-        key = (rows, str(self._execution_device))  # the decoder's work: the same with static shapes or compiled
+        key = (batch_size, str(self._execution_device), self.static_shapes)
         kept = costs.get(key)
         if kept is None or kept.draft_heads is not self.draft_heads:
-            batch = rows // (2 if sampling.do_cfg else 1)
-            costs[key] = RoundOverhead(self.decoder, self.backbone, self.draft_heads, sampling, batch, prefix_length)
+            costs[key] = RoundCost(self.loop, self.decoder, self.draft_heads, sampling, batch_size, prefix_length)
         return costs[key]
 
     def draft_pass_cost(self, rows: int) -> Optional[DraftPassCost]:

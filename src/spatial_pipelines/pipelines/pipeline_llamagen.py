@@ -163,6 +163,10 @@ class LlamaGenBackbone(SpatialBackbone):
         emb = emb.gather(1, order[..., None].expand_as(emb)) * mask[..., None]
         return emb, mask
 
+    @property
+    def prefix_length(self) -> int:
+        return self.transformer.config.num_condition_tokens
+
     def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
         t = self.transformer
         dtype = self.dtype  # the compute dtype (fp8-stored weights under layerwise casting compute in another)
