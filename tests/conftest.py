@@ -33,9 +33,6 @@ def row_group_reason(loop: GenerationLoop, batch_size: int, device):
         return "SSD"
     if type(decoder).__name__ == "JacobiDecoder" and decoder.config.proactive_width > 1:
         return "SJD's proactive tree"
-    rule = decoder.acceptance_rule
-    if rule.relaxes and not rule.claims_neighbours and decoder.chain_window() is None:
-        return "a relaxed rule whose claim names no codes, on a tree"
     drafter = decoder.device_drafter(loop.draft_heads, layout, batch_size, device)
     if drafter is not None and not TreeLoop.fits(layout, drafter.tree_depth):
         return "a tree crossing two row ends"

@@ -256,15 +256,53 @@ def test_the_device_rounds_relaxed_tree_test_follows_the_reference_step(delta):
     y = torch.multinomial(p, n, replacement=True, generator=g)  # (n,) the root's sample
     samples = torch.stack([y, y, y, y], 1)  # only the root's is read (the children are leaves)
     fed = torch.tensor([0] + codes).expand(n, 4)
-    matches = relaxed_matches(LanternAcceptance(k=5, delta=delta), table, p.expand(n, 4, V), fed, samples, tables)
-    assert matches[:, 0].all() and (matches[:, 1:].sum(1) <= 1).all()
+    seeds, index = torch.arange(n), torch.ones(n, 4, dtype=torch.long)  # a named claim reads no uniform
+    matches, left = relaxed_matches(LanternAcceptance(k=5, delta=delta), table, p.expand(n, 4, V), fed, samples, tables,
+                                    seeds, index)
+    assert left is None and matches[:, 0].all() and (matches[:, 1:].sum(1) <= 1).all()
     first = torch.where(matches[:, 1:].any(1), fed[:, 1:].gather(1, matches[:, 1:].long().argmax(1, keepdim=True))[:, 0], y)
     assert chi_square_pvalue(torch.bincount(first, minlength=V), expected) > 1e-4
     # a first sibling that claims all of p leaves nothing for the later ones
     everything = LanternAcceptance(k=V - 1, delta=1.0)
-    matches = relaxed_matches(everything, codebook_neighbours(torch.randn(V, 3, generator=g), V - 1), p.expand(n, 4, V),
-                              fed, samples, tables)
+    matches, _ = relaxed_matches(everything, codebook_neighbours(torch.randn(V, 3, generator=g), V - 1), p.expand(n, 4, V),
+                                 fed, samples, tables, seeds, index)
     assert matches[:, 1].all() and not matches[:, 2:].any()
+
+
+@pytest.mark.parametrize("floor", [0.12, 0.5])
+def test_the_device_rounds_test_a_claim_that_names_no_codes_with_uniforms_of_their_own(floor):
+    """A rule whose claim names no codes (`FloorAcceptance`, below) on a tree of three point-mass siblings
+    (`relaxed_matches`, 60,000 rows, each its own seed): sibling after sibling, each with a keyed uniform against its
+    claim on its parent's residual, none after one that matched, and a row that accepts none commits a keyed draw from
+    the residual left after all three: the committed code follows the sequential walk's law (chi-square, p > 1e-4)."""
+    from spatial_pipelines.core.sampling import RESIDUAL_STREAM, keyed_sample
+    from spatial_pipelines.pipelines.device_chain import UNIT_SAMPLING
+
+    g = torch.Generator().manual_seed(9)
+    p = _dirichlet_ones(1, g)[0]
+    codes = [int(c) for c in p.argsort()[[4, 7, 10]]]  # the least likely first: a residual may lift a later one to the floor
+    rule = FloorAcceptance(floor)
+    expected, left = torch.zeros(V, dtype=torch.float64), p.double()  # the walk's law, sibling by sibling
+    reach = 1.0
+    for x in codes:
+        relaxed = rule.relax(left[None].float(), torch.tensor([x]))
+        accept = min(1.0, relaxed.mass.item())
+        expected[x] += reach * accept
+        reach *= 1 - accept
+        rest = relaxed.removed(left[None].float(), torch.tensor([x]))[0].double()
+        left = rest / rest.sum()
+    expected += reach * left
+    n = 60000
+    tree = tree_from_parents([-1, 0, 0, 0], [-1, 0, 1, 2])
+    tables = tree_tables(tree, torch.arange(4))
+    seeds, index = torch.arange(n) * 7919 + 13, torch.full((n, 4), 5, dtype=torch.long)
+    fed = torch.tensor([0] + codes).expand(n, 4)
+    samples = torch.zeros(n, 4, dtype=torch.long)  # read by named claims only
+    matches, residual = relaxed_matches(rule, None, p.expand(n, 4, V), fed, samples, tables, seeds, index)
+    assert residual is not None and matches[:, 0].all() and (matches[:, 1:].sum(1) <= 1).all()
+    drawn = keyed_sample(residual[:, 0].log(), UNIT_SAMPLING, seeds ^ RESIDUAL_STREAM, index[:, 0])  # (n,) the root's
+    first = torch.where(matches[:, 1:].any(1), fed[:, 1:].gather(1, matches[:, 1:].long().argmax(1, keepdim=True))[:, 0], drawn)
+    assert chi_square_pvalue(torch.bincount(first, minlength=V), expected) > 1e-4
 
 
 @pytest.mark.parametrize("rule", [LanternAcceptance(k=5, delta=0.2), LanternPlusPlusAcceptance(k=5, lambda_=3.0)],

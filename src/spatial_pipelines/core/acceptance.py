@@ -87,7 +87,8 @@ class AcceptanceRule:
         claims_neighbours (`bool`): a relaxed rule's claim is the mass of ``x`` and of the neighbours it keeps
             (`Relaxation.kept`), so one sample of ``p`` decides it: a tree's round on the device tests that sample
             (`device_tree.relaxed_matches`). ``False`` (the default) for a rule that claims mass without naming its
-            codes: its trees take the row-group loop.
+            codes: a tree's round tests each candidate with a keyed uniform of its own and draws the code after the
+            accepted path from its residual.
     """
 
     name = "exact"

@@ -22,8 +22,9 @@ import torch
 
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
-from ..core.sampling import SamplingConfig, keyed_sample, logits_to_probs
+from ..core.sampling import ACCEPT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample, keyed_uniform, logits_to_probs
 from .backbone import PromptEmbeddings, SpatialBackbone
+from .device_chain import UNIT_SAMPLING
 from .device_loop import DeviceLoop, DeviceState, record_progress
 
 
@@ -271,7 +272,12 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
         #    the accepted node is the deepest whose path all matches
         if loop.rule.relaxes:
             predictor = eol.predictor if layout.has_eol else None
-            matches = relaxed_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed, samples, tables)
+            index = predicts.clamp_max(n - 1)  # (B, T (+ E)) the grid index each slot's output predicts
+            index = index.gather(1, eol.predictor) if layout.has_eol else index  # (B, T)
+            matches, left = relaxed_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed,
+                                            samples, tables, s.seeds, index)
+            if left is not None:  # a claim naming no codes: the deepest node's code is a draw from its residual
+                samples = keyed_sample(left.log(), UNIT_SAMPLING, s.seeds ^ RESIDUAL_STREAM, index)  # (B, T)
         else:
             matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
         path, depth = deepest_match(tables, matches)  # (B, D + 1), (B,)
@@ -339,48 +345,67 @@ def node_probs(logits: torch.Tensor, sampling: SamplingConfig, predictor: Option
 
 
 def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], probs: torch.Tensor, fed: torch.Tensor,
-                    samples: torch.Tensor, tables: "TreeTables") -> torch.Tensor:
-    """Which nodes a relaxed rule (LANTERN, LANTERN++) accepts, for point-mass candidates: node ``i`` (code ``x``)
-    matches when its parent's keyed sample ``y`` lies in ``x``'s claim, ``{x}`` and the neighbours it keeps, reckoned
-    on the parent's ``p`` less the claims of the siblings tried before it (whose TVD budget it shares).
+                    samples: torch.Tensor, tables: "TreeTables", seeds: torch.Tensor, index: torch.Tensor):
+    """Which nodes a relaxed rule (LANTERN, LANTERN++, or a rule of one's own) accepts, for point-mass candidates,
+    sibling after sibling, each tried on its parent's ``p`` less the claims of the siblings tried before it (whose
+    TVD budget it shares), and none after a sibling that matched: `verify_tree_sequential`'s walk.
 
-    Why this is LANTERN: ``y ~ p``, so sibling ``i`` is accepted, given its earlier siblings were not, with its claim
-    on the residual, and a row that accepts none keeps ``y``, distributed as the residual left after every sibling:
-    `verify_tree_sequential`'s walk, with ``y`` the only randomness. Siblings never both match: an earlier claim's codes
-    have no mass left, so ``y`` among them fails the later ones. Returns ``(B, T)`` bool (the root always matches).
+    A rule that names its claim (``claims_neighbours``: ``{x}`` and the neighbours it keeps) is decided by the
+    parent's keyed sample ``y``: node ``i`` (code ``x``) matches when ``y`` lies in ``x``'s claim. Why this is LANTERN:
+    ``y ~ p``, so sibling ``i`` is accepted, given its earlier siblings were not, with its claim on the residual, and a
+    row that accepts none keeps ``y``, distributed as the residual left after every sibling, with ``y`` the only
+    randomness (siblings never both match: an earlier claim's codes have no mass left, so ``y`` among them fails the
+    later ones).
+
+    A rule whose claim names no codes is decided by a keyed uniform per node (`ACCEPT_STREAM`, keyed by the grid
+    index and the sibling's rank): ``u < p~(x)`` (``q(x) = 1``); the code after the deepest accepted node is then a
+    draw from that node's residual, which this returns for every node ``(B, T, V)`` (else ``None``).
+
+    Returns ``(matches (B, T) bool (the root always matches), residual or None)``.
 
     Args:
         probs (`torch.Tensor` `(B, T, V)`): the distribution each node's output gives its children.
         fed (`torch.LongTensor` `(B, T)`): the nodes' codes (``-1``: none offered), root first.
         samples (`torch.LongTensor` `(B, T)`): each node's keyed sample from ``probs``.
+        seeds (`torch.LongTensor` `(B,)`), index (`torch.LongTensor` `(B, T)`): the rows' seeds and the grid index
+            each node's output predicts (the uniforms' keys).
     """
     b, t, v = probs.shape
     parents = tables.parents.expand(b, t)  # (B, T)
     x, y = fed.clamp_min(0), samples.gather(1, parents)  # (B, T) each node's code and its parent's sample
     offered = (fed >= 0) & tables.valid & ~tables.is_root  # (B, T)
     rank, spare = tables.rank.expand(b, t), torch.full_like(parents, t)
+    named = rule.claims_neighbours
+    if not named:  # one uniform per sibling of each grid index
+        u = keyed_uniform(seeds ^ ACCEPT_STREAM, index.gather(1, parents) * tables.max_siblings + rank)  # (B, T)
     # per parent (row T: a spare the untried nodes write to): p less its tried children's claims, the TVD they used
-    # (in units of p) and the mass of p the residual stands for
+    # (in units of p), the mass of p the residual stands for, and whether a child matched
     residual = torch.cat([probs, probs.new_zeros(b, 1, v)], 1)  # (B, T + 1, V)
     spent, scale = probs.new_zeros(b, t + 1), probs.new_ones(b, t + 1)  # (B, T + 1)
+    taken = torch.zeros(b, t + 1, dtype=torch.bool, device=probs.device)  # (B, T + 1)
     matches = tables.is_root.expand(b, t)
     for r in range(tables.max_siblings):  # the r-th child of every parent at once (at most one per parent)
-        tried = offered & (rank == r)  # (B, T)
+        tried = offered & (rank == r) & ~taken.gather(1, parents)  # (B, T) none after a sibling that matched
         p = residual.gather(1, parents[..., None].expand(b, t, v))  # (B, T, V) the parent's residual
         spent_p, scale_p = spent.gather(1, parents), scale.gather(1, parents)  # (B, T)
         relaxed = rule.relax(p, x, neighbours, rule.budget_left(spent_p, scale_p))
-        claimed = y == x
-        if relaxed.kept is not None:
-            claimed = claimed | ((relaxed.neighbours == y[..., None]) & relaxed.kept).any(-1)
-        live = p.gather(2, y[..., None])[..., 0] > 0  # y lies in no earlier sibling's claim
-        matches = matches | (tried & claimed & live)
+        if named:
+            claimed = y == x
+            if relaxed.kept is not None:
+                claimed = claimed | ((relaxed.neighbours == y[..., None]) & relaxed.kept).any(-1)
+            claimed = claimed & (p.gather(2, y[..., None])[..., 0] > 0)  # y lies in no earlier sibling's claim
+        else:
+            claimed = u < relaxed.mass  # u < min(1, p~(x) / q(x)), q a point mass
+        hit = tried & claimed
+        matches = matches | hit
         rest = relaxed.removed(p, x)  # (B, T, V) what the next sibling is tried against, unnormalised
         total, spent_next, scale_next = relaxed.rejected(rest, spent_p, scale_p)  # (B, T) each
         dest = torch.where(tried, parents, spare)[..., None]  # (B, T, 1)
         nxt = rest / total.clamp_min(1e-30)[..., None]  # all zero once a claim took the rest: no later sibling lives
         residual = residual.scatter(1, dest.expand(b, t, v), nxt)
         spent, scale = spent.scatter(1, dest[..., 0], spent_next), scale.scatter(1, dest[..., 0], scale_next)
-    return matches
+        taken = taken.scatter(1, torch.where(hit, parents, spare), hit)
+    return matches, (None if named else residual[:, :t])
 
 
 @dataclass

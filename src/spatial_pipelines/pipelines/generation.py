@@ -145,8 +145,6 @@ class GenerationLoop:
         if window is not None:
             return ChainLoop, {"window": window, "proposals": drawn, **decoder.chain_drafting(self.draft_heads), **acceptance}
         layout = self.backbone.layout
-        if relaxed and not rule.claims_neighbours:  # a claim no sample of p decides (`relaxed_matches`)
-            return None
         drafter = decoder.device_drafter(self.draft_heads, layout, batch_size, device)
         if drafter is None or not TreeLoop.fits(layout, drafter.tree_depth):  # a round crosses one row end at most
             return None
