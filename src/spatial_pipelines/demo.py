@@ -15,7 +15,6 @@ Gradio is an optional extra, imported only when the app is built; everything els
 
 import argparse
 import math
-import os
 import sys
 import threading
 from dataclasses import dataclass

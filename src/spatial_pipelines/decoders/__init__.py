@@ -5,7 +5,7 @@ Every ``decoding_*.py`` module here is imported with the package and exports the
 has none: its decoder classes, those that set their own ``short_name``). A new decoder is its file."""
 
 from ..utils import DerivedMapping, import_modules
-from .decoding_tree import TreeDecoderMixin, TreeState
+from .decoding_tree import TreeDecoderMixin
 from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput, decoder_classes
 
 #: ``{short name: decoder class}`` (the CLI's ``--decoder``, benchmark specs): every loaded decoder class that sets
@@ -13,5 +13,5 @@ from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin
 #: file or a test module is in it once defined.
 DECODERS = DerivedMapping(decoder_classes)
 
-__all__ = ["DECODERS", "DecodingState", "Draft", "DraftKind", "SpatialDecoderMixin", "StepOutput", "TreeDecoderMixin", "TreeState",
+__all__ = ["DECODERS", "DecodingState", "Draft", "DraftKind", "SpatialDecoderMixin", "StepOutput", "TreeDecoderMixin",
            *import_modules(globals(), "decoding_", lambda c: issubclass(c, SpatialDecoderMixin) and "short_name" in c.__dict__)]

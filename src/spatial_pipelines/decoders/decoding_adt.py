@@ -2,10 +2,7 @@
 raster position remembers the shape of the tree that committed it, a new tree starts from a neighbour's shape and
 moves by the previous tree's acceptance rate (bisectional adaptation). The tree is verified as EAGLE-2's is."""
 
-import copy
-import random as pyrandom
-from dataclasses import dataclass, field
-from typing import Any, List, Optional, Union
+from typing import Optional, Union
 
 import torch
 from diffusers.configuration_utils import register_to_config
@@ -13,8 +10,8 @@ from diffusers.configuration_utils import register_to_config
 from ..core.acceptance import AcceptanceLike
 from ..core.sampling import SHAPE_STREAM, keyed_integer
 from ..utils import check_number
-from .decoding_eagle import EagleDecoder, EagleDrafter, EagleState
-from .decoding_utils import StepOutput, check_draft_budget, check_int
+from .decoding_eagle import EagleDecoder, EagleDrafter
+from .decoding_utils import check_draft_budget, check_int
 
 __all__ = ["ADT_PRESETS", "ADTTreeDecoder"]  # what `spatial_pipelines.decoders` exports from this file
 
@@ -24,32 +21,6 @@ ADT_PRESETS = {
     "llamagen": {"beta": 1.0, "depth_step": 1, "width_step": 10, "depth_range": (1, 10), "width_range": (3, 40)},
     "anole": {"beta": 1.0, "depth_step": 1, "width_step": 3, "depth_range": (1, 10), "width_range": (3, 14)},
 }
-
-
-@dataclass
-class ADTState(EagleState):
-    """`EagleState` plus ADT-Tree's host-side shape memory.
-
-    Args:
-        shapes (`list`): ``(depth, top_k)`` of the tree that committed each raster position (``None``: not yet).
-        last_shape (`tuple[int, int]`): this round's tree shape.
-        last_alpha (`float`, *optional*): the previous tree's acceptance rate (accepted drafts / depth).
-        shape_generator (`random.Random`, *optional*): host generator of ``tree_init="random"`` shapes (seeded from
-            the generation's random numbers, so a seed fixes the shapes too).
-        num_codes (`int`, *optional*): the image vocabulary, which caps a tree's width (read from the prefill's logits).
-    """
-
-    shared_fields = ("shapes", "last_shape", "last_alpha", "shape_generator", "num_codes")
-
-    shapes: List[Any] = field(default_factory=list)
-    last_shape: Any = None
-    last_alpha: Optional[float] = None
-    shape_generator: Any = None
-    num_codes: Optional[int] = None
-
-    def _after_split(self, parent, index) -> None:
-        super()._after_split(parent, index)
-        self.shape_generator = copy.deepcopy(parent.shape_generator)  # each part draws from its own copy
 
 
 class ADTDrafter(EagleDrafter):
@@ -169,61 +140,7 @@ class ADTTreeDecoder(EagleDecoder):
         super().__init__(depth=depth, top_k=top_k, num_draft_tokens=num_draft_tokens, acceptance=acceptance)
         self.register_to_config(depth_range=list(depth_range), width_range=list(width_range))  # as JSON saves them
 
-    def _max_tree_slots(self) -> int:
-        return (self.config.depth_range[1] - 1) * self.config.width_range[1]
-
-    @property
-    def separate_rows(self) -> bool:
-        """``tree_init="random"`` draws each tree's shape from one row's random numbers: every image keeps its own
-        state from the start, as it would alone."""
-        return self.config.tree_init == "random"
-
-    state_class = ADTState
-
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> ADTState:
-        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        state.shapes = [None] * layout.num_tokens  # host-side (depth, top_k) per raster position
-        if self.config.tree_init == "random":  # host draws, seeded once from the generation's random numbers
-            state.shape_generator = pyrandom.Random(int(random.uniform(1)[0, 0].item() * 2**31))
-        return state
-
     def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional["ADTDrafter"]:
         """`ADTDrafter`: every row's shape rule on the device (``tree_init="random"``: keyed uniform draws of a stream
         of the row's own, `SHAPE_STREAM`, where the row-group loop draws them on the host)."""
         return ADTDrafter(self, draft_heads)
-
-    def _tree_shape(self, state: EagleState):
-        c = self.config
-        s = state.num_committed
-        neighbour = None
-        if c.tree_init == "vertical" and s - state.layout.width >= 0:
-            neighbour = state.shapes[s - state.layout.width]
-        elif c.tree_init in ("horizontal", "vertical") and s >= 1:
-            neighbour = state.shapes[s - 1]
-        if c.tree_init == "random":
-            neighbour = (state.shape_generator.randint(*c.depth_range), state.shape_generator.randint(*c.width_range))
-        depth, k = neighbour if neighbour is not None else (c.depth, c.top_k)
-        if state.last_alpha is not None:  # bisectional adaptation from the previous tree's acceptance rate
-            if state.last_alpha >= c.beta:
-                depth, k = depth + c.depth_step, k - c.width_step
-            else:
-                depth, k = depth - c.depth_step, k + c.width_step
-        depth = min(max(depth, c.depth_range[0]), c.depth_range[1])
-        k = min(max(k, c.width_range[0]), c.width_range[1], state.num_codes)
-        state.last_shape = (depth, k)
-        return depth, k
-
-    def step(self, logits, hidden_states, draft, state: EagleState, draft_heads=None, backbone=None) -> StepOutput:
-        first = state.num_committed
-        out = super().step(logits, hidden_states, draft, state, draft_heads, backbone)
-        if draft is None:
-            state.num_codes = logits.shape[-1]  # host int: a shape, not a device read
-        else:
-            depth, k = state.last_shape
-            # accepted drafts (the bonus excluded) over the depth the tree was grown to (`propose` caps it at the
-            # kept node count: deeper nodes are never kept)
-            state.last_alpha = (out.num_accepted - 1) / self._grown_shape(depth, k)[0]
-            for i in range(first, state.num_committed):  # the positions this tree committed remember its shape
-                state.shapes[i] = (depth, k)
-        return out
-

@@ -14,8 +14,7 @@ their logits are mixed like the target's):
 4. the target verifies it (point masses: the drafter's candidates are deterministic given the context).
 """
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, Optional, Union
 
 import torch
 from diffusers.configuration_utils import register_to_config
@@ -24,8 +23,8 @@ from ..core.acceptance import AcceptanceLike
 from ..core.contracts import DRAFTER, HeadsNeed
 from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
-from .decoding_tree import TreeDecoderMixin, TreeState
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int, draft_through
+from .decoding_tree import TreeDecoderMixin
+from .decoding_utils import AUTO, SpatialDecoderMixin, check_draft_budget, check_draft_size, check_int
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
 #: The acceptance prior ``(first_rate, sibling_decay)`` of EAGLE-2's and ADT-Tree's ``"auto"`` size: the drafter's top
@@ -33,39 +32,6 @@ MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
 #: shipped drafter (a 1-node tree, 50 prompts, 2-core AMD EPYC VM, CPU, fp32; commit `8f02ca7`,
 #: docs/benchmarks/archive-cost.md, "The embedded model v2"); siblings as `HEADS_ACCEPTANCE_PRIOR`.
 EAGLE_ACCEPTANCE_PRIOR = (0.65, 0.5)
-
-
-@dataclass
-class EagleState(TreeState):
-    """`TreeState` plus the drafter's cache and what it carries between rounds.
-
-    Args:
-        drafter_cache: the drafter's `StaticKVCache` over ``R`` rows (accepted prefix, then this round's tree).
-        committed_steps (`int`): drafter steps in the cache that belong to the accepted prefix (host int).
-        features (`torch.Tensor` `(R, n, D)`): target features that predicted the codes committed last round, every
-            row (CFG rows included), waiting to be fed to the drafter.
-        cfg (`bool`): the drafter rows include the unconditional ones.
-        tree_depths (`list[torch.LongTensor]`): per round, the depth of each row's kept tree ``(B,)`` (reduced once,
-            after the loop: no host read per round).
-        tree_widths (`list[int]`): per round, the ``top_k`` the tree was grown with.
-    """
-
-    row_fields = ("tree_depths",)
-    cfg_row_fields = ("drafter_cache", "features")
-    shared_fields = ("committed_steps", "cfg", "tree_widths")
-
-    drafter_cache: Any = None
-    committed_steps: int = 0
-    features: Optional[torch.Tensor] = None
-    cfg: bool = False
-    tree_depths: List[torch.Tensor] = field(default_factory=list)
-    tree_widths: List[int] = field(default_factory=list)
-
-    def report(self) -> Dict[str, float]:
-        if not self.tree_depths:
-            return {}
-        return {"mean_tree_depth": torch.stack(self.tree_depths).float().mean().item(),
-                "mean_tree_width": sum(self.tree_widths) / len(self.tree_widths)}
 
 
 def drafter_log_probs(backbone, predicted: torch.Tensor, guidance_scale=None) -> torch.Tensor:
@@ -166,7 +132,6 @@ class EagleDrafter:
         """The ``(depth, top_k)`` every round grows (held to the kept node count by `EagleDecoder._grown_shape`)."""
         return self.decoder.config.depth, self.decoder.config.top_k
 
-
     def start(self, loop) -> None:
         """After the prompt pass: an empty drafter cache over the loop's cache rows, whose rows advance on the device,
         and the round's constants."""
@@ -262,7 +227,6 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     short_name = "eagle"  # the CLI's and benchmark specs' name (`DECODERS`)
 
-    state_class = EagleState
     distinct_siblings = True  # top-k children are distinct
     uses_all_rows = True  # the drafter reads the unconditional rows' features too
     uses_drafter_passes = True  # a deeper tree costs one more drafter pass: "auto" weighs it
@@ -307,79 +271,11 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     def max_draft_tokens(self) -> int:
         return self.num_nodes + 1
 
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> EagleState:
-        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        state.cfg = sampling.do_cfg
-        return state
-
     def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional[EagleDrafter]:
         """`EagleDrafter` for the tree in use (after the pipeline fixed its size)."""
         return EagleDrafter(self, draft_heads)
 
     # -- drafting ---------------------------------------------------------------------------------------------
-    def _drafter_logits(self, state: EagleState, backbone, predicted: torch.Tensor) -> torch.Tensor:
-        """Drafter features ``(R, n, D)`` -> CFG-mixed log-probabilities ``(B, n, V)`` (`drafter_log_probs`)."""
-        return drafter_log_probs(backbone, predicted, state.sampling.guidance_scale if state.cfg else None)
-
-    def _tree_shape(self, state: EagleState):
-        """``(depth, top_k)`` of this round's tree (EAGLE-2: the configured ones)."""
-        return self.config.depth, self.config.top_k
-
-    def propose(self, state: EagleState, draft_heads=None, backbone=None) -> Draft:
-        depth, k = self._grown_shape(*self._tree_shape(state))
-        # 1. the committed codes and the features that predicted them (the previous tree is cropped away)
-        backbone = draft_through(backbone, self)
-        logp, feature = self._feed_committed(state, draft_heads, backbone)  # (B, V) of the next code, (R, 1, D)
-        # 2. expand: depth-1 candidates, then the top_k likeliest nodes of each depth propose top_k children each
-        scores, codes, parents = self._expand(state, draft_heads, backbone, logp, feature, depth, k)  # per depth (B, k^...)
-        # 3. keep the num_draft_tokens best nodes, parents before children and siblings best first
-        tree, nodes, offered = self._keep_best(scores, codes, parents, depth, k)  # RowTrees, (B, N), (B, N + 1)
-        state.tree = tree
-        state.tree_depths.append(torch.where(offered, tree.depths, 0).max(-1).values)
-        state.tree_widths.append(k)
-        # 4. the target verifies it (point masses)
-        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
-
-    def _feed_committed(self, state: EagleState, draft_heads, backbone):
-        """Feed the drafter the codes the last pass committed with the features that predicted them, after cropping
-        the previous round's tree from its cache. Returns ``(log-probabilities of the next code (B, V), the newest
-        predicted feature (R, 1, D))``."""
-        cache = state.drafter_cache
-        first = state.num_committed - state.features.shape[1]  # raster index of the first code to feed
-        cache.crop(state.committed_steps)
-        codes = state.tokens[:, first : state.num_committed]  # (B, n)
-        codes_r = codes.repeat(2, 1) if state.cfg else codes  # (R, n)
-        embeds = backbone.embed_image_tokens(codes_r)
-        positions = torch.arange(first, state.num_committed, device=codes.device)
-        predicted = draft_heads(state.features, embeds, positions, cache=cache)  # (R, n, D)
-        state.committed_steps = cache.length
-        state.num_draft_passes += 1
-        newest = predicted[:, -1:]  # (R, 1, D)
-        return self._drafter_logits(state, backbone, newest)[:, 0], newest
-
-    def _expand(self, state: EagleState, draft_heads, backbone, logp, feature, depth: int, k: int):
-        """Grow the tree ``depth - 1`` times from the depth-1 candidates (`expand_tree`), each expansion a drafter
-        pass on the decoder state's cache (`_expansion_pass`)."""
-        def expansion(d, code, feat, ancestors):
-            return self._expansion_pass(state, draft_heads, backbone, d, code, feat, ancestors)
-
-        return expand_tree(logp, feature, depth, k, state.cfg, expansion)
-
-    def _expansion_pass(self, state: EagleState, draft_heads, backbone, d: int, code, feature, ancestors):
-        """One drafter pass over the frontier ``code`` ``(B, k)`` at depth ``d``: each node attends to the accepted
-        prefix and its own ancestors in the tree. Returns ``(predicted features (R, k, D), children's
-        log-probabilities (B, k, V))``."""
-        k, rows_r = code.shape[1], feature.shape[0]
-        raster = state.num_committed - 1 + d  # the frontier's codes sit d positions after the newest code
-        code_r = code.repeat(2, 1) if state.cfg else code  # (R, k)
-        mask_new = torch.eye(k, dtype=torch.bool, device=code.device)
-        past = torch.cat([torch.ones(rows_r, k, state.committed_steps, dtype=torch.bool, device=code.device), ancestors], -1)
-        predicted = draft_heads(feature, backbone.embed_image_tokens(code_r),
-                                torch.full((k,), min(raster, state.layout.num_tokens - 1), device=code.device),
-                                attention_mask=mask_new, cache=state.drafter_cache, past_visible=past)  # (R, k, D)
-        state.num_draft_passes += 1
-        return predicted, self._drafter_logits(state, backbone, predicted)  # (R, k, D), (B, k, V)
-
     def _keep_best(self, all_scores, all_codes, all_parents, depth: int, k: int):
         """The ``num_draft_tokens`` best generated nodes as one tree per row, parents before children and siblings
         best first. Returns ``(RowTrees, each kept node's code or -1 where it is not offered (B, N), offered
@@ -424,24 +320,4 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         depth, k = self._grown_shape(self.config.depth, self.config.top_k, num_nodes=tree.num_nodes - 1)
         return draft_pass_cost(2) + (depth - 1) * draft_pass_cost(k)
 
-    def _max_tree_slots(self) -> int:
-        """Drafter cache slots one round's expansions take at most."""
-        return (self.config.depth - 1) * self.config.top_k
-
     # -- verification -----------------------------------------------------------------------------------------
-    def _keep_features(self, state: EagleState, hidden_states: torch.Tensor, path: torch.Tensor) -> None:
-        """The features that predicted the codes just committed, every drafter row: ``(R, n, D)``."""
-        rows_r = hidden_states.shape[0]
-        path_r = path.repeat(2, 1) if state.cfg else path  # (R, n)
-        state.features = hidden_states[torch.arange(rows_r, device=path.device)[:, None], path_r]
-
-    def step(self, logits, hidden_states, draft, state: EagleState, draft_heads=None, backbone=None) -> StepOutput:
-        if draft is None:  # prefill: the last prompt position's features predicted the first code
-            out = self._prefill_step(logits, hidden_states[: state.batch_size], state)
-            state.features = hidden_states[:, -1:]  # (R, 1, D)
-            rows_r = hidden_states.shape[0]
-            state.drafter_cache = draft_heads.make_cache(rows_r, state.layout.num_tokens + self._max_tree_slots() + 1)
-            return out
-        out = self._verify_step(logits, hidden_states[: state.batch_size], draft, state)
-        self._keep_features(state, hidden_states, state.accepted_path)
-        return out

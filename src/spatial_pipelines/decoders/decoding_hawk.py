@@ -2,8 +2,7 @@
 that merge horizontal candidates with vertical ones made from the rows above; the tree is the bounded
 Cartesian product of the pools; exact verification."""
 
-from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Union
 
 import torch
 from diffusers.configuration_utils import register_to_config
@@ -11,27 +10,8 @@ from diffusers.configuration_utils import register_to_config
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import OFFSET_LOGITS, HeadsNeed
 from ..core.tree import DraftTree, tree_from_paths
-from .decoding_tree import HeadDrafter, TreeDecoderMixin, TreeState
-from .decoding_utils import AUTO, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
-
-
-@dataclass
-class HawkState(TreeState):
-    """`TreeState` plus Hawk's vertical speculation cache and the index tables its pools use.
-
-    Args:
-        vertical_cache (`torch.LongTensor` `(B, N, max(VSD, 1), k)`): candidates cached for each raster code, one
-            slot per "rows above" distance (``-1``: none yet).
-        depth_offsets (`torch.LongTensor` `(n_h,)`): ``1..n_h``, the raster offsets of the pools.
-        earlier_slot (`torch.BoolTensor` `(S, S)`): ``[i, j]`` when pool slot ``j`` comes before slot ``i``.
-    """
-
-    row_fields = ("vertical_cache",)
-    shared_fields = ("depth_offsets", "earlier_slot")
-
-    vertical_cache: Optional[torch.Tensor] = None
-    depth_offsets: Optional[torch.Tensor] = None
-    earlier_slot: Optional[torch.Tensor] = None
+from .decoding_tree import HeadDrafter, TreeDecoderMixin
+from .decoding_utils import AUTO, SpatialDecoderMixin, check_draft_budget, check_draft_size, check_int
 
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
@@ -132,7 +112,6 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     short_name = "hawk"  # the CLI's and benchmark specs' name (`DECODERS`)
 
-    state_class = HawkState
     draft_size_name = "num_draft_tokens"
     default_draft_size = 32  # on a GPU a pass over 1-256 tokens costs one AR step (docs/performance.md)
     distinct_siblings = True  # duplicate pool slots are offered as -1
@@ -172,44 +151,6 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self.config.top_k > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k` ({self.config.top_k}) exceeds the {draft_heads.config.num_image_codes} image codes.")
 
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> HawkState:
-        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        vsd, k = self.config.vertical_speculation_depth, self.config.top_k
-        state.vertical_cache = torch.full((batch_size, layout.num_tokens, max(vsd, 1), k), -1, dtype=torch.long, device=device)
-        state.depth_offsets = torch.arange(1, state.tree.max_depth + 1, device=device)  # the depths the tree drafts
-        state.earlier_slot = torch.ones(self.pool_size, self.pool_size, dtype=torch.bool, device=device).tril(-1)
-        return state
-
     def device_drafter(self, draft_heads, layout, batch_size: int, device) -> HawkDrafter:
         """`HawkDrafter` over the tree in use (after the pipeline fixed its size)."""
         return HawkDrafter(self, draft_heads, layout, batch_size, device)
-
-    def propose(self, state: HawkState, draft_heads=None, backbone=None) -> Draft:
-        c = self.config
-        vsd, k = c.vertical_speculation_depth, c.top_k
-        n = state.tokens.shape[1]
-        width = state.layout.width
-        root = state.num_committed - 1  # raster index of the newest committed code
-        logits_h, logits_v = self._heads_logits(state, draft_heads, backbone)
-        n_h = logits_h.shape[1]  # horizontal heads run: as many as the tree is deep (a shape, not a device read)
-        horizontal = logits_h.topk(k, dim=-1).indices  # (B, n_h, k) offsets 1..n_h
-        cache = state.vertical_cache  # (B, N, VSD, k)
-        if vsd:
-            vertical = logits_v.topk(k, dim=-1).indices  # (B, VSD, k) rows 1..VSD
-            rows_below = min(vsd, (n - 1 - root) // width)  # host ints: cache the predictions that land in the grid
-            if rows_below > 0:  # one strided write: the prediction d rows below lands d * W codes later
-                cache[:, root + width : root + (rows_below + 1) * width : width].diagonal(0, 1, 2).copy_(
-                    vertical[:, :rows_below].permute(0, 2, 1)
-                )
-        if root + n_h < n:  # the cached predictions for each depth's position
-            cached = cache[:, root + 1 : root + 1 + n_h, :vsd]  # (B, n_h, VSD, k) a view
-        else:
-            cached = cache[:, (root + state.depth_offsets).clamp_max(n - 1), :vsd]
-        pool = draft_pools(horizontal, cached, state.earlier_slot)  # (B, n_h, S)
-        nodes = pool[:, state.node_depth, state.node_rank]  # (B, T - 1)
-        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
-
-    def step(self, logits, hidden_states, draft, state, draft_heads=None, backbone=None) -> StepOutput:
-        if draft is None:
-            return self._prefill_step(logits, hidden_states, state)
-        return self._verify_step(logits, hidden_states, draft, state)

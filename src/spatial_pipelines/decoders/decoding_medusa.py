@@ -9,8 +9,8 @@ from diffusers.configuration_utils import register_to_config
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import OFFSET_LOGITS, HeadsNeed
 from ..core.tree import tree_from_paths
-from .decoding_tree import HeadDrafter, TreeDecoderMixin, TreeState
-from .decoding_utils import Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int
+from .decoding_tree import HeadDrafter, TreeDecoderMixin
+from .decoding_utils import SpatialDecoderMixin, check_draft_budget, check_draft_size, check_int
 
 
 def check_tree_paths(tree_paths, num_heads: int) -> List[Tuple[int, ...]]:
@@ -120,14 +120,3 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     def device_drafter(self, draft_heads, layout, batch_size: int, device) -> "MedusaDrafter":
         """`MedusaDrafter` over the tree in use (after the pipeline fixed its size)."""
         return MedusaDrafter(self, draft_heads, device)
-
-    def propose(self, state: TreeState, draft_heads=None, backbone=None) -> Draft:
-        logits_h, _ = self._heads_logits(state, draft_heads, backbone)  # (B, K, V) offsets 1..K, K: the tree's depth
-        top = logits_h.topk(self._num_ranks, dim=-1).indices  # (B, K, k)
-        nodes = top[:, state.node_depth, state.node_rank]  # (B, T - 1) candidate of each node
-        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
-
-    def step(self, logits, hidden_states, draft, state, draft_heads=None, backbone=None) -> StepOutput:
-        if draft is None:
-            return self._prefill_step(logits, hidden_states, state)
-        return self._verify_step(logits, hidden_states, draft, state)

@@ -2,17 +2,13 @@
 static tree of candidates and verifying it exactly (`TreeDecoderMixin`), and ``"auto"`` tree sizes from the
 measured round cost."""
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..core.acceptance import AcceptanceLike, resolve_acceptance
-from ..core.sampling import sample_from_probs, target_probs
 from ..core.tree import DraftTree, tree_from_parents
-from ..core.verification import TreeAcceptance, verify_tree
-from .decoding_utils import AUTO, DecodingState, Draft, DraftKind, RowsDiverged, StepOutput, check_draft_size, draft_through
+from .decoding_utils import AUTO, check_draft_size
 
 #: Draft sizes ``"auto"`` chooses from (nodes after the root).
 DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
@@ -82,50 +78,6 @@ class HeadDrafter:
         return []
 
 
-@dataclass
-class TreeState(DecodingState):
-    """The state of tree decoders.
-
-    Args:
-        tree (`DraftTree`): the decoder's static tree on the generation's device (copied once per generation).
-        host_depths (`tuple[int]`): its node depths on the host (`Draft.depths`).
-        hidden (`torch.Tensor` `(B, D)`): pre-norm hidden state that predicted the newest committed code.
-        node_tokens (`torch.LongTensor` `(B, T)`): the tree fed this round (``-1``: slot not offered).
-        accepted_path (`torch.LongTensor` `(B, n)`): the fed nodes whose outputs predicted the ``n`` codes the last
-            round committed (the root first).
-        rows (`torch.LongTensor` `(B,)`): row indices, built once.
-        slots (`torch.LongTensor` `(max_draft_tokens,)`): ``0, 1, 2, ...``, built once: a path through the first slots.
-        node_depth (`torch.LongTensor` `(T - 1,)`), node_rank (`torch.LongTensor` `(T - 1,)`): the head (or pool) and
-            candidate rank (or slot) of every draft node, built once.
-        neighbours (`torch.Tensor` `(V, k)`, *optional*): the codebook neighbour table of a relaxed acceptance rule
-            (built once per backbone and cached there).
-        head_indices (`tuple`, *optional*): ``(horizontal, vertical)``: the indices of the heads the decoder runs,
-            looked up on the first round.
-        acceptance (`TreeAcceptance`, *optional*): this round's verification when it was drawn before the state was
-            split by rows (`RowsDiverged`): the next step takes it instead of drawing again.
-    """
-
-    row_fields = ("hidden", "node_tokens", "accepted_path", "acceptance")
-    shared_fields = ("tree", "host_depths", "rows", "slots", "node_depth", "node_rank", "neighbours", "head_indices")
-
-    tree: Optional[DraftTree] = None
-    host_depths: Optional[Tuple[int, ...]] = None
-    hidden: Optional[torch.Tensor] = None
-    node_tokens: Optional[torch.Tensor] = None
-    accepted_path: Optional[torch.Tensor] = None
-    rows: Optional[torch.Tensor] = None
-    slots: Optional[torch.Tensor] = None
-    node_depth: Optional[torch.Tensor] = None
-    node_rank: Optional[torch.Tensor] = None
-    neighbours: Optional[torch.Tensor] = None
-    head_indices: Optional[Tuple[List[int], List[int]]] = None
-    acceptance: Optional[TreeAcceptance] = None
-
-    def _after_split(self, parent, index) -> None:
-        super()._after_split(parent, index)
-        self.rows = torch.arange(index.shape[0], device=index.device)  # row indices of this part
-
-
 class TreeDecoderMixin:
     """What tree decoders share: drafting a static tree of head candidates and exact verification.
 
@@ -140,7 +92,6 @@ class TreeDecoderMixin:
     ``state_class`` must be a `TreeState`.
     """
 
-    state_class = TreeState
     acceptance_prior: Tuple[float, float] = HEADS_ACCEPTANCE_PRIOR
     distinct_siblings: bool = False  # True when the decoder never offers one code twice among siblings
 
@@ -231,109 +182,3 @@ class TreeDecoderMixin:
     @property
     def max_draft_tokens(self) -> int:
         return self.tree.num_nodes
-
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> TreeState:
-        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        if not isinstance(state, TreeState):
-            raise TypeError(f"{type(self).__name__}.state_class must subclass TreeState, got {type(state).__name__}.")
-        state.tree = self.tree.to(device)  # once per generation, not once per round
-        state.host_depths = tuple(self.tree.depths.tolist())  # host copy, read once per generation (EOL placement)
-        state.rows = torch.arange(batch_size, device=device)
-        state.slots = torch.arange(self.max_draft_tokens, device=device)  # a path is at most this many nodes long
-        state.node_depth, state.node_rank = state.tree.depths[1:] - 1, state.tree.ranks[1:]
-        if self.acceptance_rule.num_neighbours:
-            if backbone is None:
-                raise ValueError(f"`acceptance={self.acceptance_rule.name!r}` needs the backbone's VQ codebook.")
-            state.neighbours = backbone.code_neighbours(self.acceptance_rule.num_neighbours)
-        return state
-
-    def _heads_logits(self, state: TreeState, draft_heads, backbone):
-        """Logits of the heads this decoder uses (the horizontal, then the vertical offsets of `heads_needed`) from the hidden state that predicted the newest committed code. Horizontal head ``i`` drafts
-        depth ``i + 1``, so only the first ``tree.max_depth`` run: a shallower ("auto"-sized) tree drafts nothing
-        from the others, and their weights are not read every round."""
-        if state.head_indices is None:  # looked up on the first round, not every round
-            need = self.heads_needed()
-            h = [draft_heads.horizontal_index(o) for o in need.horizontal_offsets][: state.tree.max_depth]
-            v = [draft_heads.vertical_index(o) for o in need.vertical_offsets]
-            state.head_indices = (h, v)
-        h, v = state.head_indices
-        backbone = draft_through(backbone, self)
-        feats_h, feats_v = draft_heads(backbone.final_norm(state.hidden), h, v)  # (B, Hh, D), (B, Hv, D)
-        state.num_draft_passes += 1
-        feats = torch.cat([feats_h, feats_v], 1) if v else feats_h  # one output-head pass for both kinds (per-op cost)
-        logits = backbone.output_head(feats)  # (B, Hh + Hv, V)
-        return logits[:, : len(h)], logits[:, len(h) :]  # (B, Hh, V), (B, Hv, V)
-
-    def _tree_draft(self, state: TreeState, node_tokens: torch.Tensor) -> Draft:
-        """Feed ``node_tokens`` ``(B, T)`` (root first; ``-1`` for slots a row does not offer) at their positions
-        with the tree mask."""
-        tree = state.tree
-        first = state.prefix_length + state.layout.sequence_offset(state.num_committed - 1)  # host int
-        if state.layout.has_eol or state.num_committed - 1 + tree.max_depth >= state.layout.num_tokens:
-            last = state.layout.num_tokens - 1
-            index = (state.num_committed - 1 + tree.depths).clamp_max(last)  # nodes past the grid are never committed
-            position_ids = state.positions[index]
-        else:  # no EOL and inside the grid: positions are the root's plus the depths (one add, no gather)
-            position_ids = tree.depths + first
-        state.node_tokens = node_tokens
-        if tree.per_row:
-            kind, depths = DraftKind.ROW_TREES, None
-        else:
-            kind, depths = (DraftKind.CHAIN if tree.max_children == 1 else DraftKind.TREE), state.host_depths
-        return Draft(
-            input_ids=node_tokens.clamp_min(0),  # an empty slot is fed as code 0 and never accepted
-            position_ids=position_ids,
-            attention_mask=tree.attention_mask,
-            kind=kind,
-            depths=depths,
-        )
-
-    def _prefill_step(self, logits, hidden_states, state: TreeState) -> StepOutput:
-        probs = target_probs(logits[:, -1], state.sampling, state.random, state.num_committed)  # (B, V)
-        token = sample_from_probs(probs, state.random)  # (B,)
-        state.hidden = hidden_states[:, -1]
-        state.commit(token[:, None], torch.ones_like(token))
-        return StepOutput(num_accepted=1)
-
-    def _verify_step(self, logits, hidden_states, draft, state: TreeState, q=None, probs=None) -> StepOutput:
-        tokens = state.node_tokens
-        if state.acceptance is not None:  # drawn before the state was split by rows (`RowsDiverged`)
-            acc = state.acceptance
-        else:
-            if probs is None:  # node i's output is for grid index num_committed + depth(i)
-                probs = target_probs(logits, state.sampling, state.random, state.tree.depths + state.num_committed)  # (B, T, V)
-            acc = verify_tree(state.tree, tokens, probs, state.random, q, distinct_siblings=self.distinct_siblings,
-                              rule=self.acceptance_rule, neighbours=state.neighbours)
-        state.acceptance = None
-        # one host read per round: every row's accepted run and whether every path is a prefix of the fed slots
-        if acc.host is not None:  # read before the state was split
-            accepted, prefix = acc.host
-        elif state.tree.max_children > 1:  # is every row's path nodes 0, 1, 2, ...? Then the KV cache is cropped (no copy)
-            if acc.path.shape[1] > state.slots.shape[0]:  # a tree grown deeper than it keeps nodes (host shapes)
-                state.slots = torch.arange(acc.path.shape[1], device=acc.path.device)
-            nodes = state.slots[: acc.path.shape[1]]  # (D + 1,) 0, 1, 2, ...: a view, built once
-            prefix_path = ((acc.path == nodes) | (acc.path < 0)).all()
-            *accepted, prefix = torch.cat([acc.num_accepted, prefix_path.long()[None]]).tolist()
-        else:
-            accepted, prefix = acc.num_accepted.tolist(), True
-        runs = [min(a + 1, state.num_remaining) for a in accepted]
-        if state.split_rows and len(set(runs)) > 1:  # nothing changed yet: the loop splits the rows by their runs
-            raise RowsDiverged(dataclasses.replace(acc, host=(accepted, bool(prefix))), runs)
-        # the rows of one state commit the same run: each row's own when the loop splits rows that diverge, else
-        # the shortest row's run plus its bonus (a prefix of every row's exact sample is
-        # exact), never past the end of the grid
-        shortest = min(accepted)
-        n = min(runs)
-        path = acc.path[:, :n]  # (B, n) root + the n - 1 accepted nodes whose KV stays
-        drafted = tokens.gather(1, path)  # (B, n): column j is the code of accepted node j (all offered: >= 0)
-        codes = torch.cat([drafted[:, 1:], acc.bonus[:, None]], 1)  # (B, n)
-        if (state.batch_size > 1 or n <= shortest) and n <= state.tree.max_depth:
-            # a row that accepted n or more drafts commits its n-th accepted node, not its bonus
-            longer = acc.num_accepted[:, None] >= n
-            codes[:, -1:] = torch.where(longer, tokens.gather(1, acc.path[:, n : n + 1].clamp_min(0)), codes[:, -1:])
-        state.hidden = hidden_states[state.rows, path[:, -1]]  # the node that predicted the newest code
-        state.accepted_path = path
-        state.commit(codes, acc.bonus.new_full(acc.bonus.shape, n))
-        if prefix:  # a chain, or a tree path through its first n slots: a crop (no copy)
-            return StepOutput(num_accepted=n, keep_length=n)
-        return StepOutput(num_accepted=n, keep_indices=path)

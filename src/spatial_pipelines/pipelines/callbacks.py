@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from ..decoders.decoding_utils import DecodingState
+from .device_loop import RoundView
 from ..utils import check_number
 
 #: State tensors a callback may ask for: ``latents`` is diffusers' name for the code grid so far (``tokens``).
@@ -67,7 +67,7 @@ class CallbackStateMixin:
     def _start_call(self, guidance_scale: float, do_cfg: bool) -> None:
         self._guidance_scale, self._do_cfg, self._num_timesteps, self._interrupt = guidance_scale, do_cfg, 0, False
 
-    def _follow_guidance(self, state: DecodingState) -> None:
+    def _follow_guidance(self, state: RoundView) -> None:
         """After a callback: a new ``pipe._guidance_scale`` becomes the mixing scale of the next rounds. The rows a
         call runs are fixed when it starts, so a call without CFG cannot turn it on; with CFG, any finite scale >= 0
         goes (1 then gives the conditional model)."""
@@ -81,7 +81,7 @@ class CallbackStateMixin:
                              "change it during generation.")
         state.sampling = dataclasses.replace(state.sampling, guidance_scale=float(scale), cfg=True)
 
-    def _run_callback(self, callback, tensor_inputs: Sequence[str], step_index: int, state: DecodingState) -> None:
+    def _run_callback(self, callback, tensor_inputs: Sequence[str], step_index: int, state: RoundView) -> None:
         """diffusers' ``callback_on_step_end`` contract, for an AR loop: the callback gets copies of the state tensors
         it names (mutating them changes nothing) and may return a dict of some of them. A returned
         ``acceptance_map`` replaces the record; a returned ``tokens`` (or ``latents``) may not change committed codes

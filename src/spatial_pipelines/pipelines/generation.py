@@ -16,26 +16,23 @@ One call, as numbered steps (`GenerationLoop.generate`)::
 """
 
 import contextlib
-import dataclasses
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 import torch
 
-from ..core.kv_cache import StaticKVCache, varying_length_attention
-from ..core.sampling import SamplingConfig, cfg_mix, draw_seeds
-from ..decoders.decoding_utils import DecodingState, RowsDiverged, SpatialDecoderMixin, StepOutput, split_rows
-from ..utils import NULL_TIMER, RoundTimer, check_number
+from ..core.kv_cache import StaticKVCache
+from ..core.sampling import SamplingConfig, draw_seeds
+from ..decoders.decoding_utils import SpatialDecoderMixin
+from ..utils import RoundTimer, check_number
 from .backbone import PromptEmbeddings, SpatialBackbone
-from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
+from .compiled import mark_static_cache, uses_cuda_graphs
 from .device_chain import ChainLoop
 from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, RoundView, compile_round
 from .device_tree import DynamicTreeLoop, HeadTreeLoop, TreeLoop
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
-from .rows import FedGroup, Kept, RowBatch, insert_end_of_rows, split_group, stack_groups
-from .static_shapes import RECOMPILE_LIMIT, pad_fed, static_cache_length
+from .static_shapes import RECOMPILE_LIMIT, static_cache_length
 
 #: `GenerationLoop.compile` keeps the compiled step unless its passes (1 and 8 fed tokens) take more than this much
 #: longer than the eager ones: the round compiled around it also drops the eager ops between passes, which that
@@ -80,7 +77,7 @@ class GenerationLoop:
     r"""Prefill, rounds, KV cache, fixed shapes, compile and sync cadence of a pipeline's generations.
 
     Built once per pipeline over its backbone adapter (`SpatialARPipeline.loop`); the decoder and heads come with each
-    call (they are swappable). Its settings are the pipeline's (`SpatialARPipeline.static_shapes`, ``device_rounds``,
+    call (they are swappable). Its settings are the pipeline's (`SpatialARPipeline.static_shapes`,
     ``max_rounds_per_sync``).
 
     Args:
@@ -90,7 +87,6 @@ class GenerationLoop:
     def __init__(self, backbone: SpatialBackbone):
         self.backbone = backbone
         self.static_shapes_setting: Optional[bool] = None  # None: on when compiled
-        self.device_rounds: Optional[bool] = None  # False: always the row-group loop
         self.max_rounds_per_sync: int = MAX_ROUNDS_PER_SYNC
         self.timer: Optional[RoundTimer] = None  # a RoundTimer while `profile_rounds` is active
         # what one call runs with (`generate` sets them)
@@ -100,8 +96,7 @@ class GenerationLoop:
 
     def settings(self) -> Dict[str, Any]:
         """The user's settings, carried over when a copied pipeline builds its own loop."""
-        return {"static_shapes_setting": self.static_shapes_setting, "device_rounds": self.device_rounds,
-                "max_rounds_per_sync": self.max_rounds_per_sync}
+        return {"static_shapes_setting": self.static_shapes_setting, "max_rounds_per_sync": self.max_rounds_per_sync}
 
     @property
     def static_shapes(self) -> bool:
@@ -111,14 +106,16 @@ class GenerationLoop:
     def generate(self, decoder: SpatialDecoderMixin, draft_heads, prefix: PromptEmbeddings, sampling: SamplingConfig,
                  generator, batch_size: int, hooks: Optional[LoopHooks] = None) -> Tuple[torch.Tensor, DecodingStats]:
         """Steps 3-5 for ``batch_size`` images of the prompt rows ``prefix`` ``(R, P, D)``: rounds whole on the device
-        where the decoder and settings allow (`device_plan`), else in row groups. Returns the grids ``(B, N)`` in raster
-        order and the `DecodingStats` (read from the device after the last round)."""
+        (`device_plan`). Returns the grids ``(B, N)`` in raster order and the `DecodingStats` (read from the device
+        after the last round)."""
         self.decoder, self.draft_heads, self.hooks = decoder, draft_heads, hooks or LoopHooks()
         try:
             plan = self.device_plan(sampling, batch_size, prefix.embeds.device)
-            if plan is not None:
-                return self._generate_on_device(prefix, sampling, generator, batch_size, plan)
-            return self._generate_groups(prefix, sampling, generator, batch_size)
+            if plan is None:
+                raise ValueError(f"{type(decoder).__name__} says no round the engine runs: a decoder returns its chain "
+                                 "window from `chain_window`, or its tree's drafter from `device_drafter` "
+                                 "(docs/contributing.md, \"Adding a decoder\").")
+            return self._generate_on_device(prefix, sampling, generator, batch_size, plan)
         finally:
             self.decoder, self.draft_heads, self.hooks = None, None, LoopHooks()
 
@@ -130,12 +127,11 @@ class GenerationLoop:
         `device_tree.relaxed_matches`). Every random draw comes from keyed streams of a seed each image draws from its
         generator: under keyed noise (or greedy) a draft is accepted when it equals the target's keyed sample (AR's
         image); under drawn noise a chain keeps its drafts' proposals and accepts by speculative sampling, and a tree
-        of distinct point-mass candidates by the parent's sample, which is that test for point masses.
-        ``device_rounds`` ``False`` turns it off."""
+        of distinct point-mass candidates by the parent's sample, which is that test for point masses."""
         decoder = self.decoder
         relaxed = decoder.lossless and decoder.acceptance_rule.relaxes  # LANTERN, LANTERN++: seeds from the generators
         drawn = not (sampling.keyed or sampling.greedy)  # speculative sampling on keyed streams of the rows' seeds
-        if self.device_rounds is False or not (decoder.is_exact or relaxed):
+        if not (decoder.is_exact or relaxed):
             return None
         rule = decoder.acceptance_rule
         acceptance = {}
@@ -217,212 +213,6 @@ class GenerationLoop:
             row_forward_passes=row_passes, decoder_stats=loop.report())
 
     # -- rounds in row groups -------------------------------------------------------------------------------
-    def _generate_groups(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator,
-                         batch_size: int) -> Tuple[torch.Tensor, DecodingStats]:
-        """Steps 3-5 in row groups (`RowBatch`): every decoder's own `propose` and `step`."""
-        start_time = time.perf_counter()
-        # 3. one typed decoder state per image (its random numbers, its cursor) and the KV cache
-        batch, cache = self._prepare(prefix, sampling, generator, batch_size)
-        # 4. the prompt pass predicts each row's first code
-        self._prefill(prefix, batch, cache)
-        # 5. rounds: propose -> target forward -> CFG mix -> decoder step -> commit to the KV cache (`_round`), every
-        #    row at its own pace until every grid is full
-        num_forward_passes = 1 + self._rounds(batch, cache)
-        return batch.tokens, self._stats(batch, num_forward_passes, batch_size, start_time)
-
-    def _prepare(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator,
-                 batch_size: int) -> Tuple[RowBatch, StaticKVCache]:
-        """Step 3: one typed decoder state per image with its random numbers (`RowBatch`), and the KV cache."""
-        backbone, layout, device = self.backbone, self.backbone.layout, prefix.embeds.device
-        prefix_length = prefix.embeds.shape[1]
-        batch = RowBatch.create(self.decoder, layout, sampling, generator, batch_size, prefix_length, device, backbone)
-        max_fed = self.decoder.max_fed_tokens(layout) * (2 if layout.has_eol else 1)  # an EOL may follow every fed code
-        cache = self.make_cache(prefix.embeds.shape[0], prefix_length + layout.sequence_length + max_fed, device)
-        batch.fed_size = max_fed if cache.fixed_shape else None  # every round feeds this many slots (static shapes)
-        return batch, cache
-
-    def _prefill(self, prefix: PromptEmbeddings, batch: RowBatch, cache: StaticKVCache) -> None:
-        """Step 4: one pass over the prompt fills the cache; its last output gives each row's first code. After it,
-        several images keep one cache length per row (`StaticKVCache.track_rows`): each advances on its own."""
-        backbone, decoder, sampling = self.backbone, self.decoder, batch.sampling
-        positions = torch.arange(prefix.embeds.shape[1], device=prefix.embeds.device)
-        with eager_target(backbone.target_module):  # the prompt's length varies: never a compiled graph per length
-            hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, cache)  # (R, P, D)
-        logits = backbone.image_logits(hidden[:, -1:])  # (R, 1, V) fp32
-        logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, 1, V)
-        if len(batch.groups) == 1:  # every row in one state: no indexing
-            rows = hidden.shape[0] if decoder.uses_all_rows else batch.batch_size
-            decoder.step(logits, hidden[:rows, -1:], None, batch.groups[0].state, self.draft_heads, backbone)
-        else:
-            for g in batch.groups:
-                decoder.step(logits[g.index], hidden[self._hidden_rows(g.index, batch, hidden.shape[0]), -1:], None,
-                             g.state, self.draft_heads, backbone)
-        if batch.batch_size > 1:
-            cache.track_rows()
-
-    def _rounds(self, batch: RowBatch, cache: StaticKVCache) -> int:
-        """Step 5: rounds until every row's grid is full, with the progress bar (codes of every row) and the per-round
-        hook; returns how many."""
-        timer, hooks = self.timer or NULL_TIMER, self.hooks
-        rounds = 0
-        with hooks.progress_bar(total=self.backbone.layout.num_tokens * batch.batch_size) as progress_bar:
-            progress_bar.update(batch.total_committed)
-            while not batch.finished and not hooks.interrupted():
-                committed_before = batch.total_committed
-                with timer.section("round"):
-                    self._round(batch, cache, timer)
-                timer.rounds += 1
-                rounds += 1
-                hooks.rounds_known(rounds + (0 if batch.finished else 1))
-                progress_bar.update(batch.total_committed - committed_before)
-                if hooks.on_round is not None:
-                    batch.sync()  # the callback sees every row's grid
-                    hooks.on_round(rounds - 1, batch)
-                    batch.write_back()
-        hooks.rounds_known(rounds)
-        batch.sync()
-        return rounds
-
-    def _round(self, batch: RowBatch, cache: StaticKVCache, timer) -> None:
-        """Step 5, one round: a-f below, over every group of rows not yet finished (`RowBatch`). Each part runs inside
-        ``timer.section`` (see `profile_rounds`). One image takes `_round_one` (the same steps on one shared length)."""
-        if batch.batch_size == 1:
-            return self._round_one(batch.groups[0].state, batch, cache, timer)
-        backbone, layout, sampling = self.backbone, batch.layout, batch.sampling
-        active = batch.active()
-        # 5a. every group proposes its draft at its own cursor (its last committed code first)
-        with timer.section("draft"):
-            drafts = [self.decoder.propose(g.state, self.draft_heads, backbone) for g in active]
-        # 5b. end-of-row tokens are forced, never drafted: one after every fed code that ends a row
-        with timer.section("eol"):
-            fed = [insert_end_of_rows(layout, g.state, draft, g) for g, draft in zip(active, drafts)]
-        # 5c. one target forward over every row's draft, padded to one width (CFG rows as one batch)
-        with timer.section("forward"):
-            hidden = self._forward_groups(fed, batch, cache)  # (R, F, D)
-            logits = backbone.image_logits(hidden)  # (R, F, V) fp32
-        # 5d-e. CFG mix; each group accepts its rows' runs and commits them (splitting rows that diverge)
-        with timer.section("accept"):
-            logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (B, F, V)
-            kept: List[Kept] = [0] * batch.batch_size  # a finished row keeps nothing
-            for f in fed:
-                self._step_group(batch, f, logits, hidden, kept)
-        # 5f. each row keeps its own accepted path in the KV cache (with the EOLs that follow its row ends)
-        with timer.section("kv"):
-            cache.keep_rows(kept + kept if sampling.do_cfg else kept)
-
-    def _forward_groups(self, fed: List[FedGroup], batch: RowBatch, cache: StaticKVCache) -> torch.Tensor:
-        """Step 5c for several groups: their drafts placed at their rows, padded to one width, one target pass."""
-        backbone, sampling = self.backbone, batch.sampling
-        widest = max(f.width for f in fed)
-        width = widest if batch.fed_size is None else batch.fed_size
-        if width < widest:
-            raise ValueError(f"A round fed {widest} tokens, more than the {width} the decoder declared (`max_draft_tokens`).")
-        batch.fed_slots += width * batch.batch_size
-        batch.padded_slots += width * batch.batch_size - sum(f.width * len(f.group.rows) for f in fed)
-        ids, position_ids, mask, is_eol = stack_groups(fed, batch, width, batch.tokens.device)  # (B, F), (B, F), (B, F, F), (B, F)
-        if sampling.do_cfg:  # the unconditional rows verify the same drafts
-            ids, position_ids, mask = ids.repeat(2, 1), position_ids.repeat(2, 1), mask.repeat(2, 1, 1)
-        embeds = backbone.embed_image_tokens(ids)  # (R, F, D)
-        if is_eol is not None and any(f.eol is not None for f in fed):
-            eol_slots = is_eol.repeat(2, 1) if sampling.do_cfg else is_eol
-            embeds = torch.where(eol_slots[..., None], backbone.eol_embedding.to(embeds.dtype), embeds)
-        return self.target_forward(embeds, position_ids, mask, cache)  # (R, F, D)
-
-    def _step_group(self, batch: RowBatch, fed: FedGroup, logits: torch.Tensor, hidden: torch.Tensor, kept: List[Kept]) -> None:
-        """Step 5e for one group: the decoder accepts and commits its rows' runs. Rows that accepted runs of different
-        lengths (`RowsDiverged`, raised before the state changed) are split into one group per run length, each
-        stepped with the verification already drawn. Records what each row keeps of its fed slots in ``kept``."""
-        g, t, decoder, backbone = fed.group, fed.width, self.decoder, self.backbone
-        if g.rows == list(range(batch.batch_size)):  # every row, in order: plain slices
-            row_logits = logits[:, :t]
-            row_hidden = hidden[:, :t] if decoder.uses_all_rows else hidden[: batch.batch_size, :t]
-        else:
-            row_logits, row_hidden = logits[g.index, :t], hidden[self._hidden_rows(g.index, batch, hidden.shape[0]), :t]
-        if fed.eol is not None:  # a row's last code sees its EOL's output
-            row_logits, row_hidden = fed.eol.outputs(row_logits), fed.eol.outputs(row_hidden)  # (n, T, V), (n or 2n, T, D)
-        try:
-            result = decoder.step(row_logits, row_hidden, fed.draft, g.state, self.draft_heads, backbone)
-            _record_kept(kept, g.rows, result, fed.eol, t)
-            return
-        except RowsDiverged as error:
-            diverged = error  # `except` unbinds its name on leaving the block
-        parts = split_group(g, diverged.runs)
-        batch.replace(g, [part for _, part in parts])
-        n = len(g.rows)
-        for local, part in parts:
-            index = torch.tensor(local, device=row_logits.device)
-            twins = torch.cat([index, index + n]) if row_hidden.shape[0] == 2 * n else index
-            accepted, prefix = diverged.acceptance.host
-            part.state.acceptance = dataclasses.replace(split_rows(diverged.acceptance, index),  # drawn and read once
-                                                        host=([accepted[i] for i in local], prefix))
-            eol = split_rows(fed.eol, index) if fed.eol is not None and fed.eol.source.shape[0] > 1 else fed.eol
-            result = decoder.step(row_logits[index], row_hidden[twins], fed.draft.select_rows(index), part.state, self.draft_heads,
-                                 backbone)
-            _record_kept(kept, part.rows, result, eol, t)
-
-    def _round_one(self, state: DecodingState, batch: RowBatch, cache: StaticKVCache, timer) -> None:
-        """`_round` for one image: the same steps a-f, on the cache's shared length."""
-        backbone, layout, sampling = self.backbone, state.layout, state.sampling
-        # 5a. the decoder proposes what to verify (the last committed code first)
-        with timer.section("draft"):
-            draft = self.decoder.propose(state, self.draft_heads, backbone)
-        # 5b. end-of-row tokens are forced, never drafted: one is fed after every fed code that ends a row
-        with timer.section("eol"):
-            f = insert_end_of_rows(layout, state, draft)  # (1, T')
-            input_ids, position_ids, mask, eol = f.input_ids, f.position_ids, f.attention_mask, f.eol  # (1, T')
-        # 5c. one target forward over the draft (CFG rows as one batch), logits over image codes
-        with timer.section("forward"):
-            fed = input_ids.shape[1]  # T': the real fed slots (EOLs included)
-            if sampling.do_cfg:  # the unconditional rows verify the same drafts
-                input_ids = input_ids.repeat(2, 1)  # (R, T')
-                if draft.per_row:  # positions (B, T') and masks (B, T', T') per row
-                    position_ids, mask = position_ids.repeat(2, 1), mask.repeat(2, 1, 1)
-            embeds = backbone.embed_image_tokens(input_ids)  # (R, T', D)
-            if eol is not None:
-                embeds = eol.embeds(embeds, backbone.eol_embedding)
-            if batch.fed_size is not None:  # static shapes: every round feeds the same number of slots
-                embeds, position_ids, mask = self._pad_round(embeds, position_ids, mask, batch)  # (R, F, D)
-            slot = cache.length
-            hidden = self.target_forward(embeds, position_ids, mask, cache)[:, :fed]  # (R, T', D)
-            if eol is not None:
-                hidden = eol.outputs(hidden)  # (R, T, D): a row's last code sees its EOL's output
-            logits = backbone.image_logits(hidden)  # (R, T, V) fp32
-        # 5d-e. CFG mix; the decoder accepts codes and commits them to the state
-        with timer.section("accept"):
-            logits = cfg_mix(logits, sampling.guidance_scale) if sampling.do_cfg else logits  # (1, T, V)
-            rows = hidden.shape[0] if self.decoder.uses_all_rows else 1
-            result = self.decoder.step(logits, hidden[:rows], draft, state, self.draft_heads, backbone)
-        # 5f. keep only the accepted path in the KV cache (with the EOLs that follow its row ends)
-        with timer.section("kv"):
-            _keep_one(cache, result, eol, slot, fed, sampling.do_cfg)
-
-    def _hidden_rows(self, index: torch.Tensor, batch: RowBatch, rows: int) -> torch.Tensor:
-        """The hidden-state rows a decoder step of the image rows ``index`` gets: their conditional rows, and their
-        unconditional twins (``batch_size`` rows later) for a decoder that `uses_all_rows` under CFG (``rows`` target
-        rows)."""
-        if self.decoder.uses_all_rows and rows > batch.batch_size:
-            return torch.cat([index, index + batch.batch_size])
-        return index
-
-    def _stats(self, batch: RowBatch, num_forward_passes: int, batch_size: int, start_time: float) -> DecodingStats:
-        """What a row-group generation cost (one host read of the per-pass accepted lengths, after the last round)."""
-        if batch.tokens.device.type == "cuda":
-            torch.cuda.synchronize(batch.tokens.device)
-        accepted = batch.accepted_lengths()  # (passes, B) 0 after a row finished
-        row_passes = batch.row_passes()
-        return DecodingStats(
-            num_forward_passes=num_forward_passes,
-            num_draft_passes=batch.num_draft_passes,
-            num_tokens=batch_size * batch.layout.num_tokens,
-            mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1),
-            accepted_lengths=accepted.cpu(),
-            acceptance_map=batch.layout.grid(batch.acceptance_map).cpu(),
-            wall_time_s=time.perf_counter() - start_time,
-            padded_fraction=batch.padded_slots / batch.fed_slots if batch.fed_slots else None,
-            row_forward_passes=row_passes,
-            decoder_stats=batch.report(),
-        )
-
     # -- the cache, fixed shapes and the target pass ----------------------------------------------------------
     def make_cache(self, rows: int, needed: int, device: torch.device) -> StaticKVCache:
         """Step 3's KV cache. With static shapes its length is rounded up (one size serves many prompt lengths) and the
@@ -441,24 +231,6 @@ class GenerationLoop:
         cache.reset()
         mark_static_cache(cache, uses_cuda_graphs(backbone.target_module, cache.storage.device))
         return cache
-
-    def _pad_round(self, embeds, position_ids, mask, batch: RowBatch):
-        """Static shapes: pad the round's fed embeddings ``(R, T', D)`` to ``batch.fed_size`` slots (`pad_fed`)."""
-        fed, size = embeds.shape[1], batch.fed_size
-        batch.fed_slots += size
-        batch.padded_slots += size - fed
-        return pad_fed(embeds, position_ids, mask, size)  # (R, F, D): padding feeds a zero vector
-
-    def target_forward(self, embeds, position_ids, mask, cache) -> torch.Tensor:
-        """The round's target pass. Under CUDA graphs each round is a new graph step and the output is copied out of
-        the graph's memory (the next replay overwrites it, and decoders keep hidden states across rounds)."""
-        backbone = self.backbone
-        graphs = uses_cuda_graphs(backbone.target_module, embeds.device)
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        with varying_length_attention(embeds.device, cache.fixed_shape):
-            hidden = backbone.forward(embeds, position_ids, mask, None, cache)  # (R, T', D)
-        return hidden.clone() if graphs else hidden
 
     # -- compile --------------------------------------------------------------------------------------------
     @property
@@ -537,30 +309,3 @@ def check_rounds_per_sync(value) -> int:
     check_number("max_rounds_per_sync", value, 1, integer=True, meaning="rounds run between two reads of the device")
     return int(value)
 
-
-def _keep_one(cache: StaticKVCache, result: StepOutput, eol, slot: int, fed: int, do_cfg: bool) -> None:
-    """Step 5f for one image: keep the accepted path's slots (a tree), a prefix (a chain), or every real fed slot."""
-    if result.keep_indices is not None:
-        keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (1, n)
-        cache.keep(slot, keep.repeat(2, 1) if do_cfg else keep)  # (R, n)
-    elif result.keep_length is not None:
-        keep_length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
-        cache.crop(slot + keep_length)  # a prefix stays where it is: no copy
-    elif cache.length > slot + fed:  # every fed slot stays, the padding does not
-        cache.crop(slot + fed)
-
-
-def _record_kept(kept: List[Kept], rows: List[int], result: StepOutput, eol, width: int) -> None:
-    """What each of ``rows`` keeps of its fed slots after a decoder step (`StaticKVCache.keep_rows`): a prefix length,
-    or the slot offsets ``(n,)`` of its accepted tree path (the end-of-row tokens after its row ends included)."""
-    if result.keep_indices is not None:
-        keep = result.keep_indices if eol is None else eol.keep_indices(result.keep_indices)  # (n_rows, k)
-        for i, r in enumerate(rows):
-            kept[r] = keep[i]
-        return
-    if result.keep_length is not None:
-        length = result.keep_length if eol is None else eol.keep_length(result.keep_length)
-    else:
-        length = width  # every fed slot stays
-    for r in rows:
-        kept[r] = length

@@ -1,5 +1,5 @@
 """The generation loop's settings on the pipeline (`LoopSettingsMixin`): the loop it builds once over its backbone
-adapter (`generation.GenerationLoop`), fixed shapes, rounds on the device, syncs and compile."""
+adapter (`generation.GenerationLoop`), fixed shapes, syncs and compile."""
 
 from typing import Any, Callable, Dict, Optional
 
@@ -35,16 +35,6 @@ class LoopSettingsMixin:
     @static_shapes.setter
     def static_shapes(self, value: Optional[bool]) -> None:
         self.loop.static_shapes_setting = _check_optional_bool("static_shapes", value, "the default: on when compiled")
-
-    @property
-    def device_rounds(self) -> Optional[bool]:
-        """Rounds run whole on the device where the decoder allows (`GenerationLoop.device_plan`: keyed noise or greedy;
-        a step callback or `profile_rounds` too); ``False``: always the row-group loop (every decoder's own `propose` and `step`)."""
-        return self.loop.device_rounds
-
-    @device_rounds.setter
-    def device_rounds(self, value: Optional[bool]) -> None:
-        self.loop.device_rounds = _check_optional_bool("device_rounds", value, "where the decoder allows")
 
     @property
     def max_rounds_per_sync(self) -> int:
@@ -107,7 +97,6 @@ class LoopSettingsMixin:
         ``torch.profiler``). On a GPU pass ``synchronize=torch.cuda.synchronize``.
         """
         return self.loop.profile_rounds(synchronize)
-
 
 
 def _check_optional_bool(name: str, value, none_means: str) -> Optional[bool]:
