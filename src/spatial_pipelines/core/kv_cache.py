@@ -20,7 +20,7 @@ Two shapes of a pass (``fixed_shape``):
 """
 
 import contextlib
-from typing import List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import List, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -47,12 +47,12 @@ class KVCache(Protocol):
     - ``update(layer_idx, key, value)``: write one layer's new keys/values, return what the pass attends to.
     - ``attention_mask(new_mask, new_valid)``: the boolean mask ``(B, 1, T, S)`` of the pass.
     - ``advance(new_valid, t)``: after the pass, account for the ``t`` slots written.
-    - ``crop(length)`` / ``keep(start, indices)``: drop rejected drafts / compact an accepted tree path.
+    - ``crop(length)``: drop the slots after ``length`` (a measured pass's).
 
-    Per row (a batch whose rows advance on their own, `StaticKVCache.track_rows`): ``row_lengths`` holds each row's
-    filled slots (``(R,)`` host ints; ``length`` is their maximum), a pass writes row ``r``'s ``T`` new keys at slots
-    ``[row_lengths[r], row_lengths[r] + T)`` (``write_index`` ``(R, T)``), the mask reads each row's own valid keys, and
-    ``keep_rows(kept)`` keeps each row's accepted slots of the pass (a prefix length or slot offsets per row).
+    Per row (a batch whose rows advance on their own on the device, `StaticKVCache.track_rows_on_device`):
+    ``row_starts`` holds each row's filled slots (``(R,)`` on the device; ``length`` is a host bound on them), a pass
+    writes row ``r``'s ``T`` new keys at slots ``row_starts[r] + [0, T)`` (``write_index`` ``(R, T)``), the mask reads
+    each row's own valid keys, and ``keep_prefixes`` / ``keep_paths`` keep each row's accepted slots.
     """
 
     length: int
@@ -67,9 +67,6 @@ class KVCache(Protocol):
     def advance(self, new_valid: Optional[torch.Tensor], t: Optional[int] = None) -> None: ...
 
     def crop(self, length: int) -> None: ...
-
-    def keep(self, start: int, indices: torch.Tensor) -> None: ...
-
 
 class StaticKVCache:
     """Preallocated per-layer key/value tensors ``(B, H_kv, max_length, D)``.
@@ -118,10 +115,8 @@ class StaticKVCache:
         self.attend_step = max(-(-max_length // attend_buckets), min_attend_step)  # lengths: max_length - k * step
         self.write_index: Optional[torch.Tensor] = None  # (T,) slots the next pass writes (fixed shape); (R, T) per row
         self.attend_length = max_length  # slots the next pass attends to (fixed shape; a host int a graph is made for)
-        self.row_lengths: Optional[List[int]] = None  # per row: filled slots of each row (`track_rows`); None: shared
         self.row_starts: Optional[torch.Tensor] = None  # (R,) per row on the device (`track_rows_on_device`)
         self._slot_offsets: Optional[torch.Tensor] = None  # (T,) 0..T-1 for the device-row write index, built once
-        self._row_written = 0  # slots the last pass wrote per row (per-row mode)
 
     def reset(self) -> None:
         """Empty the cache for a new generation (the storage is kept: reusing it keeps its address, which CUDA graphs
@@ -129,50 +124,28 @@ class StaticKVCache:
         self.key_valid.zero_()
         self.length = 0
         self.write_index = None
-        self.row_lengths = None
         self.row_starts = None
 
     @property
     def num_rows(self) -> int:
         return self.key_valid.shape[0]
 
-    def select_rows(self, index: torch.Tensor) -> "StaticKVCache":
-        """A new cache holding copies of the rows ``index`` (a decoder state split by rows takes its drafter's cache
-        rows with it)."""
-        cache = StaticKVCache.__new__(StaticKVCache)
-        cache.__dict__.update(self.__dict__)
-        cache.storage = self.storage.index_select(2, index.to(self.storage.device))
-        cache.keys = [cache.storage[i, 0] for i in range(cache.storage.shape[0])]
-        cache.values = [cache.storage[i, 1] for i in range(cache.storage.shape[0])]
-        cache.key_valid = self.key_valid.index_select(0, index.to(self.key_valid.device))
-        if self.row_lengths is not None:
-            cache.row_lengths = [self.row_lengths[i] for i in index.tolist()]
-        if isinstance(self.write_index, torch.Tensor) and self.write_index.dim() == 2:
-            cache.write_index = self.write_index.index_select(0, index.to(self.write_index.device))
-        cache.__dict__.pop("_marked_static", None)
-        return cache
-
     @property
     def per_row(self) -> bool:
-        """Whether rows advance on their own (`track_rows` or `track_rows_on_device`)."""
-        return self.row_lengths is not None or self.row_starts is not None
-
-    def track_rows(self) -> None:
-        """From now on every row keeps its own length (all rows start at the current ``length``): passes write each
-        row at its own slots and `keep_rows` keeps each row's own accepted slots. Why not one shared length: the rows
-        of a batch accept different runs, and a shared length makes every row wait for the shortest."""
-        self.row_lengths = [self.length] * self.key_valid.shape[0]
+        """Whether rows advance on their own (`track_rows_on_device`)."""
+        return self.row_starts is not None
 
     def track_rows_on_device(self, fed: int) -> None:
-        """Like `track_rows`, with each row's filled slots kept on the device (``row_starts`` ``(R,)``), for a round
-        that runs whole on the device (`spatial_pipelines.pipelines.device_loop`): every pass feeds ``fed`` slots per
-        row, written at ``row_starts[r] + [0, fed)``; `keep_prefixes` moves the starts by each row's accepted count.
-        The host never learns a row's length: ``length`` and ``attend_length`` are an upper bound the caller sets
-        (`set_bound`). Why on the device: the lengths come from acceptance, and reading them would sync every round."""
+        """From now on every row keeps its own filled slots (all rows start at the current ``length``), on the device
+        (``row_starts`` ``(R,)``), for rounds that run whole on the device (`spatial_pipelines.pipelines.device_loop`):
+        every pass feeds ``fed`` slots per row, written at ``row_starts[r] + [0, fed)``; `keep_prefixes` and
+        `keep_paths` move the starts by each row's accepted count. The host never learns a row's length: ``length`` and
+        ``attend_length`` are an upper bound the caller sets (`set_bound`). Why per row: the rows of a batch accept
+        different runs, and a shared length makes every row wait for the shortest; why on the device: the lengths come
+        from acceptance, and reading them would sync every round."""
         device = self.key_valid.device
         self.row_starts = torch.full((self.key_valid.shape[0],), self.length, dtype=torch.long, device=device)
         self._slot_offsets = torch.arange(fed, device=device)  # (T,)
-        self.row_lengths = None
 
     def _bucket(self, end: int) -> int:
         """The shortest attended length, counted back from the end by ``attend_step``, that holds slot ``end``."""
@@ -222,16 +195,6 @@ class StaticKVCache:
         end = self.length + t
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
-        if self.per_row:  # every row writes after its own filled slots: (R, T) slots, one host-to-device copy
-            device = self.key_valid.device
-            starts = torch.tensor(self.row_lengths, device=device)  # (R,)
-            self.write_index = starts[:, None] + torch.arange(t, device=device)  # (R, T)
-            self._row_written = t
-            if self.fixed_shape:
-                self.attend_length = self._bucket(end)
-            else:
-                self.attend_length = end  # the longest row's slots and its new ones
-            return
         if self.fixed_shape:
             self.write_index = torch.arange(self.length, end, device=self.key_valid.device)  # (T,) no host sync
             # the shortest length, counted back from the end by attend_step, that holds every filled slot
@@ -313,11 +276,9 @@ class StaticKVCache:
 
     def advance(self, new_valid: Optional[torch.Tensor], t: Optional[int] = None) -> None:
         """Account for the ``T`` slots just written by every layer (``new_valid`` ``(B, T)``, or ``None`` and ``t``:
-        all valid). Per row: the slots stay invalid until `keep_rows` says which of them each row keeps."""
+        all valid). Per row: the slots stay invalid until `keep_prefixes` or `keep_paths` says which of them each row
+        keeps."""
         if self.row_starts is not None:  # device rows: `keep_prefixes` validates what each row keeps
-            return
-        if self.per_row:
-            self.length = max(self.row_lengths) + (new_valid.shape[1] if new_valid is not None else t)
             return
         if new_valid is None:
             self.key_valid[:, self.length : self.length + t] = True
@@ -332,63 +293,6 @@ class StaticKVCache:
             raise ValueError(f"`length` must be in [0, {self.length}], got {length}.")
         self.key_valid[:, length : self.length] = False
         self.length = length
-
-    def keep(self, start: int, indices: torch.Tensor) -> None:
-        """Compact an accepted path: the slots ``start + indices`` move to ``[start, start + n)``; the rest
-        of the segment after ``start`` is dropped.
-
-        Args:
-            start (`int`): first slot of the segment that was verified.
-            indices (`torch.LongTensor` `(B, n)`): per row, slot offsets inside the segment, in the order to keep.
-        """
-        n = indices.shape[-1]
-        slots = start + indices  # (B, n)
-        layers, two, b, h, _, d = self.storage.shape
-        picked = self.storage.gather(4, slots[None, None, :, None, :, None].expand(layers, two, b, h, n, d))  # (L, 2, B, H_kv, n, D)
-        self.storage[:, :, :, :, start : start + n] = picked
-        compact_positions_(self.key_valid[:, None, :, None], start, indices)
-        self.crop(start + n)
-
-
-    def keep_rows(self, kept: List[Union[int, torch.Tensor]]) -> None:
-        """Per row, after a pass: row ``r`` keeps ``kept[r]`` of the ``T`` slots the pass wrote for it, an int ``k`` (its
-        first ``k`` slots: nothing moves) or slot offsets ``(n,)`` in the order to keep (an accepted tree path: they
-        move to the row's first ``n`` slots). The row's length grows by what it keeps; the rest is invalid.
-
-        One gather and one scatter for every layer and row, and only when some row keeps a path that is not a prefix.
-        """
-        if not self.per_row:
-            raise ValueError("`keep_rows` is for a cache whose rows advance on their own (`track_rows`).")
-        if len(kept) != len(self.row_lengths):
-            raise ValueError(f"`kept` must hold one entry per cache row ({len(self.row_lengths)}), got {len(kept)}.")
-        t, device = self._row_written, self.key_valid.device
-        columns = torch.arange(t, device=device)  # (T,)
-        counts = [k if isinstance(k, int) else k.shape[-1] for k in kept]
-        starts = self.write_index[:, :1]  # (R, 1) each row's first slot of the pass
-        paths = [k for k in kept if not isinstance(k, int)]
-        if paths:  # move each row's kept slots to its first ones (a prefix maps to itself)
-            offsets = torch.stack([columns if isinstance(k, int) else torch.cat([k.reshape(-1), columns[k.shape[-1]:]]) for k in kept])  # (R, T)
-            layers, two, b, h, _, d = self.storage.shape
-            source = (starts + offsets)[None, None, :, None, :, None].expand(layers, two, b, h, t, d)
-            picked = self.storage.gather(4, source)  # (L, 2, R, H_kv, T, D)
-            self.storage.scatter_(4, self.write_index[None, None, :, None, :, None].expand(layers, two, b, h, t, d), picked)
-        valid = columns < torch.tensor(counts, device=device)[:, None]  # (R, T)
-        self.key_valid.scatter_(1, self.write_index, valid)
-        self.row_lengths = [n + c for n, c in zip(self.row_lengths, counts)]
-        self.length = max(self.row_lengths)
-
-
-def compact_positions_(cache: torch.Tensor, start: int, indices: torch.Tensor) -> None:
-    """In place: ``cache[:, :, start + j] = cache[:, :, start + indices[..., j]]`` for a ``(B, H, S, D)`` tensor.
-
-    ``indices`` is ``(B, n)``: one path per row.
-    """
-    b, h, _, d = cache.shape
-    gather = (start + indices)[:, None, :, None].expand(b, h, indices.shape[-1], d)
-    picked = cache.gather(2, gather)  # (B, H, n, D)
-    cache[:, :, start : start + indices.shape[-1]] = picked
-
-
 
 class TransformersCacheView:
     """The part of a transformers ``Cache`` a decoder layer calls, served by a `StaticKVCache`.
@@ -418,7 +322,7 @@ class TransformersCacheView:
     def __len__(self) -> int:
         return len(self.cache.keys)
 
-    def __getattr__(self, name: str):  # the loop's side of `KVCache`: length, crop, keep, advance, ...
+    def __getattr__(self, name: str):  # the loop's side of `KVCache`: length, crop, advance, ...
         if name == "cache":  # not set yet (copy/unpickle): no recursion
             raise AttributeError(name)
         return getattr(self.cache, name)
