@@ -2,9 +2,9 @@
 own AR loop is timed against (`scripts/benchmark.py` reports it as the ``minimal-ar`` row).
 
 Static KV cache written at a fixed index, one boolean mask row per step sliced from a table built once, RoPE rows
-sliced from a complex table built once, CFG rows as one batch, sampling by the Gumbel-max race (no host sync) with the pipelines' default keyed noise
-(`spatial_pipelines.core.sampling.keyed_gumbel`: one seed per image, noise keyed by grid position and code) or noise
-drawn from the generators. It shares no code with the pipeline's loop, decoders or cache: only the weights, the
+sliced from a complex table built once, CFG rows as one batch, sampling by the Gumbel-max race (no host sync) with the
+pipelines' keyed noise (`spatial_pipelines.core.sampling.keyed_gumbel`: one seed per image, drawn from its generator,
+noise keyed by grid position and code). It shares no code with the pipeline's loop, decoders or cache: only the weights, the
 prompt encoding and the noise function.
 
 ``compile=True`` is gpt-fast's recipe: the one-token decode step (embedding, every layer, final norm, head and CFG
@@ -24,12 +24,12 @@ from spatial_pipelines.core.sampling import draw_seeds, keyed_gumbel
 @torch.no_grad()
 def minimal_ar_generate(
     pipe, prompts: List[str], guidance_scale: float, temperature: float, top_k: Optional[int], generators,
-    sampling_noise: str = "keyed", compile: bool = False, compile_backend: str = "inductor",
+    compile: bool = False, compile_backend: str = "inductor",
 ) -> torch.Tensor:
-    """Code grids ``(B, H, W)`` for ``prompts`` with plain AR decoding; ``generators`` one per image;
-    ``sampling_noise`` ``"keyed"`` or ``"drawn"``, as the pipelines' argument. ``compile``: the decode step through
-    `torch.compile` (``compile_backend``; inductor runs it as ``"reduce-overhead"`` on CUDA)."""
-    seeds = draw_seeds(generators, len(generators)) if sampling_noise == "keyed" and temperature != 0 else None
+    """Code grids ``(B, H, W)`` for ``prompts`` with plain AR decoding; ``generators`` one per image (each gives its
+    image's noise seed). ``compile``: the decode step through `torch.compile` (``compile_backend``; inductor runs it as
+    ``"reduce-overhead"`` on CUDA)."""
+    seeds = draw_seeds(generators, len(generators)) if temperature != 0 else None
     t = pipe.transformer
     cfg = guidance_scale != 1.0
     device = pipe._execution_device
@@ -40,7 +40,7 @@ def minimal_ar_generate(
     b, n = len(prompts), total - p
 
     def sample(logits, j: int):  # the code at grid index j
-        return sample_code(logits, j, temperature, top_k, seeds, generators, device)
+        return sample_code(logits, j, temperature, top_k, seeds, device)
 
     # 2. prefill: the prompt in one pass; its last position gives the first code
     x = model.forward(prefix.embeds, torch.arange(p, device=device), model.masks[:, None, :p, :].expand(rows, 1, p, total))
@@ -164,19 +164,11 @@ class StaticModel:
         return logits
 
 
-def sample_code(logits, j: int, temperature: float, top_k: Optional[int], seeds, generators, device) -> torch.Tensor:
+def sample_code(logits, j: int, temperature: float, top_k: Optional[int], seeds, device) -> torch.Tensor:
     """The code ``(B,)`` at grid index ``j`` from guided ``logits`` ``(B, V)``: argmax at temperature 0, else the
-    Gumbel-max race over the ``top_k`` largest with keyed noise (``seeds``) or exponentials drawn from the
-    ``generators``."""
+    Gumbel-max race over the ``top_k`` largest with keyed noise (``seeds``)."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
-    if seeds is not None:  # Gumbel-max over the k largest (the rest would be -inf)
-        kept, codes = logits.topk(top_k or logits.shape[-1], -1)  # (B, k)
-        pick = (kept + keyed_gumbel(seeds.to(device), j, codes, logits.shape[-1])).argmax(-1, keepdim=True)
-        return codes.gather(-1, pick).squeeze(-1)
-    if top_k:
-        kth = logits.topk(top_k, -1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators]).to(device)
-    return (logits.softmax(-1) / noise).argmax(-1)
+    kept, codes = (logits / temperature).topk(top_k or logits.shape[-1], -1)  # (B, k) the rest would be -inf
+    pick = (kept + keyed_gumbel(seeds.to(device), j, codes, logits.shape[-1])).argmax(-1, keepdim=True)
+    return codes.gather(-1, pick).squeeze(-1)

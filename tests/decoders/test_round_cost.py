@@ -13,6 +13,7 @@ from spatial_pipelines.core import RandomSource
 from spatial_pipelines.core.tree import tree_from_paths
 from spatial_pipelines.core.verification import verify_tree, verify_tree_sequential
 from spatial_pipelines.decoders.decoding_tree import AUTO_RATE_TOLERANCE, best_subtree, node_priors
+from spatial_pipelines.pipelines.device_loop import DeviceLoop
 from spatial_pipelines.pipelines.pass_cost import RoundCost, fit_pass_cost
 from spatial_pipelines.testing import dummy_pipeline
 
@@ -35,10 +36,10 @@ class _DispatchReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count_host_reads(monkeypatch, pipe):
-    """Count device-to-host reads (tensor -> Python value, in Python or inside an op) made inside `_round` only, and
-    the rounds of each group of rows (`RowBatch`: rows that diverged step apart, one read each)."""
-    counts = {"reads": 0, "rounds": 0, "group_rounds": 0, "group_rounds_far_from_row_end": 0, "inside": False}
+def _count_host_reads(monkeypatch):
+    """Count device-to-host reads (tensor -> Python value, in Python or inside an op) made inside rounds only
+    (`DeviceLoop.step`; the syncs between rounds are not rounds)."""
+    counts = {"reads": 0, "rounds": 0, "inside": False}
     for name in PYTHON_HOST_READS:
         original = getattr(torch.Tensor, name)
 
@@ -48,78 +49,54 @@ def _count_host_reads(monkeypatch, pipe):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    round_ = pipe.loop._round
+    step = DeviceLoop.step
 
-    def counted_round(batch, *args, **kwargs):
+    def counted_step(loop):
         counts["inside"], counts["rounds"] = True, counts["rounds"] + 1
-        active = [g.state for g in batch.active()]
-        counts["group_rounds"] += len(active)
-        counts["group_rounds_far_from_row_end"] += sum(
-            not any(s.layout.row_ends_after(s.num_committed - 1, pipe.decoder.max_draft_tokens)) for s in active)
         try:
             with _DispatchReads(counts):
-                return round_(batch, *args, **kwargs)
+                return step(loop)
         finally:
             counts["inside"] = False
 
-    monkeypatch.setattr(pipe.loop, "_round", counted_round)
+    monkeypatch.setattr(DeviceLoop, "step", counted_step)
     return counts
-
-
-PER_ROW_TREES = (EagleDecoder, ADTTreeDecoder)  # one tree per row: an EOL round reads how many EOLs to feed
 
 
 @pytest.mark.parametrize("decoder_cls,kwargs,heads", DECODER_CASES)
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("end_of_row", [False, True], ids=["no-eol", "eol"])
-def test_at_most_one_host_read_per_round(decoder_cls, kwargs, heads, batch, end_of_row, monkeypatch):
-    """One host read per round of each group of rows (the accepted counts; one group at batch 1, and a batch's rows
-    that diverged step apart), end-of-row layouts included. Decoders with one tree per row make a second read in the
-    rounds whose trees can reach a row end, and only there."""
+def test_rounds_read_nothing_from_the_device(decoder_cls, kwargs, heads, batch, end_of_row, monkeypatch):
+    """Every decoder's rounds, eager, at one and three images, end-of-row layouts included, make no host read: the
+    host reads the device only at the syncs between rounds (`DeviceLoop.run`)."""
     pipe = make(decoder_cls, kwargs, heads, grid=(4, 5), end_of_row=end_of_row)
-    pipe.device_rounds = False  # the row-group loop (device rounds: tests/pipelines/test_device_loop.py)
     pipe("warm", generator=torch.Generator().manual_seed(0), output_type="latent")  # "auto" sizes resolved here
-    counts = _count_host_reads(monkeypatch, pipe)
+    counts = _count_host_reads(monkeypatch)
     out = pipe(["a red fox", "blue sky", "x"][:batch], guidance_scale=2.0, generator=torch.Generator().manual_seed(1), output_type="latent")
     assert counts["rounds"] == out.stats.num_forward_passes - 1 > 0
-    assert counts["group_rounds"] <= batch * counts["rounds"]
-    allowed = counts["group_rounds"]
-    if end_of_row and decoder_cls in PER_ROW_TREES:
-        allowed += counts["group_rounds"] - counts["group_rounds_far_from_row_end"]
-        assert counts["group_rounds_far_from_row_end"] > 0
-    assert counts["reads"] <= allowed, f"{counts['reads']} host reads in {counts['rounds']} rounds"
+    assert counts["reads"] == 0, f"{counts['reads']} host reads in {counts['rounds']} rounds"
 
 
-def test_host_read_counter_can_fail(monkeypatch):
-    """The counter sees a read: a decoder step that reads a tensor twice per round is caught."""
+@pytest.mark.parametrize("reader", ["item", "one_hot"])
+def test_host_read_counter_can_fail(reader, monkeypatch):
+    """The counter sees a read in a round: an ``.item()``, and a read no Python call shows (`F.one_hot` checks its
+    codes' range on the host)."""
+    from spatial_pipelines.pipelines import device_tree
+
     pipe = make(MedusaDecoder, {}, "random", grid=(4, 5))
-    pipe.device_rounds = False  # the decoder's own step runs (the device round replaces it)
-    counts = _count_host_reads(monkeypatch, pipe)
-    step = pipe.decoder.step
+    counts = _count_host_reads(monkeypatch)
+    head_tree_round = device_tree.head_tree_round
 
-    def greedy_reader(logits, *args, **kwargs):
-        logits.sum().item()
-        return step(logits, *args, **kwargs)
+    def reading(loop):
+        if reader == "item":
+            loop.state.committed.sum().item()
+        else:
+            torch.nn.functional.one_hot(loop.state.last, 64)
+        return head_tree_round(loop)
 
-    monkeypatch.setattr(pipe.decoder, "step", greedy_reader)
+    monkeypatch.setattr(device_tree, "head_tree_round", reading)  # `HeadTreeLoop.default_round` looks it up
     pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
-    assert counts["reads"] > counts["rounds"]
-
-
-def test_host_read_counter_sees_reads_inside_ops(monkeypatch):
-    """A read no Python call shows: `F.one_hot` checks its codes' range on the host. The counter sees it."""
-    pipe = make(MedusaDecoder, {}, "random", grid=(4, 5))
-    pipe.device_rounds = False  # the decoder's own step runs (the device round replaces it)
-    counts = _count_host_reads(monkeypatch, pipe)
-    step = pipe.decoder.step
-
-    def one_hot_reader(logits, *args, **kwargs):
-        torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1])
-        return step(logits, *args, **kwargs)
-
-    monkeypatch.setattr(pipe.decoder, "step", one_hot_reader)
-    pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
-    assert counts["reads"] > counts["rounds"]
+    assert counts["reads"] >= counts["rounds"] > 0
 
 
 @pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
@@ -355,18 +332,6 @@ def test_sequential_walk_takes_a_chain_tail_in_one_step_with_the_same_law(propos
     assert _same_law(fast, slow) > 1e-4
 
 
-def test_round_timer_sections_of_the_row_group_loop():
-    pipe = dummy_pipeline("llamagen", MedusaDecoder(), "random", grid=(4, 5))
-    pipe.device_rounds = False  # the device round's sections: tests/pipelines/test_device_loop.py
-    with pipe.profile_rounds() as timer:
-        out = pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
-    assert timer.rounds == out.stats.num_forward_passes - 1
-    assert {"draft", "eol", "forward", "accept", "kv", "round"} <= set(timer.seconds)
-    parts = sum(v for k, v in timer.seconds.items() if k != "round")
-    assert 0 < parts <= timer.seconds["round"]
-    assert pipe.loop.timer is None  # removed when the block ends
-
-
 def test_batched_heads_equal_head_by_head():
     pipe = dummy_pipeline("llamagen", HawkDecoder(), "random", grid=(4, 5))
     heads = pipe.draft_heads
@@ -410,15 +375,13 @@ class _UncappedEagle(EagleDecoder):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sample"])
-@pytest.mark.parametrize("device_rounds", [False, None], ids=["row-groups", "device"])
-def test_eagle_tree_grown_only_to_the_kept_size_drafts_the_same_codes(temperature, device_rounds):
-    """Growing the tree no deeper and no wider than the nodes it keeps changes no draft, only the drafter's work, in
-    the row-group loop and on the device (`EagleDrafter` grows at `_grown_shape` too)."""
+def test_eagle_tree_grown_only_to_the_kept_size_drafts_the_same_codes(temperature):
+    """Growing the tree no deeper and no wider than the nodes it keeps changes no draft, only the drafter's work
+    (`EagleDrafter` grows at `_grown_shape`)."""
     kwargs = dict(depth=5, top_k=6, num_draft_tokens=3)
     outs = []
     for cls in (EagleDecoder, _UncappedEagle):
         pipe = dummy_pipeline("llamagen", cls(**kwargs), "random", grid=(4, 5), num_codes=16)
-        pipe.device_rounds = device_rounds
         fed = []
         forward = pipe.draft_heads.forward
         pipe.draft_heads.forward = lambda features, *a, **k: fed.append(features.shape[1]) or forward(features, *a, **k)
@@ -428,8 +391,6 @@ def test_eagle_tree_grown_only_to_the_kept_size_drafts_the_same_codes(temperatur
     assert torch.equal(capped.tokens, full.tokens)
     assert capped.stats.num_forward_passes == full.stats.num_forward_passes
     assert capped.stats.num_draft_passes < full.stats.num_draft_passes
-    if device_rounds is False:  # the device round feeds the drafter depth + 1 committed slots, then the expansions
-        assert max(capped_fed[1:]) <= 3 < max(full_fed[1:])  # expansions feed at most num_draft_tokens nodes
 
 
 @pytest.mark.parametrize("decoder", [MedusaDecoder(num_heads=4, top_k=2, num_draft_tokens=2),

@@ -32,7 +32,7 @@ def test_the_loop_is_built_once_and_keeps_no_call_state():
 
 @pytest.mark.parametrize("name,bad", [("max_rounds_per_sync", 0), ("max_rounds_per_sync", 2.5),
                                       ("max_rounds_per_sync", float("nan")), ("max_rounds_per_sync", "8"),
-                                      ("device_rounds", "yes"), ("device_rounds", 1), ("static_shapes", 0)])
+                                      ("static_shapes", 0)])
 def test_loop_settings_are_checked(name, bad):
     pipe = dummy_pipeline("llamagen")
     with pytest.raises(ValueError, match=name):
@@ -41,9 +41,9 @@ def test_loop_settings_are_checked(name, bad):
 
 def test_loop_settings_live_on_the_loop():
     pipe = dummy_pipeline("llamagen")
-    assert pipe.max_rounds_per_sync == MAX_ROUNDS_PER_SYNC and pipe.device_rounds is None and not pipe.static_shapes
-    pipe.max_rounds_per_sync, pipe.device_rounds, pipe.static_shapes = 3, False, True
-    assert (pipe.loop.max_rounds_per_sync, pipe.loop.device_rounds, pipe.loop.static_shapes) == (3, False, True)
+    assert pipe.max_rounds_per_sync == MAX_ROUNDS_PER_SYNC and not pipe.static_shapes
+    pipe.max_rounds_per_sync, pipe.static_shapes = 3, True
+    assert (pipe.loop.max_rounds_per_sync, pipe.loop.static_shapes) == (3, True)
 
 
 def _syncs(pipe):

@@ -33,27 +33,29 @@ def test_eager_rounds_are_counted(decoder, heads):
     assert "_round" not in pipe.__dict__ and torch.Tensor.tolist is tolist  # nothing left patched
 
 
-def test_keyed_ar_reads_nothing_and_a_read_per_round_is_counted(monkeypatch):
-    """Keyed AR rounds read nothing from the device; a ``.item()`` and a ``.tolist()`` added to every round are
+def test_a_read_added_to_every_round_is_counted_and_reads_outside_rounds_are_not(monkeypatch):
+    """AR's rounds read the device at their syncs only; a ``.item()`` and a ``.tolist()`` added to every round are
     counted once per round each, and reads outside rounds are not."""
+    from spatial_pipelines.pipelines import device_chain
+
     pipe = _pipe(AutoregressiveDecoder())
-    pipe.device_rounds = False  # the row-group loop's rounds (the device loop's: tests/pipelines/test_device_loop.py)
     with count_rounds(pipe) as counts:
         pipe(PROMPTS, output_type="latent")
-    assert counts.host_reads == 0
-    propose = pipe.decoder.propose
+    syncs = counts.host_reads
+    assert 0 < syncs < counts.rounds
+    chain_round = device_chain.chain_round
 
-    def reading(state, heads=None, backbone=None):
-        state.tokens[0, 0].item()
-        state.tokens[:, :2].tolist()
-        return propose(state, heads, backbone)
+    def reading(loop):
+        loop.state.tokens[0, 0].item()
+        loop.state.tokens[:, :2].tolist()
+        return chain_round(loop)
 
-    monkeypatch.setattr(pipe.decoder, "propose", reading)
+    monkeypatch.setattr(device_chain, "chain_round", reading)  # `ChainLoop.default_round` looks it up when called
     with count_rounds(pipe) as counts:
         torch.zeros(3).tolist()  # outside any round
         torch.ones(()).item()
         pipe(PROMPTS, output_type="latent")
-    assert counts.host_reads == 2 * counts.rounds
+    assert counts.host_reads == syncs + 2 * counts.rounds
 
 
 def test_compiled_rounds_count_the_graph_and_what_runs_around_it():

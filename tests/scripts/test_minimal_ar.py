@@ -13,18 +13,14 @@ from helpers import load_script
 minimal_ar_generate = load_script("minimal_ar.py").minimal_ar_generate
 
 
-@pytest.mark.parametrize("noise", ["keyed", "drawn"])
 @pytest.mark.parametrize("dtype, top_k", [(torch.float32, 1), (torch.float32, 3), (torch.float32, 0), (torch.bfloat16, 1)])
-def test_minimal_ar_loop_reproduces_the_pipeline(dtype, top_k, noise):
-    """Keyed noise: the pipeline's codes. Drawn from the generators as the minimal loop draws them: the row-group
-    loop's (on the device, drawn noise means the methods' own acceptance tests on keyed streams, and AR, which tests
-    no draft, samples as under keyed noise: `test_keyed_noise.py`)."""
+def test_minimal_ar_loop_reproduces_the_pipeline(dtype, top_k):
+    """The pipeline's codes, from the same seeds."""
     pipe = dummy_pipeline("llamagen", decoder="ar").to(dtype=dtype)
-    pipe.device_rounds = False if noise == "drawn" else None
     prompts = ["a red heart", "pizza"]
-    ref = pipe(prompts, guidance_scale=1.5, top_k=top_k, output_type="latent", sampling_noise=noise,
+    ref = pipe(prompts, guidance_scale=1.5, top_k=top_k, output_type="latent",
                generator=[torch.Generator().manual_seed(s) for s in (0, 1)]).tokens
-    got = minimal_ar_generate(pipe, prompts, 1.5, 1.0, top_k, [torch.Generator().manual_seed(s) for s in (0, 1)], noise)
+    got = minimal_ar_generate(pipe, prompts, 1.5, 1.0, top_k, [torch.Generator().manual_seed(s) for s in (0, 1)])
     assert torch.equal(got.reshape(ref.shape).to(ref.device), ref)
 
 

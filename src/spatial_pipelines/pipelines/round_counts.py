@@ -17,9 +17,8 @@ Neither needs a GPU to be counted, so `count_rounds` counts them on any device:
   inductor's fused kernels show none);
 - **recompiles**: graphs dynamo compiled while counting (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``).
 
-Rounds are the ``_round`` calls of the pipeline's loop (`generation.GenerationLoop`), or, for a round run whole on
-the device (`device_loop.DeviceLoop`), the rounds of its ``_run_device``, whose syncs (the host reads between rounds) count as part of the rounds; the prefill pass
-is not a round.
+Rounds are the rounds of the pipeline's loop (`generation.GenerationLoop._run_device`: a `device_loop.DeviceLoop`'s),
+whose syncs (the host reads between rounds) count as part of the rounds; the prefill pass is not a round.
 """
 
 import contextlib
@@ -142,18 +141,7 @@ def count_rounds(pipe) -> Iterator[RoundCounts]:
     counts = RoundCounts()
     flag = {"inside": False, "reads": 0}
     loop = pipe.loop
-    round_ = loop._round  # the bound method; an instance attribute while counting
-
-    def counted_round(*args, **kwargs):
-        counts.rounds += 1
-        flag["inside"] = True
-        try:
-            with torch.profiler.record_function(ROUND_EVENT):
-                return round_(*args, **kwargs)
-        finally:
-            flag["inside"] = False
-
-    run_device = loop._run_device
+    run_device = loop._run_device  # the bound method; an instance attribute while counting
 
     def counted_device(device_loop, *args, **kwargs):
         flag["inside"] = True
@@ -165,13 +153,11 @@ def count_rounds(pipe) -> Iterator[RoundCounts]:
             counts.rounds += device_loop.num_rounds
 
     graphs = _unique_graphs()
-    loop.__dict__["_round"] = counted_round
     loop.__dict__["_run_device"] = counted_device
     try:
         with _python_reads(flag), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
             yield counts
     finally:
-        loop.__dict__.pop("_round", None)
         loop.__dict__.pop("_run_device", None)
     counts.recompiles = _unique_graphs() - graphs
     _tally(profiler.events(), counts)
