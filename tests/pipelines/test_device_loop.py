@@ -309,6 +309,11 @@ COUNTED += [pytest.param(*FAMILIES[1], JacobiDecoder, {"window_size": 3, "init":
 #: the relaxed rules' rounds: a chain's (its proposals and keyed streams) and a tree's (the sibling-by-sibling claims)
 COUNTED += [pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "acceptance": "lantern"}, id="llamagen-sjd-3-lantern"),
             pytest.param(*FAMILIES[1], MedusaDecoder, {"num_draft_tokens": 4, "acceptance": "lantern++"}, id="llamagen-eol-medusa-4-lantern++")]
+#: trees deeper than a row on a 3-wide end-of-row grid (a round's tree crosses two row ends): a static and a grown one
+COUNTED += [pytest.param(*FAMILIES[1], MedusaDecoder, {"num_heads": 5, "tree_paths": [[0] * d for d in range(1, 6)] + [[1], [0, 1]],
+                                                       "grid": (8, 3)}, id="llamagen-eol-medusa-deeper-than-a-row"),
+            pytest.param(*FAMILIES[1], EagleDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 3, "grid": (8, 3)},
+                         id="llamagen-eol-eagle-deeper-than-a-row")]
 
 
 @pytest.mark.parametrize("family,end_of_row,decoder_cls,kwargs", COUNTED)
@@ -316,10 +321,11 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
     """The counted test of a second compiled generation (other prompts, another CFG scale): no recompile (dynamo
     raises on one), one compiled region per round, at most 10 aten ops per round outside it (the sync's), and the device read once per sync; the state and
     the cache keep their addresses from round to round; the round has no graph break (`torch._dynamo.explain`). A
-    case's ``sampling_noise`` goes to every call."""
+    case's ``sampling_noise`` goes to every call, its ``grid`` (8 x 8 where it names none) to the pipeline."""
     kwargs = dict(kwargs)
     noise = {"sampling_noise": kwargs.pop("sampling_noise")} if "sampling_noise" in kwargs else {}
-    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=(8, 8))
+    grid = kwargs.pop("grid", (8, 8))
+    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=grid)
     pipe.enable_compile(backend="eager", keep_if_slower=True, measure=False)  # dynamo's graphs, no inductor time
     pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent", **noise)  # the first generation compiles
     addresses = []
