@@ -154,13 +154,17 @@ def test_what_the_device_round_does_not_run_takes_the_row_group_loop(monkeypatch
     assert pipe("a fox", output_type="latent").tokens.min() >= 0
 
 
-#: trees as deep as a row or deeper, on an end-of-row grid 2-4 codes wide: a round's tree crosses 2-3 row ends
-DEEP_TREES = [pytest.param(MedusaDecoder, {"num_heads": 5, "tree_paths": [[0] * d for d in range(1, 6)] + [[1], [0, 1]]},
-                           (5, 2), id="medusa-chain-5-width-2"),
-              pytest.param(HawkDecoder, {"num_horizontal_heads": 4, "num_draft_tokens": 10}, (4, 2), id="hawk-4-width-2"),
-              pytest.param(EagleDecoder, {"depth": 5, "top_k": 2, "num_draft_tokens": 8}, (4, 2), id="eagle-5-width-2"),
-              pytest.param(ADTTreeDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 2, "depth_step": 1, "width_step": 1,
-                                            "depth_range": (3, 6), "width_range": (1, 3)}, (4, 3), id="adt-width-3")]
+#: trees as deep as a row or deeper, on an end-of-row grid 2-3 codes wide: a round's tree crosses 2-3 row ends (the
+#: tiny LlamaGen with EOLs; Emu3 and Lumina-mGPT feed them on their own)
+DEEP_TREES = [
+    pytest.param("llamagen", MedusaDecoder, {"num_heads": 5, "tree_paths": [[0] * d for d in range(1, 6)] + [[1], [0, 1]]},
+                 (5, 2), id="medusa-chain-5-width-2"),
+    pytest.param("llamagen", HawkDecoder, {"num_horizontal_heads": 4, "num_draft_tokens": 10}, (4, 2), id="hawk-4-width-2"),
+    pytest.param("llamagen", EagleDecoder, {"depth": 5, "top_k": 2, "num_draft_tokens": 8}, (4, 2), id="eagle-5-width-2"),
+    pytest.param("llamagen", ADTTreeDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 2, "depth_step": 1,
+                                              "width_step": 1, "depth_range": (3, 6), "width_range": (1, 3)},
+                 (4, 3), id="adt-width-3"),
+    pytest.param("emu3", EagleDecoder, {"depth": 5, "top_k": 2, "num_draft_tokens": 8}, (4, 3), id="emu3-eagle-5-width-3")]
 
 
 def _oracle_drafts(monkeypatch, loop_class, reference: dict):
@@ -206,15 +210,17 @@ def _reference_codes(reference: dict, committed: torch.Tensor, depths: torch.Ten
 
 
 @pytest.mark.parametrize("oracle", [False, True], ids=["own-drafts", "oracle-drafts"])
-@pytest.mark.parametrize("decoder_cls,kwargs,grid", DEEP_TREES)
-def test_a_tree_crossing_several_row_ends_runs_on_the_device_and_gives_ar_codes(decoder_cls, kwargs, grid, oracle,
-                                                                                 monkeypatch):
+@pytest.mark.parametrize("family,decoder_cls,kwargs,grid", DEEP_TREES)
+def test_a_tree_crossing_several_row_ends_runs_on_the_device_and_gives_ar_codes(family, decoder_cls, kwargs, grid,
+                                                                                 oracle, monkeypatch):
     """A tree as deep as a row or deeper, with end-of-row tokens, takes the device rounds: an EOL slot after every node
     at a depth that ends a row, each one the accepted path crosses kept. Keyed noise (CFG, three prompts) and greedy
     give AR's codes token for token, and each row gives what its prompt gives alone, in its passes. With drafts that
     are AR's own codes every round accepts its whole depth, so the kept paths cross 2-3 row ends a round."""
-    pipe = _pipe("llamagen", True, decoder_cls(**kwargs), grid=grid)
-    reference = _pipe("llamagen", True, AutoregressiveDecoder(), grid=grid)
+    end_of_row = family == "llamagen"  # a flag of the tiny LlamaGen's (the others' layouts have their EOLs)
+    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=grid)
+    reference = _pipe(family, end_of_row, AutoregressiveDecoder(), grid=grid)
+    assert reference.backbone.layout.has_eol
     loops = _device_runs(monkeypatch, pipe)
     grown = issubclass(decoder_cls, EagleDecoder)
     loop_class = DynamicTreeLoop if grown else HeadTreeLoop

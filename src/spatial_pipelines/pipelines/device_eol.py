@@ -76,7 +76,7 @@ def end_of_row_slots(loop, tables, committed: torch.Tensor) -> EndOfRowSlots:
     layout, t, e = loop.layout, loop.num_nodes, loop.eol_slots
     b, n = committed.shape[0], layout.num_tokens
     newest = committed[:, None] - 1  # (B, 1)
-    by_depth = (newest + loop.code_offsets).clamp_max(n - 1)  # (B, D + 1) each depth's grid index (past the grid: the last)
+    by_depth = (newest + loop.code_offsets).clamp_max(n - 1)  # (B, D + 1) each depth's grid index (at most the last)
     ends = layout.ends_row(layout.sequence_offset(by_depth))  # (B, D + 1) the grid's last code ends no row
     depths = tables.depths.expand(b, t).clamp(0, ends.shape[1] - 1)  # (B, T)
     at_end = ends.gather(1, depths) & tables.valid  # (B, T)
@@ -89,7 +89,8 @@ def end_of_row_slots(loop, tables, committed: torch.Tensor) -> EndOfRowSlots:
     ancestors = tables.mask.expand(b, t, t)  # (B, T, T) [i, j]: j is i or an ancestor of i
     # node i sees EOL slot j when the slot's node is a strict ancestor of i; the slot sees its node's ancestors, and
     # the EOL slots of those (a node has one EOL slot at most, so slot j is the only one of its own node)
-    sees = ancestors.gather(2, owner0[:, None, :].expand(b, t, e)) & (node[:, :, None] != owner0[:, None, :]) & used[:, None, :]
+    below = node[:, :, None] != owner0[:, None, :]  # (B, T, E) not the slot's own node
+    sees = ancestors.gather(2, owner0[:, None, :].expand(b, t, e)) & below & used[:, None, :]  # (B, T, E)
     seen = ancestors.gather(1, owner0[:, :, None].expand(b, e, t)) & used[:, :, None]  # (B, E, T)
     chained = seen.gather(2, owner0[:, None, :].expand(b, e, e)) & used[:, None, :]  # (B, E, E) an ancestor's EOL slot
     mask = torch.cat([torch.cat([ancestors, sees], 2), torch.cat([seen, chained | loop.eol_eye], 2)], 1)

@@ -80,7 +80,7 @@ class TreeLoop(DeviceLoop):
                  cache: StaticKVCache, round_fn: Optional[Callable] = None, rule: AcceptanceRule = EXACT,
                  neighbours: Optional[torch.Tensor] = None):
         self.fed = self.num_nodes + self.eol_slots
-        self.path_slots = path_slot_count(backbone.layout, self.max_codes)  # each crossed row end keeps its EOL slot too
+        self.path_slots = path_slot_count(backbone.layout, self.max_codes)  # each crossed row end keeps its EOL slot
         self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         device = prefix.embeds.device
@@ -242,10 +242,10 @@ def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
 def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", active: torch.Tensor):
     """Steps 2-5 and 7 of a tree round: one target pass over the tree ``fed`` ``(B, T)`` (root first, ``-1``: a node
     not offered) with the tree mask, node ``i`` at the position of grid index (newest + depth; clamped past the grid,
-    where nothing is committed), and the EOL slots where the layout has them (`device_eol.end_of_row_slots`); every node's keyed
-    sample; the deepest node whose path matches the samples node by node (a sibling is accepted exactly when it equals
-    its parent's sample: `verify_tree` with a point mass); the samples along it committed; the path's cache slots and
-    their count left for the next round's move. Returns the hidden states each node's output stands for ``(R, T, D)``
+    where nothing is committed), and the EOL slots where the layout has them (`device_eol.end_of_row_slots`); every
+    node's keyed sample; the deepest node whose path matches the samples node by node (a sibling is accepted exactly
+    when it equals its parent's sample: `verify_tree` with a point mass); the samples along it committed; the path's
+    cache slots (and the EOL slots it crossed) and their count left for the next round's move. Returns the hidden states each node's output stands for ``(R, T, D)``
     (a node that ends a row: its EOL slot's), the accepted path ``(B, D + 1)`` (padded with its last node) and the
     codes each row committed ``(B,)``."""
     s, sampling, layout = loop.state, loop.sampling, loop.layout
