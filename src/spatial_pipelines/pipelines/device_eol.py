@@ -1,5 +1,5 @@
 """The end-of-row (EOL) slots of a tree round on the device (`device_tree.verify_tree_round`), for layouts that feed an
-EOL token after every row (Lumina-mGPT, Chameleon, Emu3, the tiny LlamaGen with ``end_of_row``).
+EOL token after every row (Emu3, Lumina-mGPT, the tiny LlamaGen with ``end_of_row``).
 
 A round whose newest committed code is ``c`` drafts the code at grid index ``c + d`` at depth ``d``; the depths with
 ``(c + d) % W == W - 1`` (all but the grid's last row) end a row, and a tree as deep as a row or deeper has several
