@@ -16,7 +16,6 @@ spatial_pipelines.pipelines.pass_cost.SWEEPS = 3
 
 import pytest  # noqa: E402
 
-from spatial_pipelines.pipelines.device_tree import TreeLoop  # noqa: E402
 from spatial_pipelines.pipelines.generation import GenerationLoop  # noqa: E402
 
 
@@ -24,7 +23,7 @@ def row_group_reason(loop: GenerationLoop, batch_size: int, device):
     """Why a generation may run in row groups, or ``None``: the configurations the device rounds do not run yet (each
     named), a test's own decoder with only `propose` and `step`, and ``device_rounds=False`` (a test that compares
     the two engines)."""
-    decoder, layout = loop.decoder, loop.backbone.layout
+    decoder = loop.decoder
     if loop.device_rounds is False:
         return "device_rounds=False"
     if not type(decoder).__module__.startswith("spatial_pipelines."):
@@ -33,9 +32,6 @@ def row_group_reason(loop: GenerationLoop, batch_size: int, device):
         return "SSD"
     if type(decoder).__name__ == "JacobiDecoder" and decoder.config.proactive_width > 1:
         return "SJD's proactive tree"
-    drafter = decoder.device_drafter(loop.draft_heads, layout, batch_size, device)
-    if drafter is not None and not TreeLoop.fits(layout, drafter.tree_depth):
-        return "a tree crossing two row ends"
     return None
 
 

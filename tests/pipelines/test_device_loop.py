@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
-from spatial_pipelines.pipelines import device_chain
+from spatial_pipelines.pipelines import device_chain, device_tree
 from spatial_pipelines.pipelines.device_chain import ChainLoop, chain_round
 from spatial_pipelines.pipelines.device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, state_tensors
 from spatial_pipelines.pipelines.device_tree import DynamicTreeLoop, HeadTreeLoop
@@ -148,16 +148,110 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
     assert torch.equal(pipe(PROMPTS[:2], temperature=0.0, output_type="latent").tokens, expected)
 
 
-@pytest.mark.parametrize("decoder,call", [
-    (MedusaDecoder(num_heads=5, tree_paths=[[0] * d for d in range(1, 6)], num_draft_tokens=5), {"end_of_row": True}),
-    (EagleDecoder(depth=5, top_k=1, num_draft_tokens=5), {"end_of_row": True}),  # 5 deep: 2 row ends in a 5-wide grid
-    (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
-], ids=["medusa-deeper-than-a-row", "eagle-deeper-than-a-row", "proactive"])
-def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
-    call = dict(call)
-    pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)
+def test_what_the_device_round_does_not_run_takes_the_row_group_loop(monkeypatch):
+    pipe = _pipe("llamagen", False, JacobiDecoder(window_size=3, proactive_width=2))  # a tree of candidates
     monkeypatch.setattr(pipe.loop, "_run_device", lambda *a, **k: pytest.fail("the device round ran"))
-    assert pipe("a fox", output_type="latent", **call).tokens.min() >= 0
+    assert pipe("a fox", output_type="latent").tokens.min() >= 0
+
+
+#: trees as deep as a row or deeper, on an end-of-row grid 2-3 codes wide: a round's tree crosses 2-3 row ends (the
+#: tiny LlamaGen with EOLs; Emu3 and Lumina-mGPT feed them on their own)
+DEEP_TREES = [
+    pytest.param("llamagen", MedusaDecoder, {"num_heads": 5, "tree_paths": [[0] * d for d in range(1, 6)] + [[1], [0, 1]]},
+                 (5, 2), id="medusa-chain-5-width-2"),
+    pytest.param("llamagen", HawkDecoder, {"num_horizontal_heads": 4, "num_draft_tokens": 10}, (4, 2), id="hawk-4-width-2"),
+    pytest.param("llamagen", EagleDecoder, {"depth": 5, "top_k": 2, "num_draft_tokens": 8}, (4, 2), id="eagle-5-width-2"),
+    pytest.param("llamagen", ADTTreeDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 2, "depth_step": 1,
+                                              "width_step": 1, "depth_range": (3, 6), "width_range": (1, 3)},
+                 (4, 3), id="adt-width-3"),
+    pytest.param("emu3", EagleDecoder, {"depth": 5, "top_k": 2, "num_draft_tokens": 8}, (4, 3), id="emu3-eagle-5-width-3")]
+
+
+def _oracle_drafts(monkeypatch, loop_class, reference: dict):
+    """Every drafted node offers the reference grid's code at its grid index (``reference["tokens"]`` ``(B, H, W)``, set
+    per call), so a round accepts its whole tree's depth and the kept path crosses every row end the tree reaches."""
+    round_fn = device_tree.head_tree_round if loop_class is HeadTreeLoop else device_tree.dynamic_tree_round
+
+    def oracle_round(loop):
+        real = loop.drafter
+        if loop_class is HeadTreeLoop:
+            depths = real.tree.depths[1:].expand(loop.batch_size, -1)  # (B, T - 1)
+            drafts = lambda backbone, hidden, committed: _reference_codes(reference, committed, depths)
+        else:
+            def drafts(loop):
+                nodes, tree = real(loop)
+                codes = _reference_codes(reference, loop.state.committed, tree.depths[:, 1:])
+                return torch.where(nodes >= 0, codes, nodes), tree
+        loop.drafter = _Drafts(real, drafts)
+        try:
+            return round_fn(loop)
+        finally:
+            loop.drafter = real
+
+    monkeypatch.setattr(loop_class, "default_round", classmethod(lambda cls: oracle_round))
+
+
+class _Drafts:
+    """A drafter whose drafts are ``drafts``'s, and everything else the real one's."""
+
+    def __init__(self, real, drafts):
+        self.real, self.drafts = real, drafts
+
+    def __call__(self, *args):
+        return self.drafts(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _reference_codes(reference: dict, committed: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    grid = reference["tokens"].flatten(1)  # (B, N)
+    return grid.gather(1, (committed[:, None] - 1 + depths).clamp_max(grid.shape[1] - 1))  # (B, T - 1)
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["own-drafts", "oracle-drafts"])
+@pytest.mark.parametrize("family,decoder_cls,kwargs,grid", DEEP_TREES)
+def test_a_tree_crossing_several_row_ends_runs_on_the_device_and_gives_ar_codes(family, decoder_cls, kwargs, grid,
+                                                                                 oracle, monkeypatch):
+    """A tree as deep as a row or deeper, with end-of-row tokens, takes the device rounds: an EOL slot after every node
+    at a depth that ends a row, each one the accepted path crosses kept. Keyed noise (CFG, three prompts) and greedy
+    give AR's codes token for token, and each row gives what its prompt gives alone, in its passes. With drafts that
+    are AR's own codes every round accepts its whole depth, so the kept paths cross 2-3 row ends a round."""
+    end_of_row = family == "llamagen"  # a flag of the tiny LlamaGen's (the others' layouts have their EOLs)
+    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=grid)
+    reference = _pipe(family, end_of_row, AutoregressiveDecoder(), grid=grid)
+    assert reference.backbone.layout.has_eol
+    loops = _device_runs(monkeypatch, pipe)
+    grown = issubclass(decoder_cls, EagleDecoder)
+    loop_class = DynamicTreeLoop if grown else HeadTreeLoop
+    oracle_grid, crossed = {}, []
+    if oracle:
+        _oracle_drafts(monkeypatch, loop_class, oracle_grid)
+        keep = device_tree.path_with_end_of_row
+
+        def recorded(loop, eol, path, accepted):  # the row ends each kept path crossed (a read: eager rounds only)
+            slots, count = keep(loop, eol, path, accepted)
+            crossed.append(int((count - accepted).max()))
+            return slots, count
+
+        monkeypatch.setattr(device_tree, "path_with_end_of_row", recorded)
+    width = grid[1]
+    for greedy in (False, True):  # keyed noise: each image's seed from its generator (a fresh one per call)
+        call = dict(guidance_scale=2.0, output_type="latent", **({"temperature": 0.0} if greedy else {}))
+        expected = reference(PROMPTS, generator=_generators(3), **call).tokens
+        oracle_grid["tokens"] = expected
+        out = pipe(PROMPTS, generator=_generators(3), **call)
+        assert torch.equal(out.tokens, expected)
+        for i, prompt in enumerate(PROMPTS):
+            oracle_grid["tokens"] = expected[i : i + 1]
+            alone = pipe([prompt], generator=_generators(1, i), **call)
+            assert torch.equal(alone.tokens[0], out.tokens[i])
+            assert alone.stats.num_forward_passes == out.stats.row_forward_passes[i]
+    if oracle:  # rounds commit their tree's depth, and kept paths cross two row ends or more
+        assert max(crossed) >= 2
+    loop = loops[0]
+    assert isinstance(loop, loop_class) and loop.max_codes - 1 >= width and loop.eol_slots >= 2
+    assert loop.path_slots == loop.max_codes + math.ceil(loop.max_codes / width)
 
 
 #: relaxed rules on the device: every loop, LANTERN and LANTERN++ (the trees' claims shared among siblings)
@@ -221,6 +315,11 @@ COUNTED += [pytest.param(*FAMILIES[1], JacobiDecoder, {"window_size": 3, "init":
 #: the relaxed rules' rounds: a chain's (its proposals and keyed streams) and a tree's (the sibling-by-sibling claims)
 COUNTED += [pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "acceptance": "lantern"}, id="llamagen-sjd-3-lantern"),
             pytest.param(*FAMILIES[1], MedusaDecoder, {"num_draft_tokens": 4, "acceptance": "lantern++"}, id="llamagen-eol-medusa-4-lantern++")]
+#: trees deeper than a row on a 3-wide end-of-row grid (a round's tree crosses two row ends): a static and a grown one
+COUNTED += [pytest.param(*FAMILIES[1], MedusaDecoder, {"num_heads": 5, "tree_paths": [[0] * d for d in range(1, 6)] + [[1], [0, 1]],
+                                                       "grid": (8, 3)}, id="llamagen-eol-medusa-deeper-than-a-row"),
+            pytest.param(*FAMILIES[1], EagleDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 3, "grid": (8, 3)},
+                         id="llamagen-eol-eagle-deeper-than-a-row")]
 
 
 @pytest.mark.parametrize("family,end_of_row,decoder_cls,kwargs", COUNTED)
@@ -228,10 +327,11 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
     """The counted test of a second compiled generation (other prompts, another CFG scale): no recompile (dynamo
     raises on one), one compiled region per round, at most 10 aten ops per round outside it (the sync's), and the device read once per sync; the state and
     the cache keep their addresses from round to round; the round has no graph break (`torch._dynamo.explain`). A
-    case's ``sampling_noise`` goes to every call."""
+    case's ``sampling_noise`` goes to every call, its ``grid`` (8 x 8 where it names none) to the pipeline."""
     kwargs = dict(kwargs)
     noise = {"sampling_noise": kwargs.pop("sampling_noise")} if "sampling_noise" in kwargs else {}
-    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=(8, 8))
+    grid = kwargs.pop("grid", (8, 8))
+    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=grid)
     pipe.enable_compile(backend="eager", keep_if_slower=True, measure=False)  # dynamo's graphs, no inductor time
     pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent", **noise)  # the first generation compiles
     addresses = []

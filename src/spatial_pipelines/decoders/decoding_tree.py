@@ -69,7 +69,8 @@ class HeadDrafter:
         self.tree = tree.to(device)
         self.node_depth, self.node_rank = self.tree.depths[1:] - 1, self.tree.ranks[1:]  # (T - 1,) head and rank
         self.tree_depth = tree.max_depth  # host ints: the loop's shapes
-        self.nodes_per_depth = int(torch.bincount(tree.depths).max())
+        self.depth_counts = tuple(torch.bincount(tree.depths).tolist())  # nodes at each depth (the loop's EOL slots)
+        self.nodes_per_depth = max(self.depth_counts)
 
     def __call__(self, backbone, hidden: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define `__call__`.")

@@ -8,8 +8,9 @@ that path, and the cache moves the path's slots to the row's first ones (`Static
 (`DynamicTreeLoop`, `dynamic_tree_round`) comes from a drafter with its own cache (`EagleDrafter`): it reads the codes
 the last round committed with the target features that predicted them, grows one tree per row (`RowTrees`), and the
 same verification (`verify_tree_round`) reads that tree's per-row tables. With end-of-row tokens a tree round also
-feeds one EOL slot per node at the depth whose code ends a row (`end_of_row_slots`): the node's children see it, its
-output predicts the next row's first code, and the cache keeps it where the accepted path crossed the row end.
+feeds one EOL slot per node at every depth whose code ends a row (`device_eol.end_of_row_slots`; a tree as deep as a
+row or deeper crosses several): the node's descendants see it, its output predicts the next row's first code, and the
+cache keeps each one the accepted path crossed.
 
 Under a relaxed acceptance rule (LANTERN, LANTERN++; lossy) a node is accepted when its parent's keyed sample lies in
 the node's claim (`relaxed_matches`).
@@ -25,6 +26,7 @@ from ..core.kv_cache import StaticKVCache
 from ..core.sampling import ACCEPT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample, keyed_uniform, logits_to_probs
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_chain import UNIT_SAMPLING
+from .device_eol import EndOfRowSlots, end_of_row_slots, eol_slot_count, path_slot_count, path_with_end_of_row
 from .device_loop import DeviceLoop, DeviceState, record_progress
 
 
@@ -34,9 +36,9 @@ class HeadTreeState(DeviceState):
 
     Args:
         hidden (`torch.Tensor` `(B, D)`): per row, the pre-norm hidden state that predicted its newest code.
-        path (`torch.LongTensor` `(R, D + 1)`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots of the
-            last round's accepted path and how many of them it keeps: the next round moves them first
-            (`StaticKVCache.keep_paths`).
+        path (`torch.LongTensor` `(R, P)`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots of the
+            last round's accepted path (with an EOL slot at each row end it crossed) and how many of them it keeps: the
+            next round moves them first (`StaticKVCache.keep_paths`).
     """
 
     hidden: torch.Tensor
@@ -49,7 +51,7 @@ class DynamicTreeState(DeviceState):
     """`DeviceState` plus what a drafter that grows per-row trees reads (`DynamicTreeLoop`).
 
     Args:
-        path (`torch.LongTensor` `(R, D + 1)`), kept (`torch.LongTensor` `(R,)`): as `HeadTreeState`'s.
+        path (`torch.LongTensor` `(R, P)`), kept (`torch.LongTensor` `(R,)`): as `HeadTreeState`'s.
         features (`torch.Tensor` `(R, D + 1, D)`): per cache row (CFG rows too), the pre-norm hidden states of the
             last round's accepted path: the ones that predicted the codes it committed (after the prompt pass: the
             prompt's last, in slot 0).
@@ -67,10 +69,9 @@ class DynamicTreeState(DeviceState):
 
 class TreeLoop(DeviceLoop):
     """What the tree loops share: ``T`` tree nodes per row, then (with end-of-row tokens) ``E`` EOL slots, one for each
-    node at the depth whose code ends a row (`end_of_row_slots`; at most one such depth, the tree being shallower than
-    a row); the accepted path's cache slots (an EOL slot among them where it crossed a row end) moved by the next
-    round. A subclass sets ``drafter``, ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before
-    `DeviceLoop.__init__`.
+    node at a depth whose code ends a row (`device_eol.end_of_row_slots`; ``E`` a host bound, `eol_slots_of`); the
+    accepted path's cache slots (``P``: its nodes and an EOL slot at each row end it crossed) moved by the next round. A
+    subclass sets ``drafter``, ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before `DeviceLoop.__init__`.
 
     Under a relaxed rule a node is accepted when its parent's keyed sample lies in the set the node claims
     (`relaxed_matches`): LANTERN's own verification of point-mass candidates, with the sample as its only
@@ -79,29 +80,22 @@ class TreeLoop(DeviceLoop):
     def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
                  cache: StaticKVCache, round_fn: Optional[Callable] = None, rule: AcceptanceRule = EXACT,
                  neighbours: Optional[torch.Tensor] = None):
-        layout = backbone.layout
-        if not self.fits(layout, self.max_codes - 1):
-            raise ValueError(f"A tree of depth {self.max_codes - 1} crosses two row ends of a {layout.width}-wide grid "
-                             "in one round: such a tree takes the row-group loop.")
         self.fed = self.num_nodes + self.eol_slots
-        self.path_slots = self.max_codes + int(layout.has_eol)  # a crossed row end keeps its EOL slot too
+        self.path_slots = path_slot_count(backbone.layout, self.max_codes)  # each crossed row end keeps its EOL slot
         self.hidden_size, self.hidden_dtype = prefix.embeds.shape[-1], prefix.embeds.dtype
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         device = prefix.embeds.device
         self.node_slots = self.slots[: self.num_nodes]  # (T,)
-        self.eol_offsets = torch.arange(self.eol_slots, device=device)  # (E,)
         self.eol_eye = torch.eye(self.eol_slots, dtype=torch.bool, device=device)  # (E, E) an EOL slot sees itself
-        self.path_offsets = torch.arange(self.path_slots, device=device)  # (D + 1 (+ 1),)
 
     @staticmethod
-    def fits(layout, tree_depth: int) -> bool:
-        """Whether a tree of that depth crosses at most one row end per round (with EOLs: shallower than a row)."""
-        return not layout.has_eol or tree_depth < layout.width
-
-    @staticmethod
-    def eol_slot_count(layout, nodes_per_depth: int) -> int:
-        """EOL slots a round feeds: as many as the most nodes at one depth, where the layout has EOLs."""
-        return nodes_per_depth if layout.has_eol else 0
+    def eol_slots_of(layout, drafter, num_nodes: int) -> int:
+        """EOL slots a round of the drafter's trees (``num_nodes`` nodes, root included) feeds (`eol_slot_count`), from
+        the nodes at each depth at most: a static tree's own counts (``depth_counts``), or ``nodes_per_depth`` below
+        the root."""
+        counts = getattr(drafter, "depth_counts", None)
+        counts = tuple(counts) if counts is not None else (1,) + (drafter.nodes_per_depth,) * drafter.tree_depth
+        return min(num_nodes, eol_slot_count(layout, counts))
 
     def extra_buffers(self) -> List[torch.Tensor]:
         return self.drafter.buffers()
@@ -121,14 +115,15 @@ class HeadTreeLoop(TreeLoop):
                  rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None):
         tree = drafter.tree
         self.drafter, self.num_nodes, self.max_codes = drafter, tree.num_nodes, tree.max_depth + 1
-        self.eol_slots = self.eol_slot_count(backbone.layout, drafter.nodes_per_depth)
+        self.eol_slots = self.eol_slots_of(backbone.layout, drafter, self.num_nodes)
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         self.tree_tables = tree_tables(tree, self.node_slots)  # the static tree's, built once
 
     @staticmethod
     def fed_slots(layout, drafter, **_) -> int:
         """Slots a round feeds per row, before the loop is made (the cache's size)."""
-        return drafter.tree.num_nodes + TreeLoop.eol_slot_count(layout, drafter.nodes_per_depth)
+        num_nodes = drafter.tree.num_nodes
+        return num_nodes + TreeLoop.eol_slots_of(layout, drafter, num_nodes)
 
     def new_state(self, **common) -> HeadTreeState:
         device = common["tokens"].device
@@ -164,14 +159,15 @@ class DynamicTreeLoop(TreeLoop):
                  prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
                  rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None):
         self.drafter, self.num_nodes, self.max_codes = drafter, drafter.num_nodes + 1, drafter.tree_depth + 1
-        self.eol_slots = self.eol_slot_count(backbone.layout, drafter.nodes_per_depth)
+        self.eol_slots = self.eol_slots_of(backbone.layout, drafter, self.num_nodes)
         self.draft_passes_per_round = drafter.draft_passes
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
 
     @staticmethod
     def fed_slots(layout, drafter, **_) -> int:
         """Slots a round feeds per row, before the loop is made (the cache's size)."""
-        return drafter.num_nodes + 1 + TreeLoop.eol_slot_count(layout, drafter.nodes_per_depth)
+        num_nodes = drafter.num_nodes + 1
+        return num_nodes + TreeLoop.eol_slots_of(layout, drafter, num_nodes)
 
     def new_state(self, **common) -> "DynamicTreeState":
         device, rows = common["tokens"].device, self.cache.num_rows
@@ -247,10 +243,10 @@ def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
 def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", active: torch.Tensor):
     """Steps 2-5 and 7 of a tree round: one target pass over the tree ``fed`` ``(B, T)`` (root first, ``-1``: a node
     not offered) with the tree mask, node ``i`` at the position of grid index (newest + depth; clamped past the grid,
-    where nothing is committed), and the EOL slots where the layout has them (`end_of_row_slots`); every node's keyed
-    sample; the deepest node whose path matches the samples node by node (a sibling is accepted exactly when it equals
-    its parent's sample: `verify_tree` with a point mass); the samples along it committed; the path's cache slots and
-    their count left for the next round's move. Returns the hidden states each node's output stands for ``(R, T, D)``
+    where nothing is committed), and the EOL slots where the layout has them (`device_eol.end_of_row_slots`); every
+    node's keyed sample; the deepest node whose path matches the samples node by node (a sibling is accepted exactly
+    when it equals its parent's sample: `verify_tree` with a point mass); the samples along it committed; the path's
+    cache slots (and the EOL slots it crossed) and their count left for the next round's move. Returns the hidden states each node's output stands for ``(R, T, D)``
     (a node that ends a row: its EOL slot's), the accepted path ``(B, D + 1)`` (padded with its last node) and the
     codes each row committed ``(B,)``."""
     s, sampling, layout = loop.state, loop.sampling, loop.layout
@@ -293,7 +289,7 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
         s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
         last = (accepted - 1).clamp_min(0)[:, None]  # (B, 1)
         s.last.copy_(torch.where(active, codes.gather(1, last)[:, 0], s.last))
-        # 7. each cache row keeps the path's slots (and a crossed row end's EOL slot), moved by the next round (step 0)
+        # 7. each cache row keeps the path's slots (and each crossed row end's EOL slot), moved by the next round (step 0)
         kept_path, kept = (path_with_end_of_row(loop, eol, path, accepted) if layout.has_eol else (path, accepted))
         s.committed.add_(accepted)
         record_progress(s)
@@ -406,70 +402,6 @@ def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], pr
         spent, scale = spent.scatter(1, dest[..., 0], spent_next), scale.scatter(1, dest[..., 0], scale_next)
         taken = taken.scatter(1, torch.where(hit, parents, spare), hit)
     return matches, (None if named else residual[:, :t])
-
-
-@dataclass
-class EndOfRowSlots:
-    """A round's EOL slots (`end_of_row_slots`), per row.
-
-    Args:
-        depth (`torch.LongTensor` `(B,)`): the depth whose code ends a row (meaningful where ``ends``).
-        ends (`torch.BoolTensor` `(B,)`): a row end (not the grid's last) falls within the tree.
-        predictor (`torch.LongTensor` `(B, T)`): the fed slot whose output predicts the code after each node: the
-            node itself, or its EOL slot ``T + j``.
-        offsets (`torch.LongTensor` `(B, E)`), predicts (`torch.LongTensor` `(B, E)`): each EOL slot's sequence offset
-            and the grid index its output predicts.
-        mask (`torch.BoolTensor` `(B, T + E, T + E)`): the tree mask with the EOL slots.
-    """
-
-    depth: torch.Tensor
-    ends: torch.Tensor
-    predictor: torch.Tensor
-    offsets: torch.Tensor
-    predicts: torch.Tensor
-    mask: torch.Tensor
-
-
-def end_of_row_slots(loop: TreeLoop, tables: "TreeTables", committed: torch.Tensor) -> EndOfRowSlots:
-    """Per row, the EOL slots of a tree round: the nodes at the depth whose code ends a row take EOL slot ``j`` each
-    (in node order; the tree is shallower than a row, so at most one depth does). An EOL slot sits one sequence
-    position after its node's code, sees that node and its ancestors, and is seen by the node's descendants; its
-    output predicts the next row's first code. Unused slots see only themselves and no node sees them."""
-    layout, t, e = loop.layout, loop.num_nodes, loop.eol_slots
-    b, n = committed.shape[0], layout.num_tokens
-    newest = committed - 1  # (B,)
-    depth = layout.width - 1 - newest % layout.width  # (B,) the depth whose code ends the newest code's row
-    ends = (newest // layout.width < layout.height - 1) & (depth < loop.max_codes)  # (B,)
-    depths = tables.depths.expand(b, t)  # (B, T)
-    at_end = (depths == depth[:, None]) & ends[:, None] & tables.valid  # (B, T)
-    rank = at_end.long().cumsum(1) - 1  # (B, T) the node's EOL slot
-    at_end = at_end & (rank < e)
-    node = loop.node_slots.expand(b, t)  # (B, T)
-    owner = torch.full((b, e + 1), -1, dtype=torch.long, device=committed.device)  # (B, E + 1) a spare column
-    owner = owner.scatter(1, torch.where(at_end, rank, e), torch.where(at_end, node, -1))[:, :e]  # (B, E) -1: unused
-    used, owner0 = owner >= 0, owner.clamp_min(0)
-    ancestors = tables.mask.expand(b, t, t)  # (B, T, T) [i, j]: j is i or an ancestor of i
-    # node i sees EOL slot j when the slot's node is a strict ancestor of i; the slot sees its node's ancestors
-    sees = ancestors.gather(2, owner0[:, None, :].expand(b, t, e)) & (node[:, :, None] != owner0[:, None, :]) & used[:, None, :]
-    seen = ancestors.gather(1, owner0[:, :, None].expand(b, e, t)) & used[:, :, None]  # (B, E, T)
-    mask = torch.cat([torch.cat([ancestors, sees], 2), torch.cat([seen, loop.eol_eye.expand(b, e, e)], 2)], 1)
-    end_code = (newest + depth).clamp_max(n - 1)  # (B,) the code that ends the row
-    offsets = (layout.sequence_offset(end_code) + 1)[:, None].expand(b, e)  # (B, E) the EOL's own position
-    return EndOfRowSlots(depth=depth, ends=ends, predictor=torch.where(at_end, t + rank, node),
-                         offsets=offsets, predicts=(end_code + 1)[:, None].expand(b, e), mask=mask)
-
-
-def path_with_end_of_row(loop: TreeLoop, eol: EndOfRowSlots, path: torch.Tensor, accepted: torch.Tensor):
-    """The cache slots a row keeps: its accepted path's ``accepted`` nodes, with the EOL slot after the node that
-    ends a row when the path reaches it (the sequence has the EOL there). Returns ``(slots (B, D + 2), count (B,))``."""
-    offsets, d = loop.path_offsets, eol.depth[:, None]  # (D + 2,), (B, 1)
-    crossed = eol.ends & (eol.depth < accepted)  # (B,) the kept nodes include the row's last code
-    source = torch.where(offsets <= d, offsets, offsets - 1).clamp_max(path.shape[1] - 1)  # (B, D + 2)
-    shifted = path.gather(1, source)  # the path, one later after the row end
-    end_node = path.gather(1, d.clamp_max(path.shape[1] - 1))  # (B, 1)
-    shifted = torch.where(offsets == d + 1, eol.predictor.gather(1, end_node), shifted)  # its EOL slot
-    padded = torch.cat([path, path[:, -1:]], 1)  # (B, D + 2)
-    return torch.where(crossed[:, None], shifted, padded), accepted + crossed.long()
 
 
 @dataclass

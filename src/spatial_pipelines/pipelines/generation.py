@@ -29,7 +29,7 @@ from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import mark_static_cache, uses_cuda_graphs
 from .device_chain import ChainLoop
 from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, RoundView, compile_round
-from .device_tree import DynamicTreeLoop, HeadTreeLoop, TreeLoop
+from .device_tree import DynamicTreeLoop, HeadTreeLoop
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
 from .static_shapes import RECOMPILE_LIMIT, static_cache_length
@@ -122,8 +122,8 @@ class GenerationLoop:
     def device_plan(self, sampling: SamplingConfig, batch_size: int, device: torch.device) -> Optional[Tuple[type, Dict[str, Any]]]:
         """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
         row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or a tree decoder's drafter
-        (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
-        tree shallower than a row), exact, or with a relaxed acceptance rule (LANTERN, LANTERN++: `relaxed_chain`,
+        (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row, of any depth: with
+        end-of-row tokens a round feeds an EOL slot at every row end its tree crosses), exact, or with a relaxed acceptance rule (LANTERN, LANTERN++: `relaxed_chain`,
         `device_tree.relaxed_matches`). Every random draw comes from keyed streams of a seed each image draws from its
         generator: under keyed noise (or greedy) a draft is accepted when it equals the target's keyed sample (AR's
         image); under drawn noise a chain keeps its drafts' proposals and accepts by speculative sampling, and a tree
@@ -142,7 +142,7 @@ class GenerationLoop:
             return ChainLoop, {"window": window, "proposals": drawn, **decoder.chain_drafting(self.draft_heads), **acceptance}
         layout = self.backbone.layout
         drafter = decoder.device_drafter(self.draft_heads, layout, batch_size, device)
-        if drafter is None or not TreeLoop.fits(layout, drafter.tree_depth):  # a round crosses one row end at most
+        if drafter is None:
             return None
         return (DynamicTreeLoop if getattr(drafter, "per_row_trees", False) else HeadTreeLoop), {"drafter": drafter, **acceptance}
 
