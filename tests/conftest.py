@@ -31,8 +31,8 @@ def row_group_reason(loop: GenerationLoop, batch_size: int, device):
         return "a decoder written outside the library (only `propose` and `step`)"
     if type(decoder).__name__ == "SSDDecoder":
         return "SSD"
-    if type(decoder).__name__ == "JacobiDecoder" and decoder.config.proactive_width > 1:
-        return "SJD's proactive tree"
+    if type(decoder).__name__ == "JacobiDecoder" and decoder.config.proactive_width > 1 and not TreeLoop.fits(layout, decoder.window):
+        return "a tree crossing two row ends"
     rule = decoder.acceptance_rule
     if rule.relaxes and not rule.claims_neighbours and decoder.chain_window() is None:
         return "a relaxed rule whose claim names no codes, on a tree"

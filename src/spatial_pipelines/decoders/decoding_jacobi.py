@@ -259,18 +259,19 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         `device_chain.relaxed_chain`), the left anchor applied to ``q`` and ``continuation`` testing every draft that is
         no race anew (`device_chain.continue_drafts`). Keyed per position, every redraw of one position there races the
         same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there). ``init="heads"`` guesses in
-        the round (`device_chain.predict_above`; point masses). Proactive drafting takes the row-group loop."""
-        c = self.config
+        the round (`device_chain.predict_above`; point masses). Proactive drafting (``proactive_width > 1``) runs the
+        window as its static tree of candidates (`device_proactive.ProactiveLoop`: `chain_drafting` names ``width`` and
+        ``depth``)."""
         rule = self.acceptance_rule
         if not (rule.is_exact or rule.relaxes) or not self.lossless or self.tree is None:
-            return None
-        if c.proactive_width != 1:
             return None
         return self.window
 
     def chain_drafting(self, draft_heads=None):
         c = self.config
         drafting = {"init": c.init, "anchor": c.anchor == "left", "continuation": c.continuation}
+        if c.proactive_width > 1:  # the window's first positions hold K candidates each
+            drafting.update(width=c.proactive_width, depth=c.proactive_depth)
         if c.init == "heads":  # the vertical head's guesses, from the hidden states that predicted the committed codes
             drafting["guess"] = lambda backbone, hidden, codes: self.vertical_logits(draft_heads, backbone, hidden, codes)
         return drafting

@@ -31,6 +31,7 @@ from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 from .device_chain import ChainLoop
 from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, RoundView, compile_round
+from .device_proactive import ProactiveLoop
 from .device_tree import DynamicTreeLoop, HeadTreeLoop, TreeLoop
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
@@ -124,7 +125,8 @@ class GenerationLoop:
 
     def device_plan(self, sampling: SamplingConfig, batch_size: int, device: torch.device) -> Optional[Tuple[type, Dict[str, Any]]]:
         """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
-        row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or a tree decoder's drafter
+        row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`; SJD-PAC's proactive candidates as a static
+        tree, `device_proactive.ProactiveLoop`, with end-of-row tokens a window shallower than a row), or a tree decoder's drafter
         (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
         tree shallower than a row), exact, or with a relaxed acceptance rule (LANTERN, LANTERN++: `relaxed_chain`,
         `device_tree.relaxed_matches`). Every random draw comes from keyed streams of a seed each image draws from its
@@ -142,9 +144,13 @@ class GenerationLoop:
         if relaxed:
             acceptance = {"rule": rule, "neighbours": self.backbone.code_neighbours(rule.num_neighbours) if rule.num_neighbours else None}
         window = decoder.chain_window(drawn=drawn)
-        if window is not None:
-            return ChainLoop, {"window": window, "proposals": drawn, **decoder.chain_drafting(self.draft_heads), **acceptance}
         layout = self.backbone.layout
+        if window is not None:
+            drafting = {"window": window, "proposals": drawn, **decoder.chain_drafting(self.draft_heads), **acceptance}
+            if "width" not in drafting:
+                return ChainLoop, drafting
+            # SJD-PAC's candidates: a static tree, whose round crosses one row end at most
+            return (ProactiveLoop, drafting) if TreeLoop.fits(layout, window) else None
         if relaxed and not rule.claims_neighbours:  # a claim no sample of p decides (`relaxed_matches`)
             return None
         drafter = decoder.device_drafter(self.draft_heads, layout, batch_size, device)
