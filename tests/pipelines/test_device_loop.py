@@ -151,8 +151,8 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
 @pytest.mark.parametrize("decoder,call", [
     (MedusaDecoder(num_heads=5, tree_paths=[[0] * d for d in range(1, 6)], num_draft_tokens=5), {"end_of_row": True}),
     (EagleDecoder(depth=5, top_k=1, num_draft_tokens=5), {"end_of_row": True}),  # 5 deep: 2 row ends in a 5-wide grid
-    (JacobiDecoder(window_size=3, proactive_width=2), {}),  # a tree of candidates
-], ids=["medusa-deeper-than-a-row", "eagle-deeper-than-a-row", "proactive"])
+    (JacobiDecoder(window_size=5, proactive_width=2), {"end_of_row": True}),  # a window of candidates as deep as a row
+], ids=["medusa-deeper-than-a-row", "eagle-deeper-than-a-row", "proactive-deeper-than-a-row"])
 def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, call, monkeypatch):
     call = dict(call)
     pipe = _pipe("llamagen", call.pop("end_of_row", False), decoder)
@@ -218,6 +218,11 @@ COUNTED += [pytest.param(*FAMILIES[1], JacobiDecoder, {"window_size": 3, "init":
                                                        "sampling_noise": "drawn"}, id="llamagen-sjd-3-random-continuation-drawn"),
             pytest.param(*FAMILIES[2], EagleDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 3, "sampling_noise": "drawn"},
                          id="janus-eagle-8-drawn")]
+#: SJD-PAC's proactive candidates (a static tree): under keyed noise (the target's samples) and under drawn noise
+#: (their proposals, the sibling-by-sibling speculative sampling, the candidates' own keyed stream)
+COUNTED += [pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "proactive_width": 2}, id="llamagen-sjd-3-proactive"),
+            pytest.param(*FAMILIES[1], JacobiDecoder, {"window_size": 3, "init": "random", "proactive_width": 3, "continuation": True,
+                                                       "sampling_noise": "drawn"}, id="llamagen-eol-sjd-3-proactive-drawn")]
 #: the relaxed rules' rounds: a chain's (its proposals and keyed streams) and a tree's (the sibling-by-sibling claims)
 COUNTED += [pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "acceptance": "lantern"}, id="llamagen-sjd-3-lantern"),
             pytest.param(*FAMILIES[1], MedusaDecoder, {"num_draft_tokens": 4, "acceptance": "lantern++"}, id="llamagen-eol-medusa-4-lantern++")]
