@@ -138,6 +138,23 @@ def test_proactive_verification_needs_the_without_replacement_proposal(monkeypat
     assert p_value() < 1e-4
 
 
+def test_proactive_rounds_with_end_of_row_tokens_keep_the_distribution(monkeypatch):
+    """The device rounds' proactive tree where rows end inside the window (its end-of-row slots, their outputs as the
+    next row's proposals), with continuation and the left anchor under drawn noise: the joint over all 3**6 grids."""
+    from spatial_pipelines.pipelines import device_proactive
+
+    runs = []
+    run = device_proactive.ProactiveLoop.run
+    monkeypatch.setattr(device_proactive.ProactiveLoop, "run", lambda loop, *a, **k: runs.append(loop) or run(loop, *a, **k))
+    decoder = JacobiDecoder(window_size=2, init="left", continuation=True, anchor="left", proactive_width=2)
+    pipe = dummy_pipeline("llamagen", decoder, None, grid=(2, 3), num_codes=3, end_of_row=True)
+    exact = exact_joint_distribution(pipe, "a fox", SamplingConfig(2.0, 1.0))
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1),
+               output_type="latent", sampling_noise="drawn")
+    assert len(runs) == 1 and runs[0].proposals and runs[0].eol_slots > 0
+    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 3), minlength=3**6), exact) > 1e-4
+
+
 def _first_draft_state(decoder, pipe, rows, q, left):
     """A state whose first window position holds drafts drawn from ``q`` ``(V,)`` after the committed code ``left``."""
     state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), rows, "cpu"), rows, 1,

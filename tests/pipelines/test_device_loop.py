@@ -163,7 +163,7 @@ def test_what_the_device_round_does_not_run_takes_the_row_group_loop(decoder, ca
 #: relaxed rules on the device: every loop, LANTERN and LANTERN++ (the trees' claims shared among siblings)
 RELAXED_DECODERS = {"medusa": (MedusaDecoder, {"num_draft_tokens": 6}), "hawk": (HawkDecoder, {"num_draft_tokens": 6}),
                     "eagle": (EagleDecoder, {"num_draft_tokens": 8, "depth": 3, "top_k": 3}),
-                    "sjd": (JacobiDecoder, {"window_size": 4})}
+                    "sjd": (JacobiDecoder, {"window_size": 4}), "sjd-proactive": (JacobiDecoder, {"window_size": 4, "proactive_width": 2})}
 #: every loop on the tiny LlamaGen, with and without end-of-row tokens; a static tree and the chain on a transformers family
 RELAXED = [pytest.param(*FAMILIES[f], *RELAXED_DECODERS[d], id=f"{FAMILY_IDS[f]}-{d}") for f in (0, 1) for d in RELAXED_DECODERS]
 RELAXED += [pytest.param(*FAMILIES[2], *RELAXED_DECODERS[d], id=f"janus-{d}") for d in ("medusa", "sjd")]
