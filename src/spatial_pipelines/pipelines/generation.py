@@ -126,8 +126,8 @@ class GenerationLoop:
     def device_plan(self, sampling: SamplingConfig, batch_size: int, device: torch.device) -> Optional[Tuple[type, Dict[str, Any]]]:
         """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
         row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`; SJD-PAC's proactive candidates as a static
-        tree, `device_proactive.ProactiveLoop`, with end-of-row tokens a window shallower than a row), or a tree decoder's drafter
-        (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
+        tree, `device_proactive.ProactiveLoop`, with end-of-row tokens a window shallower than a row), or a tree
+        decoder's drafter (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row; with end-of-row tokens, a
         tree shallower than a row), exact, or with a relaxed acceptance rule (LANTERN, LANTERN++: `relaxed_chain`,
         `device_tree.relaxed_matches`). Every random draw comes from keyed streams of a seed each image draws from its
         generator: under keyed noise (or greedy) a draft is accepted when it equals the target's keyed sample (AR's
