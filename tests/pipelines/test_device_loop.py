@@ -10,6 +10,7 @@ from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecode
 from spatial_pipelines.pipelines import device_chain
 from spatial_pipelines.pipelines.device_chain import ChainLoop, chain_round
 from spatial_pipelines.pipelines.device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, state_tensors
+from spatial_pipelines.pipelines.device_proactive import ProactiveLoop
 from spatial_pipelines.pipelines.device_tree import DynamicTreeLoop, HeadTreeLoop
 from spatial_pipelines.pipelines.round_counts import count_rounds
 from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
@@ -95,6 +96,23 @@ def test_device_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_
     assert isinstance(loop, ChainLoop) and loop.window == pipe.decoder.chain_window()
     if decoder_cls is AutoregressiveDecoder:
         assert out.stats.num_forward_passes == pipe.backbone.layout.num_tokens
+
+
+#: SJD-PAC's proactive candidates: the default drafting (above, anchored), and random drafts with three candidates at one
+#: position
+PROACTIVE = [(JacobiDecoder, {"window_size": 3, "proactive_width": 2}),
+             (JacobiDecoder, {"window_size": 4, "init": "random", "proactive_width": 3, "proactive_depth": 1, "anchor": "none"})]
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs", PROACTIVE, ids=["proactive-2", "proactive-3-random"])
+@pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
+def test_proactive_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+    """SJD's window of proactive candidates as a static tree on the device, with end-of-row tokens too: AR's codes, the
+    row-group loop's, every row as alone."""
+    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
+    loop, _, _ = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
+    assert isinstance(loop, ProactiveLoop) and loop.num_nodes == pipe.decoder.tree.num_nodes
+    assert loop.fed == loop.num_nodes + loop.eol_slots and (loop.eol_slots > 0) == end_of_row
 
 
 @pytest.mark.parametrize("decoder_cls,kwargs", TREES + EAGLE_TREES, ids=TREE_IDS + EAGLE_IDS)
