@@ -115,8 +115,9 @@ def test_proactive_verification_needs_the_without_replacement_proposal(monkeypat
     """The distribution test has power here: verifying the extra candidates against their position's ``q`` as it
     is (as if drawn with replacement) instead of ``q`` less the earlier candidates is caught, where the decoder as
     written passes. Three codes and two candidates per position make the exclusion matter (measured: p ~ 0.35 for
-    the decoder, p < 1e-300 for the mutation, 8,000 images each, seed 1)."""
-    from spatial_pipelines.decoders import decoding_jacobi
+    the decoder, p < 1e-300 for the mutation, 8,000 images each, seed 1). The generation runs on the device rounds
+    (`ProactiveLoop`): the mutation empties its table of earlier candidates."""
+    from spatial_pipelines.pipelines import device_proactive
 
     def p_value():
         decoder = JacobiDecoder(window_size=3, init="random", coupling="none", anchor="none", proactive_width=2, proactive_depth=3)
@@ -127,15 +128,31 @@ def test_proactive_verification_needs_the_without_replacement_proposal(monkeypat
         return chi_square_pvalue(torch.bincount(grid_index(out.tokens, 3), minlength=3**4), exact)
 
     assert p_value() > 1e-4
-    original = decoding_jacobi.JacobiDecoder.init_state
+    original = device_proactive.ProactiveLoop.__init__
 
     def wrong(self, *args, **kwargs):
-        state = original(self, *args, **kwargs)
-        state.earlier_rank = torch.zeros_like(state.earlier_rank)  # nothing excluded
-        return state
+        original(self, *args, **kwargs)
+        self.earlier = torch.zeros_like(self.earlier)  # nothing excluded
 
-    monkeypatch.setattr(decoding_jacobi.JacobiDecoder, "init_state", wrong)
+    monkeypatch.setattr(device_proactive.ProactiveLoop, "__init__", wrong)
     assert p_value() < 1e-4
+
+
+def test_proactive_rounds_with_end_of_row_tokens_keep_the_distribution(monkeypatch):
+    """The device rounds' proactive tree where rows end inside the window (its end-of-row slots, their outputs as the
+    next row's proposals), with continuation and the left anchor under drawn noise: the joint over all 3**6 grids."""
+    from spatial_pipelines.pipelines import device_proactive
+
+    runs = []
+    run = device_proactive.ProactiveLoop.run
+    monkeypatch.setattr(device_proactive.ProactiveLoop, "run", lambda loop, *a, **k: runs.append(loop) or run(loop, *a, **k))
+    decoder = JacobiDecoder(window_size=2, init="left", continuation=True, anchor="left", proactive_width=2)
+    pipe = dummy_pipeline("llamagen", decoder, None, grid=(2, 3), num_codes=3, end_of_row=True)
+    exact = exact_joint_distribution(pipe, "a fox", SamplingConfig(2.0, 1.0))
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1),
+               output_type="latent", sampling_noise="drawn")
+    assert len(runs) == 1 and runs[0].proposals and runs[0].eol_slots > 0
+    assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 3), minlength=3**6), exact) > 1e-4
 
 
 def _first_draft_state(decoder, pipe, rows, q, left):

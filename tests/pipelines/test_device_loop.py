@@ -10,6 +10,7 @@ from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecode
 from spatial_pipelines.pipelines import device_chain, device_tree
 from spatial_pipelines.pipelines.device_chain import ChainLoop, chain_round
 from spatial_pipelines.pipelines.device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, state_tensors
+from spatial_pipelines.pipelines.device_proactive import ProactiveLoop
 from spatial_pipelines.pipelines.device_tree import DynamicTreeLoop, HeadTreeLoop
 from spatial_pipelines.pipelines.round_counts import count_rounds
 from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
@@ -97,6 +98,23 @@ def test_device_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_
         assert out.stats.num_forward_passes == pipe.backbone.layout.num_tokens
 
 
+#: SJD-PAC's proactive candidates: the default drafting (above, anchored), and random drafts with three candidates at one
+#: position
+PROACTIVE = [(JacobiDecoder, {"window_size": 3, "proactive_width": 2}),
+             (JacobiDecoder, {"window_size": 4, "init": "random", "proactive_width": 3, "proactive_depth": 1, "anchor": "none"})]
+
+
+@pytest.mark.parametrize("decoder_cls,kwargs", PROACTIVE, ids=["proactive-2", "proactive-3-random"])
+@pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
+def test_proactive_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+    """SJD's window of proactive candidates as a static tree on the device, with end-of-row tokens too: AR's codes, the
+    row-group loop's, every row as alone."""
+    pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
+    loop, _, _ = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
+    assert isinstance(loop, ProactiveLoop) and loop.num_nodes == pipe.decoder.tree.num_nodes
+    assert loop.fed == loop.num_nodes + loop.eol_slots and (loop.eol_slots > 0) == end_of_row
+
+
 @pytest.mark.parametrize("decoder_cls,kwargs", TREES + EAGLE_TREES, ids=TREE_IDS + EAGLE_IDS)
 @pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
 def test_tree_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
@@ -146,12 +164,6 @@ def test_greedy_device_rounds_are_ar(family, end_of_row):
     ar.device_rounds = False
     expected = ar(PROMPTS[:2], temperature=0.0, output_type="latent").tokens
     assert torch.equal(pipe(PROMPTS[:2], temperature=0.0, output_type="latent").tokens, expected)
-
-
-def test_what_the_device_round_does_not_run_takes_the_row_group_loop(monkeypatch):
-    pipe = _pipe("llamagen", False, JacobiDecoder(window_size=3, proactive_width=2))  # a tree of candidates
-    monkeypatch.setattr(pipe.loop, "_run_device", lambda *a, **k: pytest.fail("the device round ran"))
-    assert pipe("a fox", output_type="latent").tokens.min() >= 0
 
 
 #: trees as deep as a row or deeper, on an end-of-row grid 2-3 codes wide: a round's tree crosses 2-3 row ends (the
@@ -257,7 +269,7 @@ def test_a_tree_crossing_several_row_ends_runs_on_the_device_and_gives_ar_codes(
 #: relaxed rules on the device: every loop, LANTERN and LANTERN++ (the trees' claims shared among siblings)
 RELAXED_DECODERS = {"medusa": (MedusaDecoder, {"num_draft_tokens": 6}), "hawk": (HawkDecoder, {"num_draft_tokens": 6}),
                     "eagle": (EagleDecoder, {"num_draft_tokens": 8, "depth": 3, "top_k": 3}),
-                    "sjd": (JacobiDecoder, {"window_size": 4})}
+                    "sjd": (JacobiDecoder, {"window_size": 4}), "sjd-proactive": (JacobiDecoder, {"window_size": 4, "proactive_width": 2})}
 #: every loop on the tiny LlamaGen, with and without end-of-row tokens; a static tree and the chain on a transformers family
 RELAXED = [pytest.param(*FAMILIES[f], *RELAXED_DECODERS[d], id=f"{FAMILY_IDS[f]}-{d}") for f in (0, 1) for d in RELAXED_DECODERS]
 RELAXED += [pytest.param(*FAMILIES[2], *RELAXED_DECODERS[d], id=f"janus-{d}") for d in ("medusa", "sjd")]
@@ -312,6 +324,11 @@ COUNTED += [pytest.param(*FAMILIES[1], JacobiDecoder, {"window_size": 3, "init":
                                                        "sampling_noise": "drawn"}, id="llamagen-sjd-3-random-continuation-drawn"),
             pytest.param(*FAMILIES[2], EagleDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 3, "sampling_noise": "drawn"},
                          id="janus-eagle-8-drawn")]
+#: SJD-PAC's proactive candidates (a static tree): under keyed noise (the target's samples) and under drawn noise
+#: (their proposals, the sibling-by-sibling speculative sampling, the candidates' own keyed stream)
+COUNTED += [pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "proactive_width": 2}, id="llamagen-sjd-3-proactive"),
+            pytest.param(*FAMILIES[1], JacobiDecoder, {"window_size": 3, "init": "random", "proactive_width": 3, "continuation": True,
+                                                       "sampling_noise": "drawn"}, id="llamagen-eol-sjd-3-proactive-drawn")]
 #: the relaxed rules' rounds: a chain's (its proposals and keyed streams) and a tree's (the sibling-by-sibling claims)
 COUNTED += [pytest.param(*FAMILIES[0], JacobiDecoder, {"window_size": 3, "acceptance": "lantern"}, id="llamagen-sjd-3-lantern"),
             pytest.param(*FAMILIES[1], MedusaDecoder, {"num_draft_tokens": 4, "acceptance": "lantern++"}, id="llamagen-eol-medusa-4-lantern++")]

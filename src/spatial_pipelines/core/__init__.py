@@ -1,7 +1,7 @@
 """Pure tensor code shared by decoders, heads and pipelines (depends on torch only)."""
 
 from .contracts import DRAFTER, HEADS_KINDS, LATENT, OFFSET_LOGITS, HeadsNeed, HeadsProvide, check_heads
-from .kv_cache import KVCache, StaticKVCache, compact_positions_
+from .kv_cache import KVCache, StaticKVCache
 from .layout import ImageTokenLayout
 from .sampling import (
     RandomSource,
@@ -29,7 +29,6 @@ __all__ = [
     "apply_top_k",
     "apply_top_p",
     "cfg_mix",
-    "compact_positions_",
     "logits_to_probs",
     "sample_from_probs",
 ]

@@ -215,6 +215,9 @@ RESIDUAL_STREAM = 0x2545F4914F6CDD1D
 INIT_STREAM = 0x9E3779B97F4A7C15 & ((1 << 63) - 1)
 #: Salt of the keyed streams of SJD-PAC's continuation on the device (its tests and its residual draws)
 CONTINUE_STREAM = 0x1B873593CC9E2D51
+#: Salt of the keyed stream that draws SJD-PAC's proactive candidates after a position's first one, where proposals
+#: are kept (drawn noise, a relaxed rule): independent of whatever drew the first
+PROACTIVE_STREAM = 0x7F4A7C15F39CC060
 #: Salt of the keyed stream of tree shapes drawn uniformly (ADT-Tree's ``tree_init="random"`` on the device)
 SHAPE_STREAM = 0x632BE59BD9B4E019
 

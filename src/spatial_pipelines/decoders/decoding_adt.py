@@ -2,12 +2,13 @@
 raster position remembers the shape of the tree that committed it, a new tree starts from a neighbour's shape and
 moves by the previous tree's acceptance rate (bisectional adaptation). The tree is verified as EAGLE-2's is."""
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
+from ..core.rounds import TreeRound
 from ..core.sampling import SHAPE_STREAM, keyed_integer
 from ..utils import check_number
 from .decoding_eagle import EagleDecoder, EagleDrafter
@@ -140,7 +141,7 @@ class ADTTreeDecoder(EagleDecoder):
         super().__init__(depth=depth, top_k=top_k, num_draft_tokens=num_draft_tokens, acceptance=acceptance)
         self.register_to_config(depth_range=list(depth_range), width_range=list(width_range))  # as JSON saves them
 
-    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional["ADTDrafter"]:
-        """`ADTDrafter`: every row's shape rule on the device (``tree_init="random"``: keyed uniform draws of a stream
-        of the row's own, `SHAPE_STREAM`, where the row-group loop draws them on the host)."""
-        return ADTDrafter(self, draft_heads)
+    def plan(self, draft_heads, layout, batch_size: int, device, drawn: bool = False) -> TreeRound:
+        """Each row's tree grown at its own shape (`ADTDrafter`; ``tree_init="random"``: keyed uniform draws of a
+        stream of the row's own, `SHAPE_STREAM`)."""
+        return TreeRound(ADTDrafter(self, draft_heads))

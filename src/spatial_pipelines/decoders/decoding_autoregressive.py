@@ -1,9 +1,8 @@
 """Plain autoregressive decoding: one code per target pass. The reference every exact decoder must match."""
 
-from typing import Optional
-
 from diffusers.configuration_utils import register_to_config
 
+from ..core.rounds import ChainRound
 from .decoding_utils import SpatialDecoderMixin
 
 
@@ -19,6 +18,6 @@ class AutoregressiveDecoder(SpatialDecoderMixin):
     def __init__(self):
         super().__init__()
 
-    def chain_window(self, drawn: bool = False) -> Optional[int]:
-        """A chain of no drafts: one code per row per round, on the device (`spatial_pipelines.pipelines.device_chain`)."""
-        return 0
+    def plan(self, draft_heads, layout, batch_size: int, device, drawn: bool = False) -> ChainRound:
+        """A chain of no drafts: one code per row per round."""
+        return ChainRound(window=0)

@@ -21,6 +21,7 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import DRAFTER, HeadsNeed
+from ..core.rounds import TreeRound
 from ..core.sampling import cfg_mix
 from ..core.tree import row_trees_from_parents, tree_from_paths
 from .decoding_tree import TreeDecoderMixin
@@ -271,9 +272,9 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     def max_draft_tokens(self) -> int:
         return self.num_nodes + 1
 
-    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> Optional[EagleDrafter]:
-        """`EagleDrafter` for the tree in use (after the pipeline fixed its size)."""
-        return EagleDrafter(self, draft_heads)
+    def plan(self, draft_heads, layout, batch_size: int, device, drawn: bool = False) -> TreeRound:
+        """Each row's tree grown by the drafter (`EagleDrafter`, for the tree size in use)."""
+        return TreeRound(EagleDrafter(self, draft_heads))
 
     # -- drafting ---------------------------------------------------------------------------------------------
     def _keep_best(self, all_scores, all_codes, all_parents, depth: int, k: int):

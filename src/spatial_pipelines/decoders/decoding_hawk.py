@@ -9,10 +9,10 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import OFFSET_LOGITS, HeadsNeed
+from ..core.rounds import TreeRound
 from ..core.tree import DraftTree, tree_from_paths
 from .decoding_tree import HeadDrafter, TreeDecoderMixin
 from .decoding_utils import AUTO, SpatialDecoderMixin, check_draft_budget, check_draft_size, check_int
-
 
 MAX_DRAFT_TOKENS = 64  # the largest tree "auto" considers
 
@@ -151,6 +151,6 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self.config.top_k > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k` ({self.config.top_k}) exceeds the {draft_heads.config.num_image_codes} image codes.")
 
-    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> HawkDrafter:
-        """`HawkDrafter` over the tree in use (after the pipeline fixed its size)."""
-        return HawkDrafter(self, draft_heads, layout, batch_size, device)
+    def plan(self, draft_heads, layout, batch_size: int, device, drawn: bool = False) -> TreeRound:
+        """The static tree of pools (`HawkDrafter`, over the tree in use)."""
+        return TreeRound(HawkDrafter(self, draft_heads, layout, batch_size, device))

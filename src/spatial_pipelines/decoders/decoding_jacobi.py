@@ -10,7 +10,6 @@ committed) and a left anchor (``anchor="left"``: the window's first draft is pul
 with its proposal adjusted to match). A relaxed acceptance rule (LANTERN) makes it lossy.
 """
 
-from dataclasses import dataclass
 from typing import List, Optional, Union
 
 import torch
@@ -18,10 +17,10 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import LATENT, OFFSET_LOGITS, HeadsNeed
-from ..core.sampling import logits_to_probs, one_hot, target_probs
+from ..core.rounds import ChainRound
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
-from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin, TreeState
-from .decoding_utils import AUTO, MAX_FED_TOKENS, Draft, SpatialDecoderMixin, StepOutput, check_draft_budget, check_draft_size, check_int, draft_through
+from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin
+from .decoding_utils import AUTO, MAX_FED_TOKENS, SpatialDecoderMixin, check_draft_budget, check_draft_size, check_int, draft_through
 
 INITS = ("random", "left", "above", "heads")
 COUPLINGS = ("none", "gumbel")
@@ -92,49 +91,6 @@ def descent_table(tree: DraftTree) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.long)
 
 
-@dataclass
-class JacobiState(TreeState):
-    """`TreeState` plus the window.
-
-    Args:
-        drafts (`torch.LongTensor` `(B, L)`): the current drafts after the newest committed code.
-        q (`torch.Tensor` `(B, L + 1, V)`): column ``j + 1`` is the distribution draft ``j`` was drawn from
-            (column 0, the root's, is never read): laid out like the fed window, so no copy per round.
-        num_fresh (`int`): positions at the window's end still to initialise (host-side).
-        noise (`torch.Tensor` `(B, L, V)`, *optional*): ``coupling="gumbel"``: the Exp(1) noise of each window
-            position (``-log`` of it is a Gumbel), drawn when the position enters the window and kept until it is
-            committed, so every redraw of one position races the same noise.
-        raced (`torch.BoolTensor` `(B, L)`, *optional*): ``coupling="gumbel"``: the draft is the race of its own
-            noise (not a copy, a head's guess or a continuation outcome).
-        alternatives (`torch.LongTensor` `(B, P, K - 1)`, *optional*): proactive drafting: the other candidates of
-            the first ``P`` positions, drawn without replacement from the position's ``q`` after its draft (``-1``:
-            none, e.g. behind a point mass).
-        descent (`torch.LongTensor` `(T, L + 1)`, *optional*): `descent_table` of the window's tree.
-        candidates (`torch.LongTensor` `(B, L, K)`, *optional*): proactive drafting's buffer (allocated once) of
-            every position's candidates.
-        node_q (`torch.Tensor` `(B, T, V)`, *optional*): proactive drafting's buffer of every node's ``q``.
-        earlier_rank (`torch.BoolTensor` `(T - 1, K)`, *optional*): proactive drafting's buffer of which ranks come
-            before each node's.
-        above (`torch.LongTensor` `(B, N)`, *optional*): ``init="heads"``: the code the vertical head predicted for
-            each raster position when the row above was committed (``-1``: none yet).
-    """
-
-    row_fields = ("drafts", "q", "noise", "raced", "above", "alternatives", "candidates", "node_q")
-    shared_fields = ("num_fresh", "descent", "earlier_rank")
-
-    drafts: Optional[torch.Tensor] = None
-    q: Optional[torch.Tensor] = None
-    num_fresh: int = 0
-    noise: Optional[torch.Tensor] = None
-    raced: Optional[torch.Tensor] = None
-    above: Optional[torch.Tensor] = None
-    alternatives: Optional[torch.Tensor] = None
-    descent: Optional[torch.Tensor] = None
-    candidates: Optional[torch.Tensor] = None
-    node_q: Optional[torch.Tensor] = None
-    earlier_rank: Optional[torch.Tensor] = None
-
-
 class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     r"""Speculative Jacobi Decoding.
 
@@ -183,7 +139,6 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     short_name = "sjd"  # the CLI's and benchmark specs' name (`DECODERS`)
 
-    state_class = JacobiState
     draft_size_name = "window_size"
     # what "auto" chose on one H100 (bf16, embedded model, 2026-11-26: 33 slots): a pass over 1-256 tokens costs one
     # AR step there, so the window is bounded by what acceptance still gains, not by the pass
@@ -250,30 +205,22 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         """The window in use (``window_size``, or what ``"auto"`` resolved to): drafted positions."""
         return self.tree.max_depth
 
-    def chain_window(self, drawn: bool = False) -> Optional[int]:
-        """The window, for a round run whole on the device (`spatial_pipelines.pipelines.device_chain`): one draft per
-        position and ``init`` above, left or random (`chain_drafting`). Under keyed noise every redraw is the pass's own
-        sample, so ``coupling``, ``continuation`` and ``anchor`` change no image there under exact acceptance. Under
-        drawn noise (``drawn``) or a relaxed rule (LANTERN) each draft is the keyed sample of its proposal ``q``, kept
-        in the state and tested with a keyed uniform of its own against ``p(x) / q(x)`` (``p~(x) / q(x)``:
-        `device_chain.relaxed_chain`), the left anchor applied to ``q`` and ``continuation`` testing every draft that is
-        no race anew (`device_chain.continue_drafts`). Keyed per position, every redraw of one position there races the
-        same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there). ``init="heads"`` guesses in
-        the round (`device_chain.predict_above`; point masses). Proactive drafting takes the row-group loop."""
+    def plan(self, draft_heads, layout, batch_size: int, device, drawn: bool = False) -> ChainRound:
+        """The window as a chain (`core.rounds.ChainRound`): one draft per position, ``init`` where a position has no
+        sample of its own yet. Under keyed noise every redraw is the pass's own sample, so ``coupling``,
+        ``continuation`` and ``anchor`` change no image there under exact acceptance. Under drawn noise (``drawn``) or
+        a relaxed rule (LANTERN) each draft is the keyed sample of its proposal ``q``, kept and tested with a keyed
+        uniform of its own against ``p(x) / q(x)`` (``p~(x) / q(x)``), the left anchor applied to ``q`` and
+        ``continuation`` testing every draft that is no race anew. Keyed per position, every redraw of one position
+        races the same noise, as ``coupling="gumbel"`` does (``"none"`` draws the same codes there). ``init="heads"``
+        guesses with the vertical head inside the round (`vertical_logits`; point masses). Proactive drafting
+        (``proactive_width > 1``) makes the window a static tree of candidates."""
         c = self.config
-        rule = self.acceptance_rule
-        if not (rule.is_exact or rule.relaxes) or not self.lossless or self.tree is None:
-            return None
-        if c.proactive_width != 1:
-            return None
-        return self.window
-
-    def chain_drafting(self, draft_heads=None):
-        c = self.config
-        drafting = {"init": c.init, "anchor": c.anchor == "left", "continuation": c.continuation}
+        guess = None
         if c.init == "heads":  # the vertical head's guesses, from the hidden states that predicted the committed codes
-            drafting["guess"] = lambda backbone, hidden, codes: self.vertical_logits(draft_heads, backbone, hidden, codes)
-        return drafting
+            guess = lambda backbone, hidden, codes: self.vertical_logits(draft_heads, backbone, hidden, codes)  # noqa: E731
+        width, depth = (c.proactive_width, c.proactive_depth) if c.proactive_width > 1 else (1, 0)
+        return ChainRound(self.window, c.init, c.anchor == "left", c.continuation, guess, width, depth)
 
     def vertical_logits(self, draft_heads, backbone, hidden: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """``init="heads"``: the vertical head's logits ``(B, n, V)`` for the codes one row below ``codes`` ``(B, n)``,
@@ -290,190 +237,3 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self.config.init != "heads":
             return None
         return HeadsNeed((OFFSET_LOGITS, LATENT), (), (1,), self._who("init"))
-
-    def init_state(self, layout, sampling, random, batch_size, prefix_length, device, backbone=None) -> JacobiState:
-        state = super().init_state(layout, sampling, random, batch_size, prefix_length, device, backbone)
-        v, L = backbone.num_image_codes, self.window
-        state.drafts = torch.zeros(batch_size, L, dtype=torch.long, device=device)
-        state.q = torch.full((batch_size, L + 1, v), 1.0 / v, device=device)
-        state.num_fresh = L
-        if self.config.coupling == "gumbel":
-            state.noise = torch.empty(batch_size, L, v, device=device)
-            state.raced = torch.zeros(batch_size, L, dtype=torch.bool, device=device)
-        if self.config.init == "heads":
-            state.above = torch.full((batch_size, layout.num_tokens), -1, dtype=torch.long, device=device)
-        k = self.config.proactive_width
-        if k > 1:
-            levels = min(self.config.proactive_depth, L)
-            state.alternatives = torch.full((batch_size, levels, k - 1), -1, dtype=torch.long, device=device)
-            state.descent = descent_table(state.tree).to(device)
-            state.node_q = torch.empty(batch_size, state.tree.num_nodes, v, device=device)
-            state.candidates = torch.full((batch_size, L, k), -1, dtype=torch.long, device=device)
-            state.earlier_rank = torch.arange(k, device=device)[None] < state.node_rank[:, None]  # (T-1, K)
-        return state
-
-    def _draw_alternatives(self, state: JacobiState, q: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """``K - 1`` more candidates per position, without replacement from ``q`` ``(B, m, V)`` less ``first``
-        ``(B, m)`` (exponential race: the top ``K - 1`` of ``q / E`` are a draw without replacement, in order);
-        ``-1`` where ``q`` has nothing left."""
-        rest = q.scatter(-1, first[..., None], 0.0)
-        noise = -torch.log(state.random.uniform(*q.shape[1:]))  # (B, m, V) Exp(1)
-        top = (rest / noise).topk(self.config.proactive_width - 1, dim=-1)
-        return torch.where(top.values > 0, top.indices, -1)  # (B, m, K - 1)
-
-    def _initialise(self, state: JacobiState) -> None:
-        """Draft the ``num_fresh`` positions at the end of the window with the configured ``init``."""
-        fresh, state.num_fresh = state.num_fresh, 0
-        if fresh == 0:
-            return
-        drafts, q = state.drafts, state.q[:, 1:]  # (B, L), (B, L, V) views
-        b, L, v = q.shape
-        start = L - fresh
-        init = self.config.init
-        if state.noise is not None:  # the noise these positions keep until they are committed
-            state.noise[:, start:] = -torch.log(state.random.uniform(fresh, v))  # (B, fresh, V) Exp(1)
-            state.raced[:, start:] = init == "random"
-        if init == "random":  # uniform draws: q is uniform
-            if state.noise is not None:  # the race over a flat p: a uniform draw, coupled to the later redraws
-                drafts[:, start:] = state.noise[:, start:].argmin(-1)
-            else:
-                drafts[:, start:] = (state.random.uniform(fresh) * v).long().clamp_max(v - 1)
-            q[:, start:] = 1.0 / v
-            return
-        if init == "left":  # copies of the left neighbour: point masses
-            left = drafts[:, start - 1] if start > 0 else state.last_token
-            codes = left[:, None].expand(b, fresh)
-            drafts[:, start:] = codes
-            q[:, start:] = one_hot(codes, v)
-            return
-        # the committed code one row above, or the head's prediction for this position; a uniform draw where none
-        index = (state.num_committed + torch.arange(start, L, device=drafts.device)).clamp_max(state.layout.num_tokens - 1)
-        if init == "above":
-            above = index - state.layout.width  # (fresh,)
-            has = ((above >= 0) & (above < state.num_committed))[None].expand(b, fresh)
-            guess = state.tokens[:, above.clamp_min(0)]  # (B, fresh)
-        else:
-            guess = state.above[:, index]  # (B, fresh)
-            has = guess >= 0
-        drawn = (state.random.uniform(fresh) * v).long().clamp_max(v - 1)
-        codes = torch.where(has, guess, drawn)
-        q[:, start:] = torch.where(has[..., None], one_hot(codes, v), 1.0 / v)
-        drafts[:, start:] = codes
-
-    @staticmethod
-    def _anchor_left(state: JacobiState) -> None:
-        """``anchor="left"``: the first draft ``x ~ q`` becomes ``c``, the newest committed code, where
-        ``q(x) <= q(c)``. The result follows ``q'``: ``q`` on the codes ``q`` rates above ``c``, and the rest of the
-        mass on ``c`` (``c`` is known before ``x`` is drawn, so ``q'`` is the draft's law given everything the next
-        verification sees)."""
-        left = state.last_token[:, None]  # (B, 1) the code just committed
-        q = state.q[:, 1]  # (B, V) the first draft's proposal (a view)
-        x = state.drafts[:, :1]  # (B, 1)
-        above = q > q.gather(-1, left)  # (B, V) codes rated above the copy: they stay themselves
-        moved = q.masked_fill(above, 0.0).sum(-1, keepdim=True)  # (B, 1) mass of the rest, onto the copy
-        kept = above.gather(-1, x)  # (B, 1)
-        state.drafts[:, :1] = torch.where(kept, x, left)
-        q.masked_fill_(~above, 0.0).scatter_(-1, left, moved)
-        if state.raced is not None:  # a copy is not the race of the position's noise
-            state.raced[:, :1] &= kept
-
-    def _initialise_alternatives(self, state: JacobiState, start: int) -> None:
-        """Proactive candidates of the fresh positions from ``start`` that fall among the first ``P``."""
-        levels = state.alternatives.shape[1]
-        if start < levels:
-            state.alternatives[:, start:] = self._draw_alternatives(state, state.q[:, 1 + start : 1 + levels], state.drafts[:, start:levels])
-
-    def _predict_above(self, state: JacobiState, hidden: torch.Tensor, first: int, draft_heads, backbone) -> None:
-        """``init="heads"``: the vertical head's guess for the codes one row below the ``n`` codes just committed
-        from raster index ``first``, from the hidden states that predicted them ``(B, n, D)``."""
-        n = hidden.shape[1]
-        end = min(first + n + state.layout.width, state.layout.num_tokens)
-        if first + state.layout.width >= end:  # nothing lands in the grid
-            return
-        logits = self.vertical_logits(draft_heads, backbone, hidden, state.tokens[:, first : first + n])  # (B, n, V)
-        state.num_draft_passes += 1
-        count = end - first - state.layout.width
-        state.above[:, first + state.layout.width : end] = logits[:, :count].argmax(-1)
-
-    def propose(self, state: JacobiState, draft_heads=None, backbone=None) -> Draft:
-        fresh_from = state.drafts.shape[1] - state.num_fresh
-        self._initialise(state)
-        if state.alternatives is None:
-            return self._tree_draft(state, torch.cat([state.last_token[:, None], state.drafts], 1))
-        self._initialise_alternatives(state, fresh_from)
-        # every node's code: candidate ``rank`` of its position (the tree is the product of the candidate lists)
-        cands, levels = state.candidates, state.alternatives.shape[1]  # (B, L, K)
-        cands[:, :, 0] = state.drafts
-        cands[:, :levels, 1:] = state.alternatives
-        pos, rank = state.node_depth, state.node_rank  # (T-1,)
-        nodes = cands[:, pos, rank]  # (B, T-1)
-        # each node's q: its position's q less the candidates tried before it (sampling without replacement)
-        node_q = state.node_q
-        node_q[:, 1:] = state.q[:, pos + 1]  # (B, T-1, V)
-        earlier = torch.where(state.earlier_rank, cands[:, pos], -1)  # (B, T-1, K)
-        hit = torch.zeros_like(node_q[:, 1:]).scatter_add_(-1, earlier.clamp_min(0), (earlier >= 0).float()) > 0  # add: -1s map to 0 too
-        rest = node_q[:, 1:].masked_fill(hit, 0.0)
-        total = rest.sum(-1, keepdim=True)
-        node_q[:, 1:] = torch.where(total > 0, rest / total.clamp_min(1e-30), rest)
-        return self._tree_draft(state, torch.cat([state.last_token[:, None], nodes], 1))
-
-    def step(self, logits, hidden_states, draft, state: JacobiState, draft_heads=None, backbone=None) -> StepOutput:
-        first = state.num_committed
-        if draft is None:
-            out = self._prefill_step(logits, hidden_states, state)
-            if state.above is not None:
-                self._predict_above(state, hidden_states[:, -1:], first, draft_heads, backbone)
-            return out
-        probs = target_probs(logits, state.sampling, state.random, state.tree.depths + first)  # (B, L + 1, V)
-        continuation = self.config.continuation
-        old = state.drafts.clone() if continuation else None
-        proactive = state.alternatives is not None
-        # proactive candidates are drawn without replacement from the pass's own distribution, which keyed noise
-        # reduces to its sample: keep p itself as the proposal (verification reads only the keyed point mass)
-        real = logits_to_probs(logits, state.sampling) if proactive and state.random.keyed else probs
-        out = self._verify_step(logits, hidden_states, draft, state, state.node_q if proactive else state.q, probs=probs)
-        n = out.num_accepted
-        if state.above is not None:  # the fed slots on the accepted path predicted the n committed codes
-            hidden = hidden_states[state.rows[:, None], state.accepted_path] if proactive else hidden_states[:, :n]  # (B, n, D)
-            self._predict_above(state, hidden, first, draft_heads, backbone)
-        L = state.drafts.shape[1]
-        left = max(L - n, 0)  # drafts not reached (none when the whole window and its bonus were committed)
-        if left:
-            # they are re-drawn from this pass's p at the node before each (their new q); the window slides by n
-            if proactive:  # from the fed slots along the first-candidate descent below the last accepted node
-                slots = state.descent[state.accepted_path[:, n - 1], n : n + left]  # (B, left)
-                redrawn, proposal = probs[state.rows[:, None], slots], real[state.rows[:, None], slots]  # (B, left, V)
-            else:
-                redrawn = proposal = probs[:, n : n + left]  # (B, left, V)
-            gumbel = state.noise is not None
-            if gumbel:  # the same noise as every earlier draw of these positions (the window slides by n)
-                state.noise[:, :left] = state.noise[:, n : n + left].clone()
-                state.raced[:, :left] = state.raced[:, n : n + left].clone()
-                codes = (redrawn / state.noise[:, :left]).argmax(-1)  # (B, left)
-            if continuation or not gumbel:
-                fresh = -torch.log(state.random.uniform(left, redrawn.shape[-1]))  # (B, left, V) Exp(1)
-            if not gumbel:
-                codes = (redrawn / fresh).argmax(-1)
-            if continuation:  # keep the old draft x with min(1, p(x)/q(x)), else draw from the residual
-                x, q_old = old[:, n : n + left], state.q[:, n + 1 : n + 1 + left]  # (B, left), (B, left, V)
-                px = redrawn.gather(-1, x[..., None]).squeeze(-1)
-                qx = q_old.gather(-1, x[..., None]).squeeze(-1)
-                keep = state.random.uniform(left) * qx < px  # (B, left) u < min(1, p/q) without dividing
-                rest = (redrawn - q_old).clamp_min(0)
-                rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, redrawn)  # p == q: never rejected anyway
-                continued = torch.where(keep, x, (rest / fresh).argmax(-1))
-                if gumbel:  # a raced draft stays with its race; copies and head guesses are continued
-                    codes = torch.where(state.raced[:, :left], codes, continued)
-                else:
-                    codes = continued
-            elif gumbel:  # every redraw is now the race of its position's noise
-                state.raced[:, :left] = True
-            state.drafts[:, :left] = codes
-            state.q[:, 1 : left + 1] = proposal
-            if self.config.anchor == "left":
-                self._anchor_left(state)
-            if proactive:
-                m = min(left, state.alternatives.shape[1])
-                state.alternatives[:, :m] = self._draw_alternatives(state, state.q[:, 1 : m + 1], state.drafts[:, :m])  # after any anchoring
-        state.num_fresh = L - left
-        return out

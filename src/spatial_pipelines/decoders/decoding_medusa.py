@@ -8,6 +8,7 @@ from diffusers.configuration_utils import register_to_config
 
 from ..core.acceptance import AcceptanceLike
 from ..core.contracts import OFFSET_LOGITS, HeadsNeed
+from ..core.rounds import TreeRound
 from ..core.tree import tree_from_paths
 from .decoding_tree import HeadDrafter, TreeDecoderMixin
 from .decoding_utils import SpatialDecoderMixin, check_draft_budget, check_draft_size, check_int
@@ -117,6 +118,6 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         if self._num_ranks > draft_heads.config.num_image_codes:
             raise ValueError(f"`top_k`/`tree_paths` ask for more candidates than the {draft_heads.config.num_image_codes} image codes.")
 
-    def device_drafter(self, draft_heads, layout, batch_size: int, device) -> "MedusaDrafter":
-        """`MedusaDrafter` over the tree in use (after the pipeline fixed its size)."""
-        return MedusaDrafter(self, draft_heads, device)
+    def plan(self, draft_heads, layout, batch_size: int, device, drawn: bool = False) -> TreeRound:
+        """The static tree of the heads' top-k candidates (`MedusaDrafter`, over the tree in use)."""
+        return TreeRound(MedusaDrafter(self, draft_heads, device))

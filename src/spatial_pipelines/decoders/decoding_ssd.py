@@ -28,8 +28,8 @@ import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.contracts import LATENT, HeadsNeed
-from ..core.verification import accept_independently
 from ..core.sampling import logits_to_probs, sample_from_probs
+from ..core.verification import accept_independently
 from ..utils import check_number
 from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput, check_draft_budget, draft_through
 

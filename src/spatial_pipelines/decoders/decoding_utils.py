@@ -333,32 +333,21 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         SSD; they draw their noise from the generators."""
         return self.is_exact
 
-    def chain_window(self, drawn: bool = False) -> Optional[int]:
-        """Drafts per row of a round that runs whole on the device (`spatial_pipelines.pipelines.device_chain`), for a
-        decoder that feeds its newest code and a chain of drafts after it, commits the drafts equal to the target's
-        keyed samples (``drawn``: the drafts a keyed uniform accepts against their proposals, speculative sampling),
-        and redraws the rest from the pass (AR: 0). ``None`` (the default): the decoder's own `propose` and `step` run,
-        in row groups."""
-        return None
+    @abc.abstractmethod
+    def plan(self, draft_heads, layout: ImageTokenLayout, batch_size: int, device: torch.device, drawn: bool = False):
+        """What the engine runs every round for this decoder (`spatial_pipelines.core.rounds`): a `ChainRound` (the
+        newest code and a chain of drafts), a `TreeRound` (a tree of point-mass candidates its drafter drafts each
+        round), or, for a decoder whose passes are known before the first, its schedule (`decoding_ssd.SSDSchedule`).
+        The engine owns the target pass, the verification (keyed noise; ``drawn``: the drafts' own proposals are
+        tested), the commit, the KV cache and the syncs.
 
-    def chain_drafting(self, draft_heads=None) -> Dict[str, Any]:
-        """How a chain round drafts what it does not redraw (`device_chain.ChainLoop`): ``init`` (``"above"``: the code
-        one row above, ``"left"``: the draft before it, ``"random"``: a keyed uniform draw, ``"heads"``: a draft head's guess) and ``anchor`` (the first
-        draft pulled onto the newest code where its proposal rates it below that code) and ``continuation`` (SJD-PAC's:
-        drafts that are no race of their position's noise tested anew every pass); the last two are read where
-        proposals are kept (drawn noise or a relaxed rule). With ``init="heads"`` also ``guess``:
-        ``guess(backbone, hidden (B, n, D), codes (B, n))`` gives the logits ``(B, n, V)`` of the codes one row below
-        ``codes`` from the pre-norm hidden states that predicted them (``draft_heads``: the pipeline's)."""
-        return {"init": "above", "anchor": False, "continuation": False}
-
-    def device_drafter(self, draft_heads, layout, batch_size: int, device):
-        """What drafts the tree in a round that runs whole on the device under keyed noise, for a decoder whose
-        siblings are distinct codes (or ``-1``: none): a `HeadDrafter` for ``batch_size`` rows (a static tree,
-        `device_tree.HeadTreeLoop`), or a drafter with ``per_row_trees`` that grows each row's tree
-        (`device_tree.DynamicTreeLoop`, `EagleDrafter`); either has ``tree_depth`` and ``nodes_per_depth`` (host ints,
-        at most). The pipeline asks when the acceptance is exact, or relaxed (LANTERN: the candidates are verified as
-        point masses). ``None`` (the default): the decoder's own `propose` and `step` run, in row groups."""
-        return None
+        Args:
+            draft_heads: the pipeline's draft heads (or ``None``).
+            layout (`ImageTokenLayout`): the grid.
+            batch_size (`int`): images per call (a drafter's buffers are per row).
+            device (`torch.device`): where the rows are.
+            drawn (`bool`): ``sampling_noise="drawn"``: the methods' own acceptance tests on keyed streams.
+        """
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -481,31 +470,6 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
             tokens=torch.full((batch_size, n), -1, dtype=torch.long, device=device),
             acceptance_map=torch.zeros(batch_size, n, dtype=torch.long, device=device),
         )
-
-    @abc.abstractmethod
-    def propose(self, state: DecodingState, draft_heads=None, backbone=None) -> Draft:
-        """The `Draft` the target verifies next round.
-
-        ``backbone`` is the family adapter, passed by the loop: decoders whose drafts go through the model's own
-        final norm, output head or image-token embedding (`draft_through`) use those; none calls its forward."""
-
-    @abc.abstractmethod
-    def step(
-        self,
-        logits: torch.Tensor,
-        hidden_states: torch.Tensor,
-        draft: Optional[Draft],
-        state: DecodingState,
-        draft_heads=None,
-        backbone=None,
-    ) -> StepOutput:
-        """Accept tokens from the target's CFG-mixed ``logits`` ``(B, T, V)`` (fp32) over the fed positions.
-
-        ``draft is None`` for the prefill pass: ``logits``/``hidden_states`` are those of the last prompt position.
-        ``hidden_states`` ``(B, T, D)`` are the conditional rows' pre-norm last hidden states. ``backbone`` as in
-        `propose` (a step that drafts for the next round, SJD's ``init="heads"``, goes through its head).
-        """
-
 
 def draft_through(backbone, decoder: SpatialDecoderMixin):
     """``backbone``, which ``decoder`` drafts through (its final norm, output head or image-token embedding); a

@@ -1,7 +1,8 @@
 """Rounds that run whole on the device, every row on its own, under keyed noise (or greedy): what every such
 generation shares (`DeviceLoop`: its state, the prompt pass, the rounds and the host's reads between them). Chain
-decoders (AR and SJD) run `device_chain.ChainLoop`, static head trees (Medusa, Hawk) `device_tree.HeadTreeLoop`, and
-trees a drafter grows per row (EAGLE-2, ADT-Tree) `device_tree.DynamicTreeLoop`.
+decoders (AR and SJD) run `device_chain.ChainLoop`, SJD's proactive candidates `device_proactive.ProactiveLoop`, static
+head trees (Medusa, Hawk) `device_tree.HeadTreeLoop`, and trees a drafter grows per row (EAGLE-2, ADT-Tree)
+`device_tree.DynamicTreeLoop`.
 
 A round commits, per row, the drafts that equal the target's own keyed samples (`keyed_sample`), plus the sample after
 them. Under keyed noise that rule needs no random draw, so the whole round is a function of device tensors with fixed

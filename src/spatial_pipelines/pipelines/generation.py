@@ -27,8 +27,11 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..utils import RoundTimer, check_number
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import mark_static_cache, uses_cuda_graphs
+from ..core.rounds import ChainRound, TreeRound
+from ..decoders.decoding_ssd import SSDSchedule
 from .device_chain import ChainLoop
 from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, RoundView, compile_round
+from .device_proactive import ProactiveLoop
 from .device_tree import DynamicTreeLoop, HeadTreeLoop
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
@@ -111,40 +114,44 @@ class GenerationLoop:
         self.decoder, self.draft_heads, self.hooks = decoder, draft_heads, hooks or LoopHooks()
         try:
             plan = self.device_plan(sampling, batch_size, prefix.embeds.device)
-            if plan is None:
-                raise ValueError(f"{type(decoder).__name__} says no round the engine runs: a decoder returns its chain "
-                                 "window from `chain_window`, or its tree's drafter from `device_drafter` "
-                                 "(docs/contributing.md, \"Adding a decoder\").")
             return self._generate_on_device(prefix, sampling, generator, batch_size, plan)
         finally:
             self.decoder, self.draft_heads, self.hooks = None, None, LoopHooks()
 
-    def device_plan(self, sampling: SamplingConfig, batch_size: int, device: torch.device) -> Optional[Tuple[type, Dict[str, Any]]]:
-        """The loop whose rounds run whole on the device (`device_loop`) and its arguments, or ``None`` for the
-        row-group loop: a chain decoder (`SpatialDecoderMixin.chain_window`), or a tree decoder's drafter
-        (`SpatialDecoderMixin.device_drafter`: a static head tree, or a tree grown per row, of any depth: with
-        end-of-row tokens a round feeds an EOL slot at every row end its tree crosses), exact, or with a relaxed acceptance rule (LANTERN, LANTERN++: `relaxed_chain`,
-        `device_tree.relaxed_matches`). Every random draw comes from keyed streams of a seed each image draws from its
-        generator: under keyed noise (or greedy) a draft is accepted when it equals the target's keyed sample (AR's
-        image); under drawn noise a chain keeps its drafts' proposals and accepts by speculative sampling, and a tree
-        of distinct point-mass candidates by the parent's sample, which is that test for point masses."""
-        decoder = self.decoder
-        relaxed = decoder.lossless and decoder.acceptance_rule.relaxes  # LANTERN, LANTERN++: seeds from the generators
+    def device_plan(self, sampling: SamplingConfig, batch_size: int, device: torch.device) -> Tuple[type, Dict[str, Any]]:
+        """The loop that runs the decoder's rounds on the device and its arguments, from what the decoder says its round
+        is (`SpatialDecoderMixin.plan`): a chain (`ChainRound`: `device_chain.ChainLoop`; SJD-PAC's proactive
+        candidates as a static tree, `device_proactive.ProactiveLoop`), a tree of point-mass candidates (`TreeRound`:
+        a static tree, `device_tree.HeadTreeLoop`, or a tree grown per row, `device_tree.DynamicTreeLoop`; of any
+        depth, with an EOL slot at every row end it crosses), or passes known before the first (SSD's schedule:
+        `device_ssd.SSDLoop`), under the decoder's acceptance rule (exact, or relaxed: LANTERN, LANTERN++,
+        `relaxed_chain`, `device_tree.relaxed_matches`).
+
+        Every random draw comes from keyed streams of a seed each image draws from its generator: under keyed noise
+        (or greedy) a draft is accepted when it equals the target's keyed sample (AR's image); under drawn noise a
+        chain keeps its drafts' proposals and accepts by speculative sampling, and a tree of distinct point-mass
+        candidates by the parent's sample, which is that test for point masses."""
+        decoder, layout = self.decoder, self.backbone.layout
         drawn = not (sampling.keyed or sampling.greedy)  # speculative sampling on keyed streams of the rows' seeds
-        if not (decoder.is_exact or relaxed):
-            return None
+        plan = decoder.plan(self.draft_heads, layout, batch_size, device, drawn)
+        if isinstance(plan, SSDSchedule):  # passes known before the first (SSD): the rows run them in lockstep
+            return SSDLoop, {"schedule": plan, "draft_heads": self.draft_heads}
         rule = decoder.acceptance_rule
         acceptance = {}
-        if relaxed:
+        if rule.relaxes:  # LANTERN, LANTERN++: the codebook neighbours their claims read
             acceptance = {"rule": rule, "neighbours": self.backbone.code_neighbours(rule.num_neighbours) if rule.num_neighbours else None}
-        window = decoder.chain_window(drawn=drawn)
-        if window is not None:
-            return ChainLoop, {"window": window, "proposals": drawn, **decoder.chain_drafting(self.draft_heads), **acceptance}
-        layout = self.backbone.layout
-        drafter = decoder.device_drafter(self.draft_heads, layout, batch_size, device)
-        if drafter is None:
-            return None
-        return (DynamicTreeLoop if getattr(drafter, "per_row_trees", False) else HeadTreeLoop), {"drafter": drafter, **acceptance}
+        if isinstance(plan, ChainRound):
+            chain = {"window": plan.window, "init": plan.init, "anchor": plan.anchor, "continuation": plan.continuation,
+                     "guess": plan.guess, "proposals": drawn, **acceptance}
+            if plan.width > 1:  # SJD-PAC's candidates: a static tree
+                return ProactiveLoop, {**chain, "width": plan.width, "depth": plan.depth}
+            return ChainLoop, chain
+        if isinstance(plan, TreeRound):
+            loop_class = DynamicTreeLoop if getattr(plan.drafter, "per_row_trees", False) else HeadTreeLoop
+            return loop_class, {"drafter": plan.drafter, **acceptance}
+        raise TypeError(f"{type(decoder).__name__}.plan returned {plan!r}: a decoder's round is a `ChainRound`, a "
+                        "`TreeRound` (spatial_pipelines.core.rounds) or a schedule (docs/contributing.md, \"Adding a "
+                        "decoder\").")
 
     # -- rounds on the device -------------------------------------------------------------------------------
     def _generate_on_device(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int,
