@@ -29,8 +29,6 @@ def row_group_reason(loop: GenerationLoop, batch_size: int, device):
         return "device_rounds=False"
     if not type(decoder).__module__.startswith("spatial_pipelines."):
         return "a decoder written outside the library (only `propose` and `step`)"
-    if type(decoder).__name__ == "SSDDecoder":
-        return "SSD"
     if type(decoder).__name__ == "JacobiDecoder" and decoder.config.proactive_width > 1:
         return "SJD's proactive tree"
     rule = decoder.acceptance_rule

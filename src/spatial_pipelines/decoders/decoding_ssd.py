@@ -22,7 +22,7 @@ offset ``d``).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from diffusers.configuration_utils import register_to_config
@@ -47,6 +47,48 @@ SSD_PRESETS = {
     "lumina_mgpt": dict(num_horizontal=5, horizontal_rounds=1, num_vertical_rows=2, staged_base_rounds=5, staged_incremental_rounds=4),
     "emu3": dict(num_horizontal=5, horizontal_rounds=1, num_vertical_rows=1, vertical_rounds=6),
 }
+
+
+@dataclass(frozen=True)
+class SSDPass:
+    """One target pass of SSD's schedule, known before the first (it does not depend on what the passes accept).
+
+    Args:
+        committed (`int`): codes committed before the pass; the newest, ``committed - 1``, is fed first.
+        fed (`int`): codes fed after it: the whole block (a verification pass), or the codes a commit pass commits.
+        commit (`bool`): a commit pass (its fed codes stay in the KV cache), else a verification pass (rolled back).
+        bonus (`bool`): the commit pass also draws the code after the fed ones from its last output.
+        draft (`str`, *optional*): ``"horizontal"`` or ``"vertical"``: the pass first drafts a new block from the
+            committed codes (``drafted`` horizontal offsets, or ``drafted`` rows).
+        drafted (`int`): offsets the draft uses (0: no draft).
+        block (`int`): codes in the block being repaired during the pass (a staged commit moves the rest forward).
+    """
+
+    committed: int
+    fed: int
+    commit: bool
+    bonus: bool = False
+    draft: Optional[str] = None
+    drafted: int = 0
+    block: int = 0
+
+    @property
+    def shape(self) -> tuple:
+        """Everything but where the pass is: passes of one shape run one graph."""
+        return (self.fed, self.commit, self.bonus, self.draft, self.drafted, self.block)
+
+
+@dataclass(frozen=True)
+class SSDSchedule:
+    """What a loop on the device needs of SSD (`SSDDecoder.device_schedule`).
+
+    Args:
+        passes (`list[SSDPass]`): every target pass after the prompt's, in order.
+        sample_drafts (`bool`): drafts are drawn from the heads' distribution (``draft="sample"``), else their argmax.
+    """
+
+    passes: List[SSDPass]
+    sample_drafts: bool
 
 
 @dataclass
@@ -168,6 +210,33 @@ class SSDDecoder(SpatialDecoderMixin):
         c = self.config
         return HeadsNeed((LATENT,), tuple(range(1, c.num_horizontal + 1)), tuple(range(1, c.num_vertical_rows + 1)),
                          self._who("num_horizontal", "num_vertical_rows"))
+
+    def device_schedule(self, layout) -> SSDSchedule:
+        """Every target pass after the prompt's on ``layout``, in order (the module docstring's schedule): what
+        `propose` and `step` run, written out before the first pass, like a diffusers scheduler's timesteps."""
+        c, w, h = self.config, layout.width, layout.height
+        passes: List[SSDPass] = []
+        done = 1  # the prompt pass draws code 0
+        while done < w:  # first row: chunks of m drafts, then the code after them
+            m = min(c.num_horizontal, w - done - 1)
+            draft = dict(draft="horizontal", drafted=m, block=m) if m else {}
+            for _ in range(c.horizontal_rounds if m else 0):
+                passes.append(SSDPass(done, m, False, **draft))
+                draft = dict(block=m)
+            passes.append(SSDPass(done, m, True, bonus=True, **draft))
+            done += m + 1
+        while done < h * w:  # later rows: g at once, drafted from the row above
+            g = min(c.num_vertical_rows, h - done // w)
+            draft = dict(draft="vertical", drafted=g)
+            for k in range(g):  # the block holds the rows left; its leading row is committed after the rounds
+                block = (g - k) * w
+                for _ in range(self.base_rounds if k == 0 else self.incremental_rounds):
+                    passes.append(SSDPass(done, block, False, block=block, **draft))
+                    draft = {}
+                passes.append(SSDPass(done, w, True, block=block, **draft))
+                draft = {}
+                done += w
+        return SSDSchedule(passes, sample_drafts=c.draft == "sample")
 
     # -- drafting --------------------------------------------------------------------------------------
     def _draft(self, logits: torch.Tensor, state: SSDState):

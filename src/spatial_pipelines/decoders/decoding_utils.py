@@ -361,6 +361,13 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         point masses). ``None`` (the default): the decoder's own `propose` and `step` run, in row groups."""
         return None
 
+    def device_schedule(self, layout) -> Optional[Any]:
+        """For a decoder whose passes do not depend on what they accept (SSD): every target pass after the prompt's,
+        known before the first (`decoding_ssd.SSDSchedule`), which a loop on the device runs in lockstep over the rows
+        (`spatial_pipelines.pipelines.device_ssd.SSDLoop`). ``None`` (the default): the decoder has no such
+        schedule."""
+        return None
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("short_name")

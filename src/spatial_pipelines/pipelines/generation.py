@@ -31,6 +31,7 @@ from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 from .device_chain import ChainLoop
 from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, RoundView, compile_round
+from .device_ssd import SSDLoop
 from .device_tree import DynamicTreeLoop, HeadTreeLoop, TreeLoop
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
@@ -130,12 +131,18 @@ class GenerationLoop:
         `device_tree.relaxed_matches`). Every random draw comes from keyed streams of a seed each image draws from its
         generator: under keyed noise (or greedy) a draft is accepted when it equals the target's keyed sample (AR's
         image); under drawn noise a chain keeps its drafts' proposals and accepts by speculative sampling, and a tree
-        of distinct point-mass candidates by the parent's sample, which is that test for point masses.
-        ``device_rounds`` ``False`` turns it off."""
+        of distinct point-mass candidates by the parent's sample, which is that test for point masses. A decoder whose
+        passes are known before the first (SSD: `SpatialDecoderMixin.device_schedule`) runs them in lockstep
+        (`device_ssd.SSDLoop`). ``device_rounds`` ``False`` turns it off."""
         decoder = self.decoder
         relaxed = decoder.lossless and decoder.acceptance_rule.relaxes  # LANTERN, LANTERN++: seeds from the generators
         drawn = not (sampling.keyed or sampling.greedy)  # speculative sampling on keyed streams of the rows' seeds
-        if self.device_rounds is False or not (decoder.is_exact or relaxed):
+        if self.device_rounds is False:
+            return None
+        schedule = decoder.device_schedule(self.backbone.layout)
+        if schedule is not None:  # passes known before the first (SSD): the rows run them in lockstep
+            return SSDLoop, {"schedule": schedule, "draft_heads": self.draft_heads}
+        if not (decoder.is_exact or relaxed):
             return None
         rule = decoder.acceptance_rule
         acceptance = {}
@@ -196,10 +203,10 @@ class GenerationLoop:
         """What a device generation cost: one host read of the per-pass accepted lengths, after the last round."""
         layout = self.backbone.layout
         accepted = loop.accepted_lengths()  # (passes, B)
-        row_passes = (accepted > 0).sum(0).tolist()
+        row_passes = loop.row_passes(accepted)
         fed = rounds * batch_size * loop.fed
         return DecodingStats(
-            num_forward_passes=1 + rounds, num_draft_passes=rounds * loop.draft_passes_per_round,
+            num_forward_passes=1 + rounds, num_draft_passes=loop.draft_passes(rounds),
             num_tokens=batch_size * layout.num_tokens,
             mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1), accepted_lengths=accepted.cpu(),
             acceptance_map=layout.grid(loop.state.acceptance_map[:, :-1]).cpu(), wall_time_s=0.0,
