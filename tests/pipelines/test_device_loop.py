@@ -316,10 +316,11 @@ def test_the_state_is_typed_and_the_cache_rows_advance_on_the_device():
     assert not loop.cache.key_valid[:, prefix + n - 1:].any()
 
 
-#: a chain, a static tree and a grown tree, with and without end-of-row tokens
+#: a chain, a static tree, a grown tree and SSD's schedule, with and without end-of-row tokens
 CALLBACK_CASES = [pytest.param("llamagen", False, *DECODERS[2], id="sjd-3"),
                   pytest.param("llamagen", True, *TREES[1], id="eol-medusa-4"),
-                  pytest.param("janus", False, *EAGLE_TREES[1], id="janus-eagle-8")]
+                  pytest.param("janus", False, *EAGLE_TREES[1], id="janus-eagle-8"),
+                  pytest.param("llamagen", True, SSDDecoder, {"num_horizontal": 2, "vertical_rounds": 1}, id="eol-ssd")]
 
 
 def _grids_after_each_round(out):
