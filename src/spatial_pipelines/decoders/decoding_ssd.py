@@ -16,6 +16,10 @@ Schedule (target passes; the prefill pass draws code 0):
   final commit pass: ``b + (g - 1) * (1 + i) + 1`` passes (``b = staged_base_rounds``,
   ``i = staged_incremental_rounds``; the last group of the image may be shorter).
 
+No pass depends on what an earlier one accepted, so `SSDDecoder.device_schedule` writes the passes out before the
+first (`SSDPass`), and the pipelines run them on the device, every row in lockstep, each draw keyed by the image's
+seed (`spatial_pipelines.pipelines.device_ssd`); `propose` and `step` run the same schedule pass by pass.
+
 Indexing used by heads and decoder alike: ``h_j`` is the pre-norm hidden state whose logits drew code ``j``; a
 predictor fed ``[h_j; e(x_j)]`` drafts code ``j + k`` (horizontal offset ``k``) or ``j + d * W`` (vertical
 offset ``d``).
