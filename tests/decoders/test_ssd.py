@@ -202,3 +202,89 @@ def test_latent_heads_roundtrip_through_the_pipeline(tmp_path):
 def test_bad_latent_heads_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LatentDraftHeads(hidden_size=8, num_image_codes=16, grid_height=2, grid_width=2, **kwargs)
+
+
+# -- the passes on the device (`device_ssd.SSDLoop`) -----------------------------------------------------------------
+def _device_loops(monkeypatch, pipe):
+    """Record the `SSDLoop` of every call (a call that takes the row-group loop records none)."""
+    loops = []
+    run_device = pipe.loop._run_device
+
+    def recorded(loop, *args, **kwargs):
+        loops.append(loop)
+        return run_device(loop, *args, **kwargs)
+
+    monkeypatch.setattr(pipe.loop, "_run_device", recorded)
+    return loops
+
+
+DEVICE_SCHEDULES = [
+    pytest.param(dict(num_horizontal=2, vertical_rounds=2), id="r2"),
+    pytest.param(dict(num_horizontal=3, horizontal_rounds=0, vertical_rounds=0), id="r0"),
+    pytest.param(dict(num_horizontal=2, num_vertical_rows=2, staged_base_rounds=2, staged_incremental_rounds=1), id="staged"),
+]
+
+
+@pytest.mark.parametrize("kwargs", DEVICE_SCHEDULES)
+@pytest.mark.parametrize("draft", ["argmax", "sample"])
+@pytest.mark.parametrize("end_of_row", [False, True], ids=["", "eol"])
+def test_greedy_device_passes_give_the_row_group_codes(kwargs, draft, end_of_row, monkeypatch):
+    """Greedy SSD on the device commits the row-group loop's codes token for token, in its passes, with its draft
+    passes, per-pass counts and acceptance map (CFG, two prompts; with end-of-row tokens too)."""
+    pipe = ssd_pipeline((5, 6), end_of_row=end_of_row, draft=draft, **kwargs)
+    call = dict(guidance_scale=2.0, temperature=0, output_type="latent")
+    loops = _device_loops(monkeypatch, pipe)
+    out = pipe(["a red fox", "blue sky"], **call)
+    pipe.loop.device_rounds = False
+    grouped = pipe(["a red fox", "blue sky"], **call)
+    assert len(loops) == 1 and type(loops[0]).__name__ == "SSDLoop"
+    assert torch.equal(out.tokens, grouped.tokens)
+    for name in ("num_forward_passes", "num_draft_passes", "row_forward_passes", "mean_accepted_length"):
+        assert getattr(out.stats, name) == getattr(grouped.stats, name), name
+    assert torch.equal(out.stats.accepted_lengths, grouped.stats.accepted_lengths)
+    assert torch.equal(out.stats.acceptance_map, grouped.stats.acceptance_map)
+    assert out.stats.num_forward_passes == expected_passes((5, 6), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", DEVICE_SCHEDULES)
+@pytest.mark.parametrize("draft", ["argmax", "sample"])
+@pytest.mark.parametrize("end_of_row", [False, True], ids=["", "eol"])
+def test_a_batch_gives_each_image_what_it_gives_alone(kwargs, draft, end_of_row, monkeypatch):
+    """Every draw on the device comes from keyed streams of the image's seed (the target's samples, sampled drafts,
+    the verification's uniforms and residual draws): three prompts in one call give each what it gives alone with the
+    same generator, in the same passes."""
+    pipe = ssd_pipeline((4, 5), end_of_row=end_of_row, draft=draft, **kwargs)
+    loops = _device_loops(monkeypatch, pipe)
+    prompts, call = ["a red fox", "blue sky", "x"], dict(guidance_scale=2.0, output_type="latent")
+    out = pipe(prompts, generator=[gen(i) for i in range(3)], **call)
+    for i, prompt in enumerate(prompts):
+        alone = pipe([prompt], generator=[gen(i)], **call)
+        assert torch.equal(alone.tokens[0], out.tokens[i])
+        assert torch.equal(alone.stats.acceptance_map[0], out.stats.acceptance_map[i])
+    assert len(loops) == 4 and out.stats.row_forward_passes == [expected_passes((4, 5), **kwargs)] * 3
+    again = pipe(prompts, generator=[gen(i) for i in range(3)], **call)
+    assert torch.equal(again.tokens, out.tokens)
+
+
+def test_sampled_drafts_are_keyed_draws_from_the_heads(monkeypatch):
+    """``draft="sample"`` draws each draft from the heads' distribution on a keyed stream of its own: without
+    verification rounds the image differs from the argmax drafts' (random heads are far from one-hot), and a
+    temperature tending to 0 brings the argmax drafts back (the draws concentrate on the heads' argmax)."""
+    kwargs = dict(num_horizontal=2, horizontal_rounds=0, vertical_rounds=0)
+    sampled = ssd_pipeline((4, 5), draft="sample", **kwargs)
+    argmax = ssd_pipeline((4, 5), draft="argmax", **kwargs)
+    argmax.draft_heads = sampled.draft_heads
+    loops = _device_loops(monkeypatch, sampled)
+    call = dict(generator=gen(5), output_type="latent")
+    assert not torch.equal(sampled("a fox", **call).tokens, argmax("a fox", **call).tokens)
+    cold = dict(temperature=1e-4, generator=gen(5), output_type="latent")
+    assert torch.equal(sampled("a fox", **cold).tokens, argmax("a fox", **cold).tokens)
+    assert len(loops) == 2
+
+
+def test_profile_rounds_times_the_parts_of_a_device_pass():
+    pipe = ssd_pipeline((4, 5), num_horizontal=2, vertical_rounds=1)
+    with pipe.profile_rounds() as timer:
+        out = pipe("a fox", generator=gen(0), output_type="latent")
+    assert timer.rounds == out.stats.num_forward_passes - 1
+    assert {"draft", "forward", "accept", "kv", "round", "sync"} <= set(timer.seconds)

@@ -6,11 +6,13 @@ import math
 import pytest
 import torch
 
-from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
+from spatial_pipelines import (ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder,
+                               SSDDecoder)
 from spatial_pipelines.pipelines import device_chain, device_tree
 from spatial_pipelines.pipelines.device_chain import ChainLoop, chain_round
 from spatial_pipelines.pipelines.device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, state_tensors
 from spatial_pipelines.pipelines.device_proactive import ProactiveLoop
+from spatial_pipelines.pipelines.device_ssd import SSDLoop
 from spatial_pipelines.pipelines.device_tree import DynamicTreeLoop, HeadTreeLoop
 from spatial_pipelines.pipelines.round_counts import count_rounds
 from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
@@ -337,14 +339,18 @@ COUNTED += [pytest.param(*FAMILIES[1], MedusaDecoder, {"num_heads": 5, "tree_pat
                                                        "grid": (8, 3)}, id="llamagen-eol-medusa-deeper-than-a-row"),
             pytest.param(*FAMILIES[1], EagleDecoder, {"num_draft_tokens": 8, "depth": 4, "top_k": 3, "grid": (8, 3)},
                          id="llamagen-eol-eagle-deeper-than-a-row")]
+#: SSD's passes (a graph per pass shape): the default schedule, and a staged one with end-of-row tokens and sampled drafts
+COUNTED += [pytest.param(*FAMILIES[0], SSDDecoder, {}, id="llamagen-ssd"),
+            pytest.param(*FAMILIES[1], SSDDecoder, {"num_vertical_rows": 2, "draft": "sample"}, id="llamagen-eol-ssd-staged")]
 
 
 @pytest.mark.parametrize("family,end_of_row,decoder_cls,kwargs", COUNTED)
 def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row, decoder_cls, kwargs, monkeypatch):
     """The counted test of a second compiled generation (other prompts, another CFG scale): no recompile (dynamo
     raises on one), one compiled region per round, at most 10 aten ops per round outside it (the sync's), and the device read once per sync; the state and
-    the cache keep their addresses from round to round; the round has no graph break (`torch._dynamo.explain`). A
-    case's ``sampling_noise`` goes to every call, its ``grid`` (8 x 8 where it names none) to the pipeline."""
+    the cache keep their addresses from round to round; the round has no graph break (`torch._dynamo.explain`; SSD:
+    the first pass of every shape, each its own graph). A case's ``sampling_noise`` goes to every call, its ``grid``
+    (8 x 8 where it names none) to the pipeline."""
     kwargs = dict(kwargs)
     noise = {"sampling_noise": kwargs.pop("sampling_noise")} if "sampling_noise" in kwargs else {}
     grid = kwargs.pop("grid", (8, 8))
@@ -372,19 +378,26 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
     assert counts.eager_ops_per_round <= 10, counts.as_dict()
     assert 0 < counts.host_reads <= _sync_reads_allowed(counts.rounds, max_codes[0])
     assert len(set(addresses)) == 1
-    explained = []
+    explained, loops = {}, []
 
-    def explain_first_round(loop):
-        if not explained:
-            explained.append(torch._dynamo.explain(loop.default_round())(loop))
-            loop.num_rounds += 1  # explain ran the round
-        return step(loop)
+    def explain_new_shapes(loop):
+        loops[:] = [loop]
+        shape = id(loop.plan[loop.num_rounds][1]) if isinstance(loop, SSDLoop) else None  # SSD: the pass's phase
+        if shape in explained:
+            return step(loop)
+        end = loop.write_bound()  # `step`, with explain running the round
+        loop.cache.set_bound(end)
+        explained[shape] = torch._dynamo.explain(loop.default_round())(loop)
+        loop.bound = end
+        loop.num_rounds += 1
 
-    monkeypatch.setattr(DeviceLoop, "step", explain_first_round)
+    monkeypatch.setattr(DeviceLoop, "step", explain_new_shapes)
     again = pipe(["a quiet sea under a pale blue sky", "x"], guidance_scale=3.5, temperature=0.8, generator=_generators(2), **noise,
                  output_type="latent")
     assert torch.equal(again.tokens, out.tokens)
-    assert explained[0].graph_break_count == 0 and explained[0].graph_count == 1
+    assert all(e.graph_break_count == 0 and e.graph_count == 1 for e in explained.values())
+    if decoder_cls is SSDDecoder:
+        assert len(explained) == len(loops[0].phases) > 3  # every shape of pass explained
 
 
 def test_reads_are_counted_where_the_round_reads(monkeypatch):
@@ -421,10 +434,11 @@ def test_the_state_is_typed_and_the_cache_rows_advance_on_the_device():
     assert not loop.cache.key_valid[:, prefix + n - 1:].any()
 
 
-#: a chain, a static tree and a grown tree, with and without end-of-row tokens
+#: a chain, a static tree, a grown tree and SSD's schedule, with and without end-of-row tokens
 CALLBACK_CASES = [pytest.param("llamagen", False, *DECODERS[2], id="sjd-3"),
                   pytest.param("llamagen", True, *TREES[1], id="eol-medusa-4"),
-                  pytest.param("janus", False, *EAGLE_TREES[1], id="janus-eagle-8")]
+                  pytest.param("janus", False, *EAGLE_TREES[1], id="janus-eagle-8"),
+                  pytest.param("llamagen", True, SSDDecoder, {"num_horizontal": 2, "vertical_rounds": 1}, id="eol-ssd")]
 
 
 def _grids_after_each_round(out):

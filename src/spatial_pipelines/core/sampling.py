@@ -220,6 +220,8 @@ CONTINUE_STREAM = 0x1B873593CC9E2D51
 PROACTIVE_STREAM = 0x7F4A7C15F39CC060
 #: Salt of the keyed stream of tree shapes drawn uniformly (ADT-Tree's ``tree_init="random"`` on the device)
 SHAPE_STREAM = 0x632BE59BD9B4E019
+#: Salt of the keyed stream of drafts drawn from a draft head's distribution (SSD's ``draft="sample"`` on the device)
+DRAFT_STREAM = 0x7F4A7C159E3779B9
 
 
 def draw_seeds(generator: GeneratorLike, batch_size: int) -> torch.Tensor:

@@ -228,8 +228,6 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     short_name = "eagle"  # the CLI's and benchmark specs' name (`DECODERS`)
 
-    distinct_siblings = True  # top-k children are distinct
-    uses_all_rows = True  # the drafter reads the unconditional rows' features too
     uses_drafter_passes = True  # a deeper tree costs one more drafter pass: "auto" weighs it
     acceptance_prior = EAGLE_ACCEPTANCE_PRIOR  # fitted on the embedded model: "auto" uses it on any checkpoint
     draft_size_name = "num_draft_tokens"

@@ -114,7 +114,6 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     draft_size_name = "num_draft_tokens"
     default_draft_size = 32  # on a GPU a pass over 1-256 tokens costs one AR step (docs/performance.md)
-    distinct_siblings = True  # duplicate pool slots are offered as -1
 
     @register_to_config
     def __init__(

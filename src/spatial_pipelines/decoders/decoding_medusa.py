@@ -81,7 +81,6 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     short_name = "medusa"  # the CLI's and benchmark specs' name (`DECODERS`)
 
-    distinct_siblings = True  # top-k candidates are distinct
     draft_size_name = "num_draft_tokens"
     default_draft_size = 16  # the whole default tree (4 heads x top-4): on a GPU a 17-token pass costs one AR step
 

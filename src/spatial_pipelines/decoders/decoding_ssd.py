@@ -16,22 +16,23 @@ Schedule (target passes; the prefill pass draws code 0):
   final commit pass: ``b + (g - 1) * (1 + i) + 1`` passes (``b = staged_base_rounds``,
   ``i = staged_incremental_rounds``; the last group of the image may be shorter).
 
+No pass depends on what an earlier one accepted, so `SSDDecoder.plan` writes the passes out before the
+first (`SSDPass`), and the pipelines run them on the device, every row in lockstep, each draw keyed by the image's
+seed (`spatial_pipelines.pipelines.device_ssd`); `propose` and `step` run the same schedule pass by pass.
+
 Indexing used by heads and decoder alike: ``h_j`` is the pre-norm hidden state whose logits drew code ``j``; a
 predictor fed ``[h_j; e(x_j)]`` drafts code ``j + k`` (horizontal offset ``k``) or ``j + d * W`` (vertical
 offset ``d``).
 """
 
-from dataclasses import dataclass, field
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import List, Optional
 
-import torch
 from diffusers.configuration_utils import register_to_config
 
 from ..core.contracts import LATENT, HeadsNeed
-from ..core.sampling import logits_to_probs, sample_from_probs
-from ..core.verification import accept_independently
 from ..utils import check_number
-from .decoding_utils import DecodingState, Draft, DraftKind, SpatialDecoderMixin, StepOutput, check_draft_budget, draft_through
+from .decoding_utils import SpatialDecoderMixin, check_draft_budget
 
 __all__ = ["SSD_PRESETS", "SSDDecoder"]  # what `spatial_pipelines.decoders` exports from this file
 
@@ -49,39 +50,46 @@ SSD_PRESETS = {
 }
 
 
-@dataclass
-class _Block:
-    """Drafted codes being repaired; they start right after the last committed code.
-
-    tokens ``(B, n)``; q ``(B, n, V)`` the distribution each code follows (``None``: point masses);
-    rounds_left: verification passes still to run; commit_length: codes the next commit pass commits;
-    bonus: the commit pass also draws the code after the block from its last output.
-    """
-
-    tokens: torch.Tensor
-    q: Optional[torch.Tensor]
-    rounds_left: int
-    commit_length: int
-    bonus: bool
-
-
-@dataclass
-class SSDState(DecodingState):
-    """`DecodingState` plus SSD's per-generation data.
+@dataclass(frozen=True)
+class SSDPass:
+    """One target pass of SSD's schedule, known before the first (it does not depend on what the passes accept).
 
     Args:
-        hidden (`torch.Tensor` `(B, N, D)`): ``h_j`` of every committed code ``j`` (allocated at prefill, in the
-            trunk's dtype).
-        block (`_Block`, *optional*): the drafted codes being repaired.
-        masks (`dict[int, torch.BoolTensor]`): causal masks by fed length, allocated once per generation.
+        committed (`int`): codes committed before the pass; the newest, ``committed - 1``, is fed first.
+        fed (`int`): codes fed after it: the whole block (a verification pass), or the codes a commit pass commits.
+        commit (`bool`): a commit pass (its fed codes stay in the KV cache), else a verification pass (rolled back).
+        bonus (`bool`): the commit pass also draws the code after the fed ones from its last output.
+        draft (`str`, *optional*): ``"horizontal"`` or ``"vertical"``: the pass first drafts a new block from the
+            committed codes (``drafted`` horizontal offsets, or ``drafted`` rows).
+        drafted (`int`): offsets the draft uses (0: no draft).
+        block (`int`): codes in the block being repaired during the pass (a staged commit moves the rest forward).
     """
 
-    row_fields = ("hidden", "block")
-    shared_fields = ("masks",)
+    committed: int
+    fed: int
+    commit: bool
+    bonus: bool = False
+    draft: Optional[str] = None
+    drafted: int = 0
+    block: int = 0
 
-    hidden: Optional[torch.Tensor] = None
-    block: Optional[_Block] = None
-    masks: Dict[int, torch.Tensor] = field(default_factory=dict)
+    @property
+    def shape(self) -> tuple:
+        """Everything but where the pass is: passes of one shape run one graph."""
+        return (self.fed, self.commit, self.bonus, self.draft, self.drafted, self.block)
+
+
+@dataclass(frozen=True)
+class SSDSchedule:
+    """What a loop on the device needs of SSD (`SSDDecoder.plan`).
+
+    Args:
+        passes (`list[SSDPass]`): every target pass after the prompt's, in order.
+        sample_drafts (`bool`): drafts are drawn from the heads' distribution (``draft="sample"``), else their argmax.
+    """
+
+    passes: List[SSDPass]
+    sample_drafts: bool
 
 
 class SSDDecoder(SpatialDecoderMixin):
@@ -106,7 +114,6 @@ class SSDDecoder(SpatialDecoderMixin):
     short_name = "ssd"  # the CLI's and benchmark specs' name (`DECODERS`)
 
     lossless = False  # verification as auto-correction: positions do not wait for their left neighbours
-    state_class = SSDState
 
     @register_to_config
     def __init__(
@@ -169,93 +176,33 @@ class SSDDecoder(SpatialDecoderMixin):
         return HeadsNeed((LATENT,), tuple(range(1, c.num_horizontal + 1)), tuple(range(1, c.num_vertical_rows + 1)),
                          self._who("num_horizontal", "num_vertical_rows"))
 
+    def plan(self, draft_heads, layout, batch_size: int, device, drawn: bool = False) -> SSDSchedule:
+        """Every target pass after the prompt's on ``layout``, in order (the module docstring's schedule), written out
+        before the first pass, like a diffusers scheduler's timesteps: the engine runs them in lockstep over the rows
+        (`spatial_pipelines.pipelines.device_ssd.SSDLoop`)."""
+        c, w, h = self.config, layout.width, layout.height
+        passes: List[SSDPass] = []
+        done = 1  # the prompt pass draws code 0
+        while done < w:  # first row: chunks of m drafts, then the code after them
+            m = min(c.num_horizontal, w - done - 1)
+            draft = dict(draft="horizontal", drafted=m, block=m) if m else {}
+            for _ in range(c.horizontal_rounds if m else 0):
+                passes.append(SSDPass(done, m, False, **draft))
+                draft = dict(block=m)
+            passes.append(SSDPass(done, m, True, bonus=True, **draft))
+            done += m + 1
+        while done < h * w:  # later rows: g at once, drafted from the row above
+            g = min(c.num_vertical_rows, h - done // w)
+            draft = dict(draft="vertical", drafted=g)
+            for k in range(g):  # the block holds the rows left; its leading row is committed after the rounds
+                block = (g - k) * w
+                for _ in range(self.base_rounds if k == 0 else self.incremental_rounds):
+                    passes.append(SSDPass(done, block, False, block=block, **draft))
+                    draft = {}
+                passes.append(SSDPass(done, w, True, block=block, **draft))
+                draft = {}
+                done += w
+        return SSDSchedule(passes, sample_drafts=c.draft == "sample")
+
     # -- drafting --------------------------------------------------------------------------------------
-    def _draft(self, logits: torch.Tensor, state: SSDState):
-        """Draft codes ``(B, n)`` and their distribution (``None``: point masses) from draft logits ``(B, n, V)``."""
-        if self.config.draft == "argmax":
-            return logits.argmax(-1), None
-        q = logits_to_probs(logits, state.sampling)  # (B, n, V)
-        return sample_from_probs(q, state.random), q
-
-    def _new_block(self, state: SSDState, draft_heads, backbone) -> _Block:
-        layout, c = state.layout, state.num_committed
-        w, backbone, hidden = layout.width, draft_through(backbone, self), state.hidden
-        if c < w:  # first row: a horizontal chunk drafted from the newest code
-            m = min(self.config.num_horizontal, w - c - 1)
-            if m == 0:  # one code left in the row: an AR step
-                return _Block(state.tokens[:, c:c], None, 0, 0, bonus=True)
-            src = torch.arange(c - 1, c, device=hidden.device)
-            logits = draft_heads.draft_logits(backbone, hidden[:, src], state.tokens[:, src], "horizontal", m, src)
-            tokens, q = self._draft(logits[:, 0], state)  # (B, m)
-            state.num_draft_passes += 1
-            return _Block(tokens, q, self.config.horizontal_rounds, m, bonus=True)
-        # a later row: up to num_vertical_rows rows at once, one code per column, from the completed row above
-        row = c // w
-        g = min(self.config.num_vertical_rows, layout.height - row)
-        src = torch.arange((row - 1) * w, row * w, device=hidden.device)  # (W,)
-        logits = draft_heads.draft_logits(backbone, hidden[:, src], state.tokens[:, src], "vertical", g, src)  # (B, W, g, V)
-        tokens, q = self._draft(logits.transpose(1, 2).flatten(1, 2), state)  # (B, g*W) row-major
-        state.num_draft_passes += 1
-        return _Block(tokens, q, self.base_rounds, w, bonus=False)
-
-    def _causal_mask(self, state: SSDState, t: int) -> torch.Tensor:
-        masks = state.masks
-        if t not in masks:  # one per block length, allocated once per generation
-            masks[t] = torch.ones(t, t, dtype=torch.bool, device=state.tokens.device).tril()
-        return masks[t]
-
-    def propose(self, state: SSDState, draft_heads=None, backbone=None) -> Draft:
-        block = state.block
-        if block is None:
-            block = state.block = self._new_block(state, draft_heads, backbone)
-        n = block.tokens.shape[1] if block.rounds_left > 0 else block.commit_length
-        c = state.num_committed
-        return Draft(
-            input_ids=torch.cat([state.last_token[:, None], block.tokens[:, :n]], 1),  # (B, 1 + n)
-            position_ids=state.positions[c - 1 : c + n],
-            attention_mask=self._causal_mask(state, n + 1),
-            kind=DraftKind.CHAIN,
-            depths=tuple(range(n + 1)),  # a chain: the newest code, then the block
-        )
-
     # -- verification and commit -----------------------------------------------------------------------
-    def step(self, logits, hidden_states, draft, state, draft_heads=None, backbone=None) -> StepOutput:
-        if draft is None:  # prefill: code 0 from the prompt's last position
-            token = sample_from_probs(logits_to_probs(logits[:, -1], state.sampling), state.random)  # (B,)
-            hidden = hidden_states.new_zeros(state.batch_size, state.layout.num_tokens, hidden_states.shape[-1])  # (B, N, D)
-            hidden[:, 0] = hidden_states[:, -1]
-            state.hidden = hidden
-            state.commit(token[:, None], torch.ones_like(token))
-            return StepOutput(num_accepted=1)
-        block: _Block = state.block
-        if block.rounds_left > 0:
-            # auto-correction: output j is the target's p for block code j given the block drafted before it
-            probs = logits_to_probs(logits[:, :-1], state.sampling)  # (B, n, V)
-            block.tokens, _ = accept_independently(block.tokens, probs, state.random, block.q)
-            block.q = probs  # every code now follows this round's p: the next round tests against it
-            block.rounds_left -= 1
-            state.commit_nothing()
-            return StepOutput(num_accepted=0, keep_length=0)  # roll the pass back
-        return self._commit(logits, hidden_states, state, block)
-
-    def _commit(self, logits, hidden_states, state: SSDState, block: _Block) -> StepOutput:
-        c, m = state.num_committed, block.commit_length
-        hidden = state.hidden
-        codes = block.tokens[:, :m]  # (B, m)
-        hidden[:, c : c + m] = hidden_states[:, :m]  # output j drew (or judged) code c + j
-        if block.bonus:  # the code after the chunk, drawn exactly from the pass's last output
-            bonus = sample_from_probs(logits_to_probs(logits[:, m], state.sampling), state.random)  # (B,)
-            hidden[:, c + m] = hidden_states[:, m]
-            codes = torch.cat([codes, bonus[:, None]], 1)
-        n = codes.shape[1]
-        state.commit(codes, torch.full_like(codes[:, 0], n))
-        rest = block.tokens.shape[1] - m
-        if rest > 0:  # staged: the trailing rows get `incremental_rounds` more rounds with the leading row fixed
-            state.block = _Block(
-                block.tokens[:, m:], None if block.q is None else block.q[:, m:], self.incremental_rounds,
-                min(state.layout.width, rest), bonus=False,
-            )
-        else:
-            state.block = None
-        # the newest committed code is fed first next round: keep the KV of what came before it only
-        return StepOutput(num_accepted=n, keep_length=None if block.bonus else m)

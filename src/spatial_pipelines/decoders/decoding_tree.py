@@ -89,12 +89,10 @@ class TreeDecoderMixin:
     codes per second, ``(1 + E[accepted]) / (seconds per round)``.
     The costs are measured on the device; ``E[accepted]`` is not: it comes from the prior `node_priors` with the
     class's ``acceptance_prior`` ``(first_rate, sibling_decay)``, fitted on the embedded model (`HEADS_ACCEPTANCE_PRIOR`,
-    `EAGLE_ACCEPTANCE_PRIOR`, the SJD priors; docs/decoders.md, "Fitted constants"), also for other checkpoints. Its
-    ``state_class`` must be a `TreeState`.
+    `EAGLE_ACCEPTANCE_PRIOR`, the SJD priors; docs/decoders.md, "Fitted constants"), also for other checkpoints.
     """
 
     acceptance_prior: Tuple[float, float] = HEADS_ACCEPTANCE_PRIOR
-    distinct_siblings: bool = False  # True when the decoder never offers one code twice among siblings
 
     def _set_acceptance(self, acceptance: AcceptanceLike) -> None:
         """Resolve the config's acceptance rule (checked: a `ValueError` names a bad argument) and store it in the

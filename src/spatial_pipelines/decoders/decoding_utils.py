@@ -1,17 +1,13 @@
 """The base of every speculative decoder: weight-free, configurable, swappable like a diffusers scheduler.
 
-A decoder never calls the backbone. Each round the pipeline asks it for a `Draft` (what to feed the target),
-runs the target forward over it, mixes CFG, and hands the logits back to `step`, which accepts tokens,
-commits them to the `DecodingState` and says which fed positions stay in the KV cache.
+A decoder never calls the backbone. It says what its round is (`SpatialDecoderMixin.plan`: a chain of drafts, a tree
+its drafter drafts, or a schedule of passes; `spatial_pipelines.core.rounds`), and the pipeline's one engine runs it
+on the device: the target pass, the verification on keyed noise, the commit and the KV cache are the engine's.
 """
 
 import abc
-import copy
-import dataclasses
-import enum
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from diffusers import ConfigMixin, SchedulerMixin
@@ -19,7 +15,6 @@ from diffusers import ConfigMixin, SchedulerMixin
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.contracts import HeadsNeed, check_heads
 from ..core.layout import ImageTokenLayout
-from ..core.sampling import RandomSource, SamplingConfig
 from ..utils import LIBRARY, check_number, check_save_directory, subclasses
 
 DECODER_CONFIG_NAME = "decoder_config.json"
@@ -73,233 +68,9 @@ def check_draft_size(name: str, value, low: int = 1) -> None:
     check_draft_budget(f"`{name}={value}`", value + 1)
 
 
-@dataclass
-class DecodingState:
-    """Everything one generation carries between rounds.
-
-    Args:
-        layout (`ImageTokenLayout`): the image grid.
-        sampling (`SamplingConfig`): how logits become the target distribution ``p``.
-        random (`RandomSource`): per-row random numbers.
-        prefix_length (`int`): sequence positions before the first image code (same for all rows).
-        positions (`torch.LongTensor` `(H*W,)`): absolute sequence position of each raster code (EOL-aware).
-        tokens (`torch.LongTensor` `(B, H*W)`): committed codes in raster order, ``-1`` where not yet decoded.
-        acceptance_map (`torch.LongTensor` `(B, H*W)`): accepted length of the pass that committed each code.
-        num_committed (`int`): codes committed so far (host-side). A state holds the rows that advance together: one
-            image in a generation (every image of a batch has its own state and advances on its own, `RowBatch`).
-        accepted_lengths (`list[torch.LongTensor]`): one ``(B,)`` tensor per target pass.
-        num_draft_passes (`int`): forward passes of draft heads/models.
-
-    A decoder that carries more between rounds subclasses this dataclass (typed fields with defaults, set in its
-    ``init_state``) and names it in its ``state_class``, and lists each new field in one of ``row_fields`` (one entry
-    per image row along dim 0: split with the rows), ``cfg_row_fields`` (one per target row: the image rows, then
-    with CFG their unconditional twins) or ``shared_fields`` (the same for every row: tables, host-side counters).
-    `split` reads these lists (over the class hierarchy) and refuses a state with a field in none of them.
-    """
-
-    row_fields: ClassVar[Tuple[str, ...]] = ("tokens", "acceptance_map", "accepted_lengths")
-    cfg_row_fields: ClassVar[Tuple[str, ...]] = ()
-    shared_fields: ClassVar[Tuple[str, ...]] = ("layout", "sampling", "random", "prefix_length", "positions",
-                                                "num_committed", "num_draft_passes", "split_rows")
-
-    layout: ImageTokenLayout
-    sampling: SamplingConfig
-    random: RandomSource
-    prefix_length: int
-    positions: torch.Tensor
-    tokens: torch.Tensor
-    acceptance_map: torch.Tensor
-    num_committed: int = 0
-    accepted_lengths: List[torch.Tensor] = field(default_factory=list)
-    num_draft_passes: int = 0
-    split_rows: bool = False
-
-    @classmethod
-    def _declared(cls, kind: str) -> set:
-        return {name for klass in cls.__mro__ for name in klass.__dict__.get(kind, ())}
-
-    def split(self, index: Sequence[int]) -> "DecodingState":
-        """The state of the rows ``index`` alone (a new state; tensors are copied): what the loop makes when the
-        rows of one state accept runs of different lengths (`RowsDiverged`), so that each part advances on its own.
-
-        Row fields are indexed along dim 0 (``cfg_row_fields`` at the rows and their unconditional twins), shared
-        fields are kept (a list or dict copied, so the parts do not write into one another's), the random source
-        keeps only the rows' generators (`RandomSource.split`), and `_after_split` rebuilds what depends on the
-        batch size. Raises `TypeError` naming a field the state class does not declare."""
-        rows, shared, twins = self._declared("row_fields"), self._declared("shared_fields"), self._declared("cfg_row_fields")
-        b = self.batch_size
-        idx = torch.as_tensor(list(index), dtype=torch.long, device=self.tokens.device)
-        values = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in rows:
-                values[f.name] = split_rows(value, idx)
-            elif f.name in twins:
-                values[f.name] = split_rows(value, idx, twins_after=b)
-            elif f.name in shared:
-                values[f.name] = copy.copy(value) if isinstance(value, (list, dict)) else value
-            else:
-                raise TypeError(f"{type(self).__name__}.{f.name} is in none of `row_fields`, `cfg_row_fields` and "
-                                "`shared_fields`: declare it, so that the state can be split by rows.")
-        values["random"] = self.random.split(list(index))
-        part = type(self)(**values)
-        part._after_split(self, idx)
-        return part
-
-    def _after_split(self, parent: "DecodingState", index: torch.Tensor) -> None:
-        """Rebuild, after `split`, the fields that depend on the number of rows (a subclass extends it)."""
-
-    @property
-    def num_remaining(self) -> int:
-        return self.layout.num_tokens - self.num_committed
-
-    @property
-    def batch_size(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def finished(self) -> bool:
-        return self.num_committed >= self.layout.num_tokens
-
-    @property
-    def last_token(self) -> torch.Tensor:
-        """The newest committed code ``(B,)``: the next round feeds it to the target."""
-        return self.tokens[:, self.num_committed - 1]
-
-    def commit(self, new_tokens: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Append ``new_tokens`` ``(B, n)`` (``n`` known on the host) committed by one target pass whose accepted
-        length per row is ``accepted`` ``(B,)``."""
-        n = new_tokens.shape[1]
-        end = self.num_committed + n
-        self.tokens[:, self.num_committed : end] = new_tokens
-        self.acceptance_map[:, self.num_committed : end] = accepted[:, None]
-        self.accepted_lengths.append(accepted)
-        self.num_committed = end
-
-    def report(self) -> Dict[str, float]:
-        """Statistics of the generation particular to the decoder (`DecodingStats.decoder_stats`), read once after
-        the last round. A decoder's state class overrides it; the base reports nothing."""
-        return {}
-
-    def commit_nothing(self) -> None:
-        """Record a target pass that committed no code (a verification round of a lossy decoder)."""
-        self.accepted_lengths.append(torch.zeros_like(self.tokens[:, 0]))
-
-
-def split_rows(value, index: torch.Tensor, twins_after: Optional[int] = None):
-    """``value`` at the rows ``index``: a tensor along dim 0 (with ``twins_after``, and twice that many rows, the
-    rows and their twins ``twins_after`` rows later), a list of them item by item, an object with ``select_rows`` by
-    it, a dataclass field by field; ``None`` stays ``None``."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if twins_after is not None and value.shape[0] == 2 * twins_after:
-            index = torch.cat([index, index + twins_after])
-        return value.index_select(0, index.to(value.device))
-    if isinstance(value, list):
-        return [split_rows(v, index, twins_after) for v in value]
-    if hasattr(value, "select_rows"):
-        if twins_after is not None and value.num_rows == 2 * twins_after:
-            index = torch.cat([index, index + twins_after])
-        return value.select_rows(index)
-    if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: split_rows(getattr(value, f.name), index)
-                                             for f in dataclasses.fields(value) if isinstance(getattr(value, f.name), torch.Tensor)})
-    raise TypeError(f"Cannot split a {type(value).__name__} by rows.")
-
-
-class RowsDiverged(Exception):
-    """Raised by a decoder step, before it changes its state, when the rows of a state that may be split
-    (``DecodingState.split_rows``) accepted runs of different lengths. The loop splits the state by run length
-    (`DecodingState.split`) and steps each part again with the verification already drawn (``acceptance``, its
-    rows indexed), so every row commits its own run and no random number is drawn twice.
-
-    Args:
-        acceptance: the verification of every row (a `TreeAcceptance`).
-        runs (`list[int]`): per row, the codes its run commits (host ints).
-    """
-
-    def __init__(self, acceptance, runs: List[int]):
-        super().__init__(f"rows accepted runs of different lengths: {runs}")
-        self.acceptance, self.runs = acceptance, runs
-
-
-class DraftKind(enum.Enum):
-    """What shape a round's draft has; the loop reads it once per round (`Draft.per_row`), never a tensor's rank.
-
-    - ``CHAIN``: a window of drafts one after another, node ``i`` at depth ``i`` (AR's single code, SJD's window,
-      SSD's block), the same positions for every batch row.
-    - ``TREE``: one tree shape shared by every batch row (Medusa, Hawk, SJD-PAC's candidates).
-    - ``ROW_TREES``: one tree per batch row (EAGLE-2, ADT-Tree), grown on the device.
-    """
-
-    CHAIN = "chain"
-    TREE = "tree"
-    ROW_TREES = "row_trees"
-
-
-@dataclass
-class Draft:
-    """What the target verifies in one round.
-
-    Args:
-        input_ids (`torch.LongTensor` `(B, T)`): codes fed to the target (the last committed code first).
-        position_ids (`torch.LongTensor`): their absolute sequence positions, `(T,)` for a shared draft (``CHAIN``,
-            ``TREE``), `(B, T)` for ``ROW_TREES``.
-        attention_mask (`torch.BoolTensor`): which fed tokens see which (causal for a chain, the tree mask for a
-            tree): `(T, T)` for a shared draft, `(B, T, T)` for ``ROW_TREES``.
-        kind (`DraftKind`): the draft's shape.
-        depths (`tuple[int]`): host-side depth of each fed node of a shared draft (node ``i`` is the code
-            ``depths[i]`` raster positions after the newest committed one, which is depth 0), required for
-            ``CHAIN`` and ``TREE``: with it the loop places end-of-row tokens without reading ``position_ids``
-            from the device. ``None`` for ``ROW_TREES``.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    kind: DraftKind
-    depths: Optional[Tuple[int, ...]] = None
-
-    def __post_init__(self):
-        if not isinstance(self.kind, DraftKind):
-            raise TypeError(f"`Draft.kind` must be a DraftKind, got {self.kind!r}.")
-        if (self.depths is None) != self.per_row:
-            raise ValueError(f"A {self.kind.value} draft {'has no' if self.per_row else 'needs its'} host-side `depths`.")
-
-    @property
-    def per_row(self) -> bool:
-        """Each batch row feeds its own tree: positions ``(B, T)`` and mask ``(B, T, T)``."""
-        return self.kind is DraftKind.ROW_TREES
-
-    def select_rows(self, index: torch.Tensor) -> "Draft":
-        """The draft of the rows ``index`` (a group of rows split after its verification)."""
-        if not self.per_row:
-            return dataclasses.replace(self, input_ids=self.input_ids[index])
-        return dataclasses.replace(self, input_ids=self.input_ids[index], position_ids=self.position_ids[index],
-                                   attention_mask=self.attention_mask[index])
-
-
-@dataclass
-class StepOutput:
-    """What a decoder step decided.
-
-    Args:
-        num_accepted (`int`): codes committed this round (per row of the state).
-        keep_indices (`torch.LongTensor` `(B, n)`, *optional*): per row, the fed positions whose KV stays in the
-            cache, in order (an accepted tree path). ``None`` keeps every fed position.
-        keep_length (`int`, *optional*): keep only the first ``keep_length`` fed positions (a prefix: the cache
-            is cropped, nothing is copied); ``0`` rolls the whole pass back. Exclusive with ``keep_indices``.
-    """
-
-    num_accepted: int
-    keep_indices: Optional[torch.Tensor] = None
-    keep_length: Optional[int] = None
-
-
 class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
-    """Base class of the decoders. Subclasses implement `propose` and `step`, and may extend `init_state`; a decoder
-    that drafts with heads says which in `heads_needed`.
+    """Base class of the decoders. A subclass implements `plan` (what its round drafts); a decoder that drafts with
+    heads says which in `heads_needed`.
 
     Class attributes:
         short_name (`str`): the decoder's name in `DECODERS` (the CLI's ``--decoder``, benchmark specs); a class that
@@ -311,11 +82,8 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     """
 
     config_name = DECODER_CONFIG_NAME
-    state_class: type = DecodingState  # the typed state this decoder carries between rounds
     lossless: bool = True
     acceptance_rule: AcceptanceRule = EXACT
-    uses_all_rows: bool = False  # `step` gets the hidden states of every row, CFG's unconditional ones included
-    separate_rows: bool = False  # every image keeps its own state from the start (`RowBatch`), not only once they diverge
     order = 1  # diffusers scheduler attribute; unused here
 
     @property
@@ -444,32 +212,6 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
         """Raise `ValueError` if this decoder cannot serve ``layout`` with ``draft_heads``: heads that do not provide
         what `heads_needed` asks for (`check_heads`). A decoder with more conditions extends it."""
         check_heads(self.heads_needed(), draft_heads)
-
-    def init_state(
-        self,
-        layout: ImageTokenLayout,
-        sampling: SamplingConfig,
-        random: RandomSource,
-        batch_size: int,
-        prefix_length: int,
-        device: torch.device,
-        backbone: Any = None,
-    ) -> DecodingState:
-        """A fresh ``self.state_class`` (a `DecodingState`); subclasses fill their own fields. ``backbone`` (the family
-        adapter) is for tables built once per generation from the model (LANTERN's codebook neighbours, SJD's vocabulary
-        size); the state does not keep it."""
-        n = layout.num_tokens
-        if not (isinstance(self.state_class, type) and issubclass(self.state_class, DecodingState)):
-            raise TypeError(f"{type(self).__name__}.state_class must be a DecodingState subclass, got {self.state_class!r}.")
-        return self.state_class(
-            layout=layout,
-            sampling=sampling,
-            random=random,
-            prefix_length=prefix_length,
-            positions=layout.sequence_position(torch.arange(n, device=device), prefix_length),
-            tokens=torch.full((batch_size, n), -1, dtype=torch.long, device=device),
-            acceptance_map=torch.zeros(batch_size, n, dtype=torch.long, device=device),
-        )
 
 def draft_through(backbone, decoder: SpatialDecoderMixin):
     """``backbone``, which ``decoder`` drafts through (its final norm, output head or image-token embedding); a

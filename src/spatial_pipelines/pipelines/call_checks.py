@@ -68,7 +68,7 @@ class CallChecksMixin:
         if sampling_noise == "keyed" and not self.decoder.supports_keyed_noise:
             raise ValueError(f"`sampling_noise='keyed'` needs an exact decoder that tests drafts against the target's "
                              f"sample; {type(self.decoder).__name__} with its config (a relaxed acceptance rule, or SSD) "
-                             "draws from the generators: pass `sampling_noise='drawn'` or None.")
+                             "tests them otherwise: pass `sampling_noise='drawn'` or None.")
         if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         self._check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)

@@ -198,7 +198,7 @@ class DeviceLoop:
                 on_round(self.num_rounds - 1, slowest)
             if slowest >= n or (interrupted is not None and interrupted()):
                 return self.num_rounds
-            needed = math.ceil((n - slowest) / self.max_codes)  # rounds the slowest row needs at least
+            needed = self.rounds_needed(slowest)
             for _ in range(1 if on_round is not None else min(needed, self.max_rounds_per_sync)):
                 self.step()
 
@@ -210,9 +210,17 @@ class DeviceLoop:
         self.bound = self.prefix_length + self.layout.sequence_offset(fastest - 1)  # the longest cache row, exactly
         return slowest, total
 
+    def rounds_needed(self, slowest: int) -> int:
+        """The fewest rounds left while the slowest row has ``slowest`` codes (host-side)."""
+        return math.ceil((self.layout.num_tokens - slowest) / self.max_codes)
+
+    def write_bound(self) -> int:
+        """Before a round: the host's bound on the slots its pass writes up to (`StaticKVCache.set_bound`)."""
+        return min(self.bound, self.last_start) + self.fed
+
     def step(self) -> None:
         """One round, after telling the cache the host's bound on its rows' filled slots."""
-        end = min(self.bound, self.last_start) + self.fed
+        end = self.write_bound()
         self.cache.set_bound(end)
         with self.host_timer.section("round"):
             self.round_fn(self)
@@ -233,6 +241,15 @@ class DeviceLoop:
     def accepted_lengths(self) -> torch.Tensor:
         """``(passes, B)``: what each pass committed per row, the prompt pass first."""
         return self.state.accepted[: self.num_rounds + 1]
+
+    def row_passes(self, accepted: torch.Tensor) -> List[int]:
+        """Target passes each row took, from `accepted_lengths` ``(passes, B)``: those that committed a code (a row
+        that is done commits nothing)."""
+        return (accepted > 0).sum(0).tolist()
+
+    def draft_passes(self, rounds: int) -> int:
+        """Drafting passes (the heads') over ``rounds`` rounds."""
+        return rounds * self.draft_passes_per_round
 
     def report(self) -> Dict[str, float]:
         """What the decoder reports about its rounds (`DecodingStats.decoder_stats`), read after the last round."""

@@ -32,6 +32,7 @@ from ..decoders.decoding_ssd import SSDSchedule
 from .device_chain import ChainLoop
 from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, RoundView, compile_round
 from .device_proactive import ProactiveLoop
+from .device_ssd import SSDLoop
 from .device_tree import DynamicTreeLoop, HeadTreeLoop
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
@@ -209,10 +210,10 @@ class GenerationLoop:
         """What a device generation cost: one host read of the per-pass accepted lengths, after the last round."""
         layout = self.backbone.layout
         accepted = loop.accepted_lengths()  # (passes, B)
-        row_passes = (accepted > 0).sum(0).tolist()
+        row_passes = loop.row_passes(accepted)
         fed = rounds * batch_size * loop.fed
         return DecodingStats(
-            num_forward_passes=1 + rounds, num_draft_passes=rounds * loop.draft_passes_per_round,
+            num_forward_passes=1 + rounds, num_draft_passes=loop.draft_passes(rounds),
             num_tokens=batch_size * layout.num_tokens,
             mean_accepted_length=accepted.sum().item() / max(sum(row_passes), 1), accepted_lengths=accepted.cpu(),
             acceptance_map=layout.grid(loop.state.acceptance_map[:, :-1]).cpu(), wall_time_s=0.0,

@@ -28,7 +28,7 @@ class DecodingStats:
             fixed-shape step, of rows whose drafts are narrower than the widest, and of rows already finished).
         row_forward_passes (`list[int]`): per image, the target passes it took (prefill included): what it takes
             alone. Every row advances on its own, so ``num_forward_passes`` is their maximum.
-        decoder_stats (`dict`): what the decoder reports about its own rounds (`DecodingState.report`). EAGLE-2 and
+        decoder_stats (`dict`): what the decoder reports about its own rounds (its loop's ``report``). EAGLE-2 and
             ADT-Tree report ``mean_tree_depth`` (mean depth of the trees verified, over passes and rows) and
             ``mean_tree_width`` (the same for the ``top_k`` the trees were grown with); other decoders report
             nothing. A new decoder reports here without a new field.
