@@ -233,21 +233,13 @@ class EnoughRounds(Exception):
 
 @contextlib.contextmanager
 def first_rounds(pipe, limit: int):
-    """Inside the block a call of ``pipe`` ends (`EnoughRounds`) once ``limit`` rounds ran: after its ``limit``-th
-    row-group round, or, for rounds run whole on the device (`device_loop.DeviceLoop`), at the first sync after them
-    (syncs come every few rounds). It wraps the same two methods `count_rounds` does, so inside it a `count_rounds`
-    block counts only those rounds."""
-    loop = pipe.loop  # the pipeline's `GenerationLoop`: its two methods are wrapped for the block
-    round_, run_device, done = loop._round, loop._run_device, [0]
+    """Inside the block a call of ``pipe`` ends (`EnoughRounds`) at the first sync after ``limit`` rounds (syncs come
+    every few rounds). It wraps the method `count_rounds` does, so inside it a `count_rounds` block counts only those
+    rounds."""
+    loop = pipe.loop  # the pipeline's `GenerationLoop`: its `_run_device` is wrapped for the block
+    run_device = loop._run_device
 
-    def limited_round(*args, **kwargs):
-        out = round_(*args, **kwargs)
-        done[0] += 1
-        if done[0] >= limit:
-            raise EnoughRounds
-        return out
-
-    def limited_chain(device_loop, on_sync, *args, **kwargs):
+    def limited(device_loop, on_sync, *args, **kwargs):
         def synced(total):
             on_sync(total)
             if device_loop.num_rounds >= limit:
@@ -255,11 +247,10 @@ def first_rounds(pipe, limit: int):
 
         return run_device(device_loop, synced, *args, **kwargs)
 
-    loop.__dict__["_round"], loop.__dict__["_run_device"] = limited_round, limited_chain
+    loop.__dict__["_run_device"] = limited
     try:
         yield
     finally:
-        loop.__dict__.pop("_round", None)
         loop.__dict__.pop("_run_device", None)
 
 

@@ -379,17 +379,17 @@ def test_the_example_check_finds_what_the_library_no_longer_takes(parse_decoder)
     above, wherever the example stands (python block, inline call, table row, shell command)."""
     text = (
         "```python\nfrom spatial_pipelines import MedusaDecoder\nfrom spatial_pipelines.core.layout import "
-        "RowEndOfRowInsertion\npipe.decoder = MedusaDecoder(lantern_delta=0.1)\n```\n"
+        "RowImageTokenLayout\npipe.decoder = MedusaDecoder(lantern_delta=0.1)\n```\n"
         "Or `HawkDecoder(num_heads=4)`.\n\n| `medusa:acceptance=lantern,lantern_delta=0.1 [compiled]` | no |\n\n"
         "```bash\npython scripts/benchmark.py --decoders ar sjd:acceptance=lantern,lantern_k=3\n```\n"
     )
     checked, problems = example_problems(text, "card", parse_decoder)
     assert checked == 6 and len(problems) == 5, problems
-    for name in ("RowEndOfRowInsertion", "takes no `lantern_delta`", "HawkDecoder takes no `num_heads`",
+    for name in ("RowImageTokenLayout", "takes no `lantern_delta`", "HawkDecoder takes no `num_heads`",
                  "`medusa:acceptance=lantern,lantern_delta=0.1 [compiled]`", "`sjd:acceptance=lantern,lantern_k=3`"):
         assert sum(name in p for p in problems) == 1, (name, problems)
     fixed = text.replace("lantern_delta", "acceptance.delta").replace("lantern_k", "acceptance.k")
     fixed = fixed.replace("MedusaDecoder(acceptance.delta=0.1)", "MedusaDecoder(acceptance={'name': 'lantern', 'delta': 0.1})")
-    fixed = fixed.replace("num_heads", "num_horizontal_heads").replace("core.layout import RowEndOfRowInsertion",
-                                                                     "core.layout import EndOfRowInsertion")
+    fixed = fixed.replace("num_heads", "num_horizontal_heads").replace("core.layout import RowImageTokenLayout",
+                                                                     "core.layout import ImageTokenLayout")
     assert example_problems(fixed, "card", parse_decoder) == (6, [])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from spatial_pipelines import ADTTreeDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder
-from spatial_pipelines.core import RandomSource, SamplingConfig
+from spatial_pipelines.core import SamplingConfig
 from spatial_pipelines.core.acceptance import (
     ACCEPTANCE_RULES,
     EXACT,
@@ -25,7 +25,7 @@ from spatial_pipelines.core.acceptance import (
     resolve_acceptance,
 )
 from spatial_pipelines.core.tree import chain_tree, tree_from_parents
-from spatial_pipelines.core.verification import verify_tree, verify_tree_sequential
+from helpers.walks import RandomSource, verify_tree_sequential
 from spatial_pipelines.pipelines.device_chain import relaxed_chain
 from spatial_pipelines.pipelines.device_tree import relaxed_matches, tree_tables
 from spatial_pipelines.testing import dummy_pipeline
@@ -175,17 +175,16 @@ def test_zero_delta_or_zero_k_claims_exactly_p():
 @pytest.mark.parametrize("tree_kind", ["siblings", "chain"])
 @pytest.mark.parametrize("rule", [LanternAcceptance(k=4, delta=0.0), LanternAcceptance(k=0, delta=0.4)], ids=["delta0", "k0"])
 def test_relaxed_rule_at_zero_reproduces_exact_acceptance(rule, tree_kind):
-    """Same random numbers, same outcome as the exact rule (the sequential walk for sibling trees: the relaxed rules
-    walk that way)."""
+    """Same random numbers, same outcome as the exact rule (the sequential walk, the reference the device rounds are
+    tested against)."""
     book, _, _ = _random_setup(3)
     table = codebook_neighbours(book, 4)
     tree = chain_tree(3) if tree_kind == "chain" else tree_from_parents([-1, 0, 0, 0, 1, 1, 4], [-1, 0, 1, 2, 0, 1, 0])
     n, t = 500, tree.num_nodes
     probs = torch.distributions.Dirichlet(torch.full((V,), 0.5)).sample((n, t))
     tokens = torch.randint(0, V, (n, t), generator=torch.Generator().manual_seed(4))
-    ref_fn = verify_tree if tree_kind == "chain" else verify_tree_sequential
-    ref = ref_fn(tree, tokens, probs, RandomSource(gen(9), n, "cpu"))
-    out = verify_tree(tree, tokens, probs, RandomSource(gen(9), n, "cpu"), rule=rule, neighbours=table)
+    ref = verify_tree_sequential(tree, tokens, probs, RandomSource(gen(9), n, "cpu"))
+    out = verify_tree_sequential(tree, tokens, probs, RandomSource(gen(9), n, "cpu"), rule=rule, neighbours=table)
     assert torch.equal(out.path, ref.path) and torch.equal(out.bonus, ref.bonus)
 
 
@@ -228,7 +227,7 @@ def test_lantern_siblings_output_matches_the_reference_and_the_bound(delta):
     tree = tree_from_parents([-1, 0, 0, 0], [-1, 0, 1, 2])
     probs = p.expand(n, 4, V).contiguous()
     tokens = torch.tensor([0] + codes).expand(n, 4)
-    acc = verify_tree(tree, tokens, probs, RandomSource(gen(6), n, "cpu"), rule=LanternAcceptance(k=5, delta=delta), neighbours=table)
+    acc = verify_tree_sequential(tree, tokens, probs, RandomSource(gen(6), n, "cpu"), rule=LanternAcceptance(k=5, delta=delta), neighbours=table)
     first = torch.where(acc.num_accepted > 0, tokens.gather(1, acc.path[:, 1:2].clamp_min(0)).squeeze(1), acc.bonus)
     counts = torch.bincount(first, minlength=V)
     assert chi_square_pvalue(counts, expected) > 1e-4
@@ -341,7 +340,7 @@ def test_relaxed_acceptance_never_draws_a_code_outside_the_image_codes():
     tree = chain_tree(2)
     probs = probs[:60].reshape(20, 3, V)
     tokens = torch.randint(0, V, (20, 3))
-    acc = verify_tree(tree, tokens, probs, RandomSource(gen(1), 20, "cpu"), rule=LanternAcceptance(k=4, delta=0.5),
+    acc = verify_tree_sequential(tree, tokens, probs, RandomSource(gen(1), 20, "cpu"), rule=LanternAcceptance(k=4, delta=0.5),
                       neighbours=codebook_neighbours(book, 4))
     assert ((acc.bonus >= 0) & (acc.bonus < V)).all()
 

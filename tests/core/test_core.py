@@ -4,22 +4,13 @@ import re
 import pytest
 import torch
 
-from spatial_pipelines.core import (
-    ImageTokenLayout,
-    RandomSource,
-    SamplingConfig,
-    apply_top_k,
-    apply_top_p,
-    cfg_mix,
-    logits_to_probs,
-    sample_from_probs,
-)
+from spatial_pipelines.core import ImageTokenLayout, SamplingConfig, apply_top_k, apply_top_p, cfg_mix, logits_to_probs
 from spatial_pipelines.core.kv_cache import StaticKVCache
-from spatial_pipelines.core.layout import EndOfRowInsertion
 from spatial_pipelines.core.tree import tree_from_parents
 from spatial_pipelines.models import LlamaGenTransformer
 
 from helpers import chi_square_pvalue
+from helpers.walks import RandomSource, sample_from_probs
 
 
 # -- layout -------------------------------------------------------------------------------------------------
@@ -136,40 +127,34 @@ def test_kv_cache_crop_drops_rejected_drafts():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("per_row", [False, True])
-def test_kv_cache_keep_accepted_path_equals_recompute(per_row):
-    """Invariant 3: committing an accepted tree path leaves the cache as if the path had been fed alone."""
+@pytest.mark.parametrize("fixed_shape", [False, True])
+def test_kv_cache_keep_paths_equals_recompute(fixed_shape):
+    """Invariant 3: after a tree pass, each row keeping its own accepted path (`keep_paths`, rows advancing on the
+    device) leaves the cache as if the path had been fed alone."""
     model = _tiny_transformer()
     b = 2
     prefix = model.embed_condition(torch.tensor([0, 3]))  # (B, 1, D)
-    # a tree of 4 drafts after the prefix: 0 -> {1, 2}, 1 -> 3; paths [0, 1, 3] and [0, 2]
+    # a tree of 4 drafts after the prefix: 0 -> {1, 2}, 1 -> 3; row 0 keeps [0, 1, 3], row 1 keeps [0, 2]
     tree_ids = torch.randint(0, 16, (b, 4))
-    parent = [-1, 0, 0, 1]
     depth = torch.tensor([0, 1, 1, 2])
-    mask = torch.eye(4, dtype=torch.bool)
-    for i, p in enumerate(parent):
-        while p >= 0:
-            mask[i, p] = True
-            p = parent[p]
+    mask = tree_from_parents([-1, 0, 0, 1]).attention_mask
     cache = model.make_cache(b, 16)
+    cache.fixed_shape = fixed_shape
     model(prefix, torch.tensor([0]), past_key_values=cache)
+    cache.track_rows_on_device(4)
+    cache.set_bound(1 + 4)
     model(model.embed_image_tokens(tree_ids), 1 + depth, attention_mask=mask, past_key_values=cache)
-    paths = torch.tensor([[0, 1, 3], [0, 2, 2]]) if per_row else torch.tensor([0, 1, 3])
-    n = 2 if per_row else 3
-    keep = paths[:, :n] if per_row else paths.expand(b, -1)  # (B, n): a shared path is every row's
-    cache.keep(1, keep)
-    assert cache.length == 1 + n
-    # feed one more token and compare with recomputing [prefix, path, next] from scratch
+    paths, counts = torch.tensor([[0, 1, 3], [0, 2, 2]]), torch.tensor([3, 2])
+    cache.keep_paths(paths, counts)  # before the next pass's writes
+    assert cache.row_starts.tolist() == [4, 3]
     nxt = torch.randint(0, 16, (b, 1))
-    got = model(model.embed_image_tokens(nxt), torch.tensor([1 + n]), past_key_values=cache).hidden_states
-    path_ids = tree_ids.gather(1, keep)
-    seq = torch.cat([prefix, model.embed_image_tokens(torch.cat([path_ids, nxt], 1))], 1)
-    want = model(seq, torch.arange(seq.shape[1])).hidden_states[:, -1:]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    fresh = model.make_cache(b, 16)
-    model(seq[:, :-1], torch.arange(seq.shape[1] - 1), past_key_values=fresh)
-    for kept, want_kv in zip(cache.keys + cache.values, fresh.keys + fresh.values):
-        torch.testing.assert_close(kept[:, :, : 1 + n], want_kv[:, :, : 1 + n], rtol=1e-5, atol=1e-5)
+    cache.set_bound(4 + 1)
+    got = model(model.embed_image_tokens(nxt), torch.tensor([[4], [3]]), past_key_values=cache).hidden_states
+    for r in range(b):  # recompute [prefix, path, next] from scratch, row by row
+        path_ids = tree_ids[r : r + 1, paths[r, : counts[r]]]
+        seq = torch.cat([prefix[r : r + 1], model.embed_image_tokens(torch.cat([path_ids, nxt[r : r + 1]], 1))], 1)
+        want = model(seq, torch.arange(seq.shape[1])).hidden_states[:, -1:]
+        torch.testing.assert_close(got[r : r + 1], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["fixed", "per_row"])
@@ -184,9 +169,10 @@ def test_kv_cache_index_write_lands_where_the_growing_write_does(mode):
         for i in range(layers):
             cache.update(i, torch.full((b, h, 5, d), float(i + 1)), torch.full((b, h, 5, d), -float(i + 1)))
         cache.advance(None, 5)
-    if mode == "per_row":  # row 1 writes two slots earlier than row 0
-        fixed.track_rows()
-        fixed.row_lengths = [5, 3]
+    if mode == "per_row":  # row 1 writes two slots earlier than row 0 (rows advancing on the device)
+        fixed.track_rows_on_device(3)
+        fixed.row_starts = torch.tensor([5, 3])
+        fixed.set_bound(8)
     keys, values = torch.randn(layers, b, h, 3, d), torch.randn(layers, b, h, 3, d)
     grow.prepare_write(3)
     fixed.prepare_write(3)
@@ -214,7 +200,8 @@ def test_compiled_kv_cache_write_copies_no_cache(per_row):
     cache.prepare_write(10)
     cache.advance(None, 10)
     if per_row:
-        cache.track_rows()
+        cache.track_rows_on_device(2)
+        cache.set_bound(12)
     cache.prepare_write(2)
 
     def step(key, value):
@@ -249,131 +236,6 @@ def test_teacher_forced_hidden_states_and_condition_drop():
     dropped = torch.tensor([1, model.config.num_classes])  # the dropped row gets the unconditional class
     emb = torch.cat([model.embed_condition(dropped), model.embed_image_tokens(codes[:, :-1])], 1)
     torch.testing.assert_close(got, model(emb, torch.arange(9)).hidden_states, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("with_q", [True, False], ids=["q", "point-mass"])
-def test_accept_independently_keeps_each_position_distributed_as_p(with_q):
-    """Per position, accept-or-redraw turns a draw from ``q`` (or a fixed draft) into a draw from ``p``.
-    Pearson chi-square over 6 codes, 40,000 draws per position; fails when p < 1e-4."""
-    from spatial_pipelines.core.sampling import RandomSource
-    from spatial_pipelines.core.verification import accept_independently
-
-    g = torch.Generator().manual_seed(0)
-    n, v, reps = 3, 6, 40000
-    p = torch.rand(n, v, generator=g).softmax(-1)
-    q = (torch.rand(n, v, generator=g) * 3).softmax(-1)
-    random = RandomSource(g, reps, torch.device("cpu"))
-    if with_q:
-        tokens = (q.expand(reps, n, v) / random.exponential(n, v)).argmax(-1)  # (reps, n) drawn from q
-        out, accepted = accept_independently(tokens, p.expand(reps, n, v), random, q.expand(reps, n, v))
-    else:
-        tokens = torch.tensor([0, 2, 5]).expand(reps, n)  # fixed drafts: point masses
-        out, accepted = accept_independently(tokens, p.expand(reps, n, v), random)
-    for j in range(n):
-        assert chi_square_pvalue(torch.bincount(out[:, j], minlength=v), p[j]) > 1e-4
-    assert torch.equal(out[accepted], tokens[accepted])
-
-
-# -- end-of-row tokens ------------------------------------------------------------------------------------
-EOL_LAYOUT = ImageTokenLayout(3, 3, eol_token_id=16)  # rows 4 positions apart; codes 2 and 5 end rows
-
-
-def test_end_of_row_insertion_in_a_chain_is_a_longer_chain():
-    positions = EOL_LAYOUT.sequence_position(torch.arange(1, 5), 1)  # codes 1..4 after a 1-token prefix
-    assert positions.tolist() == [2, 3, 5, 6]
-    ins = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions[None], 1)  # one tree (N = 1) every row shares
-    assert ins.row_end.tolist() == [[False, True, False, False]]
-    assert ins.source.tolist() == [[0, 1, 1, 2, 3]] and ins.is_eol.tolist() == [[False, False, True, False, False]]
-    assert ins.position_ids(positions).tolist() == [2, 3, 4, 5, 6]  # the EOL fills the gap; a shared draft stays (T',)
-    assert ins.view.tolist() == [[0, 2, 3, 4]]  # code 2's output is its EOL's
-    mask = ins.attention_mask(torch.ones(4, 4, dtype=torch.bool).tril())
-    assert torch.equal(mask, torch.ones(5, 5, dtype=torch.bool).tril())
-    assert [ins.keep_length(k) for k in range(5)] == [0, 1, 3, 4, 5]
-    assert ins.keep_indices(torch.tensor([[0, 1, 2], [0, 1, 2]])).tolist() == [[0, 1, 2, 3]] * 2
-    # from the host-side depths (what the loop uses for shared drafts): the same tables, no device read
-    hosted = EndOfRowInsertion.for_depths(EOL_LAYOUT, (0, 1, 2, 3), 1, torch.device("cpu"))
-    for name in ("source", "is_eol", "is_pad", "slot", "view", "row_end"):
-        assert torch.equal(getattr(hosted, name), getattr(ins, name)), name
-    assert hosted.depth_ends is not None and [hosted.keep_length(k) for k in range(5)] == [0, 1, 3, 4, 5]
-    # the last row's end is followed by nothing; a draft without row ends needs no insertion
-    assert EndOfRowInsertion.for_positions(EOL_LAYOUT, EOL_LAYOUT.sequence_position(torch.tensor([[7, 8]]), 1), 1) is None
-    assert EndOfRowInsertion.for_depths(EOL_LAYOUT, (0, 1), 7, torch.device("cpu")) is None
-
-
-def test_end_of_row_insertion_gives_every_row_end_candidate_its_own_eol():
-    # root = code 1; candidates a, b for code 2 (the row end); c under a and d under b for code 3
-    tree = tree_from_parents([-1, 0, 0, 1, 2])
-    positions = EOL_LAYOUT.sequence_position(1 + tree.depths, 1)
-    ins = EndOfRowInsertion.for_depths(EOL_LAYOUT, tuple(tree.depths.tolist()), 1, torch.device("cpu"))
-    assert ins.source.tolist() == [[0, 1, 1, 2, 2, 3, 4]]  # root, a, EOL(a), b, EOL(b), c, d
-    mask = ins.attention_mask(tree.attention_mask)
-    a, eol_a, b, eol_b, c, d = 1, 2, 3, 4, 5, 6
-    assert mask[c, eol_a] and mask[c, a] and not mask[c, eol_b] and not mask[c, b]
-    assert mask[d, eol_b] and not mask[d, eol_a]
-    assert mask[eol_a, a] and not mask[a, eol_a] and not mask[eol_a, b]
-    assert ins.position_ids(positions).tolist() == [2, 3, 4, 3, 4, 5, 5]
-    assert ins.keep_indices(torch.tensor([[0, 2, 4], [0, 1, 3]])).tolist() == [[0, 3, 4, 6], [0, 1, 2, 5]]
-    unplaced = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions[None], 1)  # no host depths: the kept slots are read
-    assert torch.equal(unplaced.source, ins.source) and unplaced.depth_ends is None
-    with pytest.raises(ValueError, match="share a cursor"):
-        unplaced.keep_indices(torch.tensor([[0, 2], [0, 0]]))
-
-
-def test_per_row_end_of_row_insertion_matches_each_row_alone():
-    """One tree per row (EAGLE-2): each row's slots are those of `EndOfRowInsertion` for that row alone, padded to
-    the row with the most EOLs; nothing sees a pad and no pad is kept."""
-    trees = [tree_from_parents([-1, 0, 0, 1, 2]), tree_from_parents([-1, 0, 1, 1, 3])]  # 2 row-end nodes, then 1
-    positions = torch.stack([EOL_LAYOUT.sequence_position(1 + t.depths, 1) for t in trees])  # (2, 5)
-    masks = torch.stack([t.attention_mask for t in trees])
-    ids = torch.arange(10).reshape(2, 5)
-    ins = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions, 1)
-    assert ins.source.shape == (2, 7) and ins.is_pad.sum(1).tolist() == [0, 1]
-    fed_mask, fed_pos, fed_ids = ins.attention_mask(masks), ins.position_ids(positions), ins.input_ids(ids)
-    for r, tree in enumerate(trees):
-        alone = EndOfRowInsertion.for_positions(EOL_LAYOUT, positions[r : r + 1], 1)  # the row's tree alone (N = 1)
-        n = alone.source.shape[1]
-        assert ins.source[r, :n].tolist() == alone.source[0].tolist() and ins.view[r].tolist() == alone.view[0].tolist()
-        assert torch.equal(fed_mask[r, :n, :n], alone.attention_mask(tree.attention_mask))
-        assert fed_pos[r, :n].tolist() == alone.position_ids(positions[r]).tolist()
-        assert fed_ids[r, :n].tolist() == alone.input_ids(ids[r : r + 1])[0].tolist()
-    assert not fed_mask[1, :, 6].any() and fed_mask[1, 6, 0]  # the pad sees the root, nothing sees it
-    # rows keep paths through the same raster positions: root, a depth-1 node (with its EOL), a depth-2 node
-    assert ins.keep_indices(torch.tensor([[0, 2, 4], [0, 1, 3]])).tolist() == [[0, 3, 4, 6], [0, 1, 2, 4]]
-    hidden = torch.arange(7.0).expand(4, 7)  # CFG: 2B fed rows read the B rows' tables
-    assert ins.outputs(hidden)[2].tolist() == ins.view[0].float().tolist()
-    assert EndOfRowInsertion.for_positions(EOL_LAYOUT, EOL_LAYOUT.sequence_position(torch.tensor([[7, 8]]), 1), 1) is None
-
-
-@torch.no_grad()
-def test_kv_after_a_tree_through_a_row_end_equals_recompute():
-    """Invariant 3 with EOLs: keeping an accepted path that crosses a row end leaves the cache (and the next
-    output) as if ``[prefix, codes, EOL, codes]`` had been fed from scratch."""
-    model = _tiny_transformer(end_of_row_token=True)
-    layout = model.layout
-    b = 2
-    prefix = model.embed_condition(torch.tensor([0, 3]))  # (B, 1, D)
-    committed = torch.randint(0, 16, (b, 2))  # codes 0, 1
-    cache = model.make_cache(b, 32)
-    model(torch.cat([prefix, model.embed_image_tokens(committed[:, :1])], 1), torch.arange(2), past_key_values=cache)
-    # root = code 1 (fed now), then two candidates for code 2 (the row end) and one child each for code 3
-    tree = tree_from_parents([-1, 0, 0, 1, 2])
-    ids = torch.cat([committed[:, 1:], torch.randint(0, 16, (b, 4))], 1)  # (B, 5)
-    positions = layout.sequence_position(1 + tree.depths, 1)
-    ins = EndOfRowInsertion.for_positions(layout, positions[None], 1)
-    embeds = ins.embeds(model.embed_image_tokens(ins.input_ids(ids)), model.eol_embedding)
-    start = cache.length
-    model(embeds, ins.position_ids(positions), attention_mask=ins.attention_mask(tree.attention_mask), past_key_values=cache)
-    path = torch.tensor([[0, 2, 4], [0, 1, 3]])  # row 0 accepts b then d, row 1 a then c
-    cache.keep(start, ins.keep_indices(path))
-    assert cache.length == start + 4  # root, candidate, its EOL, child
-    seq_codes = torch.cat([committed[:, :1], ids.gather(1, path)], 1)  # codes 0..3
-    seq = torch.cat([prefix, model.embed_image_tokens(seq_codes[:, :3]), model.eol_embedding.expand(b, 1, -1),
-                     model.embed_image_tokens(seq_codes[:, 3:])], 1)  # (B, 1 + 5, D)
-    fresh = model.make_cache(b, 32)
-    model(seq, torch.arange(seq.shape[1]), past_key_values=fresh)
-    assert fresh.length == cache.length
-    for kept, want in zip(cache.keys + cache.values, fresh.keys + fresh.values):
-        torch.testing.assert_close(kept[:, :, : cache.length], want[:, :, : cache.length], rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

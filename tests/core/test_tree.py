@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from spatial_pipelines.core import RandomSource
+
 from spatial_pipelines.core.tree import chain_tree, tree_from_parents, tree_from_paths
-from spatial_pipelines.core.verification import residual, verify_tree
+from helpers.walks import RandomSource, residual, verify_tree_sequential
 
 from helpers import chi_square_pvalue
 
@@ -41,10 +41,10 @@ def test_greedy_walk_follows_the_argmax():
     v = 5
     probs = torch.nn.functional.one_hot(torch.tensor([[2, 3, 0, 4, 1]]), v).float()  # argmax after each node
     tokens = torch.tensor([[9, 1, 2, 3, 3]])  # node a (=1) is wrong, node b (=2) right, then b is a leaf
-    acc = verify_tree(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(0), 1, "cpu"))
+    acc = verify_tree_sequential(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(0), 1, "cpu"))
     assert acc.path.tolist() == [[0, 2, -1]] and acc.num_accepted.tolist() == [1] and acc.bonus.tolist() == [0]
     tokens = torch.tensor([[9, 2, 1, 3, 4]])  # a right, then aa (=3) right
-    acc = verify_tree(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(0), 1, "cpu"))
+    acc = verify_tree_sequential(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(0), 1, "cpu"))
     assert acc.path.tolist() == [[0, 1, 3]] and acc.bonus.tolist() == [4] and acc.last_node.tolist() == [3]
 
 
@@ -65,13 +65,13 @@ def test_first_committed_code_follows_p(sampled_candidates):
         tokens = torch.multinomial(q.reshape(-1, v), 1, generator=g).view(N, -1)
     else:  # fixed, deliberately poor candidates
         tokens = torch.tensor([0, 5, 4, 3, 5, 2, 1])[: tree.num_nodes].expand(N, -1).clone()
-    acc = verify_tree(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(3), N, "cpu"), q)
+    acc = verify_tree_sequential(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(3), N, "cpu"), q)
     first = torch.where(acc.num_accepted > 0, tokens.gather(1, acc.path[:, 1:2].clamp_min(0)).squeeze(1), acc.bonus)
     counts = torch.bincount(first, minlength=v)
     assert chi_square_pvalue(counts, probs[0, 0]) > 1e-4
     # the statistic has power: a biased rule (over-accepting point masses, or the wrong q) is caught
     wrong_q = torch.full_like(probs, 0.5) if q is None else q.roll(1, dims=-1)
-    wrong = verify_tree(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(3), N, "cpu"), wrong_q)
+    wrong = verify_tree_sequential(tree, tokens, probs, RandomSource(torch.Generator().manual_seed(3), N, "cpu"), wrong_q)
     first_wrong = torch.where(wrong.num_accepted > 0, tokens.gather(1, wrong.path[:, 1:2].clamp_min(0)).squeeze(1), wrong.bonus)
     assert chi_square_pvalue(torch.bincount(first_wrong, minlength=v), probs[0, 0]) < 1e-4
 
@@ -141,7 +141,7 @@ def test_verify_row_trees_equals_verifying_each_row_alone(kind):
     numbers, on the vectorised walk (point masses) and the sequential one (a relaxed rule)."""
     from spatial_pipelines.core.acceptance import LanternAcceptance, codebook_neighbours
     from spatial_pipelines.core.tree import row_trees_from_parents
-    from spatial_pipelines.core.verification import verify_tree
+
 
     parents, valid, shared, sizes = _random_row_trees(b=8, t=10, seed=3)
     b, t = parents.shape
@@ -153,12 +153,12 @@ def test_verify_row_trees_equals_verifying_each_row_alone(kind):
         probs = torch.distributions.Dirichlet(torch.full((v,), 0.7)).sample((b, t))
     tokens = torch.where(valid, torch.randint(0, v, (b, t), generator=torch.Generator().manual_seed(4)), -1)
     extra = {"rule": LanternAcceptance(k=2, delta=0.2), "neighbours": codebook_neighbours(torch.randn(v, 3), 2)} if kind == "relaxed" else {}
-    out = verify_tree(trees, tokens, probs, _FixedRandom(b, t, v, depth, kids), **extra)
+    out = verify_tree_sequential(trees, tokens, probs, _FixedRandom(b, t, v, depth, kids), **extra)
     checked = 0
     for r, (tr, n) in enumerate(zip(shared, sizes)):
         if tr.max_children == 1:
             continue  # a chain alone takes the chain walk, which uses its draws in another order
-        one = verify_tree(tr, tokens[r : r + 1, :n], probs[r : r + 1, :n], _FixedRandom(b, t, v, depth, kids, rows=[r]), **extra)
+        one = verify_tree_sequential(tr, tokens[r : r + 1, :n], probs[r : r + 1, :n], _FixedRandom(b, t, v, depth, kids, rows=[r]), **extra)
         assert out.num_accepted[r] == one.num_accepted[0] and out.bonus[r] == one.bonus[0]
         assert torch.equal(out.path[r, : tr.max_depth + 1], one.path[0])
         assert (out.path[r, tr.max_depth + 1 :] == -1).all()

@@ -7,7 +7,7 @@ import torch
 
 import spatial_pipelines
 from spatial_pipelines import ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, MedusaDecoder, SSDDecoder
-from spatial_pipelines.core import OFFSET_LOGITS, HeadsNeed, RandomSource, SamplingConfig
+from spatial_pipelines.core import OFFSET_LOGITS, HeadsNeed, SamplingConfig
 from spatial_pipelines.decoders import DECODERS, SpatialDecoderMixin
 from spatial_pipelines.testing import FAMILIES, dummy_pipeline
 
@@ -150,26 +150,15 @@ def test_decoder_that_needs_heads_refuses_to_run_without_them():
         pipe("a fox")
 
 
-@pytest.mark.parametrize("engine", ["device", "row-groups"])
-def test_distribution_test_detects_a_biased_acceptance_rule(engine, monkeypatch):
-    """A tree decoder whose acceptance over-accepts is rejected by the same chi-square test the exact decoders pass:
-    on the device, a node also accepted on a coin flip; in row groups, verified against ``q = 0.5`` instead of its
-    point mass."""
-    from spatial_pipelines.decoders import decoding_tree
+def test_distribution_test_detects_a_biased_acceptance_rule(monkeypatch):
+    """A tree decoder whose acceptance over-accepts (a node also accepted on a coin flip) is rejected by the same
+    chi-square test the exact decoders pass."""
     from spatial_pipelines.pipelines import device_tree
 
-    if engine == "device":
-        exact_match = device_tree.deepest_match
-        monkeypatch.setattr(device_tree, "deepest_match", lambda tables, matches: exact_match(
-            tables, matches | ((torch.rand(matches.shape) < 0.5) & tables.valid)))
-    else:
-        exact_verify = decoding_tree.verify_tree
-        monkeypatch.setattr(
-            decoding_tree, "verify_tree",
-            lambda tree, tokens, probs, random, q=None, **kw: exact_verify(tree, tokens, probs, random, torch.full_like(probs, 0.5)),
-        )
+    exact_match = device_tree.deepest_match
+    monkeypatch.setattr(device_tree, "deepest_match", lambda tables, matches: exact_match(
+        tables, matches | ((torch.rand(matches.shape) < 0.5) & tables.valid)))
     pipe = make(MedusaDecoder, {}, "random", grid=(2, 2), num_codes=4)
-    pipe.device_rounds = False if engine == "row-groups" else None
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
     assert chi_square_pvalue(_empirical_counts(pipe, "a fox", sampling, seed=1), exact) < 1e-4
@@ -232,7 +221,7 @@ def test_swapping_decoders_starts_from_the_new_decoders_defaults(tmp_path):
 
 
 def test_decoders_report_their_own_statistics():
-    """A decoder's state reports what is particular to it (`DecodingState.report`) into `DecodingStats.decoder_stats`,
+    """A decoder's loop reports what is particular to it (its drafter's ``report``) into `DecodingStats.decoder_stats`,
     the one place such statistics live (no field of `DecodingStats` repeats them)."""
     eagle = make(EagleDecoder, {"depth": 3, "top_k": 2, "num_draft_tokens": 5}, "random")("a fox", generator=gen(0), output_type="latent").stats
     assert set(eagle.decoder_stats) == {"mean_tree_depth", "mean_tree_width"}
@@ -242,16 +231,12 @@ def test_decoders_report_their_own_statistics():
     assert not {f.name for f in dataclasses.fields(ar)} & set(eagle.decoder_stats)
 
 
-def test_the_backbone_is_an_argument_of_the_round_not_part_of_the_state():
-    """A decoder's state keeps no backbone: the loop passes it to `propose` and `step`, and a decoder that drafts
-    through the model's own head, called without it, says which argument is missing."""
-    assert "backbone" not in {f.name for f in dataclasses.fields(spatial_pipelines.decoders.DecodingState)}
-    pipe = dummy_pipeline("llamagen", MedusaDecoder(num_heads=2, top_k=2, num_draft_tokens=3), "random", grid=(3, 3))
-    decoder, v = pipe.decoder, pipe.backbone.num_image_codes
-    state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), 1, "cpu"), 1, 2,
-                               torch.device("cpu"), pipe.backbone)
-    decoder.step(torch.zeros(1, 1, v), torch.zeros(1, 1, pipe.backbone.hidden_size), None, state, pipe.draft_heads)
+def test_a_decoder_that_drafts_through_the_model_needs_the_backbone():
+    """A drafter that goes through the model's own head, called without the backbone, says which argument is
+    missing (`draft_through`)."""
+    from spatial_pipelines.decoders.decoding_utils import draft_through
+
+    decoder = MedusaDecoder()
     with pytest.raises(ValueError, match="pass `backbone=`"):
-        decoder.propose(state, pipe.draft_heads)
-    draft = decoder.propose(state, pipe.draft_heads, pipe.backbone)
-    assert draft.input_ids.shape == (1, 4)
+        draft_through(None, decoder)
+    assert draft_through("the adapter", decoder) == "the adapter"

@@ -1,11 +1,12 @@
 """`JacobiDecoder` options beyond the invariant tables of `test_decoders.py`: the spatial first draft from either
-kind of heads, coupled redraws, and the errors a wrong setup raises."""
+kind of heads, the left anchor, proactive candidates, and the errors a wrong setup raises."""
 
-import pytest
+from types import SimpleNamespace
+
 import torch
 
 from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder, LatentDraftHeads, SpatialDraftHeads
-from spatial_pipelines.core import RandomSource, SamplingConfig
+from spatial_pipelines.core import SamplingConfig
 from spatial_pipelines.testing import dummy_pipeline
 
 from helpers import DISTRIBUTION_SAMPLES, chi_square_pvalue, exact_joint_distribution, gen, grid_index
@@ -38,64 +39,22 @@ def test_heads_init_with_latent_heads_keeps_the_distribution():
 
 def test_heads_init_uses_the_prediction_for_the_position():
     """With heads whose vertical guess is the code above (what a copy would give on a vertically uniform image),
-    `init="heads"` drafts exactly what `init="above"` drafts: same tokens, same passes, for the same seed."""
+    `init="heads"` drafts exactly what `init="above"` drafts below the first row: under drawn noise (the drafts'
+    proposals kept and tested) the same tokens and passes for the same seed, once the first row is done."""
     pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="above"), None, grid=(4, 4))
-    pipe.device_rounds = False  # both inits in the decoder's own rounds (the device round drafts row 0 otherwise)
-    ref = pipe("a fox", generator=gen(3), output_type="latent")
+    call = dict(generator=gen(3), output_type="latent", sampling_noise="drawn")
+    ref = pipe("a fox", **call)
 
     class CopyAbove(JacobiDecoder):  # the heads' prediction for a position = the committed code one row above
-        def _predict_above(self, state, hidden, first, draft_heads, backbone):
-            n, w = hidden.shape[1], state.layout.width
-            end = min(first + n + w, state.layout.num_tokens)
-            if first + w < end:
-                state.above[:, first + w : end] = state.tokens[:, first : end - w]
+        def vertical_logits(self, draft_heads, backbone, hidden, codes):
+            return torch.nn.functional.one_hot(codes, backbone.num_image_codes).float() * 1e4  # (B, n, V)
 
     decoder = CopyAbove(window_size=4, init="heads")
     pipe.set_draft_heads(SpatialDraftHeads.for_backbone(pipe.backbone, decoder))
     pipe.decoder = decoder
-    out = pipe("a fox", generator=gen(3), output_type="latent")
+    out = pipe("a fox", **call)
     assert torch.equal(out.tokens, ref.tokens)
     assert out.stats.num_forward_passes == ref.stats.num_forward_passes
-
-
-def test_heads_init_refuses_missing_or_wrong_heads():
-    decoder = JacobiDecoder(window_size=4, init="heads")
-    pipe = dummy_pipeline("llamagen", decoder, None)
-    with pytest.raises(ValueError, match=r"JacobiDecoder\(init='heads'\) needs .* with vertical offsets \[1\]; found none"):
-        pipe("a fox")
-    heads = SpatialDraftHeads(**pipe.backbone.facts(), horizontal_offsets=[1], vertical_offsets=[2])
-    pipe.set_draft_heads(heads)
-    with pytest.raises(ValueError, match=r"lack the vertical offsets \[1\]"):
-        pipe("a fox")
-    need = JacobiDecoder(init="heads").heads_needed()
-    assert (need.kinds, need.horizontal_offsets, need.vertical_offsets) == (("offset_logits", "latent"), (), (1,))
-    assert JacobiDecoder().heads_needed() is None
-
-
-@pytest.mark.parametrize(
-    "options,low,high",
-    [({"coupling": "gumbel"}, 0.95, 1.0), ({"coupling": "none", "continuation": True}, 0.95, 1.0),
-     ({"coupling": "gumbel", "continuation": True}, 0.95, 1.0), ({"coupling": "none"}, 0.0, 0.1)],
-    ids=["gumbel", "continuation", "both", "none"],
-)
-def test_coupling_keeps_drafts_whose_distribution_did_not_move(options, low, high):
-    """A redraw from an unchanged distribution keeps its code under either coupling; with fresh randomness it
-    changes most of the time on a flat distribution of 64 codes."""
-    pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="random", anchor="none", **options), None, grid=(2, 2), num_codes=64)
-    decoder = pipe.decoder
-    state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), 64, "cpu"), 64, 1,
-                               torch.device("cpu"), pipe.backbone)
-    state.tokens[:, 0] = 0
-    state.num_committed = 1
-    draft = decoder.propose(state)
-    v = pipe.backbone.num_image_codes
-    flat = torch.zeros(64, 5, v)  # logits: uniform p at every slot; q of the random drafts is uniform too
-    before = state.drafts.clone()
-    # reject the first draft for sure: p(x) = 0 at slot 0 for the first draft's code
-    flat[:, 0].scatter_(-1, before[:, :1], -float("inf"))
-    decoder.step(flat, torch.zeros(64, 5, pipe.backbone.hidden_size), draft, state)
-    kept = (state.drafts[:, :3] == before[:, 1:4]).float().mean().item()
-    assert low <= kept <= high, kept  # p did not move: a coupled redraw is the same code
 
 
 def test_proactive_window_is_a_product_tree_then_a_chain():
@@ -155,63 +114,52 @@ def test_proactive_rounds_with_end_of_row_tokens_keep_the_distribution(monkeypat
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 3), minlength=3**6), exact) > 1e-4
 
 
-def _first_draft_state(decoder, pipe, rows, q, left):
-    """A state whose first window position holds drafts drawn from ``q`` ``(V,)`` after the committed code ``left``."""
-    state = decoder.init_state(pipe.backbone.layout, SamplingConfig(1.0, 1.0), RandomSource(gen(0), rows, "cpu"), rows, 1,
-                               torch.device("cpu"), pipe.backbone)
-    state.tokens[:, 0] = left
-    state.num_committed = 1
-    state.q[:, 1] = q
-    state.drafts[:, 0] = torch.multinomial(q, rows, replacement=True, generator=gen(1))
-    return state
+def _first_draft_state(rows, q, left):
+    """A chain state's first window position: drafts drawn from ``q`` ``(V,)`` after the committed code ``left``."""
+    v = q.shape[0]
+    return SimpleNamespace(last=torch.full((rows,), left), q=q.expand(rows, 3, v).clone(),
+                           drafts=torch.multinomial(q, rows, replacement=True, generator=gen(1))[:, None].repeat(1, 2),
+                           raced=None)
 
 
 def test_left_anchor_draft_follows_its_adjusted_proposal():
-    """``anchor="left"`` turns a draft ``x ~ q`` into the committed code ``c`` where ``q(x) <= q(c)``; the drafts then
-    follow ``q'`` (``q`` above ``q(c)``, the rest of the mass on ``c``), the proposal the next verification uses."""
-    decoder = JacobiDecoder(window_size=3, init="random", coupling="none", anchor="left")
-    pipe = dummy_pipeline("llamagen", decoder, None, grid=(2, 2), num_codes=6)
+    """``anchor="left"`` (`device_chain.anchor_left`) turns a draft ``x ~ q`` into the committed code ``c`` where
+    ``q(x) <= q(c)``; the drafts then follow ``q'`` (``q`` above ``q(c)``, the rest of the mass on ``c``), the proposal
+    the next verification uses."""
+    from spatial_pipelines.pipelines.device_chain import anchor_left
+
     q = torch.tensor([0.05, 0.30, 0.10, 0.20, 0.25, 0.10])
-    state = _first_draft_state(decoder, pipe, 40000, q, left=3)
-    decoder._anchor_left(state)
+    state = _first_draft_state(40000, q, left=3)
+    anchor_left(state)
     expected = torch.tensor([0.0, 0.30, 0.0, 0.45, 0.25, 0.0])  # 0.05 + 0.10 + 0.10 moved onto code 3 (q = 0.20)
-    assert torch.allclose(state.q[:, 1], expected.expand(40000, 6))
+    assert torch.allclose(state.q[:, 0], expected.expand(40000, 6))
     assert chi_square_pvalue(torch.bincount(state.drafts[:, 0], minlength=6), expected) > 1e-3
-    state = _first_draft_state(decoder, pipe, 8, q, left=1)  # the likeliest code: every draft becomes the copy
-    decoder._anchor_left(state)
-    assert (state.drafts[:, 0] == 1).all() and torch.allclose(state.q[:, 1, 1], torch.ones(8))
+    state = _first_draft_state(8, q, left=1)  # the likeliest code: every draft becomes the copy
+    anchor_left(state)
+    assert (state.drafts[:, 0] == 1).all() and torch.allclose(state.q[:, 0, 1], torch.ones(8))
 
 
-@pytest.mark.parametrize("engine", ["device", "row-groups"])
-def test_left_anchor_needs_its_adjusted_proposal(engine, monkeypatch):
+def test_left_anchor_needs_its_adjusted_proposal(monkeypatch):
     """The distribution test has power here: anchoring the draft but verifying it against the unchanged ``q`` is
-    caught, on the device (drawn noise: speculative sampling against the kept proposals) and in row groups (four times
-    the samples of the other distribution tests: in a batch, rows that accepted more than the shortest row carry their
-    codes into the next window untested, so fewer drafts pass through the anchor)."""
+    caught (drawn noise: speculative sampling against the kept proposals)."""
     from spatial_pipelines.pipelines import device_chain
-
-    def wrong(state):
-        left, q, x = state.last_token[:, None], state.q[:, 1], state.drafts[:, :1]
-        state.drafts[:, :1] = torch.where(q.gather(-1, x) > q.gather(-1, left), x, left)  # q left as it was
 
     def wrong_on_device(s):
         left, q, x = s.last[:, None], s.q[:, 0], s.drafts[:, :1]
         s.drafts[:, :1] = torch.where(q.gather(-1, x) > q.gather(-1, left), x, left)  # q left as it was
 
-    monkeypatch.setattr(JacobiDecoder, "_anchor_left", staticmethod(wrong))
     monkeypatch.setattr(device_chain, "anchor_left", wrong_on_device)
     pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=3, init="random", coupling="none", anchor="left"), None,
                           grid=(2, 2), num_codes=4)
     loops = []
     run = pipe.loop._run_device
     pipe.loop._run_device = lambda loop, *a: (loops.append(loop), run(loop, *a))[1]
-    pipe.device_rounds = False if engine == "row-groups" else None
     sampling = SamplingConfig(2.0, 1.0)
     exact = exact_joint_distribution(pipe, "a fox", sampling)
-    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=4 * DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent",
+    out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent",
                sampling_noise="drawn")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
-    assert len(loops) == (engine == "device")
+    assert len(loops) == 2 and all(loop.anchor for loop in loops)
 
 
 def test_continuation_on_the_device_needs_its_test(monkeypatch):

@@ -206,7 +206,7 @@ def test_bad_latent_heads_config_raises(kwargs, match):
 
 # -- the passes on the device (`device_ssd.SSDLoop`) -----------------------------------------------------------------
 def _device_loops(monkeypatch, pipe):
-    """Record the `SSDLoop` of every call (a call that takes the row-group loop records none)."""
+    """Record the `SSDLoop` of every call."""
     loops = []
     run_device = pipe.loop._run_device
 
@@ -223,27 +223,6 @@ DEVICE_SCHEDULES = [
     pytest.param(dict(num_horizontal=3, horizontal_rounds=0, vertical_rounds=0), id="r0"),
     pytest.param(dict(num_horizontal=2, num_vertical_rows=2, staged_base_rounds=2, staged_incremental_rounds=1), id="staged"),
 ]
-
-
-@pytest.mark.parametrize("kwargs", DEVICE_SCHEDULES)
-@pytest.mark.parametrize("draft", ["argmax", "sample"])
-@pytest.mark.parametrize("end_of_row", [False, True], ids=["", "eol"])
-def test_greedy_device_passes_give_the_row_group_codes(kwargs, draft, end_of_row, monkeypatch):
-    """Greedy SSD on the device commits the row-group loop's codes token for token, in its passes, with its draft
-    passes, per-pass counts and acceptance map (CFG, two prompts; with end-of-row tokens too)."""
-    pipe = ssd_pipeline((5, 6), end_of_row=end_of_row, draft=draft, **kwargs)
-    call = dict(guidance_scale=2.0, temperature=0, output_type="latent")
-    loops = _device_loops(monkeypatch, pipe)
-    out = pipe(["a red fox", "blue sky"], **call)
-    pipe.loop.device_rounds = False
-    grouped = pipe(["a red fox", "blue sky"], **call)
-    assert len(loops) == 1 and type(loops[0]).__name__ == "SSDLoop"
-    assert torch.equal(out.tokens, grouped.tokens)
-    for name in ("num_forward_passes", "num_draft_passes", "row_forward_passes", "mean_accepted_length"):
-        assert getattr(out.stats, name) == getattr(grouped.stats, name), name
-    assert torch.equal(out.stats.accepted_lengths, grouped.stats.accepted_lengths)
-    assert torch.equal(out.stats.acceptance_map, grouped.stats.acceptance_map)
-    assert out.stats.num_forward_passes == expected_passes((5, 6), **kwargs)
 
 
 @pytest.mark.parametrize("kwargs", DEVICE_SCHEDULES)

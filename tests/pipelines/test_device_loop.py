@@ -1,5 +1,5 @@
-"""Chain decoders' rounds run whole on the device (`device_loop.DeviceLoop`): the same codes as the row-group loop and
-as AR, every row as alone, one graph per round with nothing around it, and the device read once per sync."""
+"""The one engine (`device_loop.DeviceLoop` and its loops): every decoder's rounds give AR's codes under keyed noise
+(the oracle), every row as alone, one graph per round with nothing around it, and the device read once per sync."""
 
 import math
 
@@ -52,7 +52,7 @@ def _generators(n, offset=0):
 
 
 def _device_runs(monkeypatch, pipe):
-    """Record the `DeviceLoop` of every call (and fail if a call takes the row-group loop)."""
+    """Record the `DeviceLoop` of every call."""
     loops = []
     run_device = pipe.loop._run_device
 
@@ -61,23 +61,19 @@ def _device_runs(monkeypatch, pipe):
         return run_device(loop, *args, **kwargs)
 
     monkeypatch.setattr(pipe.loop, "_run_device", recorded)
-    monkeypatch.setattr(pipe.loop, "_round", lambda *a, **k: pytest.fail("a device-round decoder took the row-group loop"))
     return loops
 
 
-def _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch):
-    """Keyed noise, CFG, three prompts in one call: the device rounds give the row-group loop's codes and AR's, and
-    each row gives what its prompt gives alone, in the passes it takes alone (the batch's: their maximum)."""
+def _check_against_ar(pipe, family, end_of_row, monkeypatch):
+    """The oracle. Keyed noise, CFG, three prompts in one call: the rounds give AR's codes for the same seeds, and each
+    row gives what its prompt gives alone, in the passes it takes alone (the batch's: their maximum)."""
     reference = _pipe(family, end_of_row, AutoregressiveDecoder())
-    reference.device_rounds = False
-    ar = reference(PROMPTS, guidance_scale=2.0, generator=_generators(3), output_type="latent").tokens
-    pipe.device_rounds = False
-    grouped = pipe(PROMPTS, guidance_scale=2.0, generator=_generators(3), output_type="latent")
-    pipe.device_rounds = None
+    ar = reference(PROMPTS, guidance_scale=2.0, generator=_generators(3), output_type="latent")
+    assert ar.stats.num_forward_passes == reference.backbone.layout.num_tokens  # AR: one code per pass
     loops = _device_runs(monkeypatch, pipe)
     out = pipe(PROMPTS, guidance_scale=2.0, generator=_generators(3), output_type="latent")
     assert len(loops) == 1
-    assert torch.equal(out.tokens, ar) and torch.equal(out.tokens, grouped.tokens)
+    assert torch.equal(out.tokens, ar.tokens)
     alone = [pipe([p], guidance_scale=2.0, generator=_generators(1, i), output_type="latent") for i, p in enumerate(PROMPTS)]
     for i, single in enumerate(alone):
         assert torch.equal(single.tokens[0], out.tokens[i])
@@ -87,15 +83,15 @@ def _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch):
     assert stats.accepted_lengths.shape == (stats.num_forward_passes, 3)
     assert stats.accepted_lengths.sum() == stats.num_tokens == 3 * pipe.backbone.layout.num_tokens
     assert torch.equal(stats.acceptance_map.flatten(1).sum(1) > 0, torch.ones(3, dtype=torch.bool))
-    return loops[0], out, grouped
+    return loops[0], out
 
 
 @pytest.mark.parametrize("decoder_cls,kwargs", DECODERS, ids=DECODER_IDS)
 @pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
-def test_device_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+def test_chain_rounds_commit_what_ar_commits(family, end_of_row, decoder_cls, kwargs, monkeypatch):
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
-    loop, out, _ = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
-    assert isinstance(loop, ChainLoop) and loop.window == pipe.decoder.chain_window()
+    loop, out = _check_against_ar(pipe, family, end_of_row, monkeypatch)
+    assert isinstance(loop, ChainLoop) and loop.window == pipe.decoder.plan(None, loop.layout, 3, "cpu").window
     if decoder_cls is AutoregressiveDecoder:
         assert out.stats.num_forward_passes == pipe.backbone.layout.num_tokens
 
@@ -108,36 +104,28 @@ PROACTIVE = [(JacobiDecoder, {"window_size": 3, "proactive_width": 2}),
 
 @pytest.mark.parametrize("decoder_cls,kwargs", PROACTIVE, ids=["proactive-2", "proactive-3-random"])
 @pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
-def test_proactive_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
-    """SJD's window of proactive candidates as a static tree on the device, with end-of-row tokens too: AR's codes, the
-    row-group loop's, every row as alone."""
+def test_proactive_rounds_commit_what_ar_commits(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+    """SJD's window of proactive candidates as a static tree, with end-of-row tokens too: AR's codes, every row as
+    alone."""
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
-    loop, _, _ = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
+    loop, _ = _check_against_ar(pipe, family, end_of_row, monkeypatch)
     assert isinstance(loop, ProactiveLoop) and loop.num_nodes == pipe.decoder.tree.num_nodes
     assert loop.fed == loop.num_nodes + loop.eol_slots and (loop.eol_slots > 0) == end_of_row
 
 
 @pytest.mark.parametrize("decoder_cls,kwargs", TREES + EAGLE_TREES, ids=TREE_IDS + EAGLE_IDS)
 @pytest.mark.parametrize("family,end_of_row", FAMILIES, ids=FAMILY_IDS)
-def test_tree_rounds_commit_what_ar_and_the_row_group_loop_commit(family, end_of_row, decoder_cls, kwargs, monkeypatch):
-    """Medusa's and Hawk's static trees and EAGLE-2's and ADT-Tree's per-row trees on the device, with end-of-row
-    tokens too: AR's codes, the row-group loop's codes and passes (the same trees), every row as alone, and the drafting
-    passes each round runs."""
+def test_tree_rounds_commit_what_ar_commits(family, end_of_row, decoder_cls, kwargs, monkeypatch):
+    """Medusa's and Hawk's static trees and EAGLE-2's and ADT-Tree's per-row trees, with end-of-row tokens too: AR's
+    codes, every row as alone (ADT-Tree: in the shapes it grows alone), and the drafting passes each round runs."""
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
-    loop, out, grouped = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
+    loop, out = _check_against_ar(pipe, family, end_of_row, monkeypatch)
     grown = issubclass(decoder_cls, EagleDecoder)
     assert isinstance(loop, DynamicTreeLoop if grown else HeadTreeLoop)
     assert loop.num_nodes == (loop.drafter.num_nodes + 1 if grown else pipe.decoder.tree.num_nodes)
     assert loop.fed == loop.num_nodes + loop.eol_slots and (loop.eol_slots > 0) == end_of_row
-    if decoder_cls is ADTTreeDecoder:  # the row-group loop shares one shape among a group's rows: each row alone
-        grouped = _pipe(family, end_of_row, decoder_cls(**kwargs))
-        grouped.device_rounds = False
-        alone = [grouped([p], guidance_scale=2.0, generator=_generators(1, i), output_type="latent")
-                 for i, p in enumerate(PROMPTS)]
-        assert out.stats.row_forward_passes == [a.stats.num_forward_passes for a in alone]
+    if decoder_cls is ADTTreeDecoder:
         assert out.stats.decoder_stats["mean_tree_width"] != kwargs.get("top_k", 8)  # the shapes moved
-    else:
-        assert out.stats.row_forward_passes == grouped.stats.row_forward_passes  # the same walk: the same passes
     per_round = loop.drafter.max_depth if grown else 1
     assert out.stats.num_draft_passes == (out.stats.num_forward_passes - 1) * per_round
     assert out.stats.accepted_lengths[1:].max() > 1  # some drafts accepted: the tree walk is exercised
@@ -150,7 +138,6 @@ def test_the_temperature_is_data_and_gives_ar_codes(decoder_cls, kwargs, monkeyp
     still commit what AR commits at that temperature."""
     pipe = _pipe("llamagen", False, decoder_cls(**kwargs))
     reference = _pipe("llamagen", False, AutoregressiveDecoder())
-    reference.device_rounds = False
     loops = _device_runs(monkeypatch, pipe)
     for temperature in (0.7, 1.6):
         call = dict(guidance_scale=2.0, temperature=temperature, output_type="latent")
@@ -163,7 +150,6 @@ def test_the_temperature_is_data_and_gives_ar_codes(decoder_cls, kwargs, monkeyp
 def test_greedy_device_rounds_are_ar(family, end_of_row):
     pipe = _pipe(family, end_of_row, JacobiDecoder(window_size=4))
     ar = _pipe(family, end_of_row, AutoregressiveDecoder())
-    ar.device_rounds = False
     expected = ar(PROMPTS[:2], temperature=0.0, output_type="latent").tokens
     assert torch.equal(pipe(PROMPTS[:2], temperature=0.0, output_type="latent").tokens, expected)
 
@@ -294,7 +280,6 @@ def test_relaxed_rules_run_on_the_device_every_row_as_alone(family, end_of_row, 
         assert torch.equal(alone.tokens[0], out.tokens[i])
         assert alone.stats.num_forward_passes == out.stats.row_forward_passes[i]
     reference = _pipe(family, end_of_row, AutoregressiveDecoder())
-    reference.device_rounds = False
     greedy = pipe(prompts, temperature=0.0, **call).tokens
     assert torch.equal(greedy, reference(prompts, temperature=0.0, **call).tokens)
     if decoder_cls is not JacobiDecoder:  # the chain tests its drafts against their proposals: AR's law, not its codes
@@ -545,8 +530,8 @@ def test_token_logit_heads_without_their_own_frozen_function_run_on_the_device(m
 @pytest.mark.parametrize("heads_kind", ["spatial", "latent"])
 def test_sjd_with_head_guesses_runs_on_the_device(family, end_of_row, heads_kind, monkeypatch):
     """``init="heads"`` on the device: the vertical head guesses the code one row below every committed code inside
-    the round (token-logit and latent heads), the fresh drafts read the guesses, and the codes are AR's and the row-group
-    loop's, every row as alone."""
+    the round (token-logit and latent heads), the fresh drafts read the guesses, and the codes are AR's, every row as
+    alone."""
     from spatial_pipelines import LatentDraftHeads
 
     decoder = JacobiDecoder(window_size=3, init="heads")
@@ -554,7 +539,7 @@ def test_sjd_with_head_guesses_runs_on_the_device(family, end_of_row, heads_kind
     if heads_kind == "latent":
         torch.manual_seed(0)
         pipe.draft_heads = LatentDraftHeads.for_backbone(pipe.backbone, decoder)
-    loop, out, grouped = _check_against_ar_and_row_groups(pipe, family, end_of_row, monkeypatch)
+    loop, out = _check_against_ar(pipe, family, end_of_row, monkeypatch)
     assert loop.draft_passes_per_round == 1 and loop.state.above is not None and loop.state.q is None
     guessed = loop.state.above[:, :-1]  # (B, N) what the head guessed for each position below the first row
     width = pipe.backbone.layout.width

@@ -23,7 +23,7 @@ from spatial_pipelines.core.kv_cache import KVCache, TransformersCacheView
 from spatial_pipelines.pipelines.pass_cost import PassCost
 from spatial_pipelines.pipelines import generation
 from spatial_pipelines.pipelines.device_ssd import pass_slots
-from spatial_pipelines.pipelines.static_shapes import pad_fed, static_cache_length
+from spatial_pipelines.pipelines.static_shapes import static_cache_length
 from spatial_pipelines.testing import dummy_pipeline
 
 from helpers import DECODER_CASES
@@ -92,14 +92,7 @@ def test_fixed_shape_cache_attends_to_fixed_lengths(buckets, lengths):
     assert lengths(768) == [256, 512, 768] and lengths(256) == [256] and lengths(2048) == [512, 1024, 1536, 2048]
 
 
-def test_pad_fed_keeps_real_tokens_apart_from_padding():
-    ids, positions, mask = pad_fed(torch.tensor([[5, 6]]), torch.tensor([10, 11]), torch.ones(2, 2, dtype=torch.bool).tril(), 4)
-    assert ids.tolist() == [[5, 6, 0, 0]] and positions.tolist() == [10, 11, 11, 11]
-    assert mask.tolist() == [[True, False, False, False], [True, True, False, False], [False, False, True, False], [False, False, False, True]]
-    per_row = pad_fed(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, 1, dtype=torch.bool), 3)[2]
-    assert per_row.shape == (2, 3, 3)
-    with pytest.raises(ValueError, match="max_draft_tokens"):
-        pad_fed(torch.zeros(1, 5, dtype=torch.long), torch.zeros(5, dtype=torch.long), torch.ones(5, 5, dtype=torch.bool), 4)
+def test_static_cache_length_rounds_up():
     assert static_cache_length(1) == static_cache_length(256) == 256 and static_cache_length(257) == 512
 
 

@@ -4,13 +4,11 @@ from .contracts import DRAFTER, HEADS_KINDS, LATENT, OFFSET_LOGITS, HeadsNeed, H
 from .kv_cache import KVCache, StaticKVCache
 from .layout import ImageTokenLayout
 from .sampling import (
-    RandomSource,
     SamplingConfig,
     apply_top_k,
     apply_top_p,
     cfg_mix,
     logits_to_probs,
-    sample_from_probs,
 )
 
 __all__ = [
@@ -22,7 +20,6 @@ __all__ = [
     "OFFSET_LOGITS",
     "check_heads",
     "ImageTokenLayout",
-    "RandomSource",
     "SamplingConfig",
     "KVCache",
     "StaticKVCache",
@@ -30,5 +27,4 @@ __all__ = [
     "apply_top_p",
     "cfg_mix",
     "logits_to_probs",
-    "sample_from_probs",
 ]

@@ -1,15 +1,13 @@
-"""Turning target logits into a distribution and drawing from it.
+"""Turning target logits into a distribution, and keyed noise: every random draw of a generation.
 
-Everything here is fp32 and free of host syncs: drawing uses the exponential race
-(``argmax(p / E)``, ``E ~ Exp(1)``), which picks index ``i`` with probability ``p_i`` exactly, as
-``torch.multinomial`` does, but without its device-to-host check.
-
-Keyed noise (`RandomSource` with ``keyed=True``, the pipelines' default for exact decoders): each image draws one
-seed from its generator, and the Gumbel noise of grid position ``j`` and code ``v`` is a hash of ``(seed, j, v)``
-(`keyed_gumbel`), as vLLM keys its sampler's noise by request. The code at ``j`` is ``argmax(log p_j + G(seed, j))``
-(Gumbel-max: a draw from ``p_j``), whatever pass computes ``p_j``: every exact decoder then commits AR's image for a
-seed, at any draft size or batch, and verification is "does the draft equal the target's keyed sample" (`target_probs`
-returns that sample as a point mass).
+Everything here is fp32 and free of host syncs. Each image draws one seed from its generator (`draw_seeds`), and every
+random number a round needs is a hash of that seed and a counter: the Gumbel noise of grid position ``j`` and code
+``v`` (`keyed_gumbel`), as vLLM keys its sampler's noise by request, and keyed uniforms of streams salted apart
+(`keyed_uniform`: acceptance tests, residual draws, random drafts, ADT-Tree's shapes). The code at ``j`` is
+``argmax(log p_j + G(seed, j))`` (Gumbel-max: a draw from ``p_j``, `keyed_sample`), whatever pass computes ``p_j``:
+every exact decoder then commits AR's image for a seed, at any draft size or batch, and verification is "does the draft
+equal the target's keyed sample". Under ``sampling_noise="drawn"`` a method's own acceptance test (``u < p / q``) runs
+on keyed streams of its own.
 """
 
 from dataclasses import dataclass
@@ -143,16 +141,6 @@ def keyed_sample(logits: torch.Tensor, config: SamplingConfig, seeds: torch.Tens
     return (scores + keyed_gumbel(seeds, index, codes, v)).argmax(dim=-1)
 
 
-def target_probs(logits: torch.Tensor, config: SamplingConfig, random: "RandomSource",
-                 index: Union[int, torch.Tensor]) -> torch.Tensor:
-    """What verification tests drafts against: `logits_to_probs`, or under keyed noise (``random.keyed``) the keyed
-    sample as a point mass (a draft is accepted exactly when it equals it). ``logits (B, ..., V)`` -> fp32
-    ``(B, ..., V)``; ``index`` as in `keyed_sample`: the grid index each distribution is for."""
-    if not random.keyed or config.greedy:
-        return logits_to_probs(logits, config)
-    return one_hot(keyed_sample(logits, config, random.seeds, index), logits.shape[-1])
-
-
 #: Noise settings a pipeline call takes (``sampling_noise=``): see the module docstring.
 SAMPLING_NOISE = ("keyed", "drawn")
 
@@ -233,64 +221,3 @@ def draw_seeds(generator: GeneratorLike, batch_size: int) -> torch.Tensor:
     device = generator.device if generator is not None else "cpu"
     return torch.randint(high, (batch_size,), generator=generator, device=device).cpu()
 
-
-class RandomSource:
-    """Random numbers per batch row, reproducible per row.
-
-    With a list of generators, row ``b`` draws only from ``generators[b]``, so a batch equals the single runs
-    made with the same generators. With one generator (or none) the whole batch draws from it at once.
-
-    Args:
-        generator: ``None``, one `torch.Generator`, or one per batch row.
-        batch_size (`int`): rows of the batch.
-        device (`torch.device`): where the numbers are used.
-        keyed (`bool`): draw one seed per row now (`draw_seeds`) and sample the target by keyed noise
-            (`target_probs`); the other draws still come from the generators.
-        seeds (`torch.LongTensor` `(B,)`, *optional*): the rows' seeds, when they were drawn already (`split`).
-    """
-
-    def __init__(self, generator: GeneratorLike, batch_size: int, device: torch.device, keyed: bool = False,
-                 seeds: Optional[torch.Tensor] = None):
-        self.generator = generator
-        self.batch_size = batch_size
-        self.device = torch.device(device)
-        if keyed and seeds is None:
-            seeds = draw_seeds(generator, batch_size)
-        self.seeds = None if seeds is None else seeds.to(self.device)  # (B,) once per generation
-
-    @property
-    def keyed(self) -> bool:
-        """Whether the target is sampled by noise keyed by (row seed, grid index, code)."""
-        return self.seeds is not None
-
-    def _draw(self, shape: Sequence[int], fill) -> torch.Tensor:
-        if isinstance(self.generator, (list, tuple)):
-            rows = [fill(torch.empty(tuple(shape), device=g.device), g) for g in self.generator]
-            return torch.stack(rows).to(self.device)  # (B, *shape)
-        g = self.generator
-        out = torch.empty((self.batch_size, *shape), device=g.device if g is not None else self.device)
-        return fill(out, g).to(self.device)
-
-    def split(self, rows: Sequence[int]) -> "RandomSource":
-        """The random source of the rows ``rows`` alone: their own generators (a list), or the shared one."""
-        generator = [self.generator[r] for r in rows] if isinstance(self.generator, (list, tuple)) else self.generator
-        seeds = None if self.seeds is None else self.seeds[list(rows)]
-        return RandomSource(generator, len(rows), self.device, seeds=seeds)
-
-    def uniform(self, *shape: int) -> torch.Tensor:
-        """``U[0, 1)`` of shape ``(B, *shape)``."""
-        return self._draw(shape, lambda t, g: t.uniform_(0.0, 1.0, generator=g))
-
-    def exponential(self, *shape: int) -> torch.Tensor:
-        """``Exp(1)`` of shape ``(B, *shape)``."""
-        return self._draw(shape, lambda t, g: t.exponential_(1.0, generator=g))
-
-
-def sample_from_probs(probs: torch.Tensor, random: RandomSource) -> torch.Tensor:
-    """Draw one code per distribution with no host sync: ``probs (B, ..., V)`` -> ``(B, ...)`` long.
-
-    Exponential race: ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` is distributed as ``p``. A point mass
-    (greedy) always returns its argmax.
-    """
-    noise = random.exponential(*probs.shape[1:])  # (B, ..., V)
-    return (probs / noise).argmax(dim=-1)

@@ -96,9 +96,9 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     @property
     def supports_keyed_noise(self) -> bool:
         """Whether ``sampling_noise="keyed"`` applies: the decoder is exact, so testing each draft against the target's
-        keyed sample (`target_probs`) keeps the model's distribution and commits AR's codes for a seed. ``False`` for a
+        keyed sample (`keyed_sample`) keeps the model's distribution and commits AR's codes for a seed. ``False`` for a
         relaxed rule (LANTERN moves mass from a draft's neighbours, which a sampled point mass does not have) and for
-        SSD; they draw their noise from the generators."""
+        SSD: their tests run on keyed streams of their own, of seeds drawn from the generators."""
         return self.is_exact
 
     @abc.abstractmethod
@@ -218,7 +218,7 @@ def draft_through(backbone, decoder: SpatialDecoderMixin):
     `ValueError` when the caller passed none."""
     if backbone is None:
         raise ValueError(f"{type(decoder).__name__} drafts through the model's own output head: pass `backbone=` (the "
-                         "family adapter, `pipe.backbone`) to its `propose` and `step`, as the pipeline does.")
+                         "family adapter, `pipe.backbone`) to what drafts, as the engine does.")
     return backbone
 
 

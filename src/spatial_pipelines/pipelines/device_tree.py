@@ -23,7 +23,8 @@ import torch
 
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
-from ..core.sampling import ACCEPT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample, keyed_uniform, logits_to_probs
+from ..core.verification import TreeTables, deepest_match, relaxed_matches, tree_tables
+from ..core.sampling import RESIDUAL_STREAM, SamplingConfig, keyed_sample, logits_to_probs
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_chain import UNIT_SAMPLING
 from .device_eol import EndOfRowSlots, end_of_row_slots, eol_slot_count, path_slot_count, path_with_end_of_row
@@ -322,127 +323,9 @@ def tree_forward(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", eol: O
     return hidden, logits, predicts
 
 
-def deepest_match(tables: "TreeTables", matches: torch.Tensor):
-    """The deepest node whose every ancestor matches, per row (``matches`` ``(B, T)``): its root-to-node slots
-    ``(B, D + 1)`` (padded with the node) and its depth ``(B,)``. One matmul counts the misses on each node's path."""
-    misses = (~matches).float()[:, None] @ tables.ancestors.transpose(-1, -2)  # (B, 1, T) misses on each node's path
-    best = ((misses[:, 0] == 0) * tables.score).argmax(1)  # (B,)
-    paths = tables.paths.expand(matches.shape[0], -1, -1)  # (B, T, D + 1)
-    path = paths.gather(1, best[:, None, None].expand(-1, 1, paths.shape[-1]))[:, 0]  # (B, D + 1)
-    return path, tables.depths.expand_as(matches).gather(1, best[:, None])[:, 0]
-
-
 def node_probs(logits: torch.Tensor, sampling: SamplingConfig, predictor: Optional[torch.Tensor]) -> torch.Tensor:
     """``p`` of every tree node's output ``(B, T, V)`` from the mixed logits of every fed slot ``(B, T (+ E), V)``: with
     end-of-row slots, a node that ends a row stands for its EOL slot's output (``predictor`` ``(B, T)``)."""
     if predictor is not None:
         logits = logits.gather(1, predictor[..., None].expand(-1, -1, logits.shape[-1]))  # (B, T, V)
     return logits_to_probs(logits, sampling)
-
-
-def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], probs: torch.Tensor, fed: torch.Tensor,
-                    samples: torch.Tensor, tables: "TreeTables", seeds: torch.Tensor, index: torch.Tensor):
-    """Which nodes a relaxed rule (LANTERN, LANTERN++, or a rule of one's own) accepts, for point-mass candidates,
-    sibling after sibling, each tried on its parent's ``p`` less the claims of the siblings tried before it (whose
-    TVD budget it shares), and none after a sibling that matched: `verify_tree_sequential`'s walk.
-
-    A rule that names its claim (``claims_neighbours``: ``{x}`` and the neighbours it keeps) is decided by the
-    parent's keyed sample ``y``: node ``i`` (code ``x``) matches when ``y`` lies in ``x``'s claim. Why this is LANTERN:
-    ``y ~ p``, so sibling ``i`` is accepted, given its earlier siblings were not, with its claim on the residual, and a
-    row that accepts none keeps ``y``, distributed as the residual left after every sibling, with ``y`` the only
-    randomness (siblings never both match: an earlier claim's codes have no mass left, so ``y`` among them fails the
-    later ones).
-
-    A rule whose claim names no codes is decided by a keyed uniform per node (`ACCEPT_STREAM`, keyed by the grid
-    index and the sibling's rank): ``u < p~(x)`` (``q(x) = 1``); the code after the deepest accepted node is then a
-    draw from that node's residual, which this returns for every node ``(B, T, V)`` (else ``None``).
-
-    Returns ``(matches (B, T) bool (the root always matches), residual or None)``.
-
-    Args:
-        probs (`torch.Tensor` `(B, T, V)`): the distribution each node's output gives its children.
-        fed (`torch.LongTensor` `(B, T)`): the nodes' codes (``-1``: none offered), root first.
-        samples (`torch.LongTensor` `(B, T)`): each node's keyed sample from ``probs``.
-        seeds (`torch.LongTensor` `(B,)`), index (`torch.LongTensor` `(B, T)`): the rows' seeds and the grid index
-            each node's output predicts (the uniforms' keys).
-    """
-    b, t, v = probs.shape
-    parents = tables.parents.expand(b, t)  # (B, T)
-    x, y = fed.clamp_min(0), samples.gather(1, parents)  # (B, T) each node's code and its parent's sample
-    offered = (fed >= 0) & tables.valid & ~tables.is_root  # (B, T)
-    rank, spare = tables.rank.expand(b, t), torch.full_like(parents, t)
-    named = rule.claims_neighbours
-    if not named:  # one uniform per sibling of each grid index
-        u = keyed_uniform(seeds ^ ACCEPT_STREAM, index.gather(1, parents) * tables.max_siblings + rank)  # (B, T)
-    # per parent (row T: a spare the untried nodes write to): p less its tried children's claims, the TVD they used
-    # (in units of p), the mass of p the residual stands for, and whether a child matched
-    residual = torch.cat([probs, probs.new_zeros(b, 1, v)], 1)  # (B, T + 1, V)
-    spent, scale = probs.new_zeros(b, t + 1), probs.new_ones(b, t + 1)  # (B, T + 1)
-    taken = torch.zeros(b, t + 1, dtype=torch.bool, device=probs.device)  # (B, T + 1)
-    matches = tables.is_root.expand(b, t)
-    for r in range(tables.max_siblings):  # the r-th child of every parent at once (at most one per parent)
-        tried = offered & (rank == r) & ~taken.gather(1, parents)  # (B, T) none after a sibling that matched
-        p = residual.gather(1, parents[..., None].expand(b, t, v))  # (B, T, V) the parent's residual
-        spent_p, scale_p = spent.gather(1, parents), scale.gather(1, parents)  # (B, T)
-        relaxed = rule.relax(p, x, neighbours, rule.budget_left(spent_p, scale_p))
-        if named:
-            claimed = y == x
-            if relaxed.kept is not None:
-                claimed = claimed | ((relaxed.neighbours == y[..., None]) & relaxed.kept).any(-1)
-            claimed = claimed & (p.gather(2, y[..., None])[..., 0] > 0)  # y lies in no earlier sibling's claim
-        else:
-            claimed = u < relaxed.mass  # u < min(1, p~(x) / q(x)), q a point mass
-        hit = tried & claimed
-        matches = matches | hit
-        rest = relaxed.removed(p, x)  # (B, T, V) what the next sibling is tried against, unnormalised
-        total, spent_next, scale_next = relaxed.rejected(rest, spent_p, scale_p)  # (B, T) each
-        dest = torch.where(tried, parents, spare)[..., None]  # (B, T, 1)
-        nxt = rest / total.clamp_min(1e-30)[..., None]  # all zero once a claim took the rest: no later sibling lives
-        residual = residual.scatter(1, dest.expand(b, t, v), nxt)
-        spent, scale = spent.scatter(1, dest[..., 0], spent_next), scale.scatter(1, dest[..., 0], scale_next)
-        taken = taken.scatter(1, torch.where(hit, parents, spare), hit)
-    return matches, (None if named else residual[:, :t])
-
-
-@dataclass
-class TreeTables:
-    """What verifying a tree reads, for one tree ``(T, ...)`` shared by every row (`HeadTreeLoop`) or one per row
-    ``(B, T, ...)`` (`DynamicTreeLoop`).
-
-    Args:
-        depths (`torch.LongTensor` `(T,)` or `(B, T)`): node depths (root 0).
-        mask (`torch.BoolTensor` `(T, T)` or `(B, T, T)`): each node sees itself and its ancestors.
-        parents (`torch.LongTensor`): each node's parent (the root and padding: itself's slot 0, never read as a
-            match: ``is_root`` or a missing candidate).
-        is_root (`torch.BoolTensor` `(T,)`): the root, always accepted.
-        ancestors (`torch.Tensor` float): ``[.., i, j]`` is 1 when ``j`` is ``i`` or an ancestor (a matmul counts misses).
-        paths (`torch.LongTensor` `(T, D + 1)` or `(B, T, D + 1)`): root-to-node slots, padded with the node itself.
-        score (`torch.LongTensor`): > 0 for a node that may be accepted, deeper first; 0 for padding.
-        valid (`torch.BoolTensor` `(T,)` or `(B, T)`): real nodes (padding is not).
-        rank (`torch.LongTensor` `(T,)` or `(B, T)`): a node's place among its siblings (tried in that order).
-        max_siblings (`int`): a bound on any node's children (host int).
-    """
-
-    depths: torch.Tensor
-    mask: torch.Tensor
-    parents: torch.Tensor
-    is_root: torch.Tensor
-    ancestors: torch.Tensor
-    paths: torch.Tensor
-    score: torch.Tensor
-    valid: torch.Tensor
-    rank: torch.Tensor
-    max_siblings: int
-
-
-def tree_tables(tree, slots: torch.Tensor) -> TreeTables:
-    """`TreeTables` of a `DraftTree` (built once per generation) or of `RowTrees` (every round, on the device);
-    ``slots`` is ``0 .. T - 1`` ``(T,)``. The deepest matching node wins; siblings never both match (distinct
-    candidates against one sample)."""
-    t = tree.num_nodes
-    node = slots[None, :, None] if tree.per_row else slots[:, None]  # a node's own slot pads its path
-    valid = tree.valid if tree.per_row else torch.ones_like(slots, dtype=torch.bool)
-    return TreeTables(depths=tree.depths, mask=tree.attention_mask, parents=tree.parents.clamp_min(0), is_root=slots == 0,
-                      ancestors=tree.attention_mask.float(), paths=torch.where(tree.node_paths < 0, node, tree.node_paths),
-                      score=((tree.depths + 1) * t - slots) * valid, valid=valid,
-                      rank=tree.earlier_siblings.sum(-1), max_siblings=tree.max_children)
