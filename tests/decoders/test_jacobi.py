@@ -42,17 +42,17 @@ def test_heads_init_uses_the_prediction_for_the_position():
     `init="heads"` drafts exactly what `init="above"` drafts below the first row: under drawn noise (the drafts'
     proposals kept and tested) the same tokens and passes for the same seed, once the first row is done."""
     pipe = dummy_pipeline("llamagen", JacobiDecoder(window_size=4, init="above"), None, grid=(4, 4))
-    call = dict(generator=gen(3), output_type="latent", sampling_noise="drawn")
-    ref = pipe("a fox", **call)
+    call = dict(output_type="latent", sampling_noise="drawn")
+    ref = pipe("a fox", generator=gen(3), **call)
 
     class CopyAbove(JacobiDecoder):  # the heads' prediction for a position = the committed code one row above
         def vertical_logits(self, draft_heads, backbone, hidden, codes):
-            return torch.nn.functional.one_hot(codes, backbone.num_image_codes).float() * 1e4  # (B, n, V)
+            return torch.nn.functional.one_hot(codes.clamp_min(0), backbone.num_image_codes).float() * 1e4  # (B, n, V)
 
     decoder = CopyAbove(window_size=4, init="heads")
     pipe.set_draft_heads(SpatialDraftHeads.for_backbone(pipe.backbone, decoder))
     pipe.decoder = decoder
-    out = pipe("a fox", **call)
+    out = pipe("a fox", generator=gen(3), **call)
     assert torch.equal(out.tokens, ref.tokens)
     assert out.stats.num_forward_passes == ref.stats.num_forward_passes
 
@@ -159,7 +159,7 @@ def test_left_anchor_needs_its_adjusted_proposal(monkeypatch):
     out = pipe("a fox", guidance_scale=2.0, num_images_per_prompt=DISTRIBUTION_SAMPLES, generator=gen(1), output_type="latent",
                sampling_noise="drawn")
     assert chi_square_pvalue(torch.bincount(grid_index(out.tokens, 4), minlength=4**4), exact) < 1e-4
-    assert len(loops) == 2 and all(loop.anchor for loop in loops)
+    assert len(loops) == 1 and loops[0].anchor
 
 
 def test_continuation_on_the_device_needs_its_test(monkeypatch):

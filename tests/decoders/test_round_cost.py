@@ -100,18 +100,18 @@ def test_host_read_counter_can_fail(reader, monkeypatch):
 
 
 @pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
-def test_auto_size_follows_the_pass_cost(decoder_cls, size_arg):
+def test_auto_size_follows_the_round_cost(decoder_cls, size_arg):
     """Flat cost: the smallest tree within `AUTO_RATE_TOLERANCE` of the largest (every node is worth its price);
     cost growing with every fed token: a single draft is best."""
     flat = decoder_cls(**{size_arg: "auto"})
-    flat.resolve_draft_size(lambda t: 1.0)
+    flat.resolve_draft_size(lambda tree: 1.0)
     sizes = flat._draft_sizes()
     expected = {n: 1 + flat._sized_tree(n)[1] for n in sizes}  # codes per pass (= per second: the cost is 1)
     chosen = flat.tree.num_nodes - 1
     assert expected[chosen] >= (1 - AUTO_RATE_TOLERANCE) * max(expected.values()) > expected[sizes[sizes.index(chosen) - 1]]
     assert chosen > 8  # flat: a large draft
     steep = decoder_cls(**{size_arg: "auto"})
-    steep.resolve_draft_size(lambda t: float(t))
+    steep.resolve_draft_size(lambda tree: float(tree.num_nodes))
     assert steep.tree.num_nodes == 2  # the root and one draft
     fixed = decoder_cls(**{size_arg: 3})
     assert fixed.tree.num_nodes == 4 and not fixed.sizes_from_pass_cost
@@ -119,27 +119,28 @@ def test_auto_size_follows_the_pass_cost(decoder_cls, size_arg):
 
 @pytest.mark.parametrize("decoder_cls", [EagleDecoder, ADTTreeDecoder])
 def test_auto_tree_size_weighs_the_drafter_passes(decoder_cls):
-    """EAGLE-2 drafts with one drafter pass per depth: with a flat target cost the largest tree pays when drafting is
-    free, and a single node (one drafter pass) when a drafter pass costs as much as a target pass."""
+    """EAGLE-2 drafts with one drafter pass per depth, which its whole round's cost holds: with a flat cost the largest
+    tree pays, and a smaller one when every depth costs a drafter pass as dear as a target pass."""
     free = decoder_cls(depth=4, top_k=3, num_draft_tokens="auto")
-    free.resolve_draft_size(lambda t: 1.0, lambda t: 0.0)
+    free.resolve_draft_size(lambda tree: 1.0)
     expected = {n: 1 + free._sized_tree(n)[1] for n in free._draft_sizes()}  # codes per pass, all at the same cost
     assert 1 + free._sized_tree(free.tree.num_nodes - 1)[1] >= (1 - AUTO_RATE_TOLERANCE) * max(expected.values())
     assert free.tree.num_nodes > 4
     dear = decoder_cls(depth=4, top_k=3, num_draft_tokens="auto")
-    dear.resolve_draft_size(lambda t: 1.0, lambda t: 1.0)
-    assert dear.tree.num_nodes == 2
-    assert dear._drafting_seconds(dear._sized_tree(5)[0], lambda t: 1.0) == 1 + 3  # a catch-up pass, then 3 expansions
-    assert dear._drafting_seconds(dear._sized_tree(5)[0], None) == 0.0
+    dear.resolve_draft_size(lambda tree: 1.0 + tree.max_depth)
+    assert dear.tree.num_nodes < free.tree.num_nodes
 
 
-def test_pipeline_measures_the_drafter_pass_for_eagle_auto_sizes():
+def test_pipeline_times_eagle_rounds_with_their_drafter_passes(monkeypatch):
+    """EAGLE-2's "auto" size is timed on whole rounds too: the drafter's passes are part of what is timed."""
     pipe = dummy_pipeline("llamagen", EagleDecoder(depth=3, top_k=2, num_draft_tokens="auto"), "random", grid=(4, 5))
+    passes = []
+    forward = pipe.draft_heads.forward
+    pipe.draft_heads.forward = lambda *a, **k: passes.append(1) or forward(*a, **k)
     pipe("a fox", generator=torch.Generator().manual_seed(0), output_type="latent")
-    pass_cost, drafter, overhead, _ = pipe.decoder._resolved_for
-    assert overhead is None  # a drafter's passes are timed as passes, not on dry rounds
-    assert drafter is pipe.draft_pass_cost(2) and drafter.seconds and all(s > 0 for s in drafter.seconds.values())
-    assert MedusaDecoder.uses_drafter_passes is False
+    round_cost, _ = pipe.decoder._resolved_for
+    assert isinstance(round_cost, RoundCost) and round_cost.seconds and all(s > 0 for s in round_cost.seconds.values())
+    assert len(passes) > len(round_cost.seconds) * (round_cost.warmup + round_cost.repeats)  # drafter passes ran in the timed rounds
 
 
 def test_auto_size_is_resolved_once_per_pipeline_and_serves_the_invariants():
@@ -147,7 +148,7 @@ def test_auto_size_is_resolved_once_per_pipeline_and_serves_the_invariants():
     assert pipe.decoder.sizes_from_pass_cost
     greedy = pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent")
     chosen = pipe.decoder.tree.num_nodes
-    round_cost = pipe.decoder._resolved_for[2]
+    round_cost = pipe.decoder._resolved_for[0]
     costs = dict(round_cost.seconds)  # two images: the rounds timed at the call's batch
     assert round_cost.batch_size == 2 and len(costs) > 3 and all(s > 0 for s in costs.values())
     assert pipe(["a fox", "x"], guidance_scale=2.0, temperature=0, output_type="latent").tokens.equal(greedy.tokens)
@@ -169,17 +170,15 @@ def test_fitted_pass_cost_recovers_the_curve_and_never_falls():
 
 
 class _Timings:
-    """A `PassCost` stand-in: "measures" ``seconds(T)`` and fits like `PassCost.fitted`."""
+    """A `RoundCost` stand-in: "measures" ``seconds(nodes)`` per candidate tree and fits like `RoundCost.fitted`."""
 
     def __init__(self, seconds):
         self.timing, self.seconds = seconds, {}
 
-    def measure(self, sizes):
-        self.seconds.update({t: self.timing(t) for t in sizes})
-
-    def fitted(self, sizes):
-        self.measure(sizes)
-        return fit_pass_cost({t: self.seconds[t] for t in sizes})
+    def fitted(self, trees):
+        self.seconds.update({t.num_nodes: self.timing(t.num_nodes) for t in trees})
+        fit = fit_pass_cost(self.seconds)
+        return lambda tree: fit(tree.num_nodes)
 
 
 @pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
@@ -191,7 +190,7 @@ def test_auto_size_from_the_fitted_curve_holds_under_timing_noise(decoder_cls, s
     for _ in range(30):
         noise = {t: 1 + rng.gauss(0, 0.02) for t in range(1, 70)}
         timing = lambda t, noise=noise: (7.0 + 0.2 * t) * noise[t]  # noqa: E731
-        for chosen, cost in ((fitted, _Timings(timing)), (raw, timing)):
+        for chosen, cost in ((fitted, _Timings(timing)), (raw, lambda tree, timing=timing: timing(tree.num_nodes))):
             decoder = decoder_cls(**{size_arg: "auto"})
             decoder.resolve_draft_size(cost)
             chosen.append(decoder.tree.num_nodes)
@@ -201,16 +200,15 @@ def test_auto_size_from_the_fitted_curve_holds_under_timing_noise(decoder_cls, s
 
 @pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
 def test_auto_size_counts_the_whole_round(decoder_cls, size_arg):
-    """A round cost that adds work per node to the pass makes "auto" choose a smaller draft than the pass cost alone;
-    a fixed cost per round (amortised over more accepted codes) a larger one, never smaller; the round cost replaces
-    the pass cost (a pass cost given beside it is not read)."""
-    pass_cost = lambda t: 1.0 + 0.04 * t  # noqa: E731
+    """A round cost that adds work per node to the pass makes "auto" choose a smaller draft than the pass alone; a
+    fixed cost per round (amortised over more accepted codes) a larger one, never smaller."""
+    pass_cost = lambda tree: 1.0 + 0.04 * tree.num_nodes  # noqa: E731
     alone = decoder_cls(**{size_arg: "auto"})
     alone.resolve_draft_size(pass_cost)
     per_node = decoder_cls(**{size_arg: "auto"})
-    per_node.resolve_draft_size(None, round_cost=lambda tree: pass_cost(tree.num_nodes) + 0.2 * tree.num_nodes)
+    per_node.resolve_draft_size(lambda tree: pass_cost(tree) + 0.2 * tree.num_nodes)
     per_round = decoder_cls(**{size_arg: "auto"})
-    per_round.resolve_draft_size(lambda t: 1 / 0, round_cost=lambda tree: pass_cost(tree.num_nodes) + 1.0)
+    per_round.resolve_draft_size(lambda tree: pass_cost(tree) + 1.0)
     assert per_node.tree.num_nodes < alone.tree.num_nodes <= per_round.tree.num_nodes
 
 
@@ -227,8 +225,8 @@ def test_pipeline_times_whole_rounds_on_the_engine(decoder_cls, kwargs, monkeypa
     heads = "random" if decoder_cls is MedusaDecoder else None
     pipe = dummy_pipeline("llamagen", decoder_cls(**kwargs), heads, grid=(4, 5))
     out = pipe("a fox", temperature=0, output_type="latent")
-    pass_cost, drafter, round_cost, _ = pipe.decoder._resolved_for
-    assert pass_cost is None and drafter is None and isinstance(round_cost, RoundCost) and round_cost.decoder is pipe.decoder
+    round_cost, _ = pipe.decoder._resolved_for
+    assert isinstance(round_cost, RoundCost) and round_cost.decoder is pipe.decoder
     candidates = {pipe.decoder._sized_tree(n)[0].num_nodes for n in pipe.decoder._draft_sizes()}
     assert set(round_cost.seconds) == candidates and all(s > 0 for s in round_cost.seconds.values())
     timed_rounds = (round_cost.warmup + round_cost.repeats) * len(candidates) * (1 + round_cost.rounds)
@@ -241,7 +239,7 @@ def test_pipeline_times_whole_rounds_on_the_engine(decoder_cls, kwargs, monkeypa
     pipe("a fox", temperature=0, output_type="latent")
     pipe.decoder = other
     pipe("a fox", temperature=0, output_type="latent")
-    assert pipe.decoder._resolved_for[2] is round_cost and round_cost.seconds == timed
+    assert pipe.decoder._resolved_for[0] is round_cost and round_cost.seconds == timed
     size = {"num_draft_tokens": chosen.num_nodes - 1} if decoder_cls is MedusaDecoder else {"window_size": chosen.num_nodes - 1}
     fixed = dummy_pipeline("llamagen", decoder_cls(**size), heads, grid=(4, 5))
     assert fixed("a fox", temperature=0, output_type="latent").tokens.equal(out.tokens)  # same seed, same weights
@@ -399,8 +397,7 @@ def test_tune_decoder_returns_the_chosen_sizes_as_config(decoder_cls, kwargs, he
         pipe.tune_decoder(batch_size=0)
     tuned = pipe.tune_decoder(batch_size=2)
     assert pipe.decoder.config[name] == size and pipe.decoder.sizes_from_pass_cost == (size == "auto")
-    measured = pipe.backbone.caches.pass_costs if decoder_cls is EagleDecoder else pipe.__dict__.get("_round_costs")
-    assert measured, "tune_decoder measured nothing"  # the pass cost and drafter passes (EAGLE-2), else whole rounds
+    assert pipe.__dict__.get("_round_costs"), "tune_decoder measured nothing"  # whole rounds, per candidate size
     chosen = tuned.config[name]
     assert isinstance(chosen, int) and chosen >= 1 and not tuned.sizes_from_pass_cost and not tuned.sizes_from_family
     tuned.save_config(tmp_path)

@@ -124,9 +124,9 @@ def _round_graphs(pipe) -> int:
     """Graphs a generation's rounds compile on a tiny grid: one, or one per pass shape of a decoder whose passes are
     known before the first (SSD: `SSDLoop.phases`)."""
     layout = pipe.backbone.layout
-    schedule = pipe.decoder.plan(None, layout, 1, "cpu")
-    if schedule is None:
+    if not isinstance(pipe.decoder, SSDDecoder):
         return 1
+    schedule = pipe.decoder.plan(None, layout, 1, "cpu")
     return len({p.shape + (pass_slots(layout, p),) for p in schedule.passes})
 
 

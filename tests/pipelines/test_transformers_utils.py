@@ -47,13 +47,16 @@ def test_tree_pass_then_kept_path_equals_recompute(impl):
     tree = tree_from_parents([-1, 0, 0, 1, 2])  # root, two candidates, one child each
     cache = StaticKVCache(2, 2, 2, 8, 16)
     language_model_forward(model, prefix, torch.arange(4), None, None, cache)
+    cache.track_rows_on_device(5)  # the rows advance on the device, as in the engine's rounds
+    cache.set_bound(4 + 5)
     out = language_model_forward(model, nodes, 4 + tree.depths, tree.attention_mask, None, cache)  # (2, 5, 32)
     path = torch.tensor([[0, 2, 4], [0, 1, 3]])  # per row
     for row in range(2):
         seq = torch.cat([prefix[row], nodes[row, path[row]]])[None]
         assert torch.allclose(out[row, path[row]], pre_norm(model, seq)[0, 4:], atol=1e-5)
-    cache.keep(4, path)
+    cache.keep_paths(path, torch.tensor([3, 3]))
     nxt = torch.randn(2, 1, 32)
+    cache.set_bound(7 + 1)
     after = language_model_forward(model, nxt, torch.tensor([7]), None, None, cache)
     for row in range(2):
         seq = torch.cat([prefix[row], nodes[row, path[row]], nxt[row]])[None]

@@ -90,15 +90,12 @@ def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], pr
     index and the sibling's rank): ``u < p~(x)`` (``q(x) = 1``); the code after the deepest accepted node is then a
     draw from that node's residual, which this returns for every node ``(B, T, V)`` (else ``None``).
 
-    Returns ``(matches (B, T) bool (the root always matches), residual or None)``.
-
-    Args:
+    Returns ``(matches (B, T) bool (the root always matches), residual or None)``. Args:
         probs (`torch.Tensor` `(B, T, V)`): the distribution each node's output gives its children.
         fed (`torch.LongTensor` `(B, T)`): the nodes' codes (``-1``: none offered), root first.
         samples (`torch.LongTensor` `(B, T)`): each node's keyed sample from ``probs``.
         seeds (`torch.LongTensor` `(B,)`), index (`torch.LongTensor` `(B, T)`): the rows' seeds and the grid index
-            each node's output predicts (the uniforms' keys).
-    """
+            each node's output predicts (the uniforms' keys)."""
     b, t, v = probs.shape
     parents = tables.parents.expand(b, t)  # (B, T)
     x, y = fed.clamp_min(0), samples.gather(1, parents)  # (B, T) each node's code and its parent's sample

@@ -228,7 +228,6 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
 
     short_name = "eagle"  # the CLI's and benchmark specs' name (`DECODERS`)
 
-    uses_drafter_passes = True  # a deeper tree costs one more drafter pass: "auto" weighs it
     acceptance_prior = EAGLE_ACCEPTANCE_PRIOR  # fitted on the embedded model: "auto" uses it on any checkpoint
     draft_size_name = "num_draft_tokens"
     default_draft_size = 60  # EAGLE-2's released setting (60 draft tokens per round)
@@ -310,13 +309,5 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         """
         n = self.num_nodes if num_nodes is None else num_nodes
         return min(depth, n), min(k, n)
-
-    def _drafting_seconds(self, tree, draft_pass_cost) -> float:
-        """A round's drafter passes for a kept tree of ``tree``'s size: one over the codes the last pass committed
-        (about two), then one expansion of ``top_k`` nodes per depth below the first (`_grown_shape`)."""
-        if draft_pass_cost is None:
-            return 0.0
-        depth, k = self._grown_shape(self.config.depth, self.config.top_k, num_nodes=tree.num_nodes - 1)
-        return draft_pass_cost(2) + (depth - 1) * draft_pass_cost(k)
 
     # -- verification -----------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 static tree of candidates and verifying it exactly (`TreeDecoderMixin`), and ``"auto"`` tree sizes from the
 measured round cost."""
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -146,32 +146,22 @@ class TreeDecoderMixin:
             return {}
         return {name: self._resolved_size}
 
-    def resolve_draft_size(self, pass_cost: Optional[Callable[[int], float]], draft_pass_cost: Optional[Callable[[int], float]] = None,
-                           round_cost: Optional[Callable[[DraftTree], float]] = None, batch_size: int = 1) -> None:
+    def resolve_draft_size(self, round_cost: Callable[[DraftTree], float], batch_size: int = 1) -> None:
         resolved = self._resolved_for
-        if self._size != AUTO or (resolved is not None and resolved[3] == batch_size
-                                  and all(a is b for a, b in zip(resolved, (pass_cost, draft_pass_cost, round_cost)))):
+        if self._size != AUTO or (resolved is not None and resolved[0] is round_cost and resolved[1] == batch_size):
             return  # once per pipeline cost model and batch size
         sizes = self._draft_sizes()
         candidates = [self._sized_tree(n) for n in sizes]  # (tree, expected accepted drafts)
         trees = [tree for tree, _ in candidates]
-        if round_cost is not None:  # every candidate's whole round, timed on real rounds (`RoundCost`)
-            whole = round_cost.fitted(trees) if hasattr(round_cost, "fitted") else round_cost
-            cost = [whole(tree) for tree in trees]
-        else:  # a PassCost measures what it has not yet and returns a fitted curve (through these sizes only)
-            target = pass_cost.fitted(sorted({t.num_nodes for t in trees})) if hasattr(pass_cost, "fitted") else pass_cost
-            cost = [target(tree.num_nodes) + self._drafting_seconds(tree, draft_pass_cost) for tree in trees]
+        # a RoundCost times what it has not yet and returns its fitted curve (through these trees only)
+        seconds = round_cost.fitted(trees) if hasattr(round_cost, "fitted") else round_cost
+        cost = [seconds(tree) for tree in trees]
         rates = [(tree, (1.0 + accepted) / seconds) for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
         best = max(rate for _, rate in rates)
         # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so
         # the argmax would follow what timing noise is left in the fitted curves from run to run
         self.tree, self._resolved_size = next((tree, n) for (tree, rate), n in zip(rates, sizes) if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
-        self._resolved_for = (pass_cost, draft_pass_cost, round_cost, batch_size)
-
-    def _drafting_seconds(self, tree: DraftTree, draft_pass_cost: Optional[Callable[[int], float]]) -> float:
-        """Seconds of drafter passes a round with ``tree`` adds to the target pass (none here: head passes are a few
-        small matmuls; decoders that ``uses_drafter_passes`` override this)."""
-        return 0.0
+        self._resolved_for = (round_cost, batch_size)
 
     def _draft_sizes(self) -> List[int]:
         """The sizes ``"auto"`` weighs (arguments of `_sized_tree`)."""

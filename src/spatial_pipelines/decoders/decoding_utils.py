@@ -185,14 +185,9 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def use_default_size(self, size: int) -> None:
         """Draft with ``size`` where the config leaves the draft size at ``None`` (nothing happens otherwise)."""
 
-    uses_drafter_passes: bool = False  # drafts with passes of a drafter model (EAGLE-2): "auto" sizes weigh their cost
-
-    def resolve_draft_size(self, pass_cost: Optional[Callable[[int], float]], draft_pass_cost: Optional[Callable[[int], float]] = None,
-                           round_cost: Optional[Callable[[Any], float]] = None, batch_size: int = 1) -> None:
-        """Fix ``"auto"`` sizes from what a round costs: ``round_cost(tree)``, the measured seconds of a whole round
-        per candidate tree (`RoundCost`: real rounds of the engine), or else ``pass_cost(T)``, the measured seconds of
-        a target pass over ``T`` fed tokens, plus ``draft_pass_cost(T)`` (decoders that ``uses_drafter_passes``: a
-        drafter pass over ``T`` nodes), for calls of ``batch_size`` images."""
+    def resolve_draft_size(self, round_cost: Callable[[Any], float], batch_size: int = 1) -> None:
+        """Fix ``"auto"`` sizes from ``round_cost(tree)``, the measured seconds of a whole round per candidate tree
+        (`RoundCost`: real rounds of the engine, the drafter's passes included), for calls of ``batch_size`` images."""
 
     def fixed_sizes(self) -> Dict[str, int]:
         """The config values that fix this decoder's ``"auto"`` sizes to the ones chosen (`resolve_draft_size`); ``{}``

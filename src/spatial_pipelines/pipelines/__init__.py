@@ -11,12 +11,12 @@ from ..utils import import_modules
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .folder_checks import check_pipeline_folder
 from .generation import GenerationLoop, LoopHooks
-from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES, DraftPassCost, PassCost
+from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES, PassCost, RoundCost
 from .pipeline_output import DecodingStats, SpatialPipelineOutput
 from .pipeline_utils import SpatialARPipeline, family_pipelines
 
 SpatialARPipeline._folder_check = staticmethod(check_pipeline_folder)
 
-__all__ = ["CPU_DRAFT_SIZES", "DecodingStats", "DraftPassCost", "GPU_DRAFT_SIZES", "GenerationLoop", "LoopHooks", "PassCost", "PromptEmbeddings", "SpatialBackbone",
+__all__ = ["CPU_DRAFT_SIZES", "DecodingStats", "GPU_DRAFT_SIZES", "GenerationLoop", "LoopHooks", "PassCost", "PromptEmbeddings", "RoundCost", "SpatialBackbone",
            "SpatialPipelineOutput",
            *import_modules(globals(), "pipeline_", lambda c: issubclass(c, (SpatialARPipeline, SpatialBackbone)))]

@@ -40,14 +40,12 @@ class BackboneCaches:
         code_neighbours (`dict`): the codebook neighbour table of relaxed acceptance (`code_neighbours`), per codebook.
         pass_costs (`dict`): measured target pass costs (`PassCostMixin.pass_cost`), per rows, device, dtype and
             shape mode; emptied when the step is compiled or made eager again.
-        draft_pass_costs (`dict`): measured drafter pass costs (`PassCostMixin.draft_pass_cost`).
         kv_cache (`StaticKVCache`, *optional*): the static-shape KV cache kept for the next call of the same size (its
             address stays, which CUDA graphs replay).
     """
 
     code_neighbours: Dict[Any, torch.Tensor] = field(default_factory=dict)
     pass_costs: Dict[Any, Any] = field(default_factory=dict)
-    draft_pass_costs: Dict[Any, Any] = field(default_factory=dict)
     kv_cache: Optional[StaticKVCache] = None
 
 

@@ -15,7 +15,6 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional
 import numpy as np
 import torch
 
-from ..core.contracts import DRAFTER
 from ..core.kv_cache import varying_length_attention
 from ..core.sampling import SamplingConfig
 from .backbone import PromptEmbeddings
@@ -138,45 +137,6 @@ class PassCost:
         return self.backbone.pipe._execution_device
 
 
-class DraftPassCost(PassCost):
-    """Seconds of one drafter pass of an `EagleDraftHead` over ``T`` nodes (``rows`` drafter rows, the backbone's final
-    norm and image-code head for logits included) with its cache holding half the image: what each expansion of
-    an EAGLE-2 tree costs. ``"auto"`` tree sizes weigh it against the target pass cost (`PassCost`), because a
-    deeper tree costs one more drafter pass. Measured like `PassCost` (sweeps, `sweep_estimate`).
-
-    Args:
-        draft_heads: the `EagleDraftHead`.
-        backbone: the pipeline's `SpatialBackbone`.
-        rows (`int`): drafter rows (2 with CFG at batch 1).
-        repeats (`int`), warmup (`int`): timed and untimed sweeps over the sizes (`sweep_estimate`).
-    """
-
-    def __init__(self, draft_heads, backbone, rows: int, repeats: int = 9, warmup: int = 2):
-        super().__init__(backbone, rows, repeats, warmup)
-        self.draft_heads = draft_heads
-
-    @torch.no_grad()
-    def _measure(self, t: int, passes: int) -> float:
-        heads, layout = self.draft_heads, self.backbone.layout
-        weight = next(heads.parameters())
-        device, dtype, width = weight.device, weight.dtype, heads.config.hidden_size
-        filled = max(layout.num_tokens // 2, 1)  # the accepted prefix: half the image
-        if self._cache is None or self._cache.max_length < filled + t:
-            self._cache = heads.make_cache(self.rows, filled + max(t, 64))
-            prefix = torch.zeros(self.rows, filled, width, dtype=dtype, device=device)
-            heads(prefix, prefix, torch.arange(filled, device=device), cache=self._cache)
-        cache = self._cache
-        x = torch.zeros(self.rows, t, width, dtype=dtype, device=device)
-        position = torch.full((t,), min(filled, layout.num_tokens - 1), device=device)
-        mask = torch.eye(t, dtype=torch.bool, device=device)  # tree nodes of one depth see themselves
-
-        def one_pass():
-            self.backbone.image_logits(heads(x, x, position, attention_mask=mask, cache=cache))
-            cache.crop(filled)
-
-        return self._timed(one_pass, passes, device)
-
-
 @dataclass(frozen=True)
 class FittedCost:
     """A pass cost curve fitted through measured ``c(T)``: ``base + slope * T + extra_slope * max(0, T - knee)``,
@@ -218,16 +178,6 @@ def fit_pass_cost(seconds: Dict[int, float]) -> FittedCost:
     return best
 
 
-def fit_line(seconds: Dict[int, float]) -> Callable[[int], float]:
-    """``a + b * n`` (``b >= 0``) through ``{n: seconds}`` by least squares: a decoder's walk grows about linearly with
-    its tree, and the fit spreads one size's timing noise over all of them."""
-    n = np.asarray(sorted(seconds), dtype=np.float64)
-    y = np.asarray([seconds[k] for k in sorted(seconds)], dtype=np.float64)
-    slope = 0.0 if len(n) < 2 else max(0.0, float(((n - n.mean()) * (y - y.mean())).sum() / ((n - n.mean()) ** 2).sum()))
-    base = float(y.mean() - slope * n.mean())
-    return lambda k: base + slope * k
-
-
 class RoundCost:
     """Seconds of one whole round of a decoder per candidate draft tree (the target pass, the drafting, the
     verification, the commit and the KV moves, and a read of the device per two rounds, as a generation syncs): timed
@@ -259,9 +209,11 @@ class RoundCost:
         return self.seconds[tree.num_nodes]
 
     def fitted(self, trees) -> Callable[[Any], float]:
-        """Seconds per round of each of ``trees`` (every one timed: a round's cost need not be a line in its nodes)."""
-        self.measure(trees)
-        return self
+        """Seconds per round of a tree, on the monotone curve `fit_pass_cost` draws through ``trees``' timings (by
+        their node counts; timed first where needed): near the best size the rate is flat, and the fit keeps timing
+        noise from moving the choice."""
+        fit = fit_pass_cost(self.measure(trees))
+        return lambda tree: fit(tree.num_nodes)
 
     @torch.no_grad()
     def measure(self, trees) -> Dict[int, float]:
@@ -329,26 +281,6 @@ class RoundCost:
         return PassCost._timed(rounds, 1, device) / self.rounds
 
 
-class PerRowCost:
-    """A drafter's cost per round measured on one image (`DraftPassCost`), times the images of a call: the drafter's
-    passes grow each row's tree on its own.
-
-    Args:
-        cost: the one-image cost (a callable, with ``fitted`` where the wrapped cost has it).
-        rows (`int`): images per call.
-    """
-
-    def __init__(self, cost, rows: int):
-        self.cost, self.rows = cost, rows
-
-    def __call__(self, x) -> float:
-        return self.rows * self.cost(x)
-
-    def fitted(self, sizes) -> Callable[[Any], float]:
-        curve = self.cost.fitted(sizes) if hasattr(self.cost, "fitted") else self.cost
-        return lambda x: self.rows * curve(x)
-
-
 #: Fixed draft sizes for the families whose checkpoints (1-8B parameters) run on GPUs: on an H100 (bf16,
 #: `scripts/gpu_check.py`, 2026-11-26) a target pass over 1 to 256 fed tokens costs one AR step, so a draft is bounded
 #: by what acceptance still gains, not by its pass. SJD: the window "auto" chose there (32); Medusa: its whole default
@@ -407,14 +339,14 @@ class DraftSizingMixin:
         """Fix the decoder's ``"auto"`` draft sizes for calls of ``num_images`` images (a call does this itself before
         its first round; nothing happens for fixed sizes or sizes already chosen for this cost model).
 
-        Each candidate's whole round is timed on real rounds of the engine at up to 4 images (`RoundCost`;
-        a big batch would take long to time); a drafter model's decoder (EAGLE-2, ADT-Tree) weighs the fitted target
-        pass cost ``c(T)`` (`PassCost.fitted`) and its drafter's passes (`DraftPassCost`).
+        Each candidate's whole round (the target pass, the drafting with any drafter passes, the verification) is timed
+        on real rounds of the engine at up to 4 images (`RoundCost`; a big batch would take long to time) and fitted
+        (`fit_pass_cost` over the tree's nodes).
 
         Args:
             num_images (`int`): images per call.
             sampling (`SamplingConfig`, *optional*): the calls' sampling settings (default: the backbone's defaults).
-            prefix_length (`int`): prompt positions before the first code (where dry rounds place their codes).
+            prefix_length (`int`): prompt positions before the first code (the timed rounds' zero prompt).
         """
         if self.decoder.sizes_from_family:  # the family's fixed size: nothing is measured
             self.decoder.use_default_size(self.default_draft_size(self.decoder))
@@ -423,14 +355,7 @@ class DraftSizingMixin:
             return
         if sampling is None:
             sampling = SamplingConfig(self.backbone.default_guidance_scale, 1.0, self.backbone.default_top_k)
-        cfg = 2 if sampling.do_cfg else 1
-        rows = min(num_images, 4) * cfg
-        if self.decoder.uses_drafter_passes:  # a dry round's random features make a drafter grow unlike a real one
-            drafter = self._per_row_cost(self.draft_pass_cost(cfg), num_images)
-            self.decoder.resolve_draft_size(self.pass_cost(rows), drafter, batch_size=num_images)
-        else:
-            round_cost = self.round_cost(min(num_images, 4), sampling, prefix_length)
-            self.decoder.resolve_draft_size(None, round_cost=round_cost, batch_size=num_images)
+        self.decoder.resolve_draft_size(self.round_cost(min(num_images, 4), sampling, prefix_length), batch_size=num_images)
 
     def tune_decoder(self, batch_size: int = 1, guidance_scale: Optional[float] = None, temperature: float = 1.0,
                      top_k: Optional[int] = None, prefix_length: int = 16):
@@ -474,16 +399,6 @@ class DraftSizingMixin:
             self.decoder = kept
         return type(decoder).from_config(decoder.config, **tuned.fixed_sizes())
 
-    def _per_row_cost(self, cost, num_images: int):
-        """``cost`` (one image's) for calls of ``num_images`` images (`PerRowCost`), kept per cost object so that a
-        decoder sees the same object call after call (its chosen size is kept while its cost model is)."""
-        if cost is None or num_images == 1:
-            return cost
-        kept = self.__dict__.setdefault("_per_row_costs", weakref.WeakKeyDictionary()).setdefault(cost, {})
-        if num_images not in kept:
-            kept[num_images] = PerRowCost(cost, num_images)
-        return kept[num_images]
-
     def round_cost(self, batch_size: int, sampling: SamplingConfig, prefix_length: int) -> RoundCost:
         """The measured cost of the current decoder's whole round per candidate tree (`RoundCost`) at ``batch_size``
         images, kept per pipeline, decoder object and heads (measured with the first call's sampling settings), so that
@@ -494,16 +409,4 @@ class DraftSizingMixin:
         kept = costs.get(key)
         if kept is None or kept.draft_heads is not self.draft_heads:
             costs[key] = RoundCost(self.loop, self.decoder, self.draft_heads, sampling, batch_size, prefix_length)
-        return costs[key]
-
-    def draft_pass_cost(self, rows: int) -> Optional[DraftPassCost]:
-        """The measured cost of a drafter pass of the loaded `EagleDraftHead` with ``rows`` rows (``None`` without one),
-        kept per pipeline and heads: what EAGLE-2's ``"auto"`` tree size weighs against the target pass cost."""
-        heads = self.draft_heads
-        if heads is None or heads.kind != DRAFTER:
-            return None
-        key = (rows, str(self._execution_device), str(next(heads.parameters()).dtype))
-        costs = self.backbone.caches.draft_pass_costs
-        if key not in costs or costs[key].draft_heads is not heads:
-            costs[key] = DraftPassCost(heads, self.backbone, rows)
         return costs[key]
