@@ -27,7 +27,7 @@ from spatial_pipelines.core.acceptance import (
 from spatial_pipelines.core.tree import chain_tree, tree_from_parents
 from helpers.walks import RandomSource, verify_tree_sequential
 from spatial_pipelines.pipelines.device_chain import relaxed_chain
-from spatial_pipelines.pipelines.device_tree import relaxed_matches, tree_tables
+from spatial_pipelines.core.verification import sibling_matches, tree_tables
 from spatial_pipelines.testing import dummy_pipeline
 from spatial_pipelines.utils import check_number
 
@@ -241,7 +241,7 @@ def _dirichlet_ones(n: int, g: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.parametrize("delta", [0.1, 0.3])
 def test_the_device_rounds_relaxed_tree_test_follows_the_reference_step(delta):
-    """The device rounds' LANTERN for a tree (`relaxed_matches`): three point-mass siblings tested by one sample of
+    """The device rounds' LANTERN for a tree (`sibling_matches`): three point-mass siblings tested by one sample of
     the parent's ``p`` each (60,000 rows): at most one sibling matches, and the committed code (the matching sibling,
     else the sample) follows the reference walk's distribution (chi-square, p > 1e-4)."""
     g = torch.Generator().manual_seed(5)
@@ -256,22 +256,22 @@ def test_the_device_rounds_relaxed_tree_test_follows_the_reference_step(delta):
     samples = torch.stack([y, y, y, y], 1)  # only the root's is read (the children are leaves)
     fed = torch.tensor([0] + codes).expand(n, 4)
     seeds, index = torch.arange(n), torch.ones(n, 4, dtype=torch.long)  # a named claim reads no uniform
-    matches, left = relaxed_matches(LanternAcceptance(k=5, delta=delta), table, p.expand(n, 4, V), fed, samples, tables,
-                                    seeds, index)
-    assert left is None and matches[:, 0].all() and (matches[:, 1:].sum(1) <= 1).all()
+    matches, _ = sibling_matches(LanternAcceptance(k=5, delta=delta), table, p.expand(n, 4, V), fed, tables, seeds, index,
+                                 samples=samples)
+    assert matches[:, 0].all() and (matches[:, 1:].sum(1) <= 1).all()
     first = torch.where(matches[:, 1:].any(1), fed[:, 1:].gather(1, matches[:, 1:].long().argmax(1, keepdim=True))[:, 0], y)
     assert chi_square_pvalue(torch.bincount(first, minlength=V), expected) > 1e-4
     # a first sibling that claims all of p leaves nothing for the later ones
     everything = LanternAcceptance(k=V - 1, delta=1.0)
-    matches, _ = relaxed_matches(everything, codebook_neighbours(torch.randn(V, 3, generator=g), V - 1), p.expand(n, 4, V),
-                                 fed, samples, tables, seeds, index)
+    matches, _ = sibling_matches(everything, codebook_neighbours(torch.randn(V, 3, generator=g), V - 1), p.expand(n, 4, V),
+                                 fed, tables, seeds, index, samples=samples)
     assert matches[:, 1].all() and not matches[:, 2:].any()
 
 
 @pytest.mark.parametrize("floor", [0.12, 0.5])
 def test_the_device_rounds_test_a_claim_that_names_no_codes_with_uniforms_of_their_own(floor):
     """A rule whose claim names no codes (`FloorAcceptance`, below) on a tree of three point-mass siblings
-    (`relaxed_matches`, 60,000 rows, each its own seed): sibling after sibling, each with a keyed uniform against its
+    (`sibling_matches`, 60,000 rows, each its own seed): sibling after sibling, each with a keyed uniform against its
     claim on its parent's residual, none after one that matched, and a row that accepts none commits a keyed draw from
     the residual left after all three: the committed code follows the sequential walk's law (chi-square, p > 1e-4)."""
     from spatial_pipelines.core.sampling import RESIDUAL_STREAM, keyed_sample
@@ -296,9 +296,8 @@ def test_the_device_rounds_test_a_claim_that_names_no_codes_with_uniforms_of_the
     tables = tree_tables(tree, torch.arange(4))
     seeds, index = torch.arange(n) * 7919 + 13, torch.full((n, 4), 5, dtype=torch.long)
     fed = torch.tensor([0] + codes).expand(n, 4)
-    samples = torch.zeros(n, 4, dtype=torch.long)  # read by named claims only
-    matches, residual = relaxed_matches(rule, None, p.expand(n, 4, V), fed, samples, tables, seeds, index)
-    assert residual is not None and matches[:, 0].all() and (matches[:, 1:].sum(1) <= 1).all()
+    matches, residual = sibling_matches(rule, None, p.expand(n, 4, V), fed, tables, seeds, index)
+    assert matches[:, 0].all() and (matches[:, 1:].sum(1) <= 1).all()
     drawn = keyed_sample(residual[:, 0].log(), UNIT_SAMPLING, seeds ^ RESIDUAL_STREAM, index[:, 0])  # (n,) the root's
     first = torch.where(matches[:, 1:].any(1), fed[:, 1:].gather(1, matches[:, 1:].long().argmax(1, keepdim=True))[:, 0], drawn)
     assert chi_square_pvalue(torch.bincount(first, minlength=V), expected) > 1e-4

@@ -86,7 +86,7 @@ class AcceptanceRule:
         tvd_budget (`float`, *optional*): a TVD bound the siblings of one step share (LANTERN's delta).
         claims_neighbours (`bool`): a relaxed rule's claim is the mass of ``x`` and of the neighbours it keeps
             (`Relaxation.kept`), so one sample of ``p`` decides it: a tree's round on the device tests that sample
-            (`device_tree.relaxed_matches`). ``False`` (the default) for a rule that claims mass without naming its
+            (`verification.sibling_matches`). ``False`` (the default) for a rule that claims mass without naming its
             codes: a tree's round tests each candidate with a keyed uniform of its own and draws the code after the
             accepted path from its residual.
     """

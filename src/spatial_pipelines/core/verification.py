@@ -3,11 +3,11 @@ fixed shapes, no host read, by any acceptance rule (`acceptance.py`).
 
 Under keyed noise (or greedy) every node has the target's keyed sample after it, and a point-mass candidate is accepted
 exactly when it equals its parent's sample (AR's image for a seed); the round commits the deepest node whose every
-ancestor matched (`deepest_match`) and the samples along it. A relaxed rule's siblings are tried one after another,
-each on its parent's ``p`` less the claims of the siblings tried before it (`relaxed_matches`). A chain's drafts drawn
-from kept proposals are tested by speculative sampling (`spatial_pipelines.pipelines.device_chain.relaxed_chain`,
-SJD-PAC's candidates by `device_proactive.speculative_matches`). The sequential walk they are tested against lives in
-the tests (``tests/helpers/walks.py``).
+ancestor matched (`deepest_match`) and the samples along it. A relaxed rule's siblings, and candidates drawn from kept
+proposals (SJD-PAC's), are tried one after another, each on its parent's ``p`` less what the siblings tried before it
+took (`sibling_matches`). A chain's drafts drawn from kept proposals are tested by speculative sampling
+(`spatial_pipelines.pipelines.device_chain.relaxed_chain`). The sequential walk they are tested against lives in the
+tests (``tests/helpers/walks.py``).
 """
 
 from dataclasses import dataclass
@@ -73,62 +73,63 @@ def deepest_match(tables: "TreeTables", matches: torch.Tensor):
     return path, tables.depths.expand_as(matches).gather(1, best[:, None])[:, 0]
 
 
-def relaxed_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], probs: torch.Tensor, fed: torch.Tensor,
-                    samples: torch.Tensor, tables: "TreeTables", seeds: torch.Tensor, index: torch.Tensor):
-    """Which nodes a relaxed rule (LANTERN, LANTERN++, or a rule of one's own) accepts, for point-mass candidates,
-    sibling after sibling, each tried on its parent's ``p`` less the claims of the siblings tried before it (whose
-    TVD budget it shares), and none after a sibling that matched: `verify_tree_sequential`'s walk.
+def sibling_matches(rule: AcceptanceRule, neighbours: Optional[torch.Tensor], probs: torch.Tensor, fed: torch.Tensor,
+                    tables: TreeTables, seeds: torch.Tensor, index: torch.Tensor, samples: Optional[torch.Tensor] = None,
+                    q: Optional[torch.Tensor] = None):
+    """Which nodes the walk accepts, sibling after sibling (`verify_tree_sequential`'s walk, every parent at once):
+    each child is tried on its parent's ``p`` (``p~``: a relaxed rule's claim) less what its earlier siblings'
+    rejections took (sharing a relaxed rule's TVD budget), none after a sibling that was accepted.
 
-    A rule that names its claim (``claims_neighbours``: ``{x}`` and the neighbours it keeps) is decided by the
-    parent's keyed sample ``y``: node ``i`` (code ``x``) matches when ``y`` lies in ``x``'s claim. Why this is LANTERN:
-    ``y ~ p``, so sibling ``i`` is accepted, given its earlier siblings were not, with its claim on the residual, and a
-    row that accepts none keeps ``y``, distributed as the residual left after every sibling, with ``y`` the only
-    randomness (siblings never both match: an earlier claim's codes have no mass left, so ``y`` among them fails the
-    later ones).
+    - ``samples`` (point-mass candidates and a rule whose claim names its codes, LANTERN's): node ``x`` is accepted
+      when its parent's keyed sample ``y`` lies in its claim. ``y ~ p``, so a sibling is accepted, given its earlier
+      siblings were not, with its claim on the residual, and a row that accepts none keeps ``y``, distributed as the
+      residual: the only randomness is ``y`` (siblings never both match: an earlier claim's codes have no mass left).
+    - else a keyed uniform per sibling (`ACCEPT_STREAM`, keyed by grid index and rank): ``u < p'(x) / q(x)`` with
+      ``q`` each node's proposal ``(B, T, V)`` (SJD-PAC's candidates, drawn without replacement) or a point mass; a
+      rejection leaves ``norm(max(p' - q, 0))``; the code after the run is a draw from the last node's residual.
 
-    A rule whose claim names no codes is decided by a keyed uniform per node (`ACCEPT_STREAM`, keyed by the grid
-    index and the sibling's rank): ``u < p~(x)`` (``q(x) = 1``); the code after the deepest accepted node is then a
-    draw from that node's residual, which this returns for every node ``(B, T, V)`` (else ``None``).
-
-    Returns ``(matches (B, T) bool (the root always matches), residual or None)``. Args:
+    Args:
         probs (`torch.Tensor` `(B, T, V)`): the distribution each node's output gives its children.
         fed (`torch.LongTensor` `(B, T)`): the nodes' codes (``-1``: none offered), root first.
-        samples (`torch.LongTensor` `(B, T)`): each node's keyed sample from ``probs``.
         seeds (`torch.LongTensor` `(B,)`), index (`torch.LongTensor` `(B, T)`): the rows' seeds and the grid index
-            each node's output predicts (the uniforms' keys)."""
+            each node's output predicts (the uniforms' keys).
+
+    Returns ``(matches (B, T) bool, the root always; every node's p less its rejected children (B, T, V))``."""
     b, t, v = probs.shape
     parents = tables.parents.expand(b, t)  # (B, T)
-    x, y = fed.clamp_min(0), samples.gather(1, parents)  # (B, T) each node's code and its parent's sample
+    x = fed.clamp_min(0)  # (B, T) each node's code
     offered = (fed >= 0) & tables.valid & ~tables.is_root  # (B, T)
     rank, spare = tables.rank.expand(b, t), torch.full_like(parents, t)
-    named = rule.claims_neighbours
-    if not named:  # one uniform per sibling of each grid index
+    if samples is not None:
+        y = samples.gather(1, parents)  # (B, T) the parent's sample
+    else:  # one uniform per sibling of each grid index
         u = keyed_uniform(seeds ^ ACCEPT_STREAM, index.gather(1, parents) * tables.max_siblings + rank)  # (B, T)
-    # per parent (row T: a spare the untried nodes write to): p less its tried children's claims, the TVD they used
-    # (in units of p), the mass of p the residual stands for, and whether a child matched
+        qx = 1.0 if q is None else q.gather(2, x[..., None])[..., 0]  # (B, T)
+    # per parent (row T: a spare the untried nodes write to): p less its rejected children, the TVD they used (in
+    # units of p), the mass of p the residual stands for, and whether a child was accepted
     residual = torch.cat([probs, probs.new_zeros(b, 1, v)], 1)  # (B, T + 1, V)
     spent, scale = probs.new_zeros(b, t + 1), probs.new_ones(b, t + 1)  # (B, T + 1)
     taken = torch.zeros(b, t + 1, dtype=torch.bool, device=probs.device)  # (B, T + 1)
     matches = tables.is_root.expand(b, t)
     for r in range(tables.max_siblings):  # the r-th child of every parent at once (at most one per parent)
-        tried = offered & (rank == r) & ~taken.gather(1, parents)  # (B, T) none after a sibling that matched
+        tried = offered & (rank == r) & ~taken.gather(1, parents)  # (B, T)
         p = residual.gather(1, parents[..., None].expand(b, t, v))  # (B, T, V) the parent's residual
         spent_p, scale_p = spent.gather(1, parents), scale.gather(1, parents)  # (B, T)
         relaxed = rule.relax(p, x, neighbours, rule.budget_left(spent_p, scale_p))
-        if named:
+        if samples is not None:
             claimed = y == x
             if relaxed.kept is not None:
                 claimed = claimed | ((relaxed.neighbours == y[..., None]) & relaxed.kept).any(-1)
             claimed = claimed & (p.gather(2, y[..., None])[..., 0] > 0)  # y lies in no earlier sibling's claim
         else:
-            claimed = u < relaxed.mass  # u < min(1, p~(x) / q(x)), q a point mass
+            claimed = u * qx < relaxed.mass  # u < min(1, p~(x) / q(x)) without dividing
         hit = tried & claimed
         matches = matches | hit
-        rest = relaxed.removed(p, x)  # (B, T, V) what the next sibling is tried against, unnormalised
+        rest = relaxed.removed(p, x) if q is None else (relaxed.target(p, x) - q).clamp_min(0)  # (B, T, V)
         total, spent_next, scale_next = relaxed.rejected(rest, spent_p, scale_p)  # (B, T) each
         dest = torch.where(tried, parents, spare)[..., None]  # (B, T, 1)
-        nxt = rest / total.clamp_min(1e-30)[..., None]  # all zero once a claim took the rest: no later sibling lives
+        nxt = torch.where(total[..., None] > 0, rest / total.clamp_min(1e-30)[..., None], p)  # nothing left: never rejected
         residual = residual.scatter(1, dest.expand(b, t, v), nxt)
         spent, scale = spent.scatter(1, dest[..., 0], spent_next), scale.scatter(1, dest[..., 0], scale_next)
         taken = taken.scatter(1, torch.where(hit, parents, spare), hit)
-    return matches, (None if named else residual[:, :t])
+    return matches, residual[:, :t]

@@ -16,7 +16,7 @@ The rows never wait for each other: a batch takes as many passes as its slowest 
 exactly what it commits alone (its noise is keyed by its own seed).
 
 A relaxed acceptance rule (LANTERN, LANTERN++; lossy) runs the same rounds: a tree node is accepted when its parent's
-keyed sample lies in the node's claim (`device_tree.relaxed_matches`), and a chain's draft when a keyed uniform of its
+keyed sample lies in the node's claim (`verification.sibling_matches`), and a chain's draft when a keyed uniform of its
 own stream is below ``p~(x) / q(x)``, its proposal ``q`` kept in the state (`device_chain.relaxed_chain`).
 """
 
@@ -81,7 +81,7 @@ class DeviceLoop:
         round_fn (`Callable`, *optional*): what runs a round: the subclass's round function (the default), or
             `compile_round`'s graph of it.
         rule (`AcceptanceRule`): exact (the default: a draft is accepted when it equals the target's keyed sample),
-            or relaxed (LANTERN, LANTERN++: `device_tree.relaxed_matches` for a tree's point-mass candidates,
+            or relaxed (LANTERN, LANTERN++: `verification.sibling_matches` for a tree's point-mass candidates,
             `device_chain.relaxed_chain` for a chain's drafts and their proposals).
         neighbours (`torch.Tensor` `(V, k)`, *optional*): the codebook neighbour table of a relaxed rule
             (`SpatialBackbone.code_neighbours`).

@@ -29,13 +29,14 @@ import torch
 
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
-from ..core.sampling import (ACCEPT_STREAM, PROACTIVE_STREAM, RESIDUAL_STREAM, SamplingConfig, filtered_logits,
-                             keyed_gumbel, keyed_sample, keyed_uniform, logits_to_probs)
+from ..core.sampling import (PROACTIVE_STREAM, RESIDUAL_STREAM, SamplingConfig, filtered_logits,
+                             keyed_gumbel, keyed_sample, logits_to_probs)
 from ..decoders.decoding_jacobi import descent_table, proactive_tree
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_chain import UNIT_SAMPLING, anchor_left, continue_drafts, fresh_drafts, predict_above
 from .device_eol import eol_slot_count
 from .device_loop import DeviceState, record_progress
+from ..core.verification import sibling_matches
 from .device_tree import TreeLoop, deepest_match, end_of_row_slots, path_with_end_of_row, tree_forward, tree_tables
 
 
@@ -113,7 +114,6 @@ class ProactiveLoop(TreeLoop):
         # where each node's code lies in [drafts, alternatives.flatten()]: its position's draft, or candidate rank - 1
         source = torch.where(ranks == 0, depths - 1, window + (depths - 1) * (width - 1) + ranks - 1)
         self.node_source = source.to(device)  # (T - 1,)
-        self.node_rank = torch.cat([ranks.new_zeros(1), ranks]).to(device)  # (T,) the root: 0
         positions = (depths - 1).clamp_max(self.levels - 1)  # (T - 1,) a chain node reads the last level's (unused)
         # [i, k]: candidate k of node i's position was offered before node i (the exclusions of its proposal)
         self.earlier = (torch.arange(width)[None] < ranks[:, None]).to(device)  # (T - 1, K)
@@ -220,11 +220,9 @@ def proactive_round(loop: ProactiveLoop) -> None:
 
 
 def speculative_matches(loop: ProactiveLoop, probs: torch.Tensor, fed: torch.Tensor, index: torch.Tensor):
-    """Step 2 under drawn noise or a relaxed rule: multi-candidate speculative sampling, every parent at once. The
-    children of a node are tried in rank order; child ``x`` of rank ``r`` was drawn from its position's ``q`` less the
-    ``r`` candidates before it (renormalised: a draw without replacement) and is accepted when a keyed uniform
-    ``u < p'(x) / q_r(x)``, where ``p'`` is the parent's ``p`` (``p~``: a relaxed rule's claim) less what the earlier
-    siblings' rejections took (``norm(max(p' - q_r, 0))`` after each). The walk takes the first accepted child.
+    """Step 2 under drawn noise or a relaxed rule: multi-candidate speculative sampling, every parent at once
+    (`verification.sibling_matches` with each node's proposal). Child ``x`` of rank ``r`` was drawn from its position's
+    ``q`` less the ``r`` candidates before it (renormalised: a draw without replacement), so that is its proposal.
 
     Why keyed streams of their own (`ACCEPT_STREAM` keyed by grid index and rank): a position's uniforms are read in
     the one round whose walk reaches it (it is committed then), by one parent (the walk visits one node per depth);
@@ -235,46 +233,16 @@ def speculative_matches(loop: ProactiveLoop, probs: torch.Tensor, fed: torch.Ten
         fed (`torch.LongTensor` `(B, T)`): the nodes' codes, root first (``-1``: none offered).
         index (`torch.LongTensor` `(B, T)`): the grid index each node's output predicts (clamped to the grid).
 
-    Returns which nodes are accepted ``(B, T)`` (the root always; siblings never both) and every node's ``p`` less
-    its rejected children ``(B, T, V)`` (normalised; the code after the run is drawn from the last node's).
-    """
-    s, rule, tables, k = loop.state, loop.rule, loop.tables, loop.width
+    Returns which nodes are accepted ``(B, T)`` and every node's ``p`` less its rejected children ``(B, T, V)``."""
+    s, tables = loop.state, loop.tables
     b, t, v = probs.shape
-    parents = tables.parents.expand(b, t)  # (B, T)
-    x, offered = fed.clamp_min(0), (fed >= 0) & ~tables.is_root  # (B, T)
-    rank = loop.node_rank.expand(b, t)  # (B, T)
-    # every node's proposal: its position's q less the candidates offered before it at that position
-    q = s.q.gather(1, (tables.depths[1:] - 1)[None, :, None].expand(b, -1, v))  # (B, T - 1, V)
+    q = s.q.gather(1, (tables.depths[1:] - 1)[None, :, None].expand(b, -1, v))  # (B, T - 1, V) the position's q
     levels = torch.cat([s.drafts[:, : loop.levels, None], s.alternatives], 2)  # (B, P, K)
-    earlier = torch.where(loop.earlier, levels[:, loop.node_position], -1)  # (B, T - 1, K)
+    earlier = torch.where(loop.earlier, levels[:, loop.node_position], -1)  # (B, T - 1, K) offered before the node
     hit = torch.zeros_like(q).scatter_add_(2, earlier.clamp_min(0), (earlier >= 0).float()) > 0  # add: -1s map to 0
     q = q.masked_fill(hit, 0.0)
-    total = q.sum(-1, keepdim=True)
-    q = torch.cat([probs[:, :1], q / total.clamp_min(1e-30)], 1)  # (B, T, V) the root's: never read
-    u = keyed_uniform(s.seeds ^ ACCEPT_STREAM, (index.gather(1, parents) * k + rank))  # (B, T) one per (position, rank)
-    qx = q.gather(2, x[..., None])[..., 0]  # (B, T)
-    # per parent (row T: a spare the other nodes write to): p less its rejected children, a child taken, the ledger
-    residual = torch.cat([probs, probs.new_zeros(b, 1, v)], 1)  # (B, T + 1, V)
-    taken = torch.zeros(b, t + 1, dtype=torch.bool, device=probs.device)
-    spent, scale = probs.new_zeros(b, t + 1), probs.new_ones(b, t + 1)  # (B, T + 1)
-    matches = tables.is_root.expand(b, t)
-    for r in range(k):  # the rank-r child of every parent at once (at most one per parent)
-        tried = offered & (rank == r) & ~taken.gather(1, parents)  # (B, T) no earlier sibling was accepted
-        p = residual.gather(1, parents[..., None].expand(b, t, v))  # (B, T, V) the parent's residual
-        spent_p, scale_p = spent.gather(1, parents), scale.gather(1, parents)  # (B, T)
-        relaxed = rule.relax(p, x, loop.neighbours, rule.budget_left(spent_p, scale_p))
-        accept = tried & (u * qx < relaxed.mass)  # u < min(1, p~/q) without dividing
-        matches = matches | accept
-        rest = (relaxed.target(p, x) - q).clamp_min(0)  # (B, T, V)
-        total, spent_next, scale_next = relaxed.rejected(rest, spent_p, scale_p)  # (B, T) each
-        reject = tried & ~accept & (total > 0)  # p' == q: never rejected anyway
-        dest = torch.where(tried, parents, t)  # (B, T)
-        nxt = torch.where(reject[..., None], rest / total.clamp_min(1e-30)[..., None], p)
-        residual = residual.scatter(1, dest[..., None].expand(b, t, v), nxt)
-        spent = spent.scatter(1, dest, torch.where(reject, spent_next, spent_p))
-        scale = scale.scatter(1, dest, torch.where(reject, scale_next, scale_p))
-        taken = taken.scatter(1, dest, accept)
-    return matches, residual[:, :t]
+    q = torch.cat([probs[:, :1], q / q.sum(-1, keepdim=True).clamp_min(1e-30)], 1)  # (B, T, V) the root's: never read
+    return sibling_matches(loop.rule, loop.neighbours, probs, fed, tables, s.seeds, index, q=q)
 
 
 def next_candidates(loop: ProactiveLoop, logits: torch.Tensor, samples: torch.Tensor, probs: Optional[torch.Tensor],

@@ -13,7 +13,7 @@ row or deeper crosses several): the node's descendants see it, its output predic
 cache keeps each one the accepted path crossed.
 
 Under a relaxed acceptance rule (LANTERN, LANTERN++; lossy) a node is accepted when its parent's keyed sample lies in
-the node's claim (`relaxed_matches`).
+the node's claim (`sibling_matches`).
 """
 
 from dataclasses import dataclass
@@ -23,7 +23,7 @@ import torch
 
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
-from ..core.verification import TreeTables, deepest_match, relaxed_matches, tree_tables
+from ..core.verification import TreeTables, deepest_match, sibling_matches, tree_tables
 from ..core.sampling import RESIDUAL_STREAM, SamplingConfig, keyed_sample, logits_to_probs
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_chain import UNIT_SAMPLING
@@ -75,7 +75,7 @@ class TreeLoop(DeviceLoop):
     subclass sets ``drafter``, ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before `DeviceLoop.__init__`.
 
     Under a relaxed rule a node is accepted when its parent's keyed sample lies in the set the node claims
-    (`relaxed_matches`): LANTERN's own verification of point-mass candidates, with the sample as its only
+    (`sibling_matches`): LANTERN's own verification of point-mass candidates, with the sample as its only
     randomness."""
 
     def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
@@ -271,9 +271,10 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
             predictor = eol.predictor if layout.has_eol else None
             index = predicts.clamp_max(n - 1)  # (B, T (+ E)) the grid index each slot's output predicts
             index = index.gather(1, eol.predictor) if layout.has_eol else index  # (B, T)
-            matches, left = relaxed_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed,
-                                            samples, tables, s.seeds, index)
-            if left is not None:  # a claim naming no codes: the deepest node's code is a draw from its residual
+            named = samples if loop.rule.claims_neighbours else None  # a claim one sample of p decides
+            matches, left = sibling_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed,
+                                            tables, s.seeds, index, samples=named)
+            if named is None:  # a claim naming no codes: the deepest node's code is a draw from its residual
                 samples = keyed_sample(left.log(), UNIT_SAMPLING, s.seeds ^ RESIDUAL_STREAM, index)  # (B, T)
         else:
             matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)

@@ -126,7 +126,7 @@ class GenerationLoop:
         a static tree, `device_tree.HeadTreeLoop`, or a tree grown per row, `device_tree.DynamicTreeLoop`; of any
         depth, with an EOL slot at every row end it crosses), or passes known before the first (SSD's schedule:
         `device_ssd.SSDLoop`), under the decoder's acceptance rule (exact, or relaxed: LANTERN, LANTERN++,
-        `relaxed_chain`, `device_tree.relaxed_matches`).
+        `relaxed_chain`, `verification.sibling_matches`).
 
         Every random draw comes from keyed streams of a seed each image draws from its generator: under keyed noise
         (or greedy) a draft is accepted when it equals the target's keyed sample (AR's image); under drawn noise a
