@@ -30,6 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--images", type=int, nargs="+", default=[1], help="images per call the sizes are chosen for (one tuning each)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--sweeps", type=int, default=None, help="timed sweeps per measurement (default: the library's, SWEEPS)")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -53,6 +54,10 @@ def worker(args) -> dict:
     from spatial_pipelines.embedded import default_model_path
 
     torch.set_num_threads(args.threads)
+    if args.sweeps is not None:
+        import spatial_pipelines.pipelines.pass_cost as pass_cost
+
+        pass_cost.SWEEPS = args.sweeps
     pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype))
     chosen, round_ms = {}, {}
     for name in args.decoders:
@@ -80,6 +85,7 @@ def main(argv=None):
         return None
     os.makedirs(args.out, exist_ok=True)
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--decoders", *args.decoders, "--images", *map(str, args.images),
+               *(["--sweeps", str(args.sweeps)] if args.sweeps is not None else []),
                "--threads", str(args.threads), "--dtype", args.dtype]
     if args.model:
         command += ["--model", args.model]

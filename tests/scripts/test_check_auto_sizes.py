@@ -15,7 +15,8 @@ def test_fresh_processes_report_their_choices(tmp_path):
     pipe.save_pretrained(tmp_path / "model")
     random_draft_heads(pipe, MedusaDecoder()).save_pretrained(tmp_path / "heads")
     run_script("check_auto_sizes.py", "--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--processes", "2",
-               "--decoders", "sjd", "medusa", "--images", "1", "2", "--threads", "1", "--out", str(tmp_path / "out"))
+               "--decoders", "sjd", "medusa", "--images", "1", "2", "--threads", "1", "--sweeps", "2",
+               "--out", str(tmp_path / "out"))
     report = json.loads((tmp_path / "out" / "auto_sizes.json").read_text())
     assert len(report["processes"]) == 2 and set(report["agreed"]) == {"sjd", "medusa"}
     assert all(set(agreed) == {"1", "2"} for agreed in report["agreed"].values())

@@ -55,7 +55,8 @@ class ADTDrafter(EagleDrafter):
         return super().buffers() + [self.memory, self.last, self.grown, self.adapted]
 
     def _row_shapes(self, loop) -> torch.Tensor:
-        """`ADTTreeDecoder._tree_shape` and the bookkeeping of its `step`, per row on device tensors."""
+        """Each row's tree shape this round (`ADTTreeDecoder`'s rule: the neighbour's shape, moved by the last tree's
+        acceptance rate), on device tensors."""
         c, s, width = self.decoder.config, loop.state, loop.layout.width
         n = loop.layout.num_tokens
         # the codes the last tree committed remember its shape; its acceptance rate is accepted drafts / grown depth

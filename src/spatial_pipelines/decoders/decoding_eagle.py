@@ -52,8 +52,7 @@ def expand_tree(logp: torch.Tensor, feature: torch.Tensor, depth: int, k: int, c
     frontier at depth ``d``, each node seeing the accepted prefix and its ancestors among the tree slots fed so far;
     it returns the predicted features ``(R, k, D)`` and the children's log-probabilities ``(B, k, V)``. Returns per depth
     the cumulative scores, codes and parents (global node ids, -1: the root) of every generated node, each
-    ``(B, nodes at that depth)``. Every shape is fixed by ``(depth, k)``: the device round runs it as the row-group
-    loop does.
+    ``(B, nodes at that depth)``. Every shape is fixed by ``(depth, k)``.
 
     ``shapes`` ``(B, 2)``, *optional*: each row's own ``(depth, k)``, at most the ones given (ADT-Tree on the device):
     the nodes a row's tree would not grow score ``-inf`` (a ``-inf`` frontier node's children too), so its kept nodes
@@ -104,8 +103,8 @@ def next_frontier(cfg: bool, child_score, child_code, predicted, ancestors, k: i
 
 class EagleDrafter:
     """EAGLE-2's drafting on device tensors, for a round that runs whole on the device
-    (`spatial_pipelines.pipelines.device_tree.DynamicTreeLoop`): every row grows its own tree each round, as `propose`
-    does, with fixed shapes and no host read.
+    (`spatial_pipelines.pipelines.device_tree.DynamicTreeLoop`): every row grows its own tree each round, with fixed
+    shapes and no host read.
 
     Its cache (made in `start`, over the loop's cache rows) keeps each row's accepted prefix on the device: a round
     feeds every row ``D + 1`` slots (the codes the last round committed with the features that predicted them; the

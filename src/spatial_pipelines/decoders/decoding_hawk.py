@@ -36,7 +36,7 @@ def draft_pools(horizontal: torch.Tensor, cached: torch.Tensor, earlier_slot: to
 
 class HawkDrafter(HeadDrafter):
     """Hawk's drafting on device tensors (`device_tree.HeadTreeLoop`): each row's vertical speculation cache, its
-    per-depth pools, and the tree's nodes from them, as `HawkDecoder.propose` does, with each row's own newest code.
+    per-depth pools, and the tree's nodes from them, with each row's own newest code.
 
     Args:
         decoder (`HawkDecoder`), draft_heads (`SpatialDraftHeads`), layout: the decoder and what it drafts for.

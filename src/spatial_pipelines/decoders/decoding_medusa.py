@@ -46,7 +46,7 @@ class MedusaDrafter(HeadDrafter):
         super().__init__(decoder.tree, device)
         index = [draft_heads.horizontal_index(d) for d in range(1, self.tree.max_depth + 1)]  # host ints, once
         self.heads = draft_heads.frozen(index, [])  # weights looked up once, outside the compiled round
-        self.num_ranks = decoder._num_ranks  # candidates per head, as `propose` takes them (a host int)
+        self.num_ranks = decoder._num_ranks  # candidates per head the tree reads (a host int)
 
     def __call__(self, backbone, hidden: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
         feats, _ = self.heads(backbone.final_norm(hidden))  # (B, D_tree, H)

@@ -18,7 +18,7 @@ Schedule (target passes; the prefill pass draws code 0):
 
 No pass depends on what an earlier one accepted, so `SSDDecoder.plan` writes the passes out before the
 first (`SSDPass`), and the pipelines run them on the device, every row in lockstep, each draw keyed by the image's
-seed (`spatial_pipelines.pipelines.device_ssd`); `propose` and `step` run the same schedule pass by pass.
+seed (`spatial_pipelines.pipelines.device_ssd`).
 
 Indexing used by heads and decoder alike: ``h_j`` is the pre-norm hidden state whose logits drew code ``j``; a
 predictor fed ``[h_j; e(x_j)]`` drafts code ``j + k`` (horizontal offset ``k``) or ``j + d * W`` (vertical

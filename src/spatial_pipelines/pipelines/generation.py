@@ -1,18 +1,18 @@
-"""The generation loop (`GenerationLoop`): from the encoded prompts to the token grids, for every family and decoder.
+"""The engine (`GenerationLoop`): from the encoded prompts to the token grids, for every family and decoder.
 
-The loop owns what runs between the prompt encoder and the VQ decoder: the KV cache, the prompt pass, the rounds
-(whole on the device, `device_loop`, or in row groups with every decoder's own `propose` and `step`, `rows`), the
-padding to fixed shapes (`static_shapes`), the compiled step and round, and how often the host reads the device. The
-pipeline (`SpatialARPipeline`) checks the inputs, encodes the prompts, VQ-decodes the grids and runs diffusers'
-progress bar and callbacks through `LoopHooks`; it builds its loop once, beside its backbone adapter.
+It owns what runs between the prompt encoder and the VQ decoder: the KV cache, the prompt pass, the rounds (whole on
+the device, `device_loop`: the loop a decoder's plan names), fixed shapes (`static_shapes`), the compiled round, and
+how often the host reads the device. The pipeline (`SpatialARPipeline`) checks the inputs, encodes the prompts,
+VQ-decodes the grids and runs diffusers' progress bar and callbacks through `LoopHooks`; it builds its loop once,
+beside its backbone adapter.
 
 One call, as numbered steps (`GenerationLoop.generate`)::
 
-    3. the KV cache and one state per image (its seed, its cursor)
-    4. the prompt pass: its last output gives each row's first code
-    5. rounds until every grid is full:
-       a. propose a draft per row  b. end-of-row tokens  c. one target forward  d. CFG mix
-       e. accept and commit each row's run  f. keep each row's accepted path in the cache
+    3. the decoder's plan and its loop, one noise seed per image, the KV cache
+    4. the prompt pass: its keyed sample is each row's first code
+    5. rounds until every grid is full, each on device tensors only:
+       a. draft  b. one target forward (end-of-row slots, the tree mask, CFG rows)  c. CFG mix, temperature
+       d. verify on keyed noise and commit each row's run  e. keep each row's accepted slots in the cache
 """
 
 import contextlib
@@ -63,10 +63,9 @@ class LoopHooks:
         progress_bar (`Callable`): ``progress_bar(total=...)``, a context manager yielding a bar with ``update(k)`` and
             ``n`` (`DiffusionPipeline.progress_bar`); it counts codes over the batch.
         on_round (`Callable`, *optional*): ``on_round(step_index, view)`` after every round, ``view`` showing every row's
-            grid (``tokens``, ``acceptance_map``, ``num_committed``, ``finished``, ``sampling``: `device_loop.RoundView`
-            or the row-group loop's `RowBatch`) (``callback_on_step_end``). The host reads the device after every round
-            while it is set.
-        interrupted (`Callable`): ``interrupted()`` is checked before every row-group round (``pipe.interrupt``).
+            grid (``tokens``, ``acceptance_map``, ``num_committed``, ``finished``, ``sampling``: `device_loop.RoundView`)
+            (``callback_on_step_end``). The host reads the device after every round while it is set.
+        interrupted (`Callable`): ``interrupted()`` is checked after every sync (``pipe.interrupt``).
         rounds_known (`Callable`): ``rounds_known(n)``: the rounds known so far, those run and one more while a grid is
             not full (``pipe.num_timesteps``; a callback finds its last step as ``step_index == num_timesteps - 1``).
     """
@@ -220,7 +219,6 @@ class GenerationLoop:
             padded_fraction=1 - sum(p - 1 for p in row_passes) * loop.fed / fed if fed else None,  # finished rows' slots
             row_forward_passes=row_passes, decoder_stats=loop.report())
 
-    # -- rounds in row groups -------------------------------------------------------------------------------
     # -- the cache, fixed shapes and the target pass ----------------------------------------------------------
     def make_cache(self, rows: int, needed: int, device: torch.device) -> StaticKVCache:
         """Step 3's KV cache. With static shapes its length is rounded up (one size serves many prompt lengths) and the

@@ -92,7 +92,7 @@ class LoopSettingsMixin:
         """Time the rounds of the calls made inside the block (``scripts/bench_cost.py``).
 
         Yields a `RoundTimer`: ``seconds`` per section summed over ``rounds``: ``round`` for each whole round and
-        ``sync`` for the host's reads between rounds; an eager round (or one in row groups) also its parts, ``draft``,
+        ``sync`` for the host's reads between rounds; an eager round also its parts, ``draft``,
         ``eol``, ``forward``, ``accept`` and ``kv``. A compiled round is one graph, timed whole (its parts:
         ``torch.profiler``). On a GPU pass ``synchronize=torch.cuda.synchronize``.
         """

@@ -192,12 +192,13 @@ class RoundCost:
         sampling (`SamplingConfig`): the call's sampling settings.
         batch_size (`int`): images per round.
         prefix_length (`int`): prompt positions before the first code.
-        repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed sweeps.
-        rounds (`int`): rounds timed per candidate and sweep (after one untimed round).
+        repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed sweeps (each measurement also runs
+            one untimed round first).
+        rounds (`int`): rounds timed per candidate and sweep.
     """
 
     def __init__(self, generation, decoder, draft_heads, sampling, batch_size: int, prefix_length: int,
-                 repeats: Optional[int] = None, warmup: int = 2, rounds: int = 2):
+                 repeats: Optional[int] = None, warmup: int = 1, rounds: int = 2):
         self.generation, self.decoder, self.draft_heads = generation, decoder, draft_heads
         self.sampling, self.batch_size, self.prefix_length = sampling, batch_size, prefix_length
         self.repeats, self.warmup, self.rounds = SWEEPS if repeats is None else repeats, warmup, rounds
