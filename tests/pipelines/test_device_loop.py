@@ -336,10 +336,10 @@ def test_a_compiled_round_is_one_graph_with_nothing_around_it(family, end_of_row
     raises on one), one compiled region per round, at most 10 aten ops per round outside it (the sync's), and the device read once per sync; the state and
     the cache keep their addresses from round to round; the round has no graph break (`torch._dynamo.explain`; SSD:
     the first pass of every shape, each its own graph). A case's ``sampling_noise`` goes to every call, its ``grid``
-    (8 x 8 where it names none) to the pipeline."""
+    (6 x 6 where it names none) to the pipeline."""
     kwargs = dict(kwargs)
     noise = {"sampling_noise": kwargs.pop("sampling_noise")} if "sampling_noise" in kwargs else {}
-    grid = kwargs.pop("grid", (8, 8))
+    grid = kwargs.pop("grid", (6, 6))
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=grid)
     pipe.enable_compile(backend="eager", keep_if_slower=True, measure=False)  # dynamo's graphs, no inductor time
     pipe(PROMPTS[:2], guidance_scale=2.0, output_type="latent", **noise)  # the first generation compiles
