@@ -9,7 +9,7 @@ from spatial_pipelines import AutoregressiveDecoder, LatentDraftHeads, SSDDecode
 from spatial_pipelines.decoders import SSD_PRESETS
 from spatial_pipelines.testing import dummy_pipeline
 
-from helpers import OracleHeads, expected_passes, gen
+from helpers import OracleHeads, expected_passes, gen, record_device_loops
 
 
 def ssd_pipeline(grid=(5, 7), heads="random", end_of_row=False, **kwargs):
@@ -205,19 +205,6 @@ def test_bad_latent_heads_config_raises(kwargs, match):
 
 
 # -- the passes on the device (`device_ssd.SSDLoop`) -----------------------------------------------------------------
-def _device_loops(monkeypatch, pipe):
-    """Record the `SSDLoop` of every call."""
-    loops = []
-    run_device = pipe.loop._run_device
-
-    def recorded(loop, *args, **kwargs):
-        loops.append(loop)
-        return run_device(loop, *args, **kwargs)
-
-    monkeypatch.setattr(pipe.loop, "_run_device", recorded)
-    return loops
-
-
 DEVICE_SCHEDULES = [
     pytest.param(dict(num_horizontal=2, vertical_rounds=2), id="r2"),
     pytest.param(dict(num_horizontal=3, horizontal_rounds=0, vertical_rounds=0), id="r0"),
@@ -233,7 +220,7 @@ def test_a_batch_gives_each_image_what_it_gives_alone(kwargs, draft, end_of_row,
     the verification's uniforms and residual draws): three prompts in one call give each what it gives alone with the
     same generator, in the same passes."""
     pipe = ssd_pipeline((4, 5), end_of_row=end_of_row, draft=draft, **kwargs)
-    loops = _device_loops(monkeypatch, pipe)
+    loops = record_device_loops(monkeypatch, pipe)
     prompts, call = ["a red fox", "blue sky", "x"], dict(guidance_scale=2.0, output_type="latent")
     out = pipe(prompts, generator=[gen(i) for i in range(3)], **call)
     for i, prompt in enumerate(prompts):
@@ -253,7 +240,7 @@ def test_sampled_drafts_are_keyed_draws_from_the_heads(monkeypatch):
     sampled = ssd_pipeline((4, 5), draft="sample", **kwargs)
     argmax = ssd_pipeline((4, 5), draft="argmax", **kwargs)
     argmax.draft_heads = sampled.draft_heads
-    loops = _device_loops(monkeypatch, sampled)
+    loops = record_device_loops(monkeypatch, sampled)
     call = dict(generator=gen(5), output_type="latent")
     assert not torch.equal(sampled("a fox", **call).tokens, argmax("a fox", **call).tokens)
     cold = dict(temperature=1e-4, generator=gen(5), output_type="latent")

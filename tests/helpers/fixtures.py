@@ -154,3 +154,16 @@ def tiny_pipeline_with_every_heads():
             heads[need.kinds[0]] = random_draft_heads(pipe, cls())
     pipe.set_draft_heads(None)
     return pipe, heads
+
+
+def record_device_loops(monkeypatch, pipe) -> list:
+    """The `DeviceLoop` of every call of ``pipe`` from now on, in a list."""
+    loops = []
+    run_device = pipe.loop._run_device
+
+    def recorded(loop, *args, **kwargs):
+        loops.append(loop)
+        return run_device(loop, *args, **kwargs)
+
+    monkeypatch.setattr(pipe.loop, "_run_device", recorded)
+    return loops

@@ -17,6 +17,8 @@ from spatial_pipelines.pipelines.device_tree import DynamicTreeLoop, HeadTreeLoo
 from spatial_pipelines.pipelines.round_counts import count_rounds
 from spatial_pipelines.testing import dummy_pipeline, random_draft_heads
 
+from helpers import record_device_loops
+
 PROMPTS = ["a red fox", "blue sky", "x"]
 FAMILIES = [("llamagen", False), ("llamagen", True), ("janus", False)]
 FAMILY_IDS = ["llamagen", "llamagen-eol", "janus"]
@@ -51,26 +53,13 @@ def _generators(n, offset=0):
     return [torch.Generator().manual_seed(offset + i) for i in range(n)]
 
 
-def _device_runs(monkeypatch, pipe):
-    """Record the `DeviceLoop` of every call."""
-    loops = []
-    run_device = pipe.loop._run_device
-
-    def recorded(loop, *args, **kwargs):
-        loops.append(loop)
-        return run_device(loop, *args, **kwargs)
-
-    monkeypatch.setattr(pipe.loop, "_run_device", recorded)
-    return loops
-
-
 def _check_against_ar(pipe, family, end_of_row, monkeypatch):
     """The oracle. Keyed noise, CFG, three prompts in one call: the rounds give AR's codes for the same seeds, and each
     row gives what its prompt gives alone, in the passes it takes alone (the batch's: their maximum)."""
     reference = _pipe(family, end_of_row, AutoregressiveDecoder())
     ar = reference(PROMPTS, guidance_scale=2.0, generator=_generators(3), output_type="latent")
     assert ar.stats.num_forward_passes == reference.backbone.layout.num_tokens  # AR: one code per pass
-    loops = _device_runs(monkeypatch, pipe)
+    loops = record_device_loops(monkeypatch, pipe)
     out = pipe(PROMPTS, guidance_scale=2.0, generator=_generators(3), output_type="latent")
     assert len(loops) == 1
     assert torch.equal(out.tokens, ar.tokens)
@@ -138,7 +127,7 @@ def test_the_temperature_is_data_and_gives_ar_codes(decoder_cls, kwargs, monkeyp
     still commit what AR commits at that temperature."""
     pipe = _pipe("llamagen", False, decoder_cls(**kwargs))
     reference = _pipe("llamagen", False, AutoregressiveDecoder())
-    loops = _device_runs(monkeypatch, pipe)
+    loops = record_device_loops(monkeypatch, pipe)
     for temperature in (0.7, 1.6):
         call = dict(guidance_scale=2.0, temperature=temperature, output_type="latent")
         expected = reference(PROMPTS, generator=_generators(3), **call).tokens
@@ -221,7 +210,7 @@ def test_a_tree_crossing_several_row_ends_runs_on_the_device_and_gives_ar_codes(
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs), grid=grid)
     reference = _pipe(family, end_of_row, AutoregressiveDecoder(), grid=grid)
     assert reference.backbone.layout.has_eol
-    loops = _device_runs(monkeypatch, pipe)
+    loops = record_device_loops(monkeypatch, pipe)
     grown = issubclass(decoder_cls, EagleDecoder)
     loop_class = DynamicTreeLoop if grown else HeadTreeLoop
     oracle_grid, crossed = {}, []
@@ -272,7 +261,7 @@ def test_relaxed_rules_run_on_the_device_every_row_as_alone(family, end_of_row, 
     # LANTERN++ (a bound per candidate) with end-of-row tokens, LANTERN (a TVD budget its siblings share) without
     acceptance = {"name": "lantern++", "k": 4, "lambda": 3.0} if end_of_row else {"name": "lantern", "k": 4, "delta": 0.4}
     pipe = _pipe(family, end_of_row, decoder_cls(acceptance=acceptance, **kwargs))
-    loops = _device_runs(monkeypatch, pipe)
+    loops = record_device_loops(monkeypatch, pipe)
     out = pipe(prompts, generator=_generators(3), **call)
     assert len(loops) == 1 and loops[0].rule == pipe.decoder.acceptance_rule and not pipe.decoder.is_exact
     for i, p in enumerate(prompts):
@@ -442,7 +431,7 @@ def test_a_step_callback_runs_on_the_device_and_sees_every_round(family, end_of_
     each round's grids, counts and ``num_timesteps`` and changes nothing it does not return, a guidance scale it sets
     is used from the next round, and ``pipe._interrupt`` stops the call after its round."""
     pipe = _pipe(family, end_of_row, decoder_cls(**kwargs))
-    loops = _device_runs(monkeypatch, pipe)
+    loops = record_device_loops(monkeypatch, pipe)
     common = dict(guidance_scale=2.0, output_type="latent")
     plain = pipe(PROMPTS[:2], generator=_generators(2), **common)
     seen = []
@@ -522,7 +511,7 @@ def test_token_logit_heads_without_their_own_frozen_function_run_on_the_device(m
     pipe = _pipe("llamagen", False, HawkDecoder(num_draft_tokens=6))
     stacked = pipe(PROMPTS[:2], guidance_scale=2.0, generator=_generators(2), output_type="latent").tokens
     monkeypatch.setattr(SpatialDraftHeads, "frozen", DraftHeadsMixin.frozen)
-    loops = _device_runs(monkeypatch, pipe)
+    loops = record_device_loops(monkeypatch, pipe)
     plain = pipe(PROMPTS[:2], guidance_scale=2.0, generator=_generators(2), output_type="latent").tokens
     assert len(loops) == 1 and torch.equal(plain, stacked)
 

@@ -54,7 +54,7 @@ def best_subtree(tree: DraftTree, num_nodes: int, first_rate: float, sibling_dec
 
 class HeadDrafter:
     """Drafting a static tree on device tensors, for a round that runs whole on the device
-    (`spatial_pipelines.pipelines.device_tree.HeadTreeLoop`; a decoder returns one from `device_drafter`). Called with
+    (`spatial_pipelines.pipelines.device_tree.HeadTreeLoop`; a decoder's `plan` returns one in a `TreeRound`). Called with
     the backbone, each row's pre-norm hidden state that predicted its newest code ``(B, D)`` and its committed count
     ``(B,)``, it returns the code of every draft node ``(B, T - 1)`` (``-1``: none offered), with no host read and no
     tensor built from Python values (the round is compiled whole). Buffers it keeps between rounds are in `buffers`

@@ -26,6 +26,7 @@ import torch
 
 from ..core.acceptance import EXACT, AcceptanceRule
 from ..core.kv_cache import StaticKVCache
+from ..core.rounds import ChainRound
 from ..core.sampling import (ACCEPT_STREAM, CONTINUE_STREAM, INIT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample,
                              keyed_integer, keyed_uniform, logits_to_probs, one_hot)
 from .backbone import PromptEmbeddings, SpatialBackbone
@@ -57,12 +58,12 @@ class ChainState(DeviceState):
 
 
 class ChainLoop(DeviceLoop):
-    """A chain decoder's generation (`SpatialDecoderMixin.chain_window`): `chain_round`, steps 1-7 of the module
+    """A chain decoder's generation (a `ChainRound` plan): `chain_round`, steps 1-7 of the module
     docstring.
 
     Args:
         window (`int`): drafts per row per round (``0``: AR).
-        init (`str`): how a position entering the window is drafted (`SpatialDecoderMixin.chain_drafting`):
+        init (`str`): how a position entering the window is drafted (`ChainRound.init`):
             ``"above"`` (the code one row above; the newest code where none), ``"left"`` (the draft before it),
             ``"random"`` (a keyed uniform draw of its own stream, `INIT_STREAM`) or ``"heads"`` (``guess``'s code).
         guess (`Callable`, *optional*): ``init="heads"``: ``guess(backbone, hidden, codes)``, the logits of the codes
@@ -80,8 +81,7 @@ class ChainLoop(DeviceLoop):
                  prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
                  rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None, init: str = "above",
                  anchor: bool = False, continuation: bool = False, proposals: bool = False, guess: Optional[Callable] = None):
-        if init not in ("above", "left", "random", "heads") or (init == "heads") != (guess is not None):
-            raise ValueError(f"`init` must be 'above', 'left', 'random' or 'heads' (with `guess`) on the device, got {init!r}.")
+        check_init(init, guess)
         self.guess = guess
         self.draft_passes_per_round = int(guess is not None)  # the head's
         self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
@@ -121,6 +121,12 @@ class ChainLoop(DeviceLoop):
         s.drafts.copy_(codes)
         if self.proposals:
             s.q.copy_(q)
+
+
+def check_init(init: str, guess: Optional[Callable]) -> None:
+    """A chain loop's ``init`` (`core.rounds.INITS`; ``"heads"`` with its ``guess``), checked as `ChainRound` checks it
+    (the loops are also made directly)."""
+    ChainRound(0, init, guess=guess)
 
 
 def fed_slots(layout, window: int) -> int:

@@ -33,9 +33,9 @@ from ..core.sampling import (PROACTIVE_STREAM, RESIDUAL_STREAM, SamplingConfig, 
                              keyed_gumbel, keyed_sample, logits_to_probs)
 from ..decoders.decoding_jacobi import descent_table, proactive_tree
 from .backbone import PromptEmbeddings, SpatialBackbone
-from .device_chain import UNIT_SAMPLING, anchor_left, continue_drafts, fresh_drafts, predict_above
+from .device_chain import UNIT_SAMPLING, ChainState, check_init, anchor_left, continue_drafts, fresh_drafts, predict_above
 from .device_eol import eol_slot_count
-from .device_loop import DeviceState, record_progress
+from .device_loop import record_progress
 from ..core.verification import sibling_matches
 from .device_tree import TreeLoop, deepest_match, end_of_row_slots, path_with_end_of_row, tree_forward, tree_tables
 
@@ -45,29 +45,21 @@ def proactive_eol_slots(layout, tree) -> int:
     return min(tree.num_nodes, eol_slot_count(layout, torch.bincount(tree.depths).tolist()))
 
 
-@dataclass
-class ProactiveState(DeviceState):
-    """`DeviceState` plus the window's candidates and what the loop's options keep beside them (``None`` where unused).
+@dataclass(kw_only=True)
+class ProactiveState(ChainState):
+    """`device_chain.ChainState` (``drafts``: each position's first candidate; ``q``, ``raced``, ``above`` as there)
+    plus the other candidates and the accepted path.
 
     Args:
-        drafts (`torch.LongTensor` `(B, L)`): each position's first candidate (its SJD draft).
         alternatives (`torch.LongTensor` `(B, P, K - 1)`): the other candidates of the first ``P`` positions, in the
             order they were drawn (``-1``: none, e.g. behind a point mass).
         path (`torch.LongTensor` `(R, L + 1 (+ 1))`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots
             of the last round's accepted path and how many it keeps (`device_tree.HeadTreeState`'s).
-        q (`torch.Tensor` `(B, L, V)`, *optional*): drawn noise or a relaxed rule: the law each position's candidates
-            were drawn from (`device_chain.ChainState`'s).
-        raced (`torch.BoolTensor` `(B, L)`, *optional*), above (`torch.LongTensor` `(B, N + 1)`, *optional*):
-            continuation's and ``init="heads"``'s, as `device_chain.ChainState`'s.
     """
 
-    drafts: torch.Tensor
     alternatives: torch.Tensor
     path: torch.Tensor
     kept: torch.Tensor
-    q: Optional[torch.Tensor] = None
-    raced: Optional[torch.Tensor] = None
-    above: Optional[torch.Tensor] = None
 
 
 class ProactiveLoop(TreeLoop):
@@ -87,8 +79,7 @@ class ProactiveLoop(TreeLoop):
                  seeds: torch.Tensor, prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
                  rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None, init: str = "above",
                  anchor: bool = False, continuation: bool = False, proposals: bool = False, guess: Optional[Callable] = None):
-        if init not in ("above", "left", "random", "heads") or (init == "heads") != (guess is not None):
-            raise ValueError(f"`init` must be 'above', 'left', 'random' or 'heads' (with `guess`) on the device, got {init!r}.")
+        check_init(init, guess)
         if width < 2 or window < 1:
             raise ValueError(f"Proactive drafting needs `width` >= 2 and a window, got width={width}, window={window}.")
         tree = proactive_tree(window, width, depth)

@@ -103,7 +103,7 @@ class TreeLoop(DeviceLoop):
 
 
 class HeadTreeLoop(TreeLoop):
-    """A static tree of draft-head candidates (Medusa, Hawk: `SpatialDecoderMixin.device_drafter`), verified exactly
+    """A static tree of draft-head candidates (Medusa, Hawk: a `TreeRound`'s drafter), verified exactly
     under keyed noise: `head_tree_round`.
 
     Args:
@@ -145,7 +145,7 @@ class HeadTreeLoop(TreeLoop):
 
 
 class DynamicTreeLoop(TreeLoop):
-    """A drafter that grows each row's own tree every round (EAGLE-2: `SpatialDecoderMixin.device_drafter` returns one
+    """A drafter that grows each row's own tree every round (EAGLE-2: a `TreeRound`'s drafter
     with ``per_row_trees``), verified exactly under keyed noise: `dynamic_tree_round`.
 
     Args:

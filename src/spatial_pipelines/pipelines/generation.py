@@ -22,13 +22,13 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 import torch
 
 from ..core.kv_cache import StaticKVCache
+from ..core.rounds import ChainRound, TreeRound
 from ..core.sampling import SamplingConfig, draw_seeds
+from ..decoders.decoding_ssd import SSDSchedule
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..utils import RoundTimer, check_number
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import mark_static_cache, uses_cuda_graphs
-from ..core.rounds import ChainRound, TreeRound
-from ..decoders.decoding_ssd import SSDSchedule
 from .device_chain import ChainLoop
 from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, RoundView, compile_round
 from .device_proactive import ProactiveLoop
