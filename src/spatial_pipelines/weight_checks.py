@@ -190,6 +190,13 @@ def pickle_refusal(where: str, pickles, folder: str, safe_name: str) -> str:
             f"{os.path.join(folder, safe_name)!r})`.")
 
 
+def refuse_pickles(use_safetensors) -> None:
+    """``use_safetensors=False`` is a `ValueError`: the weights are loaded as safetensors only, never a pickle."""
+    if use_safetensors is False:
+        raise ValueError("`use_safetensors=False` asks for pickled weights: pickles are refused here, because loading "
+                         "one can run any code.")
+
+
 def check_weights(key: str, component_dir: str, variant: Optional[str] = None,
                   safe_name: str = "diffusion_pytorch_model.safetensors") -> Dict[str, dict]:
     """The headers of a component's safetensors files (each checked whole: `safetensors_header`); a `ValueError` when
@@ -377,9 +384,7 @@ def check_component_source(model_cls, pretrained_model_name_or_path, kwargs: Dic
     """What a component class's ``from_pretrained`` checks before diffusers reads a weight: the folder (or, for a Hub id,
     its files in the Hub cache) as `check_component` checks a pipeline's component; ``use_safetensors=False`` is
     refused (pickles are never loaded)."""
-    if kwargs.get("use_safetensors") is False:
-        raise ValueError("`use_safetensors=False` asks for pickled weights: pickles are refused here, because loading "
-                         "one can run any code.")
+    refuse_pickles(kwargs.get("use_safetensors"))
     path = os.fspath(pretrained_model_name_or_path)
     subfolder = kwargs.get("subfolder") or ""
     if os.path.isdir(path):

@@ -12,8 +12,8 @@ import os
 from typing import Any, Dict, Optional
 
 from ..utils import check_json_text, read_json_file, safetensors_header
-from ..weight_checks import (PICKLE_WEIGHTS_NAMES, SAFE_WEIGHTS_NAMES, HubCheckpoint, _variant, check_shapes, meta_model,
-                             pickle_refusal, weights_files)
+from ..weight_checks import (HUB_FILE_KWARGS, PICKLE_WEIGHTS_NAMES, SAFE_WEIGHTS_NAMES, HubCheckpoint, _variant,
+                             check_shapes, meta_model, pickle_refusal, refuse_pickles, weights_files)
 
 
 def check_trained_positions(backbone_class, config, generation_config: Dict[str, Any], grid_where: str,
@@ -145,12 +145,10 @@ def precheck_backbone(repo_or_path, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """What a family's ``from_backbone`` checks before transformers reads even the config: ``config.json`` and
     ``generation_config.json`` (of the local folder, or of the Hub repo, downloaded into the cache as transformers
     would: they are small) nest at most `MAX_JSON_DEPTH` levels (a `ValueError` naming the file, not a
-    `RecursionError`); ``use_safetensors=False`` is refused (the model is loaded with ``use_safetensors=True``: never
-    a pickle). Returns ``kwargs`` without ``use_safetensors``."""
+    `RecursionError`); ``use_safetensors=False`` is refused (`refuse_pickles`). Returns ``kwargs`` without
+    ``use_safetensors``."""
     kwargs = dict(kwargs)
-    if kwargs.pop("use_safetensors", None) is False:
-        raise ValueError("`use_safetensors=False` asks for pickled weights: pickles are refused here, because loading "
-                         "one can run any code.")
+    refuse_pickles(kwargs.pop("use_safetensors", None))
     folder = _checkpoint_folder(repo_or_path, kwargs.get("subfolder"))
     hub = None if folder is not None else HubCheckpoint(os.fspath(repo_or_path), kwargs)
     for name in ("config.json", "generation_config.json"):
@@ -205,3 +203,37 @@ def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=No
         grid_where, grid_file = "`image_grid`", None
     limit_where = f"{config_path!r}: `max_position_embeddings`" if known else "the config's `max_position_embeddings`"
     check_trained_positions(backbone_class, config, generation, grid_where, limit_where, grid_file)
+
+
+def read_backbone_config(repo_or_path, kwargs: Dict[str, Any], model_type: str, what: str, attn_implementation: str,
+                         torch_dtype, dtype, hub_only: bool = False):
+    """A family's ``from_backbone`` up to its transformers config: the loading arguments (`check_load_arguments`) and
+    the JSON files (`precheck_backbone`) checked, the config read (with ``kwargs``, or only their `HUB_FILE_KWARGS`
+    where ``hub_only``) and its ``model_type`` checked (``what``: the checkpoint the error names). Returns ``(weights
+    dtype, kwargs without use_safetensors, config)``."""
+    from transformers import AutoConfig
+
+    from .transformers_utils import check_load_arguments
+
+    weights_dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
+    kwargs = precheck_backbone(repo_or_path, kwargs)
+    config_kwargs = {k: v for k, v in kwargs.items() if k in HUB_FILE_KWARGS} if hub_only else kwargs
+    config = AutoConfig.from_pretrained(repo_or_path, **config_kwargs)
+    if config.model_type != model_type:
+        raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not {what}.")
+    return weights_dtype, kwargs, config
+
+
+def load_checked_model(backbone_class, model_cls, repo_or_path, config, kwargs: Dict[str, Any], attn_implementation: str,
+                       weights_dtype, device_map, image_grid=None, pass_config: bool = False):
+    """``model_cls.from_pretrained`` (safetensors only, in eval mode; built from ``config`` where ``pass_config``) once
+    `check_backbone_checkpoint` passed; a model transformers spread over several accelerators is refused
+    (`check_device_map`)."""
+    from .transformers_utils import check_device_map
+
+    check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config, image_grid, kwargs.get("subfolder"), kwargs)
+    extra = {**({"device_map": device_map} if device_map is not None else {}), **({"config": config} if pass_config else {})}
+    model = model_cls.from_pretrained(repo_or_path, attn_implementation=attn_implementation, use_safetensors=True,
+                                      dtype=weights_dtype if weights_dtype is not None else "auto", **extra, **kwargs).eval()
+    check_device_map(model)
+    return model

@@ -33,12 +33,12 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
 from .backbone import PromptEmbeddings
-from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
+from .checkpoint_checks import load_checked_model, read_backbone_config
 from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import (
-    GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, configure_generation,
-    device_map_kwargs, left_padded, onload, use_grouped_attention, use_tree_attention,
+    GRID_KEY, CodeIndex, TransformersBackbone, configure_generation, left_padded, onload, use_grouped_attention,
+    use_tree_attention,
 )
 
 #: Chameleon's structural tokens (names in the model's ``vocabulary_map``).
@@ -59,10 +59,8 @@ class ChameleonBackbone(TransformersBackbone):
 
     family = "chameleon"
 
-    #: the grid (codes) when the generation config names none
     default_image_grid: Tuple[int, int] = ANOLE_IMAGE_GRID
     family_guidance_scale: float = ANOLE_GUIDANCE_SCALE
-    family_top_k: Optional[int] = None
     #: whether the default unconditional row starts with BOS (Chameleon: ``BOS <racm3:break>``)
     unconditional_has_bos: bool = True
     family_name = "Chameleon"
@@ -85,18 +83,9 @@ class ChameleonBackbone(TransformersBackbone):
 
     # -- facts ------------------------------------------------------------------------------------------------
     @property
-    def image_grid(self) -> Tuple[int, int]:
-        grid = getattr(self.generation_config, GRID_KEY, None)
-        return tuple(int(n) for n in grid) if grid is not None else tuple(self.default_image_grid)
-
-    @property
     def layout(self) -> ImageTokenLayout:
         h, w = self.image_grid
         return ImageTokenLayout(h, w)
-
-    @property
-    def num_image_codes(self) -> int:
-        return self._index().ids.shape[0]
 
     @property
     def vae_scale_factor(self) -> int:
@@ -107,16 +96,6 @@ class ChameleonBackbone(TransformersBackbone):
         """``(V, embed_dim)``: what `decode_code` looks codes up in (not normalised), on the trunk's device (with model
         CPU offload the VQGAN sits on the CPU while the loop runs)."""
         return self.vqgan.codebook.to(self.text_model.embed_tokens.weight.device)
-
-    @property
-    def default_guidance_scale(self) -> float:
-        saved = getattr(self.generation_config, "guidance_scale", None)
-        return float(saved) if saved is not None else self.family_guidance_scale
-
-    @property
-    def default_top_k(self) -> Optional[int]:
-        saved = getattr(self.generation_config, "top_k", None)
-        return saved if saved is not None else self.family_top_k
 
     def _index(self) -> CodeIndex:
         return self.cached_code_index(self.transformer.model.vocabulary_mapping, self._build_index)
@@ -192,17 +171,6 @@ class ChameleonBackbone(TransformersBackbone):
         self.check_tree_attention(self.transformer.config._attn_implementation)
         ids, valid = self.prompt_ids(prompts, negative_prompts, do_cfg, device)
         return PromptEmbeddings(self.text_model.embed_tokens(ids), valid)
-
-    # -- the trunk --------------------------------------------------------------------------------------------
-    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
-        self._onload()
-        return self.text_model.embed_tokens(self._index().ids[codes])
-
-    def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``lm_head`` restricted to the image tokens, columns in code order (a view of the weight when the image ids
-        are consecutive in code order, as in the released vocabulary) -- never the model's forward, which masks them."""
-        self._onload()
-        return self._index().logits(self.transformer.lm_head.weight, hidden_states)
 
     # -- pixels -----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -306,14 +274,11 @@ class ChameleonARPipeline(SpatialARPipeline):
                 VQGAN is loaded whole).
             hub_kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only``, ... for every download.
         """
-        from transformers import AutoConfig, AutoTokenizer, ChameleonProcessor
+        from transformers import AutoTokenizer, ChameleonProcessor
 
-        weights_dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
-        hub_kwargs = precheck_backbone(repo_or_path, hub_kwargs)
-        config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
-        if config.model_type != "chameleon":
-            raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a "
-                             "Chameleon-architecture checkpoint.")
+        weights_dtype, hub_kwargs, config = read_backbone_config(
+            repo_or_path, hub_kwargs, "chameleon", "a Chameleon-architecture checkpoint", attn_implementation,
+            torch_dtype, dtype)
         if processor is None:
             try:
                 processor = ChameleonProcessor.from_pretrained(repo_or_path, **hub_kwargs)
@@ -321,13 +286,8 @@ class ChameleonARPipeline(SpatialARPipeline):
                 processor = AutoTokenizer.from_pretrained(repo_or_path, **hub_kwargs)
         if not config.vocabulary_map:  # the image-token names are the tokenizer's
             config.vocabulary_map = dict(getattr(processor, "tokenizer", processor).get_vocab())
-        check_backbone_checkpoint(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config, image_grid,
-                                  hub_kwargs.get("subfolder"), hub_kwargs)
-        model = ChameleonForConditionalGeneration.from_pretrained(
-            repo_or_path, config=config, attn_implementation=attn_implementation, use_safetensors=True,
-            dtype=weights_dtype if weights_dtype is not None else "auto", **device_map_kwargs(device_map), **hub_kwargs,
-        ).eval()
-        check_device_map(model)
+        model = load_checked_model(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config,
+                                   hub_kwargs, attn_implementation, weights_dtype, device_map, image_grid, pass_config=True)
         vqgan = load_vq(vq if vq is not None else cls.default_vq_repo, torch_dtype=weights_dtype, **hub_kwargs)
         if image_grid is None and getattr(model.generation_config, GRID_KEY, None) is None:
             image_grid = cls.default_image_grid_for(repo_or_path, vqgan.downsample_factor)

@@ -23,13 +23,10 @@ from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
-from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
+from .checkpoint_checks import load_checked_model, read_backbone_config
 from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import (
-    GRID_KEY, CodeIndex, TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, left_padded,
-    use_grouped_attention,
-)
+from .transformers_utils import CodeIndex, TransformersBackbone, left_padded, use_grouped_attention
 from .transformers_utils import configure_generation as configure_shared
 
 #: Emu3's published sampling settings (its image-generation example: CFG 3.0 with this negative prompt; top-k 2048
@@ -46,9 +43,6 @@ EMU3_SPECIAL_TOKENS = {"boi_token": "<|image start|>", "image_wrapper_token": "<
 #: where the image grid and the default unconditional prompt are kept: the transformer's generation config, so they
 #: travel with the component (``Emu3Pipeline(**pipe.components)``, save/load, ``from_pipe``).
 NEGATIVE_PROMPT_KEY = "default_negative_prompt"
-#: the keyword arguments of `Emu3Pipeline.load_backbone_components` that say where the checkpoint is (its config is read
-#: with them before the weights)
-HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
 
 
 class Emu3Backbone(TransformersBackbone):
@@ -59,6 +53,7 @@ class Emu3Backbone(TransformersBackbone):
     family_name = "Emu3"
     processor_kind = "Emu3Processor"
     default_image_grid = EMU3_IMAGE_GRID
+    family_guidance_scale = EMU3_GUIDANCE_SCALE
     row_end_positions = 1  # the end-of-row token after every row
 
     @property
@@ -76,18 +71,9 @@ class Emu3Backbone(TransformersBackbone):
 
     # -- facts -------------------------------------------------------------------------------------------------
     @property
-    def image_grid(self) -> Tuple[int, int]:
-        grid = getattr(self.generation_config, GRID_KEY, None)
-        return tuple(int(n) for n in grid) if grid is not None else tuple(self.default_image_grid)
-
-    @property
     def layout(self) -> ImageTokenLayout:
         h, w = self.image_grid
         return ImageTokenLayout(h, w, eol_token_id=self._index().eol_id)
-
-    @property
-    def num_image_codes(self) -> int:
-        return self._index().ids.shape[0]
 
     @property
     def vae_scale_factor(self) -> int:
@@ -97,15 +83,6 @@ class Emu3Backbone(TransformersBackbone):
     def codebook(self) -> torch.Tensor:
         self._onload()
         return self.vqmodel.quantize.embedding.weight  # (V, embed_dim): what `vqmodel.decode` looks codes up in
-
-    @property
-    def default_guidance_scale(self) -> float:
-        saved = self.generation_config.guidance_scale
-        return saved if saved is not None else EMU3_GUIDANCE_SCALE
-
-    @property
-    def default_top_k(self) -> Optional[int]:
-        return self.generation_config.top_k
 
     @property
     def default_negative_prompt(self) -> str:
@@ -162,21 +139,10 @@ class Emu3Backbone(TransformersBackbone):
         return PromptEmbeddings(self.text_model.embed_tokens(ids), valid)
 
     # -- the trunk ---------------------------------------------------------------------------------------------
-    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
-        self._onload()
-        index = self._index()
-        return self.text_model.embed_tokens(index.ids[codes])
-
     @property
     def eol_embedding(self) -> torch.Tensor:
         self._onload()
         return self.text_model.embed_tokens.weight[self._index().eol_id]
-
-    def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The lm_head restricted to the visual tokens, columns in code order (a view of the weight when the visual
-        ids are consecutive, as in the released checkpoints)."""
-        self._onload()
-        return self._index().logits(self.transformer.lm_head.weight, hidden_states)
 
     # -- pixels ------------------------------------------------------------------------------------------------
     def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -262,22 +228,10 @@ class Emu3Pipeline(SpatialARPipeline):
             device_map (`str` or `dict`, *optional*): transformers' ``device_map`` for the model (not several GPUs).
             kwargs: to transformers' ``from_pretrained`` (``revision``, ``cache_dir``, ``token``, ``local_files_only``).
         """
-        from transformers import AutoConfig
-
-        dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
-        kwargs = precheck_backbone(repo_or_path, kwargs)
-        hub_kwargs = {k: v for k, v in kwargs.items() if k in HUB_KWARGS}
-        config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
-        if config.model_type != "emu3":
-            raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not an Emu3 checkpoint.")
-        check_backbone_checkpoint(cls.backbone_class, Emu3ForConditionalGeneration, repo_or_path, config, image_grid,
-                                  hub_kwargs.get("subfolder"), kwargs)
-        transformer = Emu3ForConditionalGeneration.from_pretrained(
-            repo_or_path, dtype=dtype if dtype is not None else "auto", attn_implementation=attn_implementation,
-            use_safetensors=True,
-            **device_map_kwargs(device_map), **kwargs
-        ).eval()
-        check_device_map(transformer)
+        weights_dtype, kwargs, config = read_backbone_config(repo_or_path, kwargs, "emu3", "an Emu3 checkpoint",
+                                                             attn_implementation, torch_dtype, dtype, hub_only=True)
+        transformer = load_checked_model(cls.backbone_class, Emu3ForConditionalGeneration, repo_or_path, config, kwargs,
+                                         attn_implementation, weights_dtype, device_map, image_grid)
         processor = Emu3Processor.from_pretrained(repo_or_path, **kwargs)
         configure_generation(transformer, image_grid=image_grid, guidance_scale=default_guidance_scale,
                              top_k=default_top_k, negative_prompt=default_negative_prompt)

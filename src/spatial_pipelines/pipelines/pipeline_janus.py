@@ -25,12 +25,10 @@ from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
-from .checkpoint_checks import check_backbone_checkpoint, precheck_backbone
+from .checkpoint_checks import load_checked_model, read_backbone_config
 from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import (
-    TransformersBackbone, check_device_map, check_load_arguments, device_map_kwargs, use_grouped_attention, use_tree_attention,
-)
+from .transformers_utils import TransformersBackbone, use_grouped_attention, use_tree_attention
 
 #: Janus-Pro's CFG scale (the checkpoints' generation config and the paper's sampling setting).
 JANUS_DEFAULT_GUIDANCE_SCALE = 5.0
@@ -45,6 +43,7 @@ class JanusProBackbone(TransformersBackbone):
     processor_kind = "the model's JanusProcessor"
     grid_file = "config.json"
     grid_key = "vision_config.num_image_tokens"
+    family_guidance_scale = JANUS_DEFAULT_GUIDANCE_SCALE
 
     @classmethod
     def grid_from_configs(cls, config, generation_config) -> Tuple[int, int]:
@@ -84,15 +83,6 @@ class JanusProBackbone(TransformersBackbone):
     @property
     def codebook(self) -> torch.Tensor:
         return F.normalize(self.vqmodel.quantize.embedding.weight, p=2, dim=-1)  # as `get_codebook_entry` reads them
-
-    @property
-    def default_guidance_scale(self) -> float:
-        saved = getattr(self.generation_config, "guidance_scale", None)
-        return float(saved) if saved is not None else JANUS_DEFAULT_GUIDANCE_SCALE
-
-    @property
-    def default_top_k(self) -> Optional[int]:
-        return getattr(self.generation_config, "top_k", None)
 
     # -- special tokens ---------------------------------------------------------------------------------
     def _token_id(self, name: str) -> int:
@@ -269,23 +259,15 @@ class JanusProPipeline(SpatialARPipeline):
                 and ``"cpu"`` offload; not several GPUs: `check_device_map`).
             hub_kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only``, ... for both ``from_pretrained``.
         """
-        from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
+        from transformers import JanusForConditionalGeneration, JanusProcessor
 
-        weights_dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
-        hub_kwargs = precheck_backbone(repo_or_path, hub_kwargs)
-        config = AutoConfig.from_pretrained(repo_or_path, **hub_kwargs)
-        if config.model_type != "janus":
-            raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not a Janus checkpoint.")
-        check_backbone_checkpoint(cls.backbone_class, JanusForConditionalGeneration, repo_or_path, config,
-                                  subfolder=hub_kwargs.get("subfolder"), hub_kwargs=hub_kwargs)
-        model = JanusForConditionalGeneration.from_pretrained(
-            repo_or_path, attn_implementation=attn_implementation, use_safetensors=True,
-            **({"dtype": weights_dtype} if weights_dtype is not None else {}), **device_map_kwargs(device_map), **hub_kwargs,
-        )
-        check_device_map(model)
+        weights_dtype, hub_kwargs, config = read_backbone_config(repo_or_path, hub_kwargs, "janus", "a Janus checkpoint",
+                                                                 attn_implementation, torch_dtype, dtype)
+        model = load_checked_model(cls.backbone_class, JanusForConditionalGeneration, repo_or_path, config, hub_kwargs,
+                                   attn_implementation, weights_dtype, device_map)
         if processor is None:
             processor = JanusProcessor.from_pretrained(repo_or_path, **hub_kwargs)
-        return {"transformer": model.eval(), "processor": processor}
+        return {"transformer": model, "processor": processor}
 
 
 # -- tiny random components, for tests (`dummy_components`, `spatial_pipelines.testing.dummy_pipeline`) --------------

@@ -221,11 +221,6 @@ def check_load_arguments(
     return dtype if dtype is not None else torch_dtype
 
 
-def device_map_kwargs(device_map) -> Dict[str, Any]:
-    """transformers' ``from_pretrained`` arguments for a family's ``device_map`` (none when it is ``None``)."""
-    return {} if device_map is None else {"device_map": device_map}
-
-
 def check_device_map(model: torch.nn.Module) -> None:
     """Refuse a model that transformers spread over several accelerators (``hf_device_map``): the generation loop's
     static KV cache is one tensor on one device. One accelerator with weights offloaded to ``"cpu"`` / ``"disk"``
@@ -294,15 +289,17 @@ class TransformersBackbone(SpatialBackbone):
     """What the transformers-backed families share: the pipeline's ``transformer`` component, its decoder stack
     (``text_model``: ``embed_tokens``, ``layers``, final ``norm``) run on the library's static KV cache, the sampling
     defaults in its ``generation_config``, onloading under model CPU offload, the text-prompt check and the cached
-    `CodeIndex`. A family sets ``text_model``, ``family_name``, ``processor_kind`` and the rest of the `SpatialBackbone`
+    `CodeIndex` (the head and embeddings of codes that are vocabulary tokens). A family sets ``text_model``, ``family_name``, ``processor_kind`` and the rest of the `SpatialBackbone`
     contract (prompt, image embeddings, head, VQ)."""
 
     #: the family's name in messages
     family_name: str = "transformers"
     #: what the pipeline's ``processor`` component is, in the message when it is missing
     processor_kind: str = "the model's processor"
-    #: the grid (codes) when the generation config names none
+    #: the grid (codes), CFG scale and top-k when the generation config names none
     default_image_grid: Optional[Tuple[int, int]] = None
+    family_guidance_scale: float = 1.0
+    family_top_k: Optional[int] = None
     #: positions a row of codes takes past its codes: 1 where an end-of-row token follows every row
     row_end_positions: int = 0
     #: the file of a saved transformer that sets its grid, and the key there (`grid_from_configs`)
@@ -339,6 +336,36 @@ class TransformersBackbone(SpatialBackbone):
     @property
     def transformer(self) -> torch.nn.Module:
         return self.pipe.transformer
+
+    @property
+    def image_grid(self) -> Tuple[int, int]:
+        grid = getattr(self.generation_config, GRID_KEY, None)
+        return tuple(int(n) for n in grid) if grid is not None else tuple(self.default_image_grid)
+
+    @property
+    def default_guidance_scale(self) -> float:
+        saved = getattr(self.generation_config, "guidance_scale", None)
+        return float(saved) if saved is not None else self.family_guidance_scale
+
+    @property
+    def default_top_k(self) -> Optional[int]:
+        saved = getattr(self.generation_config, "top_k", None)
+        return saved if saved is not None else self.family_top_k
+
+    # codes that are tokens of the text vocabulary (Emu3, Chameleon: the family's `CodeIndex`, ``_index()``)
+    @property
+    def num_image_codes(self) -> int:
+        return self._index().ids.shape[0]
+
+    def embed_image_tokens(self, codes: torch.Tensor) -> torch.Tensor:
+        self._onload()
+        return self.text_model.embed_tokens(self._index().ids[codes])
+
+    def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``lm_head`` restricted to the image tokens, columns in code order (a view of the weight when their ids are
+        consecutive in code order, as in the released vocabularies)."""
+        self._onload()
+        return self._index().logits(self.transformer.lm_head.weight, hidden_states)
 
     @property
     @abc.abstractmethod
