@@ -16,18 +16,27 @@ from ..weight_checks import (HUB_FILE_KWARGS, PICKLE_WEIGHTS_NAMES, SAFE_WEIGHTS
                              check_shapes, meta_model, pickle_refusal, refuse_pickles, weights_files)
 
 
-def check_trained_positions(backbone_class, config, generation_config: Dict[str, Any], grid_where: str,
-                            limit_where: str, grid_file: Optional[str] = None) -> None:
+def check_trained_positions(backbone_class, config, generation_config: Dict[str, Any], folder: Optional[str],
+                            image_grid=None) -> None:
     """A transformers family's grid (`TransformersBackbone.grid_from_configs`, from the transformers ``config`` and
-    the generation config) against the positions its model was trained for (the text config's
-    ``max_position_embeddings``): a grid whose image leaves no position for a prompt is a `ValueError` naming
-    ``grid_where`` (the file and key, or the argument, that set it); a grid that is not one names ``grid_file``."""
+    the generation config, or the ``image_grid`` argument) against the positions its model was trained for (the text
+    config's ``max_position_embeddings``): a grid whose image leaves no position for a prompt is a `ValueError` naming
+    what set it (a file of the checkpoint ``folder``, ``None`` where it was not found, or the argument)."""
     from .transformers_utils import check_image_fits_context
 
     if backbone_class is None or not hasattr(backbone_class, "grid_from_configs"):
         return
+    if image_grid is not None:
+        generation_config = {**generation_config,
+                             "image_grid": list(image_grid) if isinstance(image_grid, (list, tuple)) else image_grid}
     if backbone_class.grid_file == "generation_config.json" and "image_grid" not in generation_config:
         return  # the family's default grid: checked at every call (`TransformersBackbone.check_image_positions`)
+    key = backbone_class.grid_key
+    grid_file = os.path.join(folder, backbone_class.grid_file) if folder is not None and image_grid is None else None
+    grid_where = "`image_grid`" if image_grid is not None else (f"{grid_file!r}: `{key}`" if grid_file else
+                                                                f"the checkpoint's `{key}`")
+    limit_where = (f"{os.path.join(folder, 'config.json')!r}: `max_position_embeddings`" if folder is not None
+                   else "the config's `max_position_embeddings`")
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text_config, "max_position_embeddings", None)
     try:
@@ -159,22 +168,19 @@ def precheck_backbone(repo_or_path, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     return kwargs
 
 
-def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=None, image_grid=None,
-                              subfolder: Optional[str] = None, hub_kwargs: Optional[Dict[str, Any]] = None) -> None:
-    """What a family's ``from_backbone`` reads, checked before transformers reads a weight. ``image_grid`` (the
-    argument) against the positions the model was trained for (``config``: its transformers config, read first and
-    completed as the family completes it; the model is built from it on the meta device); and the checkpoint (the
-    original transformers layout: ``config.json`` + safetensors) as a pipeline folder's ``transformer`` is: every
-    tensor its config builds is in its safetensors files, of that shape, and nothing else (`check_shapes`), and the
-    grid its generation config asks for fits those positions. Pickled weights without safetensors are refused.
+def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config, image_grid,
+                              hub_kwargs: Dict[str, Any]) -> None:
+    """What a family's ``from_backbone`` reads, checked before transformers reads a weight: the original transformers
+    checkpoint (``config.json`` + safetensors) as a pipeline folder's ``transformer`` is (every tensor ``config``, the
+    family's completed transformers config, builds on the meta device is in its safetensors, of that shape, and
+    nothing else: `check_shapes`; pickles alone are refused), and the grid (the ``image_grid`` argument, else its
+    generation config's) against the positions the model was trained for.
 
     A local folder is read where it is. A Hub id is resolved as transformers resolves it (``hub_kwargs``: ``revision``,
-    ``cache_dir``, ``token``, ``local_files_only``, ``variant``; ``HF_HUB_OFFLINE`` honoured): its ``config.json``,
-    ``generation_config.json`` and ``model.safetensors.index.json`` are downloaded into the Hub cache (small), its
-    weights' headers are read from the cached files, or from the Hub by ranged reads when they are not cached; no
-    weight is downloaded before the checks pass. ``subfolder``: where in ``repo_or_path`` the checkpoint is."""
-    hub_kwargs = {**(hub_kwargs or {}), **({"subfolder": subfolder} if subfolder else {})}
-    folder = _checkpoint_folder(repo_or_path, subfolder)
+    ``cache_dir``, ``token``, ``local_files_only``, ``variant``, ``subfolder``; ``HF_HUB_OFFLINE`` honoured): its small
+    files are downloaded into the Hub cache, its weights' headers read from the cache or by ranged reads; no weight is
+    downloaded before the checks pass."""
+    folder = _checkpoint_folder(repo_or_path, hub_kwargs.get("subfolder"))
     if folder is not None:
         config_path = os.path.join(folder, "config.json")
         headers = None
@@ -190,50 +196,46 @@ def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config=No
         if not isinstance(raw, dict):
             raise ValueError(f"{config_path!r} must hold a JSON object, got {type(raw).__name__}.")
         if headers:
-            model = meta_model(model_cls, config if config is not None else raw, config_path)
-            check_shapes(model, headers, folder, strict=False)
-    if config is None:
-        return
+            check_shapes(meta_model(model_cls, config, config_path), headers, folder, strict=False)
     known = config_path is not None
-    generation = _generation_config(folder) if known else {}
-    grid_file = os.path.join(folder, backbone_class.grid_file) if known else None
-    grid_where = f"{grid_file!r}: `{backbone_class.grid_key}`" if known else f"the checkpoint's `{backbone_class.grid_key}`"
-    if image_grid is not None:
-        generation = {**generation, "image_grid": list(image_grid) if isinstance(image_grid, (list, tuple)) else image_grid}
-        grid_where, grid_file = "`image_grid`", None
-    limit_where = f"{config_path!r}: `max_position_embeddings`" if known else "the config's `max_position_embeddings`"
-    check_trained_positions(backbone_class, config, generation, grid_where, limit_where, grid_file)
-
+    check_trained_positions(backbone_class, config, _generation_config(folder) if known else {},
+                            folder if known else None, image_grid)
 
 def read_backbone_config(repo_or_path, kwargs: Dict[str, Any], model_type: str, what: str, attn_implementation: str,
                          torch_dtype, dtype, hub_only: bool = False):
-    """A family's ``from_backbone`` up to its transformers config: the loading arguments (`check_load_arguments`) and
-    the JSON files (`precheck_backbone`) checked, the config read (with ``kwargs``, or only their `HUB_FILE_KWARGS`
-    where ``hub_only``) and its ``model_type`` checked (``what``: the checkpoint the error names). Returns ``(weights
-    dtype, kwargs without use_safetensors, config)``."""
+    """A family's ``from_backbone`` up to its transformers config: ``attn_implementation`` must take tree masks and
+    ``torch_dtype`` / ``dtype`` agree; the JSON files are checked (`precheck_backbone`), the config read (with
+    ``kwargs``, or only their `HUB_FILE_KWARGS` where ``hub_only``) and its ``model_type`` checked (``what``: the
+    checkpoint the error names). Returns ``(weights dtype or None, kwargs without use_safetensors, config)``."""
     from transformers import AutoConfig
 
-    from .transformers_utils import check_load_arguments
+    from .transformers_utils import TREE_MASK_ATTENTION
 
-    weights_dtype = check_load_arguments(attn_implementation, torch_dtype, dtype)
+    if attn_implementation not in TREE_MASK_ATTENTION:
+        raise ValueError(f"`attn_implementation` must be one of {TREE_MASK_ATTENTION} (draft trees need an arbitrary "
+                         f"attention mask), got {attn_implementation!r}.")
+    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+        raise ValueError(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; pass one.")
     kwargs = precheck_backbone(repo_or_path, kwargs)
     config_kwargs = {k: v for k, v in kwargs.items() if k in HUB_FILE_KWARGS} if hub_only else kwargs
     config = AutoConfig.from_pretrained(repo_or_path, **config_kwargs)
     if config.model_type != model_type:
         raise ValueError(f"`repo_or_path` {os.fspath(repo_or_path)!r} holds a {config.model_type!r} model, not {what}.")
-    return weights_dtype, kwargs, config
+    return (dtype if dtype is not None else torch_dtype), kwargs, config
 
 
-def load_checked_model(backbone_class, model_cls, repo_or_path, config, kwargs: Dict[str, Any], attn_implementation: str,
-                       weights_dtype, device_map, image_grid=None, pass_config: bool = False):
+def load_checked_model(backbone_class, model_cls, repo_or_path, config, kwargs: Dict[str, Any],
+                       attn_implementation: str, weights_dtype, device_map, image_grid=None, pass_config: bool = False):
     """``model_cls.from_pretrained`` (safetensors only, in eval mode; built from ``config`` where ``pass_config``) once
     `check_backbone_checkpoint` passed; a model transformers spread over several accelerators is refused
     (`check_device_map`)."""
     from .transformers_utils import check_device_map
 
-    check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config, image_grid, kwargs.get("subfolder"), kwargs)
-    extra = {**({"device_map": device_map} if device_map is not None else {}), **({"config": config} if pass_config else {})}
-    model = model_cls.from_pretrained(repo_or_path, attn_implementation=attn_implementation, use_safetensors=True,
-                                      dtype=weights_dtype if weights_dtype is not None else "auto", **extra, **kwargs).eval()
+    check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config, image_grid, kwargs)
+    extra = {**({"device_map": device_map} if device_map is not None else {}),
+             **({"config": config} if pass_config else {})}
+    model = model_cls.from_pretrained(
+        repo_or_path, attn_implementation=attn_implementation, use_safetensors=True,
+        dtype=weights_dtype if weights_dtype is not None else "auto", **extra, **kwargs).eval()
     check_device_map(model)
     return model

@@ -19,7 +19,7 @@ import importlib
 import inspect
 import os
 import typing
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from diffusers import ModelMixin
 from diffusers.utils import logging
@@ -90,8 +90,9 @@ def _expected_types(pipeline_cls, name: str):
     return classes or None
 
 
-def check_model_index(pipeline_cls, folder: str, index: Any) -> Dict[str, type]:
-    """Check ``model_index.json``; returns the class of every component it names."""
+def check_model_index(pipeline_cls, folder: str, index: Any) -> Tuple[type, Dict[str, type]]:
+    """Check ``model_index.json``; returns the pipeline class it loads (``pipeline_cls`` or the subclass it names) and
+    the class of every component it names."""
     path = os.path.join(folder, "model_index.json")
     if not isinstance(index, dict):
         raise ValueError(f"{path!r} must hold a JSON object, got {type(index).__name__}.")
@@ -123,15 +124,7 @@ def check_model_index(pipeline_cls, folder: str, index: Any) -> Dict[str, type]:
             raise ValueError(f"{path!r}: `{key}` names {value[1]!r}, which is not a "
                              f"{' or '.join(e.__name__ for e in expected)} (what {cls.__name__} takes as `{key}`).")
         classes[key] = found
-    return classes
-
-
-def _index_pipeline_class(pipeline_cls, index: Dict[str, Any]):
-    """The pipeline class a checked ``model_index.json`` loads: ``pipeline_cls`` or the subclass the index names."""
-    from .pipeline_utils import SpatialARPipeline
-
-    target = find_subclass(SpatialARPipeline, index.get("_class_name"))
-    return pipeline_cls if target is None or issubclass(pipeline_cls, target) else target
+    return cls, classes
 
 
 def _pipeline_classes():
@@ -168,12 +161,8 @@ def check_model_folder(model_cls, key: str, folder: str, component_dir: str, var
     config, model = check_component(model_cls, key, component_dir, variant)
     if config is None or backbone_class is None or key != "transformer" or model_cls.__module__.startswith("spatial_pipelines."):
         return
-    config_path = os.path.join(component_dir, "config.json")
-    model = model if model is not None else meta_model(model_cls, config, config_path)
-    grid_file = os.path.join(component_dir, getattr(backbone_class, "grid_file", "config.json"))
-    check_trained_positions(backbone_class, model.config, _generation_config(component_dir),
-                            f"{grid_file!r}: `{getattr(backbone_class, 'grid_key', 'image_grid')}`",
-                            f"{config_path!r}: `max_position_embeddings`", grid_file)
+    model = model if model is not None else meta_model(model_cls, config, os.path.join(component_dir, "config.json"))
+    check_trained_positions(backbone_class, model.config, _generation_config(component_dir), component_dir)
 
 
 def check_pipeline_folder(pipeline_cls, folder: str, variant: Optional[str] = None, passed=()) -> Dict[str, Any]:
@@ -186,7 +175,7 @@ def check_pipeline_folder(pipeline_cls, folder: str, variant: Optional[str] = No
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):
         return {}  # diffusers says what is missing
-    classes = check_model_index(pipeline_cls, folder, read_json_file(index_path, "model_index.json"))
+    pipeline, classes = check_model_index(pipeline_cls, folder, read_json_file(index_path, "model_index.json"))
     classes = {k: v for k, v in classes.items() if k not in passed}
     loaded = {}
     if "decoder" in classes:
@@ -199,7 +188,6 @@ def check_pipeline_folder(pipeline_cls, folder: str, variant: Optional[str] = No
         if own is not None:
             classes["draft_heads"] = own
             loaded["draft_heads"] = None  # loaded after the checks below, by the class its config names
-    pipeline = _index_pipeline_class(pipeline_cls, read_json_file(index_path, "model_index.json"))
     for key, cls in classes.items():
         component_dir = os.path.join(folder, key)
         if os.path.isdir(component_dir):

@@ -37,8 +37,8 @@ from .checkpoint_checks import load_checked_model, read_backbone_config
 from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
 from .transformers_utils import (
-    GRID_KEY, CodeIndex, TransformersBackbone, configure_generation, left_padded, onload, use_grouped_attention,
-    use_tree_attention,
+    GRID_KEY, CodeIndex, TransformersBackbone, configure_generation, left_padded, natural_scale_init, onload,
+    use_grouped_attention, use_tree_attention,
 )
 
 #: Chameleon's structural tokens (names in the model's ``vocabulary_map``).
@@ -287,7 +287,7 @@ class ChameleonARPipeline(SpatialARPipeline):
         if not config.vocabulary_map:  # the image-token names are the tokenizer's
             config.vocabulary_map = dict(getattr(processor, "tokenizer", processor).get_vocab())
         model = load_checked_model(cls.backbone_class, ChameleonForConditionalGeneration, repo_or_path, config,
-                                   hub_kwargs, attn_implementation, weights_dtype, device_map, image_grid, pass_config=True)
+                                   hub_kwargs, attn_implementation, weights_dtype, device_map, image_grid, True)
         vqgan = load_vq(vq if vq is not None else cls.default_vq_repo, torch_dtype=weights_dtype, **hub_kwargs)
         if image_grid is None and getattr(model.generation_config, GRID_KEY, None) is None:
             image_grid = cls.default_image_grid_for(repo_or_path, vqgan.downsample_factor)
@@ -307,8 +307,7 @@ class AnolePipeline(ChameleonARPipeline):
 
     @classmethod
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
-        """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
-        fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
+        """Tiny random ``__init__`` components but decoder and heads (`testing.dummy_pipeline`; under a seed)."""
         return dummy_chameleon_components(grid, num_codes)
 
 
@@ -404,12 +403,9 @@ def dummy_chameleon_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 
                              pad_token_id=tokenizer.pad_token_id, vocabulary_map=tokenizer.get_vocab(), vq_config=vq)
     config._attn_implementation = "sdpa"
     model = ChameleonForConditionalGeneration(config).eval()
-    # weights at a tiny model's natural scale (not 0.02): outputs then depend on content and position (qk-norm kept)
-    for name, param in model.named_parameters():
-        if param.dim() == 2 and "norm" not in name and not name.startswith("model.vqmodel"):
-            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
-    torch.nn.init.normal_(model.model.embed_tokens.weight, std=0.5)  # 1.0 lets the last code dominate: constant grids
-    torch.nn.init.normal_(model.lm_head.weight, std=0.5)
+    # qk-norm kept; embeddings at 0.5 (1.0 lets the last code dominate: constant grids)
+    natural_scale_init(model, ("norm", "model.vqmodel"), (model.model.embed_tokens.weight, 0.5),
+                       (model.lm_head.weight, 0.5))
     vqgan = tiny_chameleon_vq(num_codes, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     extra = {"resolution_patch_size": vqgan.downsample_factor} if lumina else {}
     configure_generation(model, image_grid=grid, guidance_scale=3.0, **extra)

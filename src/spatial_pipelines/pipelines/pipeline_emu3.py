@@ -26,7 +26,9 @@ from .backbone import PromptEmbeddings
 from .checkpoint_checks import load_checked_model, read_backbone_config
 from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import CodeIndex, TransformersBackbone, left_padded, use_grouped_attention
+from .transformers_utils import (
+    CodeIndex, TransformersBackbone, left_padded, natural_scale_init, use_grouped_attention,
+)
 from .transformers_utils import configure_generation as configure_shared
 
 #: Emu3's published sampling settings (its image-generation example: CFG 3.0 with this negative prompt; top-k 2048
@@ -182,8 +184,7 @@ class Emu3Pipeline(SpatialARPipeline):
 
     @classmethod
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
-        """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
-        fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
+        """Tiny random ``__init__`` components but decoder and heads (`testing.dummy_pipeline`; under a seed)."""
         return dummy_emu3_components(grid, num_codes)
 
     def __init__(
@@ -303,12 +304,8 @@ def dummy_emu3_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16, *
     config = Emu3Config(text_config=text, vq_config=vq, vocabulary_map=tokenizer.get_vocab())
     config.text_config._attn_implementation = "sdpa"
     model = Emu3ForConditionalGeneration(config).eval()
-    # weights at a tiny model's natural scale (not 0.02): outputs then depend on content and position
-    for name, param in model.named_parameters():
-        if param.dim() == 2 and not name.startswith("model.vqmodel"):
-            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
-    torch.nn.init.normal_(model.model.text_model.embed_tokens.weight, std=1.0)
-    torch.nn.init.normal_(model.lm_head.weight, std=0.5)
+    natural_scale_init(model, ("model.vqmodel",), (model.model.text_model.embed_tokens.weight, 1.0),
+                       (model.lm_head.weight, 0.5))
     gen = model.generation_config  # as the released checkpoint: sampling, EOS/pad; plus our grid and defaults
     gen.do_sample, gen.pad_token_id, gen.eos_token_id = True, tokenizer.pad_token_id, tokenizer.eos_token_id
     configure_generation(model, image_grid=grid, guidance_scale=3.0, negative_prompt="lowres, blurry")

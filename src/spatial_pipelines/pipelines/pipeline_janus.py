@@ -28,7 +28,7 @@ from .backbone import PromptEmbeddings
 from .checkpoint_checks import load_checked_model, read_backbone_config
 from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import TransformersBackbone, use_grouped_attention, use_tree_attention
+from .transformers_utils import TransformersBackbone, natural_scale_init, use_grouped_attention, use_tree_attention
 
 #: Janus-Pro's CFG scale (the checkpoints' generation config and the paper's sampling setting).
 JANUS_DEFAULT_GUIDANCE_SCALE = 5.0
@@ -214,8 +214,7 @@ class JanusProPipeline(SpatialARPipeline):
 
     @classmethod
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
-        """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
-        fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
+        """Tiny random ``__init__`` components but decoder and heads (`testing.dummy_pipeline`; under a seed)."""
         return dummy_janus_components(grid, num_codes)
 
     def __init__(
@@ -261,8 +260,8 @@ class JanusProPipeline(SpatialARPipeline):
         """
         from transformers import JanusForConditionalGeneration, JanusProcessor
 
-        weights_dtype, hub_kwargs, config = read_backbone_config(repo_or_path, hub_kwargs, "janus", "a Janus checkpoint",
-                                                                 attn_implementation, torch_dtype, dtype)
+        weights_dtype, hub_kwargs, config = read_backbone_config(
+            repo_or_path, hub_kwargs, "janus", "a Janus checkpoint", attn_implementation, torch_dtype, dtype)
         model = load_checked_model(cls.backbone_class, JanusForConditionalGeneration, repo_or_path, config, hub_kwargs,
                                    attn_implementation, weights_dtype, device_map)
         if processor is None:
@@ -324,12 +323,8 @@ def dummy_janus_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16) 
     config = JanusConfig(text_config=text, vision_config=vision, vq_config=vq, image_token_id=ids["image"])
     config._attn_implementation = "sdpa"
     model = JanusForConditionalGeneration(config).eval()
-    # weights at a tiny model's natural scale (not 0.02): outputs then depend on content and position
-    for name, param in model.named_parameters():
-        if param.dim() == 2 and not name.startswith("model.vision_model"):
-            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
-    torch.nn.init.normal_(model.model.language_model.embed_tokens.weight, std=1.0)
-    torch.nn.init.normal_(model.model.generation_embeddings.weight, std=1.0)
+    natural_scale_init(model, ("model.vision_model",), (model.model.language_model.embed_tokens.weight, 1.0),
+                       (model.model.generation_embeddings.weight, 1.0))
     gen = model.generation_config  # what `generate(generation_mode="image")` and the released checkpoints set
     gen.guidance_scale, gen.temperature = 5.0, 1.0
     gen.bos_token_id, gen.pad_token_id = ids["bos"], ids["pad"]

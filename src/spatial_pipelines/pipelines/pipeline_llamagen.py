@@ -20,6 +20,7 @@ from ..weight_checks import load_tensor_checkpoint
 from .backbone import PROMPT_CHARACTERS_PER_TOKEN, PromptEmbeddings, SpatialBackbone
 from .pass_cost import CPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
+from .transformers_utils import natural_scale_init
 
 #: LlamaGen's GPT sizes: (layers, heads, width).
 LLAMAGEN_GPT_SIZES = {
@@ -259,8 +260,7 @@ class LlamaGenPipeline(SpatialARPipeline):
 
     @classmethod
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16, condition_type: str = "text", end_of_row: bool = False) -> Dict[str, Any]:
-        """Tiny random components of this family, for tests (`spatial_pipelines.testing.dummy_pipeline`; call under a
-        fixed seed): ``{name: component}`` for the pipeline's ``__init__``, less the decoder and draft heads."""
+        """Tiny random ``__init__`` components but decoder and heads (`testing.dummy_pipeline`; under a seed)."""
         return dummy_llamagen_components(grid, num_codes, condition_type, end_of_row=end_of_row)
 
     def __init__(
@@ -459,9 +459,9 @@ def dummy_llamagen_components(
     """Random tiny LlamaGen components (call under a fixed seed for reproducibility)."""
     from transformers import T5Config, T5EncoderModel
 
-    tokenizer = tiny_tokenizer() if condition_type == "text" else None
-    text_encoder = None
+    tokenizer = text_encoder = None
     if condition_type == "text":
+        tokenizer = tiny_tokenizer()
         text_encoder = T5EncoderModel(
             T5Config(vocab_size=len(tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
         ).eval()
@@ -471,13 +471,7 @@ def dummy_llamagen_components(
         num_condition_tokens=8 if condition_type == "text" else 1, grid_height=grid[0], grid_width=grid[1],
         end_of_row_token=end_of_row,
     )
-    # weights at a tiny model's natural scale (not LlamaGen's 0.02 for wide models): attention then depends on
-    # content and position, so a wrong mask, position or cache entry changes the output and tests see it
-    for name, param in transformer.named_parameters():
-        if param.dim() == 2:
-            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
-    torch.nn.init.normal_(transformer.tok_embeddings.weight, std=1.0)
-    torch.nn.init.normal_(transformer.output.weight, std=0.5)
+    natural_scale_init(transformer, (), (transformer.tok_embeddings.weight, 1.0), (transformer.output.weight, 0.5))
     if end_of_row:  # drawn last: the other weights are those of the same seed without an EOL
         torch.nn.init.normal_(transformer.eol_embedding, std=1.0)
     vqvae = LlamaGenVQModel(

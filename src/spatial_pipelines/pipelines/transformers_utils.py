@@ -208,19 +208,6 @@ def use_grouped_attention(text_model: torch.nn.Module) -> None:
     config._attn_implementation = GROUPED_SDPA
 
 
-def check_load_arguments(
-    attn_implementation: str, torch_dtype: Optional[torch.dtype], dtype: Optional[torch.dtype]
-) -> Optional[torch.dtype]:
-    """The weights' dtype a family's ``load_backbone_components`` asks transformers for (``None``: as transformers
-    loads it); a `ValueError` unless ``attn_implementation`` takes tree masks and ``torch_dtype`` / ``dtype`` agree."""
-    if attn_implementation not in TREE_MASK_ATTENTION:
-        raise ValueError(f"`attn_implementation` must be one of {TREE_MASK_ATTENTION} (draft trees need an arbitrary "
-                         f"attention mask), got {attn_implementation!r}.")
-    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
-        raise ValueError(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; pass one.")
-    return dtype if dtype is not None else torch_dtype
-
-
 def check_device_map(model: torch.nn.Module) -> None:
     """Refuse a model that transformers spread over several accelerators (``hf_device_map``): the generation loop's
     static KV cache is one tensor on one device. One accelerator with weights offloaded to ``"cpu"`` / ``"disk"``
@@ -286,11 +273,11 @@ class CodeIndex:
 
 
 class TransformersBackbone(SpatialBackbone):
-    """What the transformers-backed families share: the pipeline's ``transformer`` component, its decoder stack
-    (``text_model``: ``embed_tokens``, ``layers``, final ``norm``) run on the library's static KV cache, the sampling
-    defaults in its ``generation_config``, onloading under model CPU offload, the text-prompt check and the cached
-    `CodeIndex` (the head and embeddings of codes that are vocabulary tokens). A family sets ``text_model``, ``family_name``, ``processor_kind`` and the rest of the `SpatialBackbone`
-    contract (prompt, image embeddings, head, VQ)."""
+    """What the transformers-backed families share: the ``transformer`` component's decoder stack (``text_model``:
+    ``embed_tokens``, ``layers``, final ``norm``) on the library's static KV cache, the sampling defaults in its
+    ``generation_config``, onloading under model CPU offload, the text-prompt check, and the head and embeddings of codes
+    that are vocabulary tokens (the cached `CodeIndex`). A family sets ``text_model``, ``family_name``,
+    ``processor_kind`` and the rest of the `SpatialBackbone` contract."""
 
     #: the family's name in messages
     family_name: str = "transformers"
@@ -476,3 +463,14 @@ def configure_generation(
         config.do_sample = True  # transformers refuses to save a top_k without it
     for key, value in extra.items():
         setattr(config, key, value)
+
+
+def natural_scale_init(model: torch.nn.Module, skip: Sequence[str] = (), *then: Tuple[torch.Tensor, float]) -> None:
+    """A tiny random model's 2-D weights (but those whose names hold one of ``skip``) at their natural scale
+    ``1 / sqrt(fan_in)`` (not the 0.02 of wide models), then each ``(weight, std)`` of ``then``: attention then depends
+    on content and position, so a wrong mask, position or cache entry changes the output and tests see it."""
+    for name, param in model.named_parameters():
+        if param.dim() == 2 and not any(s in name for s in skip):
+            torch.nn.init.normal_(param, std=1.0 / param.shape[-1] ** 0.5)
+    for weight, std in then:
+        torch.nn.init.normal_(weight, std=std)
