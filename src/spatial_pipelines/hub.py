@@ -1,20 +1,17 @@
 """Model cards (``README.md``) for everything spatial_pipelines saves or pushes to the Hub.
 
-Draft heads are an adapter of the backbone they were trained for: their card declares ``base_model`` (when the
-backbone is a Hub repo id), ``base_model_relation: adapter`` and ``library_name: spatial_pipelines``, and says what
-the heads are, the backbone facts they fit, the decoders that draft with them, how they were trained, how fast they
-ran (from a ``scripts/benchmark.py`` report) and how to load them. A pipeline's card says what the pipeline is (family,
-decoder, draft heads), which packages loading it needs, and how to load it.
-
-Cards are rendered with `huggingface_hub.ModelCard.from_template` from the Jinja templates shipped in
-``spatial_pipelines/hub_cards/templates/``: one per head kind (`HEADS_TEMPLATES`), one for other heads classes and one
-for pipelines. ``DraftHeadsMixin.save_pretrained``/``push_to_hub`` and ``SpatialARPipeline.save_pretrained``/
-``push_to_hub`` write them; ``scripts/make_cards.py`` renders the cards of the embedded model and its heads.
+Draft heads' card declares them an adapter of their backbone (``base_model`` when it is a Hub repo id,
+``base_model_relation: adapter``, ``library_name: spatial_pipelines``) and says what they are, the backbone facts they
+fit, the decoders that draft with them, how they were trained, how fast they ran (a ``scripts/benchmark.py`` report)
+and how to load them. A pipeline's card says what it is (family, decoder, draft heads), the packages loading it needs
+and how to load it. Cards are rendered from the Jinja templates in ``spatial_pipelines/hub_cards/templates/`` (one per
+heads kind, `HEADS_TEMPLATES`, one for other heads, one for pipelines) by the heads' and pipelines' ``save_pretrained``
+/ ``push_to_hub``; ``scripts/make_cards.py`` renders those of the embedded model and its heads.
 """
 
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from huggingface_hub import ModelCard, ModelCardData, create_repo
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -35,6 +32,8 @@ PIPELINE_TEMPLATE = "pipeline.md"
 
 LIBRARY_NAME = "spatial_pipelines"
 HEADS_TAGS = ["spatial_pipelines", "speculative-decoding", "draft-heads"]
+#: the tags of the decoders that use each heads kind (spatial heads with vertical offsets add "hawk")
+HEADS_KIND_TAGS = {"SpatialDraftHeads": ["medusa"], "LatentDraftHeads": ["ssd"], "EagleDraftHead": ["eagle"]}
 #: Decoders (class names) that draft with each heads kind. `JacobiDecoder` (``init="heads"``) reads the vertical
 #: offset 1 of either spatial kind, so it is shared.
 HEADS_DECODERS = {
@@ -150,11 +149,9 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 def speed_table(report: Mapping[str, Any], heads_classes: Sequence[str]) -> Dict[str, Any]:
     """The rows of ``report`` that decode with heads of this kind (and the AR baseline), formatted for a card.
 
-    A row counts when it names heads and its decoder drafts with this kind (`HEADS_DECODERS`; any decoder for a
-    heads class of no known kind). A decoder several
-    kinds share (`SHARED_DECODERS`) counts only with heads some decoder of this kind alone used in the same report
-    (when there is one), so a Jacobi row with another kind's heads is left out.
-    """
+    A row counts when it names heads and its decoder drafts with this kind (`HEADS_DECODERS`; any decoder for heads of
+    no known kind). A decoder kinds share (`SHARED_DECODERS`) counts only with heads a decoder of this kind alone used
+    in the report (when there is one), so a Jacobi row with another kind's heads is left out."""
     kind = next((c for c in heads_classes if c in HEADS_DECODERS), None)
     decoders = HEADS_DECODERS.get(kind, ())
     rows = report["decoders"]
@@ -258,7 +255,8 @@ def heads_card(
         library_name=LIBRARY_NAME,
         base_model=base_id,
         base_model_relation="adapter" if base_id else None,
-        tags=_heads_tags(kind, config),
+        tags=HEADS_TAGS + HEADS_KIND_TAGS.get(kind, [])
+        + (["hawk"] if kind == "SpatialDraftHeads" and config.get("vertical_offsets") else []),
     )
     # 2. the speed table, from a benchmark report
     report = load_benchmark(benchmark)
@@ -269,18 +267,6 @@ def heads_card(
     values.update(fields)
     values["example_prompt"] = _literal(values["example_prompt"])
     return _render(HEADS_TEMPLATES.get(kind, GENERIC_HEADS_TEMPLATE), data, **values)
-
-
-def _heads_tags(kind: Optional[str], config: Mapping[str, Any]) -> List[str]:
-    """The card tags of heads of ``kind``: the library's, then the decoders that use them."""
-    tags = list(HEADS_TAGS)
-    if kind == "SpatialDraftHeads":
-        tags += ["medusa"] + (["hawk"] if config.get("vertical_offsets") else [])
-    elif kind == "LatentDraftHeads":
-        tags += ["ssd"]
-    elif kind == "EagleDraftHead":
-        tags += ["eagle"]
-    return tags
 
 
 def _heads_template_values(classes, kind, config, base_id, repo_id, training_command, report) -> Dict[str, Any]:

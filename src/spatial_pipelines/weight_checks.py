@@ -1,19 +1,15 @@
-"""One model component's files checked against each other before any weight is read (docs/checks.md, "Folders").
-
-Every door a component comes through runs these checks: a pipeline folder (`spatial_pipelines.pipelines.folder_checks`),
-an original transformers checkpoint (`spatial_pipelines.pipelines.checkpoint_checks`), and the component class's own
-``from_pretrained`` (`CheckedLoadMixin`: what ``DiffusionPipeline.from_pretrained`` calls for each component, on a
-local folder or the Hub snapshot it downloaded). Every finding is a `ValueError` naming the file and the key:
+"""One model component's files checked against each other before any weight is read (docs/checks.md, "Folders"), at
+every door a component comes through: a pipeline folder (`pipelines.folder_checks`), an original transformers
+checkpoint (`pipelines.checkpoint_checks`) and the component class's own ``from_pretrained`` (`CheckedLoadMixin`, what
+``DiffusionPipeline.from_pretrained`` calls). Every finding is a `ValueError` naming the file and the key:
 
 - a config has the types and ranges its class takes (ints within [1 or 0, `MAX_CONFIG_INT`]);
-- weights are whole safetensors files (a truncated one is named as truncated; a pickle is never loaded, and a folder of
-  pickles alone is refused before any ``torch.load``, saying how to convert it);
-- the weights hold exactly the tensors, of the shapes, that the config builds (the model is built on the ``meta``
-  device: nothing is allocated; a transformers model's names go through the renaming transformers applies);
+- weights are whole safetensors files (a pickle is never loaded; pickles alone are refused, saying how to convert);
+- the weights hold exactly the tensors, of the shapes, that the config builds (on the ``meta`` device; a transformers
+  model's names through its renaming);
 - facts a model recorded in its weights' metadata (`SAVED_FACTS_KEY`: grid, prefix) equal its config's.
 
-`load_tensor_checkpoint` reads an original-format ``.pt`` / ``.ckpt`` file with torch's restricted unpickler and
-names the file and the argument when it holds objects other than tensors.
+`load_tensor_checkpoint` reads an original-format ``.pt`` / ``.ckpt`` file with torch's restricted unpickler.
 """
 
 import collections.abc

@@ -1,11 +1,10 @@
 """An original transformers checkpoint checked before ``from_backbone`` reads a weight (docs/checks.md, "Folders").
 
-`check_backbone_checkpoint` gives ``from_backbone`` the weights and grid checks a pipeline folder's ``transformer`` gets
-(`spatial_pipelines.weight_checks`) on an original transformers checkpoint, a local folder or a Hub id (its config,
-index and weights' headers resolved as transformers resolves them, before any weight is downloaded);
-`precheck_backbone` checks its JSON files before transformers parses them. `check_trained_positions`: a transformers
-family's grid (``image_grid`` in its generation config; Janus: ``vision_config.num_image_tokens``) leaves room for a
-prompt in the positions its config says the model was trained for (``max_position_embeddings``).
+`read_backbone_config` and `load_checked_model` are a transformers family's ``from_backbone``: its JSON files checked
+before transformers parses them (`precheck_backbone`), then the weights and grid checks a pipeline folder's
+``transformer`` gets (`check_backbone_checkpoint`, a local folder or a Hub id resolved as transformers resolves it,
+before any weight is downloaded), the grid against the positions the model was trained for
+(`check_trained_positions`).
 """
 
 import os

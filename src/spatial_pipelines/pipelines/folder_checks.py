@@ -1,18 +1,16 @@
 """A pipeline folder checked against itself before any weight is used (docs/checks.md, "Folders").
 
-`check_pipeline_folder` runs in ``SpatialARPipeline.from_pretrained`` on the local folder (or the Hub snapshot once it
-is downloaded). Every finding is a `ValueError` naming the file and the key:
+`check_pipeline_folder` runs in ``SpatialARPipeline.from_pretrained`` on the local folder (or the downloaded Hub
+snapshot). Every finding is a `ValueError` naming the file and the key:
 
-- every JSON file nests at most `MAX_JSON_DEPTH` levels (a 200,000-deep config is refused, not a `RecursionError`);
+- every JSON file nests at most `MAX_JSON_DEPTH` levels (not a `RecursionError`);
 - ``model_index.json`` names a pipeline class of this library that fits the class loading it, and every component a
-  class that exists (in spatial_pipelines, transformers or diffusers) of the kind the pipeline takes there (a model
-  class is not a decoder);
+  class that exists (in spatial_pipelines, transformers or diffusers) of the kind the pipeline takes there;
 - ``decoder/decoder_config.json`` and ``draft_heads/config.json`` name classes that exist; where one disagrees with
   ``model_index.json`` the component's own config wins, with a warning naming both;
-- each model component's config, weights and trained facts as `spatial_pipelines.weight_checks` checks them (the
-  same checks its class's own ``from_pretrained`` runs, which is what ``DiffusionPipeline.from_pretrained`` calls);
-- a transformers family's grid leaves room for a prompt in the positions its config says the model was trained for
-  (`spatial_pipelines.pipelines.checkpoint_checks.check_trained_positions`).
+- each model component as `spatial_pipelines.weight_checks` checks it (what its own ``from_pretrained`` runs);
+- a transformers family's grid leaves room for a prompt in the positions its model was trained for
+  (`checkpoint_checks.check_trained_positions`).
 """
 
 import importlib

@@ -76,11 +76,6 @@ class ChameleonBackbone(TransformersBackbone):
     def vqgan(self) -> ChameleonVQModel:
         return self.pipe.vqgan
 
-    @property
-    def tokenizer(self):
-        processor = self.pipe.processor
-        return getattr(processor, "tokenizer", processor)
-
     # -- facts ------------------------------------------------------------------------------------------------
     @property
     def layout(self) -> ImageTokenLayout:

@@ -62,15 +62,6 @@ class Emu3Backbone(TransformersBackbone):
     def text_model(self) -> torch.nn.Module:
         return self.transformer.model.text_model
 
-    @property
-    def vqmodel(self) -> torch.nn.Module:
-        return self.transformer.model.vqmodel
-
-    @property
-    def tokenizer(self):
-        processor = self.pipe.processor
-        return processor.tokenizer if processor is not None else None
-
     # -- facts -------------------------------------------------------------------------------------------------
     @property
     def layout(self) -> ImageTokenLayout:

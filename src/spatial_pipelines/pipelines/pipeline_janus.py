@@ -63,10 +63,6 @@ class JanusProBackbone(TransformersBackbone):
     def text_model(self) -> torch.nn.Module:
         return self.transformer.model.language_model
 
-    @property
-    def vqmodel(self) -> torch.nn.Module:
-        return self.transformer.model.vqmodel
-
     # -- facts ------------------------------------------------------------------------------------------
     @property
     def layout(self) -> ImageTokenLayout:
@@ -87,7 +83,7 @@ class JanusProBackbone(TransformersBackbone):
     # -- special tokens ---------------------------------------------------------------------------------
     def _token_id(self, name: str) -> int:
         """BOS / pad / BOI ids: the generation config's (what ``generate`` uses), else the tokenizer's."""
-        config, tokenizer = self.generation_config, self.pipe.processor.tokenizer
+        config, tokenizer = self.generation_config, self.tokenizer
         if name == "boi":
             value = (getattr(config, "generation_kwargs", None) or {}).get("boi_token_id")
             if value is None:

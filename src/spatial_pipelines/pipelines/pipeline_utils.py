@@ -1,10 +1,8 @@
-"""The pipeline every family shares (`SpatialARPipeline`): its components (the backbone adapter, decoder and draft
-heads), loading and saving, and the numbered steps of a call (prompt encoding, the generation loop, VQ decoding) with
-diffusers' conventions around them. The checks of a call live in `call_checks.py`, the loop's settings in
-`loop_settings.py` (`generation.GenerationLoop`: the cache, the rounds, fixed shapes, compile), its output types in
-`pipeline_output.py`, the backbone contract in `backbone.py`, the costs behind "auto" sizes in `pass_cost.py`, Hub
-saving in `spatial_pipelines.hub`. The pipeline classes are read off the loaded classes here (`family_pipelines`) and
-bound on diffusers' tables as they are defined (`bind_pipelines_on_diffusers`, `register_auto_pipelines`)."""
+"""The pipeline every family shares (`SpatialARPipeline`): its components (backbone adapter, decoder, draft heads),
+loading and saving, and the numbered steps of a call with diffusers' conventions around them. Beside it: a call's
+checks (`call_checks.py`), the loop's settings (`loop_settings.py`), outputs (`pipeline_output.py`), the backbone
+contract (`backbone.py`), "auto" sizes (`pass_cost.py`), Hub saving (`spatial_pipelines.hub`). Pipeline classes are
+read off the loaded classes (`family_pipelines`) and bound on diffusers' tables as they are defined."""
 
 import os
 import time
@@ -47,8 +45,7 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
 
     def __init_subclass__(cls, **kwargs):
         """A family defined anywhere (a user's module, a test) is found by ``DiffusionPipeline.from_pretrained`` and
-        ``AutoPipelineForText2Image`` as the shipped ones are (`bind_pipelines_on_diffusers`,
-        `register_auto_pipelines`)."""
+        ``AutoPipelineForText2Image`` as the shipped ones are."""
         super().__init_subclass__(**kwargs)
         bind_pipelines_on_diffusers()
         register_auto_pipelines()
@@ -115,17 +112,13 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
         torch.nn.Module.to(draft_heads, device=self.device, dtype=self.backbone.dtype)
 
     def set_draft_heads(self, draft_heads: Optional[DraftHeadsMixin]) -> None:
-        """Attach (or with ``None`` detach) draft heads after checking they fit the backbone. Like an adapter, the
-        heads move to the backbone's device and dtype (heads trained in fp32 drive a bf16 backbone)."""
+        """Attach (or with ``None`` detach) draft heads, checked and moved as `_prepare_draft_heads` does."""
         self._prepare_draft_heads(draft_heads)
         self.register_modules(draft_heads=draft_heads)
 
     def load_draft_heads(self, pretrained_model_name_or_path: Union[str, os.PathLike], **kwargs) -> DraftHeadsMixin:
-        """Load draft heads saved with ``save_pretrained``/``push_to_hub`` and attach them.
-
-        The heads' config is checked against this backbone before any weight is read; a mismatch raises
-        `ValueError`. Keyword arguments go to the heads class's ``from_pretrained``.
-        """
+        """Load draft heads saved with ``save_pretrained``/``push_to_hub`` and attach them: their config is checked
+        against this backbone before any weight is read (`ValueError`). Keyword arguments go to ``from_pretrained``."""
         backbone = self.backbone
         heads = DraftHeadsMixin.from_pretrained(pretrained_model_name_or_path, backbone_facts=backbone.facts(),
                                                 base_model=backbone.name_or_path, **kwargs)
@@ -134,12 +127,9 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' ``from_pretrained`` (a folder or a Hub repo id), after checking the folder against itself before any
-        weight is used (`spatial_pipelines.pipelines.folder_checks`): JSON files, ``model_index.json`` and the
-        components' configs name classes that exist and agree (a component's own config wins over
-        ``model_index.json``, with a warning), config values have their types and ranges, weights are whole
-        safetensors (never a pickle) whose names and shapes the configs build. Each finding is a `ValueError` naming
-        the file and the key. A Hub repo is downloaded (safetensors only) and checked the same way."""
+        """diffusers' ``from_pretrained`` (a folder or a Hub repo id, downloaded as safetensors only), after checking the
+        folder against itself before any weight is used (`spatial_pipelines.pipelines.folder_checks`: classes,
+        configs, whole safetensors of the shapes the configs build; each finding a `ValueError` naming file and key)."""
         path = pretrained_model_name_or_path
         check_path_or_repo_id(path, "pretrained_model_name_or_path")
         kwargs["use_safetensors"] = True  # never a pickled .bin in place of a missing safetensors file
@@ -187,15 +177,11 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
         raise ValueError(f"{cls.__name__} has no loader for plain backbone checkpoints; use `from_pretrained`.")
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], safe_serialization: bool = True, **kwargs):
-        """Save every component (safetensors only) and a model card (``README.md``, `spatial_pipelines.hub.pipeline_card`:
-        what the pipeline is, the packages loading it needs, how to load it) all at once: a failed save leaves the
-        folder as it was.
-
-        With ``push_to_hub=True`` the folder is then uploaded to ``repo_id`` (default: the folder's name; ``private``,
-        ``token``, ``commit_message`` and ``create_pr`` as in diffusers): the same files `push_to_hub` sends. Without
-        it, ``repo_id`` only names the repo in the card's load snippet. ``model_card=False`` writes no card;
-        ``card_fields`` (a dict) go to `pipeline_card` (``description``, ``sections``, ``license``, ...).
-        """
+        """Save every component (safetensors only) and a model card (``README.md``, `spatial_pipelines.hub.pipeline_card`)
+        all at once: a failed save leaves the folder as it was. With ``push_to_hub=True`` the folder is then uploaded to
+        ``repo_id`` (default: the folder's name; ``private``, ``token``, ``commit_message``, ``create_pr`` as in
+        diffusers); without it ``repo_id`` only names the repo in the card. ``model_card=False`` writes no card;
+        ``card_fields`` (a dict) go to `pipeline_card`."""
         from ..hub import pipeline_card, save_with_card
 
         check_safe_serialization(safe_serialization)
@@ -233,11 +219,9 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
         subfolder: Optional[str] = None,
         **card_fields,
     ) -> str:
-        """Upload the pipeline to the Hub repo ``repo_id``: every component (safetensors) and our model card (not
-        diffusers' generic one), the files ``save_pretrained(..., push_to_hub=True)`` sends.
-
-        Arguments as diffusers' `PushToHubMixin.push_to_hub`; further keyword arguments go to `pipeline_card`.
-        """
+        """Upload the pipeline to the Hub repo ``repo_id``: the files ``save_pretrained(..., push_to_hub=True)`` sends
+        (our model card, not diffusers' generic one). Arguments as diffusers' `PushToHubMixin.push_to_hub`; further
+        keyword arguments go to `pipeline_card`."""
         from ..hub import push_with_card
 
         def save(folder, full_id):

@@ -325,6 +325,16 @@ class TransformersBackbone(SpatialBackbone):
         return self.pipe.transformer
 
     @property
+    def vqmodel(self) -> torch.nn.Module:
+        return self.transformer.model.vqmodel
+
+    @property
+    def tokenizer(self):
+        """The ``processor``'s tokenizer (the component itself where it is a bare tokenizer)."""
+        processor = self.pipe.processor
+        return getattr(processor, "tokenizer", processor)
+
+    @property
     def image_grid(self) -> Tuple[int, int]:
         grid = getattr(self.generation_config, GRID_KEY, None)
         return tuple(int(n) for n in grid) if grid is not None else tuple(self.default_image_grid)
