@@ -220,15 +220,9 @@ def default_training_command(kind: Optional[str], config: Mapping[str, Any]) -> 
     return " ".join(cmd)
 
 
-def heads_card(
-    heads_classes: Union[str, Sequence[str]],
-    config: Mapping[str, Any],
-    repo_id: Optional[str] = None,
-    benchmark: Optional[PathOrDict] = None,
-    training_command: Optional[str] = None,
-    base_model: Optional[str] = None,
-    **fields,
-) -> ModelCard:
+def heads_card(heads_classes: Union[str, Sequence[str]], config: Mapping[str, Any], repo_id: Optional[str] = None,
+               benchmark: Optional[PathOrDict] = None, training_command: Optional[str] = None,
+               base_model: Optional[str] = None, **fields) -> ModelCard:
     """The adapter card of draft heads.
 
     Args:
@@ -300,14 +294,8 @@ def _public_config(obj) -> Dict[str, Any]:
     return {k: v for k, v in dict(getattr(obj, "config", {}) or {}).items() if not k.startswith("_")}
 
 
-def pipeline_card(
-    pipe,
-    repo_id: Optional[str] = None,
-    tags: Sequence[str] = (),
-    license: Optional[str] = None,
-    datasets: Optional[Sequence[str]] = None,
-    **fields,
-) -> ModelCard:
+def pipeline_card(pipe, repo_id: Optional[str] = None, tags: Sequence[str] = (), license: Optional[str] = None,
+                  datasets: Optional[Sequence[str]] = None, **fields) -> ModelCard:
     """The card of a `SpatialARPipeline` folder or repo.
 
     Args:

@@ -177,14 +177,8 @@ class SpatialBackbone(abc.ABC):
         )
 
     @abc.abstractmethod
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        token_valid: Optional[torch.Tensor],
-        cache: Optional[StaticKVCache],
-    ) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                token_valid: Optional[torch.Tensor], cache: Optional[StaticKVCache]) -> torch.Tensor:
         """Target forward -> pre-norm hidden states ``(R, T, D)``; appends the new keys/values to ``cache``."""
 
     @abc.abstractmethod

@@ -22,21 +22,9 @@ class CallChecksMixin:
     """`SpatialARPipeline`'s checks of a call (`check_inputs`, `check_components`, `check_prompt_length`,
     `check_memory`), on the pipeline's backbone adapter (``self.backbone``), decoder and draft heads."""
 
-    def check_inputs(
-        self,
-        prompt,
-        negative_prompt,
-        guidance_scale,
-        temperature,
-        top_k,
-        top_p,
-        num_images_per_prompt,
-        generator,
-        output_type,
-        callback_on_step_end_tensor_inputs,
-        callback_on_step_end=None,
-        sampling_noise=None,
-    ) -> List[Any]:
+    def check_inputs(self, prompt, negative_prompt, guidance_scale, temperature, top_k, top_p, num_images_per_prompt,
+                     generator, output_type, callback_on_step_end_tensor_inputs, callback_on_step_end=None,
+                     sampling_noise=None) -> List[Any]:
         """Validate the call's arguments; returns the prompt as a list. Raises `ValueError` naming the argument."""
         prompts = as_list(prompt, "prompt")
         if len(prompts) == 0:

@@ -3,22 +3,17 @@ our `ChameleonVQModel` as the VQGAN decoder transformers lacks; the shared adapt
 
 Chameleon facts the adapter relies on (transformers 5.x):
 
-* image codes are ordinary tokens ``IMGIMG<digits as letters A-J>Z`` of the 65,536-token vocabulary (ids 4..8195 in
-  the released vocabulary); codes and ids are mapped by name through the model's ``vocabulary_mapping``
-  (``img2bpe``), never by an offset;
-* ``ChameleonForConditionalGeneration.forward`` sets every image-token logit to ``finfo.min`` (it is a text model in
-  transformers): the adapter runs the trunk (``model.model``) and applies ``lm_head`` restricted to the image rows
-  itself, post-norm, columns in code order;
-* an image is ``<racm3:break>`` (begin image, 8197) + the codes + ``<eoss>`` (end image, 8196); the end token carries
-  no code and is never generated here;
-* Anole / Chameleon prompt (Chameleon's inference code, ``TokenManager.tokens_from_ui`` with a text turn and the
-  ``<END-OF-TURN>`` sentinel, as Anole's ``text2image.py`` calls it): ``BOS text <reserved08706> <racm3:break>``, then
-  32x32 codes (512 px, 16 px per code, no end-of-row token);
-* CFG: Chameleon's image decoder runs three rows (full prompt, image-only prompt, unconditional ``BOS
-  <racm3:break>``) mixed as ``u + s_img (i - u) + s_txt (f - i)`` on raw logits; for a text-only prompt the image-only
-  row IS the unconditional one, so this is plain CFG with ``s_txt`` (3.0) and the unconditional row ``BOS
-  <racm3:break>`` -- the same rows and scale the LANTERN code (``ea_model_anole.py``) and the ADT-Tree paper use for
-  Anole. A ``negative_prompt`` replaces that row with the negative text in the prompt format.
+* image codes are ordinary tokens ``IMGIMG<digits as letters A-J>Z`` of the 65,536-token vocabulary (ids 4..8195
+  released), mapped by name through the model's ``vocabulary_mapping`` (``img2bpe``), never by an offset;
+* ``ChameleonForConditionalGeneration.forward`` sets every image-token logit to ``finfo.min`` (a text model in
+  transformers): the adapter runs the trunk (``model.model``) and applies ``lm_head`` restricted to the image rows;
+* an image is ``<racm3:break>`` (begin image, 8197) + the codes + ``<eoss>`` (end image, 8196, never generated here);
+* Anole / Chameleon prompt (Chameleon's ``TokenManager.tokens_from_ui`` with a text turn, as Anole's ``text2image.py``
+  calls it): ``BOS text <reserved08706> <racm3:break>``, then 32x32 codes (512 px, no end-of-row token);
+* CFG: Chameleon mixes three rows (full prompt, image-only prompt, unconditional ``BOS <racm3:break>``) as
+  ``u + s_img (i - u) + s_txt (f - i)`` on raw logits; for a text-only prompt the image-only row IS the unconditional
+  one, so this is plain CFG with ``s_txt`` (3.0) against ``BOS <racm3:break>``, as LANTERN (``ea_model_anole.py``) and
+  ADT-Tree run Anole. A ``negative_prompt`` replaces that row with the negative text in the prompt format.
 """
 
 import os

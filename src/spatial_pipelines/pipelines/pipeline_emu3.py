@@ -114,13 +114,11 @@ class Emu3Backbone(TransformersBackbone):
     def prompt_ids(self, texts: List[str], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         """Token ids ``(R, P)`` of the image prompts, left-padded, and which are real ``(R, P)``."""
         tokenizer = self.tokenizer
-        position = {t: i for i, t in enumerate(dict.fromkeys(texts))}  # images per prompt repeat texts: tokenize each once
-        unique = list(position)
-        encoded = [tokenizer(self.image_prompt(t), add_special_tokens=False).input_ids for t in unique]
+        # images per prompt repeat texts: each is tokenized once
+        encoded = {t: tokenizer(self.image_prompt(t), add_special_tokens=False).input_ids for t in dict.fromkeys(texts)}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        table, table_valid = left_padded(encoded, pad)  # (U, P)
-        rows = torch.tensor([position[t] for t in texts])
-        return table[rows].to(device), table_valid[rows].to(device)
+        ids, valid = left_padded([encoded[t] for t in texts], pad)  # (R, P)
+        return ids.to(device), valid.to(device)
 
     def encode_prompt(self, prompts, negative_prompts, do_cfg, device) -> PromptEmbeddings:
         self._onload()
@@ -146,9 +144,8 @@ class Emu3Backbone(TransformersBackbone):
         processor = getattr(self.pipe.processor, "image_processor", None)
         mean, std = getattr(processor, "image_mean", None), getattr(processor, "image_std", None)
         if mean is not None and std is not None:
-            shape = (1, -1, 1, 1)
-            mean = torch.as_tensor(mean, dtype=pixels.dtype, device=pixels.device).reshape(shape)
-            std = torch.as_tensor(std, dtype=pixels.dtype, device=pixels.device).reshape(shape)
+            mean, std = (torch.as_tensor(v, dtype=pixels.dtype, device=pixels.device).reshape(1, -1, 1, 1)
+                         for v in (mean, std))
             pixels = (pixels * std + mean) * 2 - 1
         return pixels.clamp(-1, 1)
 
@@ -230,13 +227,9 @@ class Emu3Pipeline(SpatialARPipeline):
         return {"transformer": transformer, "processor": processor}
 
 
-def configure_generation(
-    transformer: Emu3ForConditionalGeneration,
-    image_grid: Optional[Tuple[int, int]] = None,
-    guidance_scale: Optional[float] = None,
-    top_k: Optional[int] = None,
-    negative_prompt: Optional[str] = None,
-) -> None:
+def configure_generation(transformer: Emu3ForConditionalGeneration, image_grid: Optional[Tuple[int, int]] = None,
+                         guidance_scale: Optional[float] = None, top_k: Optional[int] = None,
+                         negative_prompt: Optional[str] = None) -> None:
     """`transformers_utils.configure_generation` plus Emu3's default unconditional prompt (``None`` leaves a value)."""
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise ValueError(f"`default_negative_prompt` must be a string, got {negative_prompt!r}.")

@@ -146,14 +146,15 @@ class JanusProBackbone(TransformersBackbone):
         return self.transformer.model.generation_head(hidden_states).float()
 
     # -- pixels -----------------------------------------------------------------------------------------
-    def _pixel_normalization(self):
-        """The processor's (mean, std) per channel: the VQ model's pixels are ``(x - mean) / std`` of [0, 1] images."""
+    def _pixel_normalization(self, device: torch.device):
+        """The processor's (mean, std) per channel on ``device``: the VQ model's pixels are ``(x - mean) / std`` of
+        [0, 1] images."""
         image_processor = getattr(self.pipe.processor, "image_processor", None)
         if image_processor is None or not getattr(image_processor, "do_normalize", True):
             return None
         mean, std = image_processor.image_mean, image_processor.image_std
         as_tensor = lambda v: torch.tensor(v if isinstance(v, (list, tuple)) else [v] * 3, dtype=torch.float32)  # noqa: E731
-        return as_tensor(mean)[:, None, None], as_tensor(std)[:, None, None]
+        return as_tensor(mean)[:, None, None].to(device), as_tensor(std)[:, None, None].to(device)
 
     @torch.no_grad()
     def decode_image(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -165,20 +166,18 @@ class JanusProBackbone(TransformersBackbone):
         else:  # a grid the VQ config does not fix (tiny test configs): the same computation for any H x W
             latent = F.normalize(vq.quantize.embedding(tokens), p=2, dim=-1).permute(0, 3, 1, 2)  # (B, d, H, W)
             pixels = vq.decoder(vq.post_quant_conv(latent))
-        norm = self._pixel_normalization()
+        norm = self._pixel_normalization(pixels.device)
         if norm is None:
             return pixels
-        mean, std = (t.to(pixels.device) for t in norm)
-        return (pixels.float() * std + mean) * 2 - 1  # the processor's [0, 1] range -> [-1, 1]
+        return (pixels.float() * norm[1] + norm[0]) * 2 - 1  # the processor's [0, 1] range -> [-1, 1]
 
     @torch.no_grad()
     def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
         self._onload()
-        norm = self._pixel_normalization()
+        norm = self._pixel_normalization(pixels.device)
         x = pixels.float()
         if norm is not None:
-            mean, std = (t.to(x.device) for t in norm)
-            x = ((x + 1) / 2 - mean) / std
+            x = ((x + 1) / 2 - norm[0]) / norm[1]
         weight = self.vqmodel.quant_conv.weight
         tokens = self.vqmodel.encode(x.to(weight.device, weight.dtype)).image_tokens
         return tokens.reshape(pixels.shape[0], -1)  # (B, H*W)

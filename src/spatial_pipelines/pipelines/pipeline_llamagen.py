@@ -248,12 +248,10 @@ class LlamaGenPipeline(SpatialARPipeline):
     """
 
     backbone_class = LlamaGenBackbone
-    # measured on the embedded model v3: what `tune_decoder(batch_size=n)` picks on a 2-core AMD EPYC VM (fp32, 2
-    # threads, 2026-11-27, `scripts/check_auto_sizes.py`, docs/benchmarks/v3/tuned_sizes): SJD 8 at 4 and 8 images
-    # (12-16 at one), Medusa 4-6 and Hawk 6 at one image (2-3 at 4 and 8), EAGLE-2 2 (1 at 4 and 8). One size serves
-    # every batch, so a row drafts in a batch as it does alone (batch equals alone, passes included); for one image
-    # on this CPU `JacobiDecoder(window_size=16)` is faster (2.87x AR against 2.42x, 10 prompts). A LlamaGen
-    # checkpoint on a GPU drafts more: pass sizes, `GPU_DRAFT_SIZES`, or `pipe.tune_decoder(...)`.
+    # what `tune_decoder(batch_size=n)` picks for the embedded model v3 on a 2-core CPU (docs/benchmarks/v3/tuned_sizes:
+    # SJD 8 at 4 and 8 images, 12-16 at one; Medusa 4-6, Hawk 6, EAGLE-2 2 at one, less at 4 and 8). One size serves
+    # every batch, so a row drafts in a batch as it does alone. A checkpoint on a GPU drafts more: pass sizes,
+    # `GPU_DRAFT_SIZES`, or `pipe.tune_decoder(...)`.
     default_draft_sizes = CPU_DRAFT_SIZES  # SJD 8, Medusa 4, Hawk 4, EAGLE-2 2, on every machine
     model_cpu_offload_seq = "text_encoder->transformer->vqvae"
     _optional_components = ["text_encoder", "tokenizer", "draft_heads"]
@@ -351,11 +349,8 @@ def load_original_checkpoint(path: Union[str, os.PathLike], argument: str = "rep
     return ckpt
 
 
-def llamagen_transformer_from_state_dict(
-    state_dict: Dict[str, torch.Tensor],
-    grid_size: int,
-    gpt_model: Optional[str] = None,
-    num_attention_heads: Optional[int] = None,
+def llamagen_transformer_from_state_dict(state_dict: Dict[str, torch.Tensor], grid_size: int,
+                                         gpt_model: Optional[str] = None, num_attention_heads: Optional[int] = None
 ) -> LlamaGenTransformer:
     """Build a `LlamaGenTransformer` from an original GPT state dict, inferring its config from the shapes."""
     sd = {k: v for k, v in state_dict.items() if k not in ("freqs_cis", "causal_mask") and ".kv_cache." not in k}
@@ -449,13 +444,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def dummy_llamagen_components(
-    grid: Tuple[int, int] = (4, 4),
-    num_codes: int = 16,
-    condition_type: str = "text",
-    num_classes: int = 10,
-    end_of_row: bool = False,
-) -> Dict[str, Any]:
+def dummy_llamagen_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 16, condition_type: str = "text",
+                              num_classes: int = 10, end_of_row: bool = False) -> Dict[str, Any]:
     """Random tiny LlamaGen components (call under a fixed seed for reproducibility)."""
     from transformers import T5Config, T5EncoderModel
 

@@ -147,13 +147,9 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
         return pipe
 
     @classmethod
-    def from_backbone(
-        cls,
-        repo_or_path: Union[str, os.PathLike],
-        decoder: Optional[SpatialDecoderMixin] = None,
-        draft_heads: Union[None, str, os.PathLike, DraftHeadsMixin] = None,
-        **kwargs,
-    ) -> "SpatialARPipeline":
+    def from_backbone(cls, repo_or_path: Union[str, os.PathLike], decoder: Optional[SpatialDecoderMixin] = None,
+                      draft_heads: Union[None, str, os.PathLike, DraftHeadsMixin] = None,
+                      **kwargs) -> "SpatialARPipeline":
         """Build a pipeline from a plain backbone checkpoint (no ``model_index.json``).
 
         Args:
@@ -207,18 +203,9 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
         return save_with_card(self, save_directory, kwargs, write,
                               (lambda repo_id: pipeline_card(self, repo_id=repo_id, **card_fields)) if write_card else None)
 
-    def push_to_hub(
-        self,
-        repo_id: str,
-        commit_message: Optional[str] = None,
-        private: Optional[bool] = None,
-        token: Optional[str] = None,
-        create_pr: bool = False,
-        safe_serialization: bool = True,
-        variant: Optional[str] = None,
-        subfolder: Optional[str] = None,
-        **card_fields,
-    ) -> str:
+    def push_to_hub(self, repo_id: str, commit_message: Optional[str] = None, private: Optional[bool] = None,
+                    token: Optional[str] = None, create_pr: bool = False, safe_serialization: bool = True,
+                    variant: Optional[str] = None, subfolder: Optional[str] = None, **card_fields) -> str:
         """Upload the pipeline to the Hub repo ``repo_id``: the files ``save_pretrained(..., push_to_hub=True)`` sends
         (our model card, not diffusers' generic one). Arguments as diffusers' `PushToHubMixin.push_to_hub`; further
         keyword arguments go to `pipeline_card`."""

@@ -20,14 +20,9 @@ from .backbone import SpatialBackbone
 
 
 @torch.no_grad()
-def language_model_forward(
-    language_model: torch.nn.Module,
-    inputs_embeds: torch.Tensor,
-    position_ids: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
-    token_valid: Optional[torch.Tensor],
-    cache: StaticKVCache,
-) -> torch.Tensor:
+def language_model_forward(language_model: torch.nn.Module, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                           attention_mask: Optional[torch.Tensor], token_valid: Optional[torch.Tensor],
+                           cache: StaticKVCache) -> torch.Tensor:
     """Run a transformers decoder stack (``LlamaModel``-like: ``.norm`` is its final norm) over ``inputs_embeds``
     ``(R, T, D)`` at ``position_ids`` ``(T,)`` or ``(R, T)``, appending to ``cache``.
 
@@ -445,13 +440,8 @@ class TransformersBackbone(SpatialBackbone):
 
 
 
-def configure_generation(
-    transformer: torch.nn.Module,
-    image_grid: Optional[Tuple[int, int]] = None,
-    guidance_scale: Optional[float] = None,
-    top_k: Optional[int] = None,
-    **extra: Any,
-) -> None:
+def configure_generation(transformer: torch.nn.Module, image_grid: Optional[Tuple[int, int]] = None,
+                         guidance_scale: Optional[float] = None, top_k: Optional[int] = None, **extra: Any) -> None:
     """Write the image grid and sampling defaults into ``transformer.generation_config`` (``None`` leaves a value), so
     they travel with the component; ``extra`` keys (family settings) are written as they are."""
     config = transformer.generation_config
