@@ -231,20 +231,13 @@ class ChameleonARPipeline(SpatialARPipeline):
         return tuple(cls.backbone_class.default_image_grid)
 
     @classmethod
-    def load_backbone_components(
-        cls,
-        repo_or_path: Union[str, os.PathLike],
-        vq: Union[None, str, os.PathLike, ChameleonVQModel] = None,
-        processor: Any = None,
-        image_grid: Optional[Tuple[int, int]] = None,
-        default_guidance_scale: Optional[float] = None,
-        default_top_k: Optional[int] = None,
-        torch_dtype: Optional[torch.dtype] = None,
-        dtype: Optional[torch.dtype] = None,
-        attn_implementation: str = "sdpa",
-        device_map: Union[None, str, Dict[str, Any]] = None,
-        **hub_kwargs,
-    ) -> Dict[str, Any]:
+    def load_backbone_components(cls, repo_or_path: Union[str, os.PathLike],
+                                 vq: Union[None, str, os.PathLike, ChameleonVQModel] = None, processor: Any = None,
+                                 image_grid: Optional[Tuple[int, int]] = None,
+                                 default_guidance_scale: Optional[float] = None, default_top_k: Optional[int] = None,
+                                 torch_dtype: Optional[torch.dtype] = None, dtype: Optional[torch.dtype] = None,
+                                 attn_implementation: str = "sdpa", device_map: Union[None, str, Dict[str, Any]] = None,
+                                 **hub_kwargs) -> Dict[str, Any]:
         """Read a transformers Chameleon checkpoint (``config.json`` with model_type ``chameleon`` + safetensors +
         tokenizer files; a folder or a Hub repo id, through the Hub cache, ``HF_HUB_OFFLINE`` honoured) and
         Chameleon's VQGAN.

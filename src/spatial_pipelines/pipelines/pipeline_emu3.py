@@ -190,19 +190,13 @@ class Emu3Pipeline(SpatialARPipeline):
         self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
 
     @classmethod
-    def load_backbone_components(
-        cls,
-        repo_or_path: Union[str, os.PathLike],
-        image_grid: Optional[Tuple[int, int]] = None,
-        default_guidance_scale: Optional[float] = None,
-        default_top_k: Optional[int] = None,
-        default_negative_prompt: Optional[str] = None,
-        torch_dtype: Optional[torch.dtype] = None,
-        dtype: Optional[torch.dtype] = None,
-        attn_implementation: str = "sdpa",
-        device_map: Union[None, str, Dict[str, Any]] = None,
-        **kwargs,
-    ) -> Dict[str, Any]:
+    def load_backbone_components(cls, repo_or_path: Union[str, os.PathLike],
+                                 image_grid: Optional[Tuple[int, int]] = None,
+                                 default_guidance_scale: Optional[float] = None, default_top_k: Optional[int] = None,
+                                 default_negative_prompt: Optional[str] = None,
+                                 torch_dtype: Optional[torch.dtype] = None, dtype: Optional[torch.dtype] = None,
+                                 attn_implementation: str = "sdpa", device_map: Union[None, str, Dict[str, Any]] = None,
+                                 **kwargs) -> Dict[str, Any]:
         """Read a transformers Emu3 repo (``config.json`` + safetensors + tokenizer/processor files; a folder or a Hub
         repo id such as ``BAAI/Emu3-Gen-hf``, through the Hub cache, ``HF_HUB_OFFLINE`` honoured).
 

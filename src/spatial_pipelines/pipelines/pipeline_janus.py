@@ -231,16 +231,10 @@ class JanusProPipeline(SpatialARPipeline):
         self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
 
     @classmethod
-    def load_backbone_components(
-        cls,
-        repo_or_path: Union[str, os.PathLike],
-        torch_dtype: Optional[torch.dtype] = None,
-        dtype: Optional[torch.dtype] = None,
-        processor: Optional[ProcessorMixin] = None,
-        attn_implementation: str = "sdpa",
-        device_map: Union[None, str, Dict[str, Any]] = None,
-        **hub_kwargs,
-    ) -> Dict[str, Any]:
+    def load_backbone_components(cls, repo_or_path: Union[str, os.PathLike], torch_dtype: Optional[torch.dtype] = None,
+                                 dtype: Optional[torch.dtype] = None, processor: Optional[ProcessorMixin] = None,
+                                 attn_implementation: str = "sdpa", device_map: Union[None, str, Dict[str, Any]] = None,
+                                 **hub_kwargs) -> Dict[str, Any]:
         """Read a transformers Janus checkpoint (``config.json`` + safetensors + processor files; a local folder or a
         Hub repo id such as ``"deepseek-community/Janus-Pro-1B"``, from the Hub cache when ``HF_HUB_OFFLINE=1``).
 

@@ -290,18 +290,12 @@ class LlamaGenPipeline(SpatialARPipeline):
         return ["text_encoder", "tokenizer"] if self.config.text_encoder_package else []
 
     @classmethod
-    def load_backbone_components(
-        cls,
-        repo_or_path: Union[str, os.PathLike],
-        vq_checkpoint: Union[str, os.PathLike, None] = None,
-        gpt_model: Optional[str] = None,
-        num_attention_heads: Optional[int] = None,
-        image_size: int = 256,
-        downsample_size: int = 16,
-        text_encoder: Optional[PreTrainedModel] = None,
-        tokenizer: Optional[PreTrainedTokenizerBase] = None,
-        torch_dtype: Optional[torch.dtype] = None,
-    ) -> Dict[str, Any]:
+    def load_backbone_components(cls, repo_or_path: Union[str, os.PathLike],
+                                 vq_checkpoint: Union[str, os.PathLike, None] = None, gpt_model: Optional[str] = None,
+                                 num_attention_heads: Optional[int] = None, image_size: int = 256,
+                                 downsample_size: int = 16, text_encoder: Optional[PreTrainedModel] = None,
+                                 tokenizer: Optional[PreTrainedTokenizerBase] = None,
+                                 torch_dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
         """Read original LlamaGen ``.pt`` checkpoints (GPT + VQ) into components.
 
         Args:
