@@ -127,8 +127,8 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' ``from_pretrained`` (a folder or a Hub repo id, downloaded as safetensors only), after checking the
-        folder against itself before any weight is used (`spatial_pipelines.pipelines.folder_checks`: classes,
+        """diffusers' ``from_pretrained`` (a folder or a Hub repo id, downloaded as safetensors only), after checking
+        the folder against itself before any weight is used (`spatial_pipelines.pipelines.folder_checks`: classes,
         configs, whole safetensors of the shapes the configs build; each finding a `ValueError` naming file and key)."""
         path = pretrained_model_name_or_path
         check_path_or_repo_id(path, "pretrained_model_name_or_path")
@@ -173,11 +173,11 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
         raise ValueError(f"{cls.__name__} has no loader for plain backbone checkpoints; use `from_pretrained`.")
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], safe_serialization: bool = True, **kwargs):
-        """Save every component (safetensors only) and a model card (``README.md``, `spatial_pipelines.hub.pipeline_card`)
-        all at once: a failed save leaves the folder as it was. With ``push_to_hub=True`` the folder is then uploaded to
-        ``repo_id`` (default: the folder's name; ``private``, ``token``, ``commit_message``, ``create_pr`` as in
-        diffusers); without it ``repo_id`` only names the repo in the card. ``model_card=False`` writes no card;
-        ``card_fields`` (a dict) go to `pipeline_card`."""
+        """Save every component (safetensors only) and a model card (``README.md``, `hub.pipeline_card`) all at once: a
+        failed save leaves the folder as it was. With ``push_to_hub=True`` the folder is then uploaded to ``repo_id``
+        (default: the folder's name; ``private``, ``token``, ``commit_message``, ``create_pr`` as in diffusers);
+        without it ``repo_id`` only names the repo in the card. ``model_card=False`` writes no card; ``card_fields``
+        (a dict) go to `pipeline_card`."""
         from ..hub import pipeline_card, save_with_card
 
         check_safe_serialization(safe_serialization)

@@ -270,8 +270,8 @@ class CodeIndex:
 class TransformersBackbone(SpatialBackbone):
     """What the transformers-backed families share: the ``transformer`` component's decoder stack (``text_model``:
     ``embed_tokens``, ``layers``, final ``norm``) on the library's static KV cache, the sampling defaults in its
-    ``generation_config``, onloading under model CPU offload, the text-prompt check, and the head and embeddings of codes
-    that are vocabulary tokens (the cached `CodeIndex`). A family sets ``text_model``, ``family_name``,
+    ``generation_config``, onloading under model CPU offload, the text-prompt check, and the head and embeddings of
+    codes that are vocabulary tokens (the cached `CodeIndex`). A family sets ``text_model``, ``family_name``,
     ``processor_kind`` and the rest of the `SpatialBackbone` contract."""
 
     #: the family's name in messages
