@@ -52,11 +52,9 @@ class TrainingLog:
             pts = [(r["step"], r[key]) for r in records if key in r]
             if pts:
                 ax.plot(*zip(*pts), label=key)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
         values = [r[k] for r in records for k in keys if k in r]
-        ax.set_yscale("log" if values and min(values) > 0 else "linear")  # log only when every value is positive
-        ax.set_title(title)
+        # a log scale only when every value is positive
+        ax.set(xlabel="step", ylabel="loss", title=title, yscale="log" if values and min(values) > 0 else "linear")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a run that logged no step yet draws empty axes, without a legend
             ax.legend()
@@ -230,10 +228,8 @@ def resume(accelerator: Accelerator, directory: str) -> int:
 
 class WeightEMA:
     """An exponential moving average of a module's weights (diffusers' `EMAModel`, constant ``decay``), saved beside
-    every checkpoint as ``ema.safetensors`` (names as in ``module.named_parameters()``) so a resumed run continues it.
-
-    A run stopped while its learning rate is still high (the CPU route trains in chunks) samples from noisy weights;
-    the average over the last ``1 / (1 - decay)`` steps is the usual remedy in image generation.
+    every checkpoint as ``ema.safetensors`` (names as in ``module.named_parameters()``) so a resumed run continues it:
+    a run stopped while its learning rate is still high samples from noisy weights, their average less so.
 
     Args:
         module (`torch.nn.Module`): the module whose parameters are averaged (the unwrapped model).

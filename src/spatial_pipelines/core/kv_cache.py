@@ -78,9 +78,8 @@ class StaticKVCache:
         dtype, device: storage of the tensors.
         fixed_shape (`bool`): passes attend to one of a few fixed lengths (see the module docstring).
         attend_buckets (`int`): with ``fixed_shape``, how many lengths passes attend to (1: always the whole cache).
-        min_attend_step (`int`): the lengths are at least this many slots apart (fewer buckets on a short cache). With
-            the pipeline's caches (a multiple of 256 slots, less than 256 of them unused) every generation then ends in
-            the last length, so the lengths a generation reaches do not depend on its prompt's length beyond the first.
+        min_attend_step (`int`): the lengths are at least this many slots apart (fewer buckets on a short cache); on
+            the pipeline's caches (a multiple of 256 slots) every generation then ends in the last length.
     """
 
     def __init__(

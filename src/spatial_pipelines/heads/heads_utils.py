@@ -17,7 +17,7 @@ from torch import nn
 from ..core.contracts import HEADS_KINDS, HeadsProvide, as_offsets
 from ..hub import heads_card, push_with_card, save_with_card
 from ..utils import (PICKLE_SUFFIXES, available_memory, check_path_or_repo_id, check_safe_serialization,
-                     check_safetensors_file, find_subclass, read_json_file, subclasses)
+                     check_choice, find_subclass, read_json_file, safetensors_header, subclasses)
 
 logger = logging.get_logger(__name__)
 
@@ -204,8 +204,7 @@ def heads_class_for(kind: str) -> type:
     Args:
         kind (`str`): ``"offset_logits"``, ``"latent"`` or ``"drafter"``.
     """
-    if kind not in HEADS_KINDS:
-        raise ValueError(f"`kind` must be one of {HEADS_KINDS}, got {kind!r}.")
+    check_choice("kind", kind, HEADS_KINDS)
     declared = [c for c in subclasses(DraftHeadsMixin) if c.__dict__.get("kind") == kind]
     declared.sort(key=lambda c: not c.__module__.startswith(__package__.rsplit(".", 1)[0] + "."))
     if not declared:
@@ -317,7 +316,7 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
                     f.endswith(PICKLE_SUFFIXES) for f in found) else ""
                 raise ValueError(f"The draft-heads folder {folder!r} has no weights file{what} {name!r} "
                                  f"(found: {found or 'nothing else'}); spatial_pipelines reads safetensors only{pickles}.")
-            check_safetensors_file(weights, "draft-heads weights")
+            safetensors_header(weights, "draft-heads weights")  # whole: not truncated, corrupt or a pickle
         kwargs.setdefault("low_cpu_mem_usage", False)
         kwargs["ignore_mismatched_sizes"] = False
         kwargs["use_safetensors"] = True  # never fall back to a pickled .bin

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
-from ..utils import CheckedSaveMixin, check_number, compute_dtype
+from ..utils import CheckedSaveMixin, check_choice, check_number, compute_dtype
 from ..weight_checks import CheckedLoadMixin
 from .blocks import RMSNorm, TransformerBlock, llamagen_intermediate_size, rope_2d_table
 
@@ -136,11 +136,10 @@ class LlamaGenTransformer(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, Config
     ):
         super().__init__()
         check_sampling_defaults(default_guidance_scale, default_top_k)
-        if condition_type not in CONDITION_TYPES:
-            raise ValueError(f"`condition_type` must be one of {CONDITION_TYPES}, got {condition_type!r}.")
+        check_choice("condition_type", condition_type, CONDITION_TYPES)
         if hidden_size % num_attention_heads or (hidden_size // num_attention_heads) % 4:
-            raise ValueError(f"`hidden_size` ({hidden_size}) must split into `num_attention_heads` ({num_attention_heads}) "
-                             "heads whose size is a multiple of 4 (2-D RoPE).")
+            raise ValueError(f"`hidden_size` ({hidden_size}) must split into `num_attention_heads` "
+                             f"({num_attention_heads}) heads whose size is a multiple of 4 (2-D RoPE).")
         num_kv = num_key_value_heads or num_attention_heads
         inter = intermediate_size or llamagen_intermediate_size(hidden_size, multiple_of, ffn_dim_multiplier)
         if condition_type == "class":

@@ -243,9 +243,7 @@ def chameleon_vq_config_from_original(config: Mapping[str, Any]) -> Dict[str, An
 def chameleon_vq_config_from_hf(config: Any) -> Dict[str, Any]:
     """Our config from a transformers ``ChameleonVQVAEConfig`` (``model_type`` ``chameleon_vqgan``, a dict or the
     object) or a whole ``ChameleonConfig`` holding one as ``vq_config``."""
-    if hasattr(config, "to_dict"):
-        config = config.to_dict()
-    config = dict(config)
+    config = dict(config.to_dict() if hasattr(config, "to_dict") else config)
     if "vq_config" in config:
         config = dict(config["vq_config"] or {})
     model_type = config.get("model_type", "chameleon_vqgan")
