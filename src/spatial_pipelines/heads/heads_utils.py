@@ -75,10 +75,8 @@ def _local_folder(name_or_path) -> Optional[str]:
 def saved_from(folder: Optional[str]) -> Optional[str]:
     """The name a pipeline folder records as the one it was saved from: its ``model_index.json``'s ``_name_or_path``
     (``None`` when it records none)."""
-    if folder is None:
-        return None
-    path = os.path.join(folder, "model_index.json")
-    if not os.path.isfile(path):
+    path = os.path.join(folder, "model_index.json") if folder is not None else None
+    if path is None or not os.path.isfile(path):
         return None
     try:
         index = read_json_file(path, "model_index.json")
