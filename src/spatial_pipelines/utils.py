@@ -71,6 +71,17 @@ def import_modules(package: dict, prefix: str, defines: Callable[[type], bool]) 
     return names
 
 
+def package_file(module: str, *parts: str, hint: str) -> str:
+    """The path ``parts`` inside the installed package ``module``, found without importing it; `ImportError` with the
+    install command ``hint`` when it is missing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"The optional package `{module}` is missing; install it with: {hint}")
+    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
+
+
 def find_subclass(base: type, name) -> "type | None":
     """The loaded subclass of ``base`` (or ``base`` itself) called ``name``, or ``None``."""
     return next((c for c in [base, *subclasses(base)] if c.__name__ == name), None)
@@ -101,6 +112,12 @@ def check_number(name: str, value, low: float = None, high: float = None, *, low
     if not ok:
         tail = f" ({meaning})" if meaning else ""
         raise ValueError(f"`{name}` must be {'None or ' if optional else ''}{kind}{bounds}{tail}, got {value!r}.")
+
+
+def check_choice(name: str, value, choices) -> None:
+    """Raise `ValueError` naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
 
 
 @contextlib.contextmanager
@@ -235,9 +252,8 @@ def check_json_text(text: str, path: str, what: str = "config") -> None:
 def _is_pickle(head: bytes) -> bool:
     """Whether a file starting with ``head`` (its first 9 bytes) is a pickle (protocol 2+) or a torch.save zip archive
     rather than safetensors (whose 9th byte opens its JSON header)."""
-    if head[8:9] == b"{":
-        return False
-    return head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") or head[:4] == b"PK\x03\x04"
+    pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+    return head[8:9] != b"{" and (pickled or head[:4] == b"PK\x03\x04")
 
 
 def safetensors_header(path: str, what: str = "weights") -> dict:
@@ -290,18 +306,13 @@ def safetensors_header(path: str, what: str = "weights") -> dict:
     return header
 
 
-def check_safetensors_file(path: str, what: str = "weights") -> None:
-    """Raise `ValueError` naming ``path`` if it is not a whole safetensors file (truncated, corrupt, a pickle, not
-    safetensors); reads the header only (`safetensors_header`)."""
-    safetensors_header(path, what)
-
-
 def check_weights_folder(folder: str, what: str) -> None:
-    """For a local folder: every ``*.safetensors`` file in it (and its subfolders) must be whole (`check_safetensors_file`)."""
+    """For a local folder: every ``*.safetensors`` file in it (and its subfolders) must be whole
+    (`safetensors_header`)."""
     for root, _, files in os.walk(folder):
         for name in sorted(files):
             if name.endswith(".safetensors"):
-                check_safetensors_file(os.path.join(root, name), what)
+                safetensors_header(os.path.join(root, name), what)
 
 
 #: Metadata key of a safetensors file where a model records the facts it was trained with (a JSON object): a config

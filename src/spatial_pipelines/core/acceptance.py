@@ -277,5 +277,3 @@ def codebook_neighbours(codebook: torch.Tensor, k: int, chunk: int = 1024) -> to
         dist[torch.arange(rows.shape[0]), torch.arange(start, start + rows.shape[0])] = math.inf  # not itself
         out[start : start + chunk] = dist.topk(k, dim=-1, largest=False).indices.to(torch.int32)  # sorted, nearest first
     return out
-
-

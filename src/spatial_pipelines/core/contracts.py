@@ -8,6 +8,8 @@ it. This module imports neither the heads nor the decoders: both sides import it
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from ..utils import check_choice
+
 #: Token-logit heads at horizontal/vertical offsets (`SpatialDraftHeads`: Medusa, Hawk), run by offset.
 OFFSET_LOGITS = "offset_logits"
 #: Latent predictors of the backbone's hidden state at offsets (`LatentDraftHeads`: SSD); they also give logits at
@@ -23,11 +25,6 @@ _KIND_TEXT = {
     LATENT: "latent heads (LatentDraftHeads)",
     DRAFTER: "a drafter (EagleDraftHead)",
 }
-
-
-def _check_kind(name: str, kind) -> None:
-    if kind not in HEADS_KINDS:
-        raise ValueError(f"`{name}` must be one of {HEADS_KINDS}, got {kind!r}.")
 
 
 def as_offsets(name: str, offsets: Sequence[int]) -> Tuple[int, ...]:
@@ -62,7 +59,7 @@ class HeadsProvide:
     vertical_offsets: Tuple[int, ...] = ()
 
     def __post_init__(self):
-        _check_kind("kind", self.kind)
+        check_choice("kind", self.kind, HEADS_KINDS)
         object.__setattr__(self, "horizontal_offsets", as_offsets("horizontal_offsets", self.horizontal_offsets))
         object.__setattr__(self, "vertical_offsets", as_offsets("vertical_offsets", self.vertical_offsets))
 
@@ -98,7 +95,7 @@ class HeadsNeed:
             raise ValueError(f"`kinds` must be a non-empty tuple of {HEADS_KINDS}, got {self.kinds!r}.")
         object.__setattr__(self, "kinds", tuple(self.kinds))
         for kind in self.kinds:
-            _check_kind("kinds", kind)
+            check_choice("kinds", kind, HEADS_KINDS)
         object.__setattr__(self, "horizontal_offsets", as_offsets("horizontal_offsets", self.horizontal_offsets))
         object.__setattr__(self, "vertical_offsets", as_offsets("vertical_offsets", self.vertical_offsets))
         if not isinstance(self.who, str):

@@ -10,13 +10,12 @@ Two shapes of a pass (``fixed_shape``):
 - growing (the default): a pass over ``T`` new tokens attends to slots ``[0, length + T)``; the cheapest in eager
   mode, but the attended length changes every round, so a compiled step would recompile for every length.
 - fixed: a pass attends to a fixed number of slots, the mask says which are valid, and the new keys are written
-  by index at ``write_index`` (a tensor, so moving it recompiles nothing). A few lengths serve a whole generation:
-  at most ``attend_buckets`` lengths counted back from the end of the cache (``max_length``, ``max_length - step``,
-  ...; ``step = max(max_length / attend_buckets, min_attend_step)``), the pass taking the shortest that holds every
-  filled slot. So a compiled
-  step (``torch.compile(dynamic=False)``, CUDA graphs) has at most ``attend_buckets`` shapes per fed length, and the
-  first rounds, with a short cache, do not read the whole of it (transformers' ``StaticLayer`` and gpt-fast attend
-  to the whole cache: ``attend_buckets=1``).
+  by index at ``write_index`` (a tensor, so moving it recompiles nothing). The lengths are at most
+  ``attend_buckets``, counted back from the end (``max_length``, ``max_length - step``, ...; ``step =
+  max(max_length / attend_buckets, min_attend_step)``), the pass taking the shortest that holds every filled slot:
+  a compiled step (``torch.compile(dynamic=False)``, CUDA graphs) has at most ``attend_buckets`` shapes per fed
+  length, and early rounds do not read the whole cache (transformers' ``StaticLayer`` and gpt-fast:
+  ``attend_buckets=1``).
 """
 
 import contextlib
@@ -79,9 +78,8 @@ class StaticKVCache:
         dtype, device: storage of the tensors.
         fixed_shape (`bool`): passes attend to one of a few fixed lengths (see the module docstring).
         attend_buckets (`int`): with ``fixed_shape``, how many lengths passes attend to (1: always the whole cache).
-        min_attend_step (`int`): the lengths are at least this many slots apart (fewer buckets on a short cache). With
-            the pipeline's caches (a multiple of 256 slots, less than 256 of them unused) every generation then ends in
-            the last length, so the lengths a generation reaches do not depend on its prompt's length beyond the first.
+        min_attend_step (`int`): the lengths are at least this many slots apart (fewer buckets on a short cache); on
+            the pipeline's caches (a multiple of 256 slots) every generation then ends in the last length.
     """
 
     def __init__(
@@ -136,16 +134,19 @@ class StaticKVCache:
         return self.row_starts is not None
 
     def track_rows_on_device(self, fed: int) -> None:
-        """From now on every row keeps its own filled slots (all rows start at the current ``length``), on the device
-        (``row_starts`` ``(R,)``), for rounds that run whole on the device (`spatial_pipelines.pipelines.device_loop`):
-        every pass feeds ``fed`` slots per row, written at ``row_starts[r] + [0, fed)``; `keep_prefixes` and
-        `keep_paths` move the starts by each row's accepted count. The host never learns a row's length: ``length`` and
-        ``attend_length`` are an upper bound the caller sets (`set_bound`). Why per row: the rows of a batch accept
-        different runs, and a shared length makes every row wait for the shortest; why on the device: the lengths come
-        from acceptance, and reading them would sync every round."""
+        """From now on every row keeps its own filled slots on the device (``row_starts`` ``(R,)``, all starting at
+        ``length``), for rounds run whole on the device (`spatial_pipelines.pipelines.device_loop`): every pass feeds
+        ``fed`` slots per row, written at ``row_starts[r] + [0, fed)``; `keep_prefixes` and `keep_paths` move the
+        starts by each row's accepted count, and ``length`` / ``attend_length`` are a host bound (`set_bound`). Why
+        per row: rows accept different runs, and a shared length makes every row wait for the shortest; why on the
+        device: reading the accepted lengths would sync every round."""
         device = self.key_valid.device
         self.row_starts = torch.full((self.key_valid.shape[0],), self.length, dtype=torch.long, device=device)
         self._slot_offsets = torch.arange(fed, device=device)  # (T,)
+
+    def _check_end(self, end: int) -> None:
+        if end > self.max_length:
+            raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
 
     def _bucket(self, end: int) -> int:
         """The shortest attended length, counted back from the end by ``attend_step``, that holds slot ``end``."""
@@ -154,13 +155,9 @@ class StaticKVCache:
     def set_bound(self, end: int) -> None:
         """Device rows: no row's next pass writes past slot ``end`` (a host-side bound); the pass attends to the
         shortest length that holds it (fixed shape: a bucket counted back from the end; growing: ``end`` itself)."""
-        if end > self.max_length:
-            raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
+        self._check_end(end)
         self.length = end
-        if self.fixed_shape:
-            self.attend_length = self._bucket(end)
-        else:
-            self.attend_length = end
+        self.attend_length = self._bucket(end) if self.fixed_shape else end
 
     def keep_prefixes(self, counts: torch.Tensor) -> None:
         """Device rows, after a pass: row ``r`` keeps the first ``counts[r]`` ``(R,)`` of the slots it was fed (an
@@ -172,13 +169,12 @@ class StaticKVCache:
     def keep_paths(self, paths: torch.Tensor, counts: torch.Tensor) -> None:
         """Device rows, after a pass over a tree: row ``r`` keeps the fed slots ``paths[r, :counts[r]]`` (``paths``
         ``(R, C)`` slot offsets from its start, root first), moved to its first ``counts[r]`` fed slots; the rest stay
-        invalid. Every row moves all ``C`` entries (fixed shape; the ones past its count land in slots that stay
-        invalid). Called before the next pass's writes (`HeadTreeLoop`), so the slots come from the row's start.
+        invalid. Every row moves all ``C`` entries (fixed shape; those past its count land in invalid slots). Called
+        before the next pass's writes (`HeadTreeLoop`), so the slots come from the row's start.
 
-        One advanced-index read, cloned, and one ``index_put_`` on ``storage`` itself for every layer and row. Why:
-        compiled by inductor (CPU, torch 2.13) after a pass had read the cache, a ``scatter_`` over an expanded index,
-        or the same moves, became two copies of the whole storage per round (~17 ms against 0.17 ms for a 12-layer
-        cache of 768 slots); before the pass's writes and reads, with the clone, the write happens in place."""
+        One cloned advanced-index read and one ``index_put_`` on ``storage`` for every layer and row. Why: compiled by
+        inductor after a pass had read the cache, a ``scatter_`` became two copies of the whole storage per round
+        (~100x slower); before the pass, with the clone, the write happens in place."""
         rows, starts = self._row_index[: paths.shape[0]], self.row_starts[:, None]  # (R, 1), (R, 1)
         slots = starts + self._slot_offsets  # (R, T) the row's fed slots
         picked = self.storage[:, :, rows, :, starts + paths].clone()  # (R, C, L, 2, H_kv, D)
@@ -193,11 +189,9 @@ class StaticKVCache:
             self.write_index = self.row_starts[:, None] + self._slot_offsets[:t]  # (R, T)
             return
         end = self.length + t
-        if end > self.max_length:
-            raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
+        self._check_end(end)
         if self.fixed_shape:
             self.write_index = torch.arange(self.length, end, device=self.key_valid.device)  # (T,) no host sync
-            # the shortest length, counted back from the end by attend_step, that holds every filled slot
             self.attend_length = self._bucket(end)
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -213,23 +207,18 @@ class StaticKVCache:
             a = self.attend_length
             return self.storage[layer_idx, 0, :, :, :a], self.storage[layer_idx, 1, :, :, :a]  # (B, H_kv, A, D)
         end = self.length + key.shape[2]
-        if end > self.max_length:
-            raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_length} allocated.")
+        self._check_end(end)
         self.keys[layer_idx][:, :, self.length : end] = key
         self.values[layer_idx][:, :, self.length : end] = value
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
     def _index_write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, rows: Optional[int]) -> None:
-        """Write one layer's keys and values ``(B, H_kv, T, D)`` at ``write_index`` (per row: row ``r`` at its own
+        """Write one layer's keys and values ``(B, H_kv, T, D)`` at ``write_index`` (per row: row ``r`` at
         ``write_index[r]``) with one ``index_put_`` on ``storage`` itself, every index a tensor.
 
-        Why not ``storage[layer, 0].index_copy_(...)``: under torch.compile a write into a *view* of a graph input is
-        functionalized into a scatter of the whole base, which inductor materializes as a copy of the storage per
-        write (a compiled step then moved ~20x the cache's bytes and ran ~8x slower than eager on a CPU); a write
-        into the graph input itself is lowered to an in-place store of just the new slots (gpt-fast's pattern), and
-        the storage keeps its address, which CUDA graphs replay. The layer and row indices are slices of tensors built
-        with the cache.
-        """
+        Why not ``storage[layer, 0].index_copy_(...)``: under torch.compile a write into a *view* of a graph input
+        becomes a copy of the whole storage per write (~8x slower than eager on a CPU); a write into the graph input
+        itself is an in-place store of the new slots (gpt-fast's pattern), at an address CUDA graphs replay."""
         layer = self._layer_index[layer_idx]  # (1,)
         kv = torch.stack([key, value])  # (2, B, H_kv, T, D): keys and values in one write
         if rows is None:  # advanced indices on dims 0 and 4 -> the written block is (T, 2, B, H_kv, D)
@@ -247,32 +236,19 @@ class StaticKVCache:
             new_valid: ``(B, T)`` which new tokens are real (padding is not); ``None``: all of them (decoding
                 rounds), which skips the padding terms.
         """
-        if self.per_row:  # each row's valid past, then its new tokens' columns written at its own slots
-            b, t = self.key_valid.shape[0], new_mask.shape[-1]
-            new = new_mask.expand(b, t, t)
-            if new_valid is not None:
-                new = (new & new_valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=new_mask.device)
-            a = self.attend_length
-            mask = self.key_valid[:, None, :a].expand(b, t, a).clone()  # (B, T, A)
-            return mask.scatter_(2, self.write_index[:, None, :].expand(b, t, t), new)[:, None]  # (B, 1, T, A)
-        if self.fixed_shape:
-            b, t = self.key_valid.shape[0], new_mask.shape[-1]
-            new = new_mask.expand(b, t, t)
-            if new_valid is not None:  # a padded query sees itself: no NaN rows
-                new = (new & new_valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=new_mask.device)
-            # the valid past, then the new tokens' own columns written by index (the slots after them are not valid)
-            a = self.attend_length
-            mask = self.key_valid[:, None, :a].expand(b, t, a).clone()  # (B, T, A)
-            return mask.index_copy_(2, self.write_index, new)[:, None]  # (B, 1, T, A)
-        if new_valid is None:  # a decoding round: no padding, the draft's mask already has its diagonal
-            b, t = self.key_valid.shape[0], new_mask.shape[-1]
+        b, t = self.key_valid.shape[0], new_mask.shape[-1]
+        new = new_mask.expand(b, t, t)  # (B, T, T)
+        if new_valid is not None:  # a padded query sees itself: no NaN rows
+            new = (new & new_valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=new_mask.device)
+        if not (self.per_row or self.fixed_shape):
             past = self.key_valid[:, None, : self.length].expand(b, t, self.length)  # (B, T, L)
-            return torch.cat([past, new_mask.expand(b, t, t)], dim=-1)[:, None]  # (B, 1, T, L + T)
-        b, t = new_valid.shape
-        past = self.key_valid[:, None, : self.length].expand(b, t, self.length)  # (B, T, L)
-        new = new_mask.expand(b, t, t) & new_valid[:, None, :]  # (B, T, T)
-        eye = torch.eye(t, dtype=torch.bool, device=new_valid.device)  # a padded query sees itself: no NaN rows
-        return torch.cat([past, new | eye], dim=-1)[:, None]  # (B, 1, T, L + T)
+            return torch.cat([past, new], dim=-1)[:, None]  # (B, 1, T, L + T)
+        # the valid past, then the new tokens' own columns written at their slots (each row's own, per row)
+        a = self.attend_length
+        mask = self.key_valid[:, None, :a].expand(b, t, a).clone()  # (B, T, A)
+        if self.per_row:
+            return mask.scatter_(2, self.write_index[:, None, :].expand(b, t, t), new)[:, None]  # (B, 1, T, A)
+        return mask.index_copy_(2, self.write_index, new)[:, None]  # (B, 1, T, A)
 
     def advance(self, new_valid: Optional[torch.Tensor], t: Optional[int] = None) -> None:
         """Account for the ``T`` slots just written by every layer (``new_valid`` ``(B, T)``, or ``None`` and ``t``:
@@ -280,11 +256,8 @@ class StaticKVCache:
         keeps."""
         if self.row_starts is not None:  # device rows: `keep_prefixes` validates what each row keeps
             return
-        if new_valid is None:
-            self.key_valid[:, self.length : self.length + t] = True
-        else:
-            t = new_valid.shape[1]
-            self.key_valid[:, self.length : self.length + t] = new_valid
+        t = t if new_valid is None else new_valid.shape[1]
+        self.key_valid[:, self.length : self.length + t] = True if new_valid is None else new_valid
         self.length += t
 
     def crop(self, length: int) -> None:
@@ -298,12 +271,11 @@ class TransformersCacheView:
     """The part of a transformers ``Cache`` a decoder layer calls, served by a `StaticKVCache`.
 
     transformers' Llama-style attention calls ``cache.update(key, value, layer_idx, ...)`` (the trailing arguments
-    changed across 5.x: ``cache_kwargs`` positionally, then ``kwargs=``; none is needed here) and
-    the model asks ``get_seq_length()`` when it is given no ``cache_position``; with explicit ``position_ids``,
-    ``cache_position`` and a 4-D mask nothing else is touched. So a transformers backbone (Janus-Pro, Emu3) runs
-    on the library's static cache, and the loop crops and compacts it as for our own models (no per-family cache
-    code). Like `StaticKVCache.update`, ``length`` moves on only in `StaticKVCache.advance`. The loop's side of
-    the `KVCache` protocol is the wrapped cache's, so the view serves both.
+    changed across 5.x; none is needed here) and the model asks ``get_seq_length()`` when it is given no
+    ``cache_position``; with explicit ``position_ids``, ``cache_position`` and a 4-D mask nothing else is touched.
+    So a transformers backbone (Janus-Pro, Emu3) runs on the library's static cache, cropped and compacted as for
+    our own models. The loop's side of the `KVCache` protocol is the wrapped cache's (``length`` moves on only in
+    `StaticKVCache.advance`).
     """
 
     is_compileable = False  # tells transformers not to build its own static-shape machinery around it

@@ -87,4 +87,3 @@ class ImageTokenLayout:
         rows = code_embeds.reshape(b, self.height, self.width, -1)  # (B, H, W, D)
         eol = eol_embedding.to(code_embeds.dtype).expand(b, self.height, 1, -1)  # (B, H, 1, D)
         return torch.cat([rows, eol], 2).flatten(1, 2)  # (B, H*(W+1), D)
-

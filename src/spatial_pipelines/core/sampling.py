@@ -220,4 +220,3 @@ def draw_seeds(generator: GeneratorLike, batch_size: int) -> torch.Tensor:
         return torch.cat([torch.randint(high, (1,), generator=g, device=g.device).cpu() for g in generator])
     device = generator.device if generator is not None else "cpu"
     return torch.randint(high, (batch_size,), generator=generator, device=device).cpu()
-

@@ -82,14 +82,11 @@ def tree_from_parents(parents: Sequence[int], ranks: Sequence[int] = None) -> Dr
         fill[p] += 1
     leaves = [i for i in range(t) if counts[i] == 0]
     depth = int(depths.max())
-    retrieve = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        path = ancestors[leaf].nonzero().flatten()  # ancestors in index order = root-to-leaf order
-        retrieve[row, : path.numel()] = path
     node_paths = torch.full((t, depth + 1), -1, dtype=torch.long)
     for i in range(t):
-        path = ancestors[i].nonzero().flatten()
+        path = ancestors[i].nonzero().flatten()  # ancestors in index order = root-to-node order
         node_paths[i, : path.numel()] = path
+    retrieve = node_paths[leaves]  # (L, D + 1) the root-to-leaf paths
     same_parent = parents[:, None] == parents[None, :]
     earlier = same_parent & (torch.arange(t)[None, :] < torch.arange(t)[:, None])  # siblings are tried in index order
     ranks = torch.as_tensor(list(ranks), dtype=torch.long) if ranks is not None else torch.full((t,), -1, dtype=torch.long)

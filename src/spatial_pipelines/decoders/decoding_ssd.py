@@ -31,7 +31,7 @@ from typing import List, Optional
 from diffusers.configuration_utils import register_to_config
 
 from ..core.contracts import LATENT, HeadsNeed
-from ..utils import check_number
+from ..utils import check_choice, check_number
 from .decoding_utils import SpatialDecoderMixin, check_draft_budget
 
 __all__ = ["SSD_PRESETS", "SSDDecoder"]  # what `spatial_pipelines.decoders` exports from this file
@@ -127,28 +127,22 @@ class SSDDecoder(SpatialDecoderMixin):
         draft: str = "argmax",
     ):
         super().__init__()
-        for name, value, low in (
-            ("num_horizontal", num_horizontal, 1),
-            ("horizontal_rounds", horizontal_rounds, 0),
-            ("vertical_rounds", vertical_rounds, 0),
-            ("num_vertical_rows", num_vertical_rows, 1),
-            ("staged_base_rounds", staged_base_rounds, 0),
-            ("staged_incremental_rounds", staged_incremental_rounds, 0),
-        ):
+        for name, value, low in (("num_horizontal", num_horizontal, 1), ("horizontal_rounds", horizontal_rounds, 0),
+                                 ("vertical_rounds", vertical_rounds, 0), ("num_vertical_rows", num_vertical_rows, 1),
+                                 ("staged_base_rounds", staged_base_rounds, 0),
+                                 ("staged_incremental_rounds", staged_incremental_rounds, 0)):
             check_number(name, value, low, integer=True, optional=name.startswith("staged"))
             if value is not None and value > MAX_ROUNDS:
                 raise ValueError(f"`{name}={value}`: at most {MAX_ROUNDS} verification rounds (each is a target pass; "
                                  "past a row's width a row costs more passes than decoding it code by code).")
-        if draft not in DRAFT_MODES:
-            raise ValueError(f"`draft` must be one of {DRAFT_MODES}, got {draft!r}.")
+        check_choice("draft", draft, DRAFT_MODES)
         check_draft_budget(f"`num_horizontal={num_horizontal}`", 1 + num_horizontal)
         check_draft_budget(f"`num_vertical_rows={num_vertical_rows}` (rows of a vertical block)", 1 + num_vertical_rows)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SSDDecoder":
         """The paper's settings for a model family (``SSD_PRESETS``: janus_pro, lumina_mgpt, emu3)."""
-        if name not in SSD_PRESETS:
-            raise ValueError(f"`name` must be one of {sorted(SSD_PRESETS)}, got {name!r}.")
+        check_choice("name", name, sorted(SSD_PRESETS))
         return cls(**{**SSD_PRESETS[name], **overrides})
 
     @property

@@ -90,6 +90,7 @@ class TreeDecoderMixin:
     The costs are measured on the device; ``E[accepted]`` is not: it comes from the prior `node_priors` with the
     class's ``acceptance_prior`` ``(first_rate, sibling_decay)``, fitted on the embedded model (`HEADS_ACCEPTANCE_PRIOR`,
     `EAGLE_ACCEPTANCE_PRIOR`, the SJD priors; docs/decoders.md, "Fitted constants"), also for other checkpoints.
+    `SpatialARPipeline.tune_decoder` measures ahead, once, and returns a decoder of fixed sizes.
     """
 
     acceptance_prior: Tuple[float, float] = HEADS_ACCEPTANCE_PRIOR
@@ -158,8 +159,7 @@ class TreeDecoderMixin:
         cost = [seconds(tree) for tree in trees]
         rates = [(tree, (1.0 + accepted) / seconds) for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
         best = max(rate for _, rate in rates)
-        # the smallest draft within AUTO_RATE_TOLERANCE of the best: near the optimum the predicted rate is flat, so
-        # the argmax would follow what timing noise is left in the fitted curves from run to run
+        # the smallest draft within AUTO_RATE_TOLERANCE of the best (near the optimum the rate is flat)
         self.tree, self._resolved_size = next((tree, n) for (tree, rate), n in zip(rates, sizes) if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
         self._resolved_for = (round_cost, batch_size)
 

@@ -30,8 +30,7 @@ def _decoder_init(init):
         init(self, *args, **kwargs)
         self.register_to_config(_class_name=type(self).__name__)
         if not type(self).__module__.startswith(LIBRARY + "."):
-            # diffusers records a pipeline component under its class's top-level module and loads it only from
-            # libraries it knows: a decoder defined elsewhere (a user's file, a test module) is recorded as
+            # diffusers loads a component only from libraries it knows: a decoder defined elsewhere is recorded as
             # ["spatial_pipelines", "<Name>"], which the package resolves among the loaded decoders (`find_registered`)
             self.__dict__["__module__"] = LIBRARY
 
@@ -74,8 +73,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
 
     Class attributes:
         short_name (`str`): the decoder's name in `DECODERS` (the CLI's ``--decoder``, benchmark specs); a class that
-            sets its own is a public decoder (`decoder_classes`), one that does not
-            (a helper base, a variant) is not listed.
+            sets its own is a public decoder (`decoder_classes`), one that does not (a helper base) is not listed.
         lossless (`bool`): the method keeps the model's own distribution under exact acceptance (SSD: ``False``).
         acceptance_rule (`AcceptanceRule`): the rule candidates are accepted by; decoders that take
             ``acceptance=...`` set their own from the config (`resolve_acceptance`).
@@ -97,8 +95,7 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def supports_keyed_noise(self) -> bool:
         """Whether ``sampling_noise="keyed"`` applies: the decoder is exact, so testing each draft against the target's
         keyed sample (`keyed_sample`) keeps the model's distribution and commits AR's codes for a seed. ``False`` for a
-        relaxed rule (LANTERN moves mass from a draft's neighbours, which a sampled point mass does not have) and for
-        SSD: their tests run on keyed streams of their own, of seeds drawn from the generators."""
+        relaxed rule (LANTERN moves mass from neighbours a sampled point mass lacks) and SSD."""
         return self.is_exact
 
     @abc.abstractmethod

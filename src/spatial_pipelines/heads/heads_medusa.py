@@ -82,16 +82,11 @@ class SpatialDraftHeads(DraftHeadsMixin):
         horizontal = range(len(self.horizontal)) if horizontal is None else list(horizontal)
         vertical = range(len(self.vertical)) if vertical is None else list(vertical)
         heads = [self.horizontal[i] for i in horizontal] + [self.vertical[i] for i in vertical]
-        if self.training or self.config.num_layers != 1 or not heads:
-            empty = hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[-1])  # (B, 0, D)
-            out = torch.stack([h(hidden_states) for h in heads], 1) if heads else empty  # (B, K, D)
-        else:  # inference: every head's ResBlock in one matmul over the stacked weights (one op instead of three per head)
-            weight, bias = self._stacked(tuple(horizontal), tuple(vertical), heads)  # (K * D, D), (K * D,)
-            b, d = hidden_states.shape
-            mixed = torch.nn.functional.linear(hidden_states, weight, bias).view(b, len(heads), d)  # (B, K, D)
-            out = hidden_states[:, None] + torch.nn.functional.silu(mixed)
-        n = len(horizontal)
-        return out[:, :n], out[:, n:]
+        if not (self.training or self.config.num_layers != 1 or not heads):
+            return self.frozen(horizontal, vertical)(hidden_states)  # inference: one matmul over the stacked weights
+        empty = hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[-1])  # (B, 0, D)
+        out = torch.stack([h(hidden_states) for h in heads], 1) if heads else empty  # (B, K, D)
+        return out[:, : len(horizontal)], out[:, len(horizontal) :]
 
     def frozen(self, horizontal: Sequence[int], vertical: Sequence[int]):
         """The heads ``horizontal`` and ``vertical`` (indices) as a function of post-norm hidden states ``(B, D)``,
@@ -101,6 +96,7 @@ class SpatialDraftHeads(DraftHeadsMixin):
         heads = [self.horizontal[i] for i in horizontal] + [self.vertical[i] for i in vertical]
         if self.training or self.config.num_layers != 1 or not heads:
             return lambda hidden_states: self(hidden_states, horizontal, vertical)
+        # every head's ResBlock in one matmul over the stacked weights (one op instead of three per head)
         weight, bias = self._stacked(tuple(horizontal), tuple(vertical), heads)  # (K * D, D), (K * D,)
         n, k = len(horizontal), len(heads)
 

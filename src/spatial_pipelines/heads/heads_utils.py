@@ -17,7 +17,7 @@ from torch import nn
 from ..core.contracts import HEADS_KINDS, HeadsProvide, as_offsets
 from ..hub import heads_card, push_with_card, save_with_card
 from ..utils import (PICKLE_SUFFIXES, available_memory, check_path_or_repo_id, check_safe_serialization,
-                     check_safetensors_file, find_subclass, read_json_file, subclasses)
+                     check_choice, find_subclass, read_json_file, safetensors_header, subclasses)
 
 logger = logging.get_logger(__name__)
 
@@ -34,20 +34,13 @@ RECORDED_FACTS = ("family",)
 def check_backbone_facts(heads_config: Dict[str, Any], backbone_facts: Dict[str, Any], what: str = "draft heads",
                          base_model: Optional[str] = None) -> None:
     """Raise `ValueError` naming every fact where ``heads_config`` and ``backbone_facts`` disagree: the family (when
-    the heads record one), hidden size, code count and grid; and the base model, the heads'
-    ``base_model_name_or_path`` against ``base_model`` (the folder or repo the backbone came from), when
-    `compare_base_models` tells they differ. When it cannot tell (a local folder moved or not on this machine), a
-    warning says so, once per pair of names."""
-    wrong = [
-        f"{k}: heads {heads_config.get(k)!r} != backbone {backbone_facts[k]!r}"
-        for k in BACKBONE_FACTS
-        if k in backbone_facts and heads_config.get(k) != backbone_facts[k]
-    ]
-    wrong = [
-        f"{k}: heads {heads_config[k]!r} != backbone {backbone_facts[k]!r}"
-        for k in RECORDED_FACTS
-        if heads_config.get(k) is not None and backbone_facts.get(k) is not None and heads_config[k] != backbone_facts[k]
-    ] + wrong
+    the heads record one), hidden size, code count and grid; and the heads' ``base_model_name_or_path`` against
+    ``base_model`` (where the backbone came from), when `compare_base_models` tells they differ. When it cannot
+    tell, a warning says so, once per pair of names."""
+    compared = [k for k in RECORDED_FACTS if heads_config.get(k) is not None and backbone_facts.get(k) is not None]
+    compared += [k for k in BACKBONE_FACTS if k in backbone_facts]
+    wrong = [f"{k}: heads {heads_config.get(k)!r} != backbone {backbone_facts[k]!r}"
+             for k in compared if heads_config.get(k) != backbone_facts[k]]
     base = heads_config.get("base_model_name_or_path")
     same, heads_side, backbone_side = compare_base_models(base, base_model)
     if same is False:
@@ -82,10 +75,8 @@ def _local_folder(name_or_path) -> Optional[str]:
 def saved_from(folder: Optional[str]) -> Optional[str]:
     """The name a pipeline folder records as the one it was saved from: its ``model_index.json``'s ``_name_or_path``
     (``None`` when it records none)."""
-    if folder is None:
-        return None
-    path = os.path.join(folder, "model_index.json")
-    if not os.path.isfile(path):
+    path = os.path.join(folder, "model_index.json") if folder is not None else None
+    if path is None or not os.path.isfile(path):
         return None
     try:
         index = read_json_file(path, "model_index.json")
@@ -111,13 +102,11 @@ def compare_base_models(heads_base, backbone_source):
     """Whether heads recording ``heads_base`` (their ``base_model_name_or_path``) were made for a backbone loaded from
     ``backbone_source``: ``(same, heads side, backbone side)``, the sides described for messages.
 
-    ``same`` is ``True`` when both name the same folder on this machine (resolved paths: a relative and an absolute
-    spelling, a symlink) or the same Hub or embedded model (`model_identity`; for a pipeline folder also the model its
-    ``model_index.json`` says it was saved from, `saved_from`, when that surely is a Hub or embedded model: a pipeline
-    loaded from ``org/name`` and saved keeps serving heads made for ``org/name``); ``False`` when both name Hub or
-    embedded models and they differ; ``None`` when it cannot be told (a local folder not on this machine, moved, or
-    saved from no model known here); ``True`` when either is unset (a pipeline built in memory, heads that record no
-    base model)."""
+    ``same`` is ``True`` when either is unset, or both name the same folder here (resolved paths) or the same Hub or
+    embedded model (`model_identity`; for a pipeline folder also the known model it was saved from, `saved_from`: a
+    pipeline loaded from ``org/name`` and saved keeps serving heads made for ``org/name``); ``False`` when both name
+    Hub or embedded models and they differ; ``None`` when it cannot be told (a local folder not here, moved, or
+    saved from no model known here)."""
     if not heads_base or not backbone_source:
         return True, repr(heads_base), repr(backbone_source)
     sides = []
@@ -213,8 +202,7 @@ def heads_class_for(kind: str) -> type:
     Args:
         kind (`str`): ``"offset_logits"``, ``"latent"`` or ``"drafter"``.
     """
-    if kind not in HEADS_KINDS:
-        raise ValueError(f"`kind` must be one of {HEADS_KINDS}, got {kind!r}.")
+    check_choice("kind", kind, HEADS_KINDS)
     declared = [c for c in subclasses(DraftHeadsMixin) if c.__dict__.get("kind") == kind]
     declared.sort(key=lambda c: not c.__module__.startswith(__package__.rsplit(".", 1)[0] + "."))
     if not declared:
@@ -290,12 +278,9 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, backbone_facts: Optional[Dict[str, Any]] = None,
                         base_model: Optional[str] = None, **kwargs):
         """Load heads (a folder or a Hub repo id); with ``backbone_facts`` the config is checked before any weight is
-        read. Called on `DraftHeadsMixin` itself, loads the heads class the config names.
-
-        Every failure is a `ValueError` naming the file: no config, a config of another class, no safetensors
-        weights (pickles are never read), a truncated or corrupt weights file, weights whose names or shapes do
-        not fit the config (never random weights with a warning).
-        """
+        read. Called on `DraftHeadsMixin` itself, loads the heads class the config names. Every failure is a
+        `ValueError` naming the file: no config, a config of another class, no safetensors weights (pickles are never
+        read), a corrupt weights file, weights that do not fit the config (never random weights with a warning)."""
         path = pretrained_model_name_or_path
         check_path_or_repo_id(path, "pretrained_model_name_or_path")
         hub_kwargs = {k: v for k, v in kwargs.items() if k in ("subfolder", "revision", "cache_dir", "local_files_only", "token")}
@@ -329,7 +314,7 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
                     f.endswith(PICKLE_SUFFIXES) for f in found) else ""
                 raise ValueError(f"The draft-heads folder {folder!r} has no weights file{what} {name!r} "
                                  f"(found: {found or 'nothing else'}); spatial_pipelines reads safetensors only{pickles}.")
-            check_safetensors_file(weights, "draft-heads weights")
+            safetensors_header(weights, "draft-heads weights")  # whole: not truncated, corrupt or a pickle
         kwargs.setdefault("low_cpu_mem_usage", False)
         kwargs["ignore_mismatched_sizes"] = False
         kwargs["use_safetensors"] = True  # never fall back to a pickled .bin
@@ -344,13 +329,9 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save config + safetensors + the adapter card (``README.md``, `model_card`) all at once; a failed save
-        leaves no partial folder.
-
-        With ``push_to_hub=True`` the folder is then uploaded to ``repo_id`` (default: the folder's name; ``private``,
-        ``token``, ``commit_message`` and ``create_pr`` as in diffusers): the same files `push_to_hub` sends. Without
-        it, ``repo_id`` only names the repo in the card's load snippet. ``benchmark`` and ``training_command`` go to
-        `model_card`.
-        """
+        leaves no partial folder. With ``push_to_hub=True`` the folder is then uploaded to ``repo_id`` (default: the
+        folder's name; other arguments as in diffusers), the files `push_to_hub` sends; without it, ``repo_id`` only
+        names the repo in the card's load snippet. ``benchmark`` and ``training_command`` go to `model_card`."""
         check_safe_serialization(kwargs.pop("safe_serialization", True))
         kwargs["safe_serialization"] = True
         card = {k: kwargs.pop(k) for k in ("benchmark", "training_command") if k in kwargs}
@@ -372,11 +353,8 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         training_command: Optional[str] = None,
     ) -> str:
         """Upload these heads to the Hub repo ``repo_id``: weights (safetensors), config and the adapter card of
-        `model_card` (not diffusers' generic card), the files ``save_pretrained(..., push_to_hub=True)`` sends.
-
-        Arguments as diffusers' `PushToHubMixin.push_to_hub`; ``benchmark`` and ``training_command`` go to
-        `model_card`.
-        """
+        `model_card`, the files ``save_pretrained(..., push_to_hub=True)`` sends. Arguments as diffusers'
+        `PushToHubMixin.push_to_hub`; ``benchmark`` and ``training_command`` go to `model_card`."""
         def save(folder, full_id):
             self.save_pretrained(folder, variant=variant, repo_id=full_id, benchmark=benchmark, training_command=training_command)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..core.kv_cache import StaticKVCache
 from ..core.layout import ImageTokenLayout
-from ..utils import CheckedSaveMixin, check_number, compute_dtype
+from ..utils import CheckedSaveMixin, check_choice, check_number, compute_dtype
 from ..weight_checks import CheckedLoadMixin
 from .blocks import RMSNorm, TransformerBlock, llamagen_intermediate_size, rope_2d_table
 
@@ -136,13 +136,10 @@ class LlamaGenTransformer(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, Config
     ):
         super().__init__()
         check_sampling_defaults(default_guidance_scale, default_top_k)
-        if condition_type not in CONDITION_TYPES:
-            raise ValueError(f"`condition_type` must be one of {CONDITION_TYPES}, got {condition_type!r}.")
+        check_choice("condition_type", condition_type, CONDITION_TYPES)
         if hidden_size % num_attention_heads or (hidden_size // num_attention_heads) % 4:
-            raise ValueError(
-                f"`hidden_size` ({hidden_size}) must split into `num_attention_heads` ({num_attention_heads}) heads "
-                "whose size is a multiple of 4 (2-D RoPE)."
-            )
+            raise ValueError(f"`hidden_size` ({hidden_size}) must split into `num_attention_heads` "
+                             f"({num_attention_heads}) heads whose size is a multiple of 4 (2-D RoPE).")
         num_kv = num_key_value_heads or num_attention_heads
         inter = intermediate_size or llamagen_intermediate_size(hidden_size, multiple_of, ffn_dim_multiplier)
         if condition_type == "class":
@@ -159,9 +156,8 @@ class LlamaGenTransformer(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, Config
         # the EOL, when there is one, is an extra column of the grid: it takes that column's rotation
         # (zeros: learned from there; drawing it would shift every other weight a seed gives)
         self.eol_embedding = nn.Parameter(torch.zeros(hidden_size)) if end_of_row_token else None
-        table = rope_2d_table(
-            grid_height, grid_width + int(end_of_row_token), hidden_size // num_attention_heads, rope_theta, num_condition_tokens, zero_prefix_rope
-        )
+        table = rope_2d_table(grid_height, grid_width + int(end_of_row_token), hidden_size // num_attention_heads,
+                              rope_theta, num_condition_tokens, zero_prefix_rope)
         self.register_buffer("freqs_cis", table, persistent=False)
         self._freqs_complex: Optional[torch.Tensor] = None  # complex view of freqs_cis, built once (not a buffer: .to(dtype) would drop its imaginary part)
         self.gradient_checkpointing = False
@@ -232,16 +228,9 @@ class LlamaGenTransformer(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, Config
         return hidden[:, index]
 
     def make_cache(self, batch_size: int, max_length: int) -> StaticKVCache:
-        p = self.tok_embeddings.weight
-        return StaticKVCache(
-            len(self.layers),
-            batch_size,
-            self.layers[0].attention.num_kv_heads,
-            self.head_dim,
-            max_length,
-            dtype=compute_dtype(self),  # not an fp8 storage dtype of diffusers' layerwise casting
-            device=p.device,
-        )
+        return StaticKVCache(len(self.layers), batch_size, self.layers[0].attention.num_kv_heads, self.head_dim,
+                             max_length, dtype=compute_dtype(self),  # not an fp8 storage dtype of layerwise casting
+                             device=self.tok_embeddings.weight.device)
 
     def forward(
         self,
@@ -274,16 +263,12 @@ class LlamaGenTransformer(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, Config
             position_ids = position_ids[None].expand(b, t)
         if attention_mask is None:
             attention_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-        if past_key_values is not None and token_valid is None:  # a decoding round: nothing to pad, nothing allocated
-            mask = past_key_values.attention_mask(attention_mask, None)  # (B, 1, T, L+T)
+        if past_key_values is not None:  # token_valid None: a decoding round, nothing to pad
+            mask = past_key_values.attention_mask(attention_mask, token_valid)  # (B, 1, T, L+T)
         else:
-            if token_valid is None:
-                token_valid = torch.ones(b, t, dtype=torch.bool, device=device)
-            if past_key_values is None:
-                eye = torch.eye(t, dtype=torch.bool, device=device)
-                mask = ((attention_mask.expand(b, t, t) & token_valid[:, None, :]) | eye)[:, None]  # (B, 1, T, T)
-            else:
-                mask = past_key_values.attention_mask(attention_mask, token_valid)  # (B, 1, T, L+T)
+            valid = torch.ones(b, t, dtype=torch.bool, device=device) if token_valid is None else token_valid
+            eye = torch.eye(t, dtype=torch.bool, device=device)
+            mask = ((attention_mask.expand(b, t, t) & valid[:, None, :]) | eye)[:, None]  # (B, 1, T, T)
         # eager: complex rotations (fewest ops); compiled: cos/sin pairs (inductor generates no complex code)
         rope = self.freqs_cis[position_ids] if torch.compiler.is_compiling() else self.rope_table()[position_ids]
         h = inputs_embeds

@@ -4,39 +4,31 @@ transformers' ``ChameleonVQVAE`` ships the encoder only (no ``decode``); generat
 implements the whole taming-transformers ``VQModel`` that Chameleon's ``vqgan.ckpt`` holds, plus converters from the
 two public checkpoint layouts.
 
-What was verified, and against what:
+Verified against:
 
-* Architecture: Meta's ``chameleon/inference/vqgan.py`` (facebookresearch/chameleon, "taken from taming-transformers
-  with minimal dependencies"). Encoder ``conv_in -> down[i].block[j] (+ down[i].attn[j] where the current resolution is
-  in attn_resolutions) -> down[i].downsample`` (pad right/bottom by 1, stride-2 3x3 conv) ``-> mid.block_1, mid.attn_1,
-  mid.block_2 -> norm_out, swish, conv_out``; decoder ``conv_in -> mid -> up[i]`` for ``i = L-1 .. 0`` with
-  ``num_res_blocks + 1`` resnet blocks each, ``up[i].upsample`` (nearest x2 + 3x3 conv) for ``i != 0`` ``-> norm_out,
-  swish, conv_out``; ``up`` is indexed by level (``up.0`` is the full-resolution level). GroupNorm(32, eps=1e-6)
-  everywhere (hard-coded there), resnet blocks without timestep projection (``temb_ch = 0``), a 1x1 ``nin_shortcut``
-  when the width changes, single-head attention over positions with scale ``C ** -0.5``; ``mid.attn_1`` is always
-  present (``attn_type="vanilla"``). Quantiser ``VectorQuantizer2``: plain Euclidean nearest code over
-  ``quantize.embedding.weight`` (no L2 normalisation, unlike LlamaGen/Janus), ``quant_conv`` (z -> embed_dim) before it
-  and ``post_quant_conv`` after it. Decoding a grid is ``embedding[codes] -> post_quant_conv -> decoder``; Chameleon's
-  ``ImageTokenizer`` then clamps pixels to [-1, 1].
-* Checkpoint layouts: transformers' ``convert_chameleon_weights_to_hf.py`` reads ``tokenizer/vqgan.ckpt`` with
-  ``torch.load(..., weights_only=True)["state_dict"]`` and copies every non-decoder key verbatim under
-  ``model.vqmodel.`` -- so the original key names ARE transformers' ``ChameleonVQVAE`` names (``encoder.down.0.block.0
-  .norm1.weight``, ``quantize.embedding.weight``, ``quant_conv.weight`` ...; checked against the encoder modules of the
-  installed transformers), and it maps the yaml's ``ch, out_ch, n_embed, ch_mult, double_z, z_channels`` to
-  ``base_channels, out_channels, num_embeddings, channel_multiplier, double_latent, latent_channels``. The Anole
-  image-generation port (transformers PR #32013, whose converted weights are the ``leloy/Anole-7b-v0.1-hf`` repos) adds
-  ``ChameleonVQVAEDecoder`` with the same names as the original (``decoder.up.{i}.block.{j}``, ``decoder.mid.attn_1``,
-  ``decoder.up.{i}.upsample.conv`` ...); a standalone VQ repo of that kind stores them without the ``model.vqmodel.``
-  prefix (as read by third-party loaders of it). Our module names are the original names, so both conversions are
-  key-for-key after stripping a prefix.
-* The yaml values (``n_embed 8192, embed_dim 256; ddconfig: double_z false, z_channels 256, resolution 512, in/out
-  3, ch 128, ch_mult [1, 1, 2, 2, 4], num_res_blocks 2, attn_resolutions [], dropout 0``) agree with transformers'
-  ``ChameleonVQVAEConfig`` defaults; the yaml file itself (gated download) was not available here.
+* Architecture: Meta's ``chameleon/inference/vqgan.py`` (taming-transformers' ``VQModel``). Encoder ``conv_in ->
+  down[i].block[j] (+ down[i].attn[j] at attn_resolutions) -> down[i].downsample`` (pad right/bottom by 1, stride-2
+  3x3 conv) ``-> mid.block_1, mid.attn_1, mid.block_2 -> norm_out, swish, conv_out``; decoder ``conv_in -> mid ->
+  up[i]`` for ``i = L-1 .. 0`` with ``num_res_blocks + 1`` resnet blocks each, ``up[i].upsample`` (nearest x2 + 3x3
+  conv) for ``i != 0`` ``-> norm_out, swish, conv_out`` (``up.0`` is the full-resolution level). GroupNorm(32,
+  eps=1e-6) everywhere, resnet blocks without timestep projection, a 1x1 ``nin_shortcut`` when the width changes,
+  single-head attention with scale ``C ** -0.5``; ``mid.attn_1`` always present. Quantiser ``VectorQuantizer2``: plain
+  Euclidean nearest code (no L2 normalisation, unlike LlamaGen/Janus) between ``quant_conv`` and ``post_quant_conv``.
+  Decoding is ``embedding[codes] -> post_quant_conv -> decoder``, pixels clamped to [-1, 1].
+* Checkpoint layouts: transformers' ``convert_chameleon_weights_to_hf.py`` copies every non-decoder key of
+  ``tokenizer/vqgan.ckpt`` verbatim under ``model.vqmodel.``, so the original key names ARE transformers'
+  ``ChameleonVQVAE`` names, and maps the yaml's ``ch, out_ch, n_embed, ch_mult, double_z, z_channels`` to
+  ``base_channels, out_channels, num_embeddings, channel_multiplier, double_latent, latent_channels``. The Anole port
+  (transformers PR #32013, ``leloy/Anole-7b-v0.1-hf``) adds ``ChameleonVQVAEDecoder`` with the original names; a
+  standalone VQ repo stores them without the ``model.vqmodel.`` prefix. Our module names are the original names, so
+  both conversions are key-for-key after stripping a prefix.
+* The yaml values (``n_embed 8192, embed_dim 256, z_channels 256, resolution 512, ch 128, ch_mult [1, 1, 2, 2, 4],
+  num_res_blocks 2, attn_resolutions [], dropout 0``) agree with ``ChameleonVQVAEConfig``'s defaults; the yaml file
+  itself (gated) was not available here.
 
-Assumed, not verified: that the released ``vqgan.ckpt`` holds no keys besides the VQ model's (taming training
-checkpoints may carry ``loss.*`` discriminator/LPIPS weights: those are dropped; anything else is an error); that the
-standalone HF VQ repo's ``config.json`` uses ``ChameleonVQVAEConfig`` field names (missing fields take that class's
-defaults; ``out_channels`` defaults to 3).
+Assumed, not verified: that the released ``vqgan.ckpt`` holds no keys besides the VQ model's (``loss.*`` training
+weights are dropped; anything else is an error); that a standalone HF VQ repo's ``config.json`` uses
+``ChameleonVQVAEConfig`` field names (missing fields take that class's defaults).
 """
 
 import json
@@ -190,11 +182,8 @@ class ChameleonVQModel(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, ConfigMix
             raise ValueError(f"`pixels` height and width must be multiples of {f}, got {tuple(pixels.shape[-2:])}.")
         z = self.quant_conv(self.encoder(pixels)).permute(0, 2, 3, 1)  # (B, H, W, d)
         flat = z.reshape(-1, z.shape[-1]).float()
-        codebook = self.codebook.float()
-        dist = code_distances(flat, codebook)  # (N, V)
-        indices = dist.argmin(dim=1).view(z.shape[:3])
-        z_q = self.codebook[indices]
-        z_q = z + (z_q - z).detach()
+        indices = code_distances(flat, self.codebook.float()).argmin(dim=1).view(z.shape[:3])  # (B, H, W)
+        z_q = z + (self.codebook[indices] - z).detach()  # straight-through
         return VQEncoderOutput(quant=z_q.permute(0, 3, 1, 2), indices=indices)
 
     def decode_code(self, codes: torch.Tensor) -> torch.Tensor:
@@ -254,9 +243,7 @@ def chameleon_vq_config_from_original(config: Mapping[str, Any]) -> Dict[str, An
 def chameleon_vq_config_from_hf(config: Any) -> Dict[str, Any]:
     """Our config from a transformers ``ChameleonVQVAEConfig`` (``model_type`` ``chameleon_vqgan``, a dict or the
     object) or a whole ``ChameleonConfig`` holding one as ``vq_config``."""
-    if hasattr(config, "to_dict"):
-        config = config.to_dict()
-    config = dict(config)
+    config = dict(config.to_dict() if hasattr(config, "to_dict") else config)
     if "vq_config" in config:
         config = dict(config["vq_config"] or {})
     model_type = config.get("model_type", "chameleon_vqgan")
@@ -266,10 +253,7 @@ def chameleon_vq_config_from_hf(config: Any) -> Dict[str, Any]:
         raise ValueError("`config` has double_latent true: not a VQ tokenizer encoder.")
     if config.get("attn_type", "vanilla") != "vanilla":
         raise ValueError(f"`config` has attn_type {config['attn_type']!r}; only 'vanilla' is supported.")
-    out = {}
-    for field, (name, default) in _HF_FIELDS.items():
-        value = config.get(field, default)
-        out[name] = value
+    out = {name: config.get(field, default) for field, (name, default) in _HF_FIELDS.items()}
     out["channel_multiplier"] = tuple(int(m) for m in out["channel_multiplier"])
     out["attn_resolutions"] = tuple(int(r) for r in out["attn_resolutions"] or ())
     return out
@@ -418,8 +402,7 @@ def load_chameleon_vq(
             raise ValueError(f"`source` {str(path)!r} holds neither vqgan.ckpt nor a config.json.")
         cfg = _read_config(config) if config is not None else json.loads(config_file.read_text(encoding="utf-8"))
         if cfg.get("_class_name") == ChameleonVQModel.__name__:
-            model = ChameleonVQModel.from_pretrained(path, torch_dtype=torch_dtype)
-            return model
+            return ChameleonVQModel.from_pretrained(path, torch_dtype=torch_dtype)
         if cfg.get("model_type") not in ("chameleon_vqgan", "chameleon"):
             raise ValueError(f"{str(config_file)!r} has model_type {cfg.get('model_type')!r}, not 'chameleon_vqgan'.")
         return chameleon_vq_from_hf(_read_hf_weights(path), cfg, norm_num_groups=norm_num_groups, torch_dtype=torch_dtype)

@@ -131,29 +131,21 @@ class LlamaGenVQModel(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, ConfigMixi
     def encode(self, pixels: torch.Tensor) -> VQEncoderOutput:
         """Images in [-1, 1] ``(B, 3, H, W)`` -> nearest codes and losses."""
         z = self.quant_conv(self.encoder(pixels)).permute(0, 2, 3, 1)  # (B, h, w, d)
-        codebook = self.codebook
         if self.config.codebook_l2_norm:
             z = F.normalize(z, dim=-1)
-        flat = z.reshape(-1, z.shape[-1])  # (N, d)
-        dist = code_distances(flat, codebook)  # (N, V)
+        dist = code_distances(z.reshape(-1, z.shape[-1]), self.codebook)  # (N, V)
         indices = dist.argmin(dim=1)
-        z_q = codebook[indices].view(z.shape)
+        z_q = self.codebook[indices].view(z.shape)
         vq_loss = torch.mean((z_q - z.detach()) ** 2)
         commit_loss = self.config.commit_loss_beta * torch.mean((z_q.detach() - z) ** 2)
         entropy = self.config.entropy_loss_ratio * _entropy_loss(-dist) if self.config.entropy_loss_ratio > 0 else dist.new_zeros(())
         z_q = z + (z_q - z).detach()  # straight-through
-        return VQEncoderOutput(
-            quant=z_q.permute(0, 3, 1, 2),
-            indices=indices.view(z.shape[:3]),
-            vq_loss=vq_loss,
-            commit_loss=commit_loss,
-            entropy_loss=entropy,
-        )
+        return VQEncoderOutput(quant=z_q.permute(0, 3, 1, 2), indices=indices.view(z.shape[:3]), vq_loss=vq_loss,
+                               commit_loss=commit_loss, entropy_loss=entropy)
 
     def decode_code(self, codes: torch.Tensor) -> torch.Tensor:
         """Code grid ``(B, h, w)`` -> images ``(B, 3, h * f, w * f)``."""
-        quant = self.codebook[codes].permute(0, 3, 1, 2)  # (B, d, h, w)
-        return self.decode(quant)
+        return self.decode(self.codebook[codes].permute(0, 3, 1, 2))  # (B, d, h, w) quantised latents
 
     def forward(self, pixels: torch.Tensor) -> Tuple[torch.Tensor, VQEncoderOutput]:
         enc = self.encode(pixels)
