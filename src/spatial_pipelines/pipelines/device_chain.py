@@ -30,7 +30,7 @@ from ..core.rounds import ChainRound
 from ..core.sampling import (ACCEPT_STREAM, CONTINUE_STREAM, INIT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample,
                              keyed_integer, keyed_uniform, logits_to_probs, one_hot)
 from .backbone import PromptEmbeddings, SpatialBackbone
-from .device_loop import DeviceLoop, DeviceState, record_progress
+from .device_loop import DeviceLoop, DeviceState, commit_run, record_progress
 
 
 #: What a draw from an already-filtered distribution samples with: its log as the logits, at temperature 1
@@ -155,16 +155,9 @@ def chain_round(loop: ChainLoop) -> None:
             commit, matches = relaxed_chain(loop, probs, codes.clamp_max(n - 1))  # (B, L + 1), (B,)
         else:
             commit, matches = samples, (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)
-        accepted = torch.minimum(1 + matches, n - s.committed) * active  # (B,) 0 once finished
-        # 5. commit the run; the slots past it write the spare column N
-        taken = loop.code_offsets < accepted[:, None]  # (B, L + 1)
-        target = torch.where(taken, codes, n)  # (B, L + 1)
-        s.tokens.scatter_(1, target, torch.where(taken, commit, -1))
-        s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
-        s.rounds.add_(1)
-        s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
+        # 5. commit the run (0 once finished)
+        accepted = commit_run(loop, commit, matches, active)  # (B,)
         committed = s.committed + accepted  # (B,)
-        s.last.copy_(torch.where(active, commit.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
     # 6. the next drafts: this pass's samples after the run, then fresh ones by the decoder's init
     if window:
         with timer.section("draft"):

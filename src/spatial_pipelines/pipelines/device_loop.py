@@ -308,6 +308,22 @@ def compile_round(round_fn: Callable, fullgraph: bool = True, **options) -> Call
     return run
 
 
+def commit_run(loop: DeviceLoop, codes: torch.Tensor, run: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Commit each active row's ``run + 1`` codes ``codes`` ``(B, C)`` (never past the grid) after its committed ones,
+    the slots past them writing the spare column ``N``; record the round and each row's newest code. Returns the
+    codes each row committed ``(B,)`` (``0`` once finished); ``committed`` is the caller's to move."""
+    s, n = loop.state, loop.layout.num_tokens
+    accepted = torch.minimum(run + 1, n - s.committed) * active  # (B,)
+    taken = loop.code_offsets < accepted[:, None]  # (B, C)
+    target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, C)
+    s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
+    s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
+    s.rounds.add_(1)
+    s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
+    s.last.copy_(torch.where(active, codes.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
+    return accepted
+
+
 def record_progress(state: DeviceState) -> None:
     """The end of every round (and of the prompt pass): the fewest, most and total committed codes, which the host
     reads at a sync (inside the round's graph the reductions cost nothing; outside it they would be four ops)."""

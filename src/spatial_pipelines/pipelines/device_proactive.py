@@ -35,9 +35,8 @@ from ..decoders.decoding_jacobi import descent_table, proactive_tree
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_chain import UNIT_SAMPLING, ChainState, check_init, anchor_left, continue_drafts, fresh_drafts, predict_above
 from .device_eol import eol_slot_count
-from .device_loop import record_progress
 from ..core.verification import sibling_matches
-from .device_tree import TreeLoop, deepest_match, end_of_row_slots, path_with_end_of_row, tree_forward, tree_tables
+from .device_tree import TreeLoop, commit_path, deepest_match, tree_pass, tree_tables
 
 
 def proactive_eol_slots(layout, tree) -> int:
@@ -159,19 +158,11 @@ def proactive_round(loop: ProactiveLoop) -> None:
     # 1. the tree: each node is its position's draft or one of its other candidates; one target pass
     candidates = torch.cat([s.drafts, s.alternatives.flatten(1)], 1)  # (B, L + P (K - 1))
     fed = torch.cat([s.last[:, None], candidates.gather(1, loop.node_source.expand(b, -1))], 1)  # (B, T) root first
-    eol = None
-    if layout.has_eol:  # the EOL slots after the nodes that end a row
-        with loop.timer.section("eol"):
-            eol = end_of_row_slots(loop, tables, s.committed)
-    with loop.timer.section("forward"):
-        hidden, logits, _ = tree_forward(loop, fed, tables, eol)  # (R, T (+ E), D), (R, T (+ E), V)
+    eol, hidden, logits, _ = tree_pass(loop, fed, tables)  # the EOL slots, (R, T, D), (B, T (+ E), V)
     with loop.timer.section("accept"):
-        # 2. every node's output (a row end: its EOL slot's), mixed, and its keyed sample
-        logits = loop.guided(logits)  # (B, T (+ E), V)
+        # 2. every node's output (a row end: its EOL slot's) and its keyed sample
         if eol is not None:
             logits = logits.gather(1, eol.predictor[..., None].expand(-1, -1, logits.shape[-1]))  # (B, T, V)
-            predictor = eol.predictor.repeat(2, 1) if sampling.do_cfg else eol.predictor  # (R, T)
-            hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
         index = (s.committed[:, None] + tables.depths).clamp_max(n - 1)  # (B, T) the grid index each output predicts
         samples = keyed_sample(logits, sampling, s.seeds, index)  # (B, T)
         probs = logits_to_probs(logits, sampling) if loop.proposals else None  # (B, T, V)
@@ -186,28 +177,13 @@ def proactive_round(loop: ProactiveLoop) -> None:
         else:  # drawn: a keyed draw from what its rejected children left
             left = residual.gather(1, last_node[..., None].expand(-1, -1, residual.shape[-1]))  # (B, 1, V)
             bonus = keyed_sample(left.log(), UNIT_SAMPLING, s.seeds ^ RESIDUAL_STREAM, index.gather(1, last_node))
-        # 3. commit the run; the slots past it write the spare column N
-        accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
-        below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, L + 1) each code: an accepted node, then the bonus
-        codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), bonus)  # (B, L + 1)
-        taken = loop.code_offsets < accepted[:, None]  # (B, L + 1)
-        target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, L + 1)
-        s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
-        s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
-        s.rounds.add_(1)
-        s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
-        s.last.copy_(torch.where(active, codes.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
-        kept_path, kept = path_with_end_of_row(loop, eol, path, accepted) if eol is not None else (path, accepted)
+        # 3. commit the run and keep the path's cache slots (`device_tree.commit_path`), then the next drafts
+        codes, accepted = commit_path(loop, fed, path, depth, bonus, active, eol)  # (B, L + 1), (B,)
     with loop.timer.section("draft"):
         if loop.guess is not None:  # the head guesses the codes one row below the run, from the path's outputs
             path_hidden = hidden[:b].gather(1, path[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, L + 1, D)
-            predict_above(loop, path_hidden, codes, accepted, s.committed)
-        next_candidates(loop, logits, samples, probs, last_node[:, 0], depth, s.committed + accepted)
-    # each cache row keeps the path's slots (and a crossed row end's EOL slot), moved by the next round (step 0)
-    s.committed.add_(accepted)
-    record_progress(s)
-    s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
-    s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
+            predict_above(loop, path_hidden, codes, accepted, s.committed - accepted)
+        next_candidates(loop, logits, samples, probs, last_node[:, 0], depth, s.committed)
 
 
 def speculative_matches(loop: ProactiveLoop, probs: torch.Tensor, fed: torch.Tensor, index: torch.Tensor):

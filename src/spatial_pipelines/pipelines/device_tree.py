@@ -28,7 +28,7 @@ from ..core.sampling import RESIDUAL_STREAM, SamplingConfig, keyed_sample, logit
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_chain import UNIT_SAMPLING
 from .device_eol import EndOfRowSlots, end_of_row_slots, eol_slot_count, path_slot_count, path_with_end_of_row
-from .device_loop import DeviceLoop, DeviceState, record_progress
+from .device_loop import DeviceLoop, DeviceState, commit_run, record_progress
 
 
 @dataclass
@@ -243,34 +243,23 @@ def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
 
 def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", active: torch.Tensor):
     """Steps 2-5 and 7 of a tree round: one target pass over the tree ``fed`` ``(B, T)`` (root first, ``-1``: a node
-    not offered) with the tree mask, node ``i`` at the position of grid index (newest + depth; clamped past the grid,
-    where nothing is committed), and the EOL slots where the layout has them (`device_eol.end_of_row_slots`); every
-    node's keyed sample; the deepest node whose path matches the samples node by node (a sibling is accepted exactly
-    when it equals its parent's sample: `verify_tree` with a point mass); the samples along it committed; the path's
-    cache slots (and the EOL slots it crossed) and their count left for the next round's move. Returns the hidden states each node's output stands for ``(R, T, D)``
-    (a node that ends a row: its EOL slot's), the accepted path ``(B, D + 1)`` (padded with its last node) and the
-    codes each row committed ``(B,)``."""
-    s, sampling, layout = loop.state, loop.sampling, loop.layout
-    n, eol = layout.num_tokens, None
-    if layout.has_eol:  # the EOL slots after the nodes that end a row
-        with loop.timer.section("eol"):
-            eol = end_of_row_slots(loop, tables, s.committed)
-    with loop.timer.section("forward"):
-        hidden, logits, predicts = tree_forward(loop, fed, tables, eol)  # (R, T (+ E), D)
+    not offered; `tree_pass`); every node's keyed sample; the deepest node whose path matches the samples node by node
+    (a sibling is accepted exactly when it equals its parent's sample: `verify_tree` with a point mass); the samples
+    along it committed (`commit_path`). Returns the hidden states each node's output stands for ``(R, T, D)``, the
+    accepted path ``(B, D + 1)`` (padded with its last node) and the codes each row committed ``(B,)``."""
+    s, sampling, n = loop.state, loop.sampling, loop.layout.num_tokens
+    eol, hidden, logits, predicts = tree_pass(loop, fed, tables)
     with loop.timer.section("accept"):
-        # 3. CFG mix and every slot's keyed sample, then the sample each node's output stands for (a row end: its EOL's)
-        logits = loop.guided(logits)  # (B, T (+ E), V)
+        # 3. every slot's keyed sample, then the sample each node's output stands for (a row end: its EOL's)
         samples = keyed_sample(logits, sampling, s.seeds, predicts.clamp_max(n - 1))  # (B, T (+ E))
-        if layout.has_eol:
-            samples = samples.gather(1, eol.predictor)  # (B, T)
-            predictor = eol.predictor.repeat(2, 1) if sampling.do_cfg else eol.predictor  # (R, T)
-            hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
+        predictor = eol.predictor if eol is not None else None  # (B, T)
+        if predictor is not None:
+            samples = samples.gather(1, predictor)  # (B, T)
         # 4. a node matches when it equals its parent's sample (a relaxed rule: when the sample lies in the node's claim);
         #    the accepted node is the deepest whose path all matches
         if loop.rule.relaxes:
-            predictor = eol.predictor if layout.has_eol else None
             index = predicts.clamp_max(n - 1)  # (B, T (+ E)) the grid index each slot's output predicts
-            index = index.gather(1, eol.predictor) if layout.has_eol else index  # (B, T)
+            index = index.gather(1, predictor) if predictor is not None else index  # (B, T)
             named = samples if loop.rule.claims_neighbours else None  # a claim one sample of p decides
             matches, left = sibling_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed,
                                             tables, s.seeds, index, samples=named)
@@ -279,25 +268,43 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
         else:
             matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
         path, depth = deepest_match(tables, matches)  # (B, D + 1), (B,)
-        accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
-        below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) each code: an accepted node, then the last one's sample
-        codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), samples.gather(1, path))  # (B, D + 1)
-        # 5. commit the run; the slots past it write the spare column N
-        taken = loop.code_offsets < accepted[:, None]  # (B, D + 1)
-        target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, D + 1)
-        s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
-        s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
-        s.rounds.add_(1)
-        s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
-        last = (accepted - 1).clamp_min(0)[:, None]  # (B, 1)
-        s.last.copy_(torch.where(active, codes.gather(1, last)[:, 0], s.last))
-        # 7. each cache row keeps the path's slots (and each crossed row end's EOL slot), moved by the next round (step 0)
-        kept_path, kept = (path_with_end_of_row(loop, eol, path, accepted) if layout.has_eol else (path, accepted))
-        s.committed.add_(accepted)
-        record_progress(s)
-        s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
-        s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
+        _, accepted = commit_path(loop, fed, path, depth, samples.gather(1, path), active, eol)
     return hidden, path, accepted
+
+
+def tree_pass(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables"):
+    """Steps 1-3 of a tree round's pass: the EOL slots where the layout has them (`device_eol.end_of_row_slots`), one
+    target pass (`tree_forward`), the CFG mix. Returns the EOL slots (``None``: none), the hidden states each node's
+    output stands for ``(R, T, D)`` (a node that ends a row: its EOL slot's), the mixed logits of every fed slot
+    ``(B, T (+ E), V)`` and the grid index each slot's output predicts ``(B, T (+ E))``."""
+    eol = None
+    if loop.layout.has_eol:  # the EOL slots after the nodes that end a row
+        with loop.timer.section("eol"):
+            eol = end_of_row_slots(loop, tables, loop.state.committed)
+    with loop.timer.section("forward"):
+        hidden, logits, predicts = tree_forward(loop, fed, tables, eol)  # (R, T (+ E), D), (R, T (+ E), V)
+    if eol is not None:
+        predictor = eol.predictor.repeat(2, 1) if loop.sampling.do_cfg else eol.predictor  # (R, T)
+        hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
+    return eol, hidden, loop.guided(logits), predicts
+
+
+def commit_path(loop: TreeLoop, fed: torch.Tensor, path: torch.Tensor, depth: torch.Tensor, bonus: torch.Tensor,
+                active: torch.Tensor, eol: Optional[EndOfRowSlots]):
+    """Steps 5 and 7 of a tree round: commit the accepted ``path`` ``(B, D + 1)`` (``depth`` ``(B,)`` deep, padded with
+    its last node): its nodes' codes in ``fed`` ``(B, T)``, then ``bonus`` ``(B, 1)`` or ``(B, D + 1)``, the code after
+    the deepest; each cache row keeps the path's slots (and each crossed row end's EOL slot), moved by the next round
+    (`StaticKVCache.keep_paths`). Returns the codes ``(B, D + 1)`` and how many each row committed ``(B,)``."""
+    s, sampling = loop.state, loop.sampling
+    below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) each code: an accepted node, then the bonus
+    codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), bonus)  # (B, D + 1)
+    accepted = commit_run(loop, codes, depth, active)  # (B,) 0 once finished
+    kept_path, kept = path_with_end_of_row(loop, eol, path, accepted) if eol is not None else (path, accepted)
+    s.committed.add_(accepted)
+    record_progress(s)
+    s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
+    s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
+    return codes, accepted
 
 
 def tree_forward(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", eol: Optional["EndOfRowSlots"]):
