@@ -1,7 +1,6 @@
-"""What diffusers pipelines show callbacks and users during a call, for an AR loop: ``guidance_scale`` (a callback
-that changes ``pipe._guidance_scale`` changes it from the next round), ``do_classifier_free_guidance``,
-``num_timesteps`` (rounds run so far, plus one while the grid is not full), ``interrupt`` (a callback that sets ``pipe._interrupt`` stops the loop after
-the round), and the ``callback_on_step_end`` contract itself."""
+"""What diffusers pipelines show callbacks and users during a call, for an AR loop (`CallbackStateMixin`):
+``guidance_scale``, ``do_classifier_free_guidance``, ``num_timesteps``, ``interrupt`` and the
+``callback_on_step_end`` contract itself."""
 
 import dataclasses
 from typing import Sequence
@@ -22,16 +21,11 @@ class CallbackStateMixin:
     ``callback_on_step_end(pipe, step_index, num_committed, callback_kwargs)`` is called after every target pass
     (``step_index`` from 0, as diffusers' ``i``); ``callback_kwargs`` holds copies of the state tensors named in
     ``callback_on_step_end_tensor_inputs`` (``tokens``, or diffusers' name ``latents``: the ``(B, H, W)`` grid, ``-1``
-    where not yet decoded; ``acceptance_map``), so changing them in place changes nothing. Return the dict (diffusers'
-    habit) or ``None``: a returned ``acceptance_map`` replaces the record; a returned grid must be as it was before the
-    last round (a `ValueError` otherwise: committed codes cannot be changed mid-generation, the KV cache holds them) and
-    replaces the output after it (codes in ``[0, V)``). As in diffusers, the callback may read ``pipe.guidance_scale``,
-    ``pipe.do_classifier_free_guidance`` and ``pipe.num_timesteps`` (rounds run, plus one while the grid is not full:
-    the last round is ``step_index == pipe.num_timesteps - 1``; after the call, the rounds run), set
-    ``pipe._guidance_scale`` (used from the next round; a call with ``guidance_scale=1`` cannot turn guidance on) and
-    set ``pipe._interrupt = True`` (the call stops after this round; undecoded codes stay ``-1`` and are mid-grey in
-    images). A callback sees every round, so while one is set the rounds on the device (`device_loop`) read the device
-    after every round instead of once per sync; the round itself stays one graph.
+    where not yet decoded; ``acceptance_map``). Return the dict or ``None``: a returned ``acceptance_map`` replaces the
+    record; a returned grid may change codes only after the last round (`_run_callback`). The callback may read
+    ``pipe.guidance_scale``, ``pipe.do_classifier_free_guidance`` and ``pipe.num_timesteps``, set
+    ``pipe._guidance_scale`` (used from the next round) and set ``pipe._interrupt = True`` (the call stops after this
+    round). While a callback is set, the host reads the device after every round instead of once per sync.
     """
 
     _callback_tensor_inputs = CALLBACK_TENSOR_INPUTS
@@ -82,11 +76,10 @@ class CallbackStateMixin:
         state.sampling = dataclasses.replace(state.sampling, guidance_scale=float(scale), cfg=True)
 
     def _run_callback(self, callback, tensor_inputs: Sequence[str], step_index: int, state: RoundView) -> None:
-        """diffusers' ``callback_on_step_end`` contract, for an AR loop: the callback gets copies of the state tensors
-        it names (mutating them changes nothing) and may return a dict of some of them. A returned
-        ``acceptance_map`` replaces the record; a returned ``tokens`` (or ``latents``) may not change committed codes
-        before the last round (the KV cache and the decoder hold them): a change there is a `ValueError`, never
-        silently dropped. After the last round a returned grid replaces the output."""
+        """diffusers' ``callback_on_step_end`` contract: the callback gets copies of the state tensors it names and may
+        return a dict of some of them. A returned ``acceptance_map`` replaces the record; a returned ``tokens`` (or
+        ``latents``) that changes codes before the last round is a `ValueError` (the KV cache holds them); after the
+        last round it replaces the output."""
         layout = state.layout
         grid = layout.grid(state.tokens)
         tensors = {"tokens": grid, "latents": grid}

@@ -1,24 +1,14 @@
 """Rounds that run whole on the device, every row on its own, under keyed noise (or greedy): what every such
 generation shares (`DeviceLoop`: its state, the prompt pass, the rounds and the host's reads between them). Chain
-decoders (AR and SJD) run `device_chain.ChainLoop`, SJD's proactive candidates `device_proactive.ProactiveLoop`, static
-head trees (Medusa, Hawk) `device_tree.HeadTreeLoop`, and trees a drafter grows per row (EAGLE-2, ADT-Tree)
-`device_tree.DynamicTreeLoop`.
+decoders (AR and SJD) run `device_chain.ChainLoop`, SJD's proactive candidates `device_proactive.ProactiveLoop`, head
+trees (Medusa, Hawk) `device_tree.HeadTreeLoop`, trees grown per row (EAGLE-2, ADT-Tree) `device_tree.DynamicTreeLoop`.
 
-A round commits, per row, the drafts that equal the target's own keyed samples (`keyed_sample`), plus the sample after
-them. Under keyed noise that rule needs no random draw, so the whole round is a function of device tensors with fixed
-shapes. Nothing in a round reads the device or branches on a device value, and no tensor is built from Python values,
-so the round compiles with ``fullgraph=True`` (`compile_round`) and its buffers keep their addresses (CUDA graphs
-replay it). The host reads the device once per *sync*: the fewest rounds the slowest row still needs (``ceil(remaining
-/ codes a round commits at most)``) run without a read, so no round runs after the last row is done and a generation
-of ``R`` rounds reads the device about ``log R`` times, plus once per round at the very end.
-
-The rows never wait for each other: a batch takes as many passes as its slowest row alone, and each row commits
-exactly what it commits alone (its noise is keyed by its own seed).
-
-A relaxed acceptance rule (LANTERN, LANTERN++; lossy) runs the same rounds: a tree node is accepted when its parent's
-keyed sample lies in the node's claim (`verification.sibling_matches`), and a chain's draft when a keyed uniform of its
-own stream is below ``p~(x) / q(x)``, its proposal ``q`` kept in the state (`device_chain.relaxed_chain`).
-"""
+A round commits, per row, the drafts that equal the target's keyed samples (`keyed_sample`), plus the sample after
+them (a relaxed rule, LANTERN or LANTERN++, tests them on keyed streams of their own). Nothing in a round reads the
+device, branches on a device value or builds a tensor from Python values, so it compiles with ``fullgraph=True``
+(`compile_round`) and its buffers keep their addresses (CUDA graphs replay it). The host reads the device once per
+*sync*, after the fewest rounds the slowest row still needs: about ``log R`` reads for ``R`` rounds. The rows never
+wait for each other: each commits exactly what it commits alone (its noise is keyed by its own seed)."""
 
 import math
 import types
@@ -78,12 +68,10 @@ class DeviceLoop:
         seeds (`torch.LongTensor` `(B,)`): one noise seed per image.
         prefix (`PromptEmbeddings`): the prompt rows ``(R, P, D)``.
         cache (`StaticKVCache`): a cache for the ``R`` rows, empty.
-        round_fn (`Callable`, *optional*): what runs a round: the subclass's round function (the default), or
-            `compile_round`'s graph of it.
-        rule (`AcceptanceRule`): exact (the default: a draft is accepted when it equals the target's keyed sample),
-            or relaxed (LANTERN, LANTERN++: `verification.sibling_matches` for a tree's point-mass candidates,
-            `device_chain.relaxed_chain` for a chain's drafts and their proposals).
-        neighbours (`torch.Tensor` `(V, k)`, *optional*): the codebook neighbour table of a relaxed rule
+        round_fn (`Callable`, *optional*): what runs a round: `default_round` or `compile_round`'s graph of it.
+        rule (`AcceptanceRule`): exact (the default: a draft is accepted when it equals the target's keyed sample), or
+            relaxed (LANTERN, LANTERN++).
+        neighbours (`torch.Tensor` `(V, k)`, *optional*): a relaxed rule's codebook neighbour table
             (`SpatialBackbone.code_neighbours`).
     """
 
@@ -182,13 +170,10 @@ class DeviceLoop:
 
     def run(self, on_sync: Optional[Callable[[int], None]] = None, on_round: Optional[Callable[[int, int], None]] = None,
             interrupted: Optional[Callable[[], bool]] = None) -> int:
-        """Rounds until every grid is full; returns how many. Between two reads of the device run the fewest rounds
-        the slowest row still needs, at most ``max_rounds_per_sync``; ``on_sync(codes committed over the batch)`` is
-        called after each read (the progress bar).
-
-        With ``on_round`` (a step callback) the host reads the device after every round and calls
-        ``on_round(round index, the slowest row's committed codes)`` (`RoundView` shows the grids). ``interrupted()`` is asked after every
-        read: true stops the generation there."""
+        """Rounds until every grid is full; returns how many. Between two reads of the device run the fewest rounds the
+        slowest row still needs, at most ``max_rounds_per_sync``, then call ``on_sync(codes committed over the batch)``.
+        With ``on_round`` (a step callback) the host reads after every round and calls ``on_round(round index, the
+        slowest row's committed codes)``; ``interrupted()`` true after a read stops the generation."""
         n = self.layout.num_tokens
         while True:
             slowest, total = self.sync()
@@ -257,10 +242,9 @@ class DeviceLoop:
 
 
 class RoundView:
-    """What a step callback sees of a generation on the device (`CallbackStateMixin._run_callback`): every row's grid
-    and acceptance record so far (views of the device state: a callback's returned grid is written into it), the
-    slowest row's count, and the call's sampling, whose guidance scale a callback may change (the rounds read it as a
-    tensor, so a new scale is no new graph).
+    """What a step callback sees of a generation (`CallbackStateMixin._run_callback`): every row's grid and acceptance
+    record (views of the device state), the slowest row's count, and the call's sampling, whose guidance scale a
+    callback may change (a tensor to the rounds: no new graph).
 
     Args:
         loop (`DeviceLoop`): the generation.
@@ -290,9 +274,8 @@ class RoundView:
 
 
 def compile_round(round_fn: Callable, fullgraph: bool = True, **options) -> Callable[[DeviceLoop], None]:
-    """A round function (a loop's `DeviceLoop.default_round`: `device_chain.chain_round`, `device_tree.head_tree_round`
-    or `device_tree.dynamic_tree_round`) compiled whole (``torch.compile(fullgraph=True)``): one graph per batch, draft
-    shape and attended length. Under CUDA graphs (``mode="reduce-overhead"``) each round is a new graph step."""
+    """A round function (`DeviceLoop.default_round`) compiled whole (``torch.compile(fullgraph=True)``): one graph per
+    batch, draft shape and attended length; under CUDA graphs (``mode="reduce-overhead"``) each round is a new step."""
     # a copy of the function with its own code object: dynamo keeps graphs, and counts them against its recompile
     # limit, per code object, so each compiled pipeline gets its own rather than sharing one with every other
     own = types.FunctionType(round_fn.__code__.replace(), round_fn.__globals__, round_fn.__name__)

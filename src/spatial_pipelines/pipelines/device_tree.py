@@ -1,20 +1,15 @@
-"""Tree decoders' rounds run whole on the device (what every device loop shares is `device_loop.DeviceLoop`).
+"""Tree decoders' rounds run whole on the device (shared parts: `device_loop.DeviceLoop`).
 
 A head tree (`HeadTreeLoop`, `head_tree_round`) drafts a static tree of the draft heads' candidates (Medusa's top-k,
-Hawk's pools) from the hidden state that predicted each row's newest code (the decoder's `HeadDrafter`), feeds it with
-the tree mask, and accepts the deepest node whose path matches the keyed samples node by node (a sibling is accepted
-exactly when it equals its parent's sample, as `verify_tree` does with a point mass); the codes are the samples along
-that path, and the cache moves the path's slots to the row's first ones (`StaticKVCache.keep_paths`). A grown tree
-(`DynamicTreeLoop`, `dynamic_tree_round`) comes from a drafter with its own cache (`EagleDrafter`): it reads the codes
-the last round committed with the target features that predicted them, grows one tree per row (`RowTrees`), and the
-same verification (`verify_tree_round`) reads that tree's per-row tables. With end-of-row tokens a tree round also
-feeds one EOL slot per node at every depth whose code ends a row (`device_eol.end_of_row_slots`; a tree as deep as a
-row or deeper crosses several): the node's descendants see it, its output predicts the next row's first code, and the
-cache keeps each one the accepted path crossed.
-
-Under a relaxed acceptance rule (LANTERN, LANTERN++; lossy) a node is accepted when its parent's keyed sample lies in
-the node's claim (`sibling_matches`).
-"""
+Hawk's pools) from the hidden state that predicted each row's newest code (`HeadDrafter`); a grown tree
+(`DynamicTreeLoop`, `dynamic_tree_round`) comes from a drafter with its own cache (`EagleDrafter`) that reads the
+codes the last round committed with the target features that predicted them and grows one tree per row
+(`RowTrees`). Both are fed with the tree mask and verified alike (`verify_tree_round`): the deepest node whose path
+matches the keyed samples node by node is accepted (a sibling when it equals its parent's sample, `verify_tree` with a
+point mass; under a relaxed rule when that sample lies in the node's claim, `sibling_matches`), the samples along it
+are committed, and the cache moves the path's slots to the row's first ones (`StaticKVCache.keep_paths`). With
+end-of-row tokens a round also feeds an EOL slot per node at every depth whose code ends a row
+(`device_eol.end_of_row_slots`), and the cache keeps each one the accepted path crossed."""
 
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
@@ -37,9 +32,8 @@ class HeadTreeState(DeviceState):
 
     Args:
         hidden (`torch.Tensor` `(B, D)`): per row, the pre-norm hidden state that predicted its newest code.
-        path (`torch.LongTensor` `(R, P)`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots of the
-            last round's accepted path (with an EOL slot at each row end it crossed) and how many of them it keeps: the
-            next round moves them first (`StaticKVCache.keep_paths`).
+        path (`torch.LongTensor` `(R, P)`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots of the last
+            round's accepted path (and the EOL slots it crossed) and how many it keeps, moved by the next round.
     """
 
     hidden: torch.Tensor
@@ -53,12 +47,10 @@ class DynamicTreeState(DeviceState):
 
     Args:
         path (`torch.LongTensor` `(R, P)`), kept (`torch.LongTensor` `(R,)`): as `HeadTreeState`'s.
-        features (`torch.Tensor` `(R, D + 1, D)`): per cache row (CFG rows too), the pre-norm hidden states of the
-            last round's accepted path: the ones that predicted the codes it committed (after the prompt pass: the
-            prompt's last, in slot 0).
+        features (`torch.Tensor` `(R, D + 1, D)`): per cache row, the pre-norm hidden states that predicted the codes
+            the last round committed (after the prompt pass: the prompt's last, in slot 0).
         fresh (`torch.LongTensor` `(B,)`): codes the last round committed per row (the drafter has not read them yet).
-        tree_shapes (`torch.LongTensor` `(N + 1, B, 2)`): per round (as ``accepted``), each row's kept tree depth and
-            the ``k`` it was grown with.
+        tree_shapes (`torch.LongTensor` `(N + 1, B, 2)`): per round, each row's kept tree depth and its ``k``.
     """
 
     path: torch.Tensor
@@ -69,14 +61,9 @@ class DynamicTreeState(DeviceState):
 
 
 class TreeLoop(DeviceLoop):
-    """What the tree loops share: ``T`` tree nodes per row, then (with end-of-row tokens) ``E`` EOL slots, one for each
-    node at a depth whose code ends a row (`device_eol.end_of_row_slots`; ``E`` a host bound, `eol_slots_of`); the
-    accepted path's cache slots (``P``: its nodes and an EOL slot at each row end it crossed) moved by the next round. A
-    subclass sets ``drafter``, ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before `DeviceLoop.__init__`.
-
-    Under a relaxed rule a node is accepted when its parent's keyed sample lies in the set the node claims
-    (`sibling_matches`): LANTERN's own verification of point-mass candidates, with the sample as its only
-    randomness."""
+    """What the tree loops share: ``T`` tree nodes per row, then (with end-of-row tokens) ``E`` EOL slots (a host bound,
+    `eol_slots_of`); the accepted path's cache slots (``P``: its nodes and the EOL slots it crossed) moved by the next
+    round. A subclass sets ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before `DeviceLoop.__init__`."""
 
     def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
                  cache: StaticKVCache, round_fn: Optional[Callable] = None, rule: AcceptanceRule = EXACT,
@@ -91,9 +78,8 @@ class TreeLoop(DeviceLoop):
 
     @staticmethod
     def eol_slots_of(layout, drafter, num_nodes: int) -> int:
-        """EOL slots a round of the drafter's trees (``num_nodes`` nodes, root included) feeds (`eol_slot_count`), from
-        the nodes at each depth at most: a static tree's own counts (``depth_counts``), or ``nodes_per_depth`` below
-        the root."""
+        """EOL slots a round of the drafter's trees (``num_nodes`` nodes) feeds (`eol_slot_count`), from the nodes per
+        depth at most: a static tree's ``depth_counts``, or ``nodes_per_depth`` below the root."""
         counts = getattr(drafter, "depth_counts", None)
         counts = tuple(counts) if counts is not None else (1,) + (drafter.nodes_per_depth,) * drafter.tree_depth
         return min(num_nodes, eol_slot_count(layout, counts))
@@ -103,12 +89,11 @@ class TreeLoop(DeviceLoop):
 
 
 class HeadTreeLoop(TreeLoop):
-    """A static tree of draft-head candidates (Medusa, Hawk: a `TreeRound`'s drafter), verified exactly
-    under keyed noise: `head_tree_round`.
+    """A static tree of draft-head candidates (Medusa, Hawk: a `TreeRound`'s drafter): `head_tree_round`.
 
     Args:
-        drafter (`HeadDrafter`): drafts the tree's nodes from each row's hidden state; the other arguments are
-            `DeviceLoop`'s.
+        drafter (`HeadDrafter`): drafts the tree's nodes from each row's hidden state.
+        The other arguments are `DeviceLoop`'s.
     """
 
     def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
@@ -145,15 +130,14 @@ class HeadTreeLoop(TreeLoop):
 
 
 class DynamicTreeLoop(TreeLoop):
-    """A drafter that grows each row's own tree every round (EAGLE-2: a `TreeRound`'s drafter
-    with ``per_row_trees``), verified exactly under keyed noise: `dynamic_tree_round`.
+    """A drafter that grows each row's own tree every round (EAGLE-2: a `TreeRound` drafter with ``per_row_trees``):
+    `dynamic_tree_round`.
 
     Args:
-        drafter: grows the trees (`EagleDrafter`): ``drafter(loop)`` gives each row's node codes ``(B, T - 1)`` and its
-            `RowTrees`; it has ``num_nodes`` (``T - 1``), ``tree_depth`` (the trees' at most), ``nodes_per_depth`` (at
-            most), ``draft_passes`` per round, ``start(loop)`` (after the prompt pass), ``report(shapes)``,
-            ``buffers()`` and ``set_bound(committed)`` (a host bound on any row's committed codes before a round).
-            The other arguments are `DeviceLoop`'s.
+        drafter (`EagleDrafter`): ``drafter(loop)`` gives each row's node codes ``(B, T - 1)`` and its `RowTrees`; it
+            has ``num_nodes`` (``T - 1``), ``tree_depth``, ``nodes_per_depth`` (at most), ``draft_passes`` per round,
+            ``start(loop)``, ``report(shapes)``, ``buffers()`` and ``set_bound(committed)`` (a host bound).
+        The other arguments are `DeviceLoop`'s.
     """
 
     def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
@@ -199,8 +183,8 @@ class DynamicTreeLoop(TreeLoop):
 
 
 def head_tree_round(loop: HeadTreeLoop) -> None:
-    """One round of a head tree (`HeadTreeLoop`) on device tensors only: draft, one target pass, keyed samples, the
-    deepest node whose path matches them, commit, and the path's cache slots moved to the row's first ones."""
+    """One round of a head tree (`HeadTreeLoop`) on device tensors only: draft, verify and commit
+    (`verify_tree_round`), then the hidden state the heads read next."""
     s, backbone = loop.state, loop.backbone
     active = s.committed < loop.layout.num_tokens  # (B,)
     # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
@@ -218,10 +202,8 @@ def head_tree_round(loop: HeadTreeLoop) -> None:
 
 
 def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
-    """One round of a drafter that grows each row's own tree (`DynamicTreeLoop`, EAGLE-2) on device tensors only:
-    the drafter reads the codes the last round committed with the features that predicted them and grows the trees,
-    then one target pass, keyed samples, the deepest matching node, commit, and the features of the accepted path
-    kept for the drafter's next round."""
+    """One round of a drafter that grows each row's own tree (`DynamicTreeLoop`, EAGLE-2) on device tensors only: grow
+    the trees, verify and commit (`verify_tree_round`), keep the accepted path's features for the drafter."""
     s = loop.state
     active = s.committed < loop.layout.num_tokens  # (B,)
     # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
