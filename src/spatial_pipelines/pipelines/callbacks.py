@@ -19,13 +19,11 @@ class CallbackStateMixin:
     ``callback_on_step_end`` contract.
 
     ``callback_on_step_end(pipe, step_index, num_committed, callback_kwargs)`` is called after every target pass
-    (``step_index`` from 0, as diffusers' ``i``); ``callback_kwargs`` holds copies of the state tensors named in
-    ``callback_on_step_end_tensor_inputs`` (``tokens``, or diffusers' name ``latents``: the ``(B, H, W)`` grid, ``-1``
-    where not yet decoded; ``acceptance_map``). Return the dict or ``None``: a returned ``acceptance_map`` replaces the
-    record; a returned grid may change codes only after the last round (`_run_callback`). The callback may read
-    ``pipe.guidance_scale``, ``pipe.do_classifier_free_guidance`` and ``pipe.num_timesteps``, set
-    ``pipe._guidance_scale`` (used from the next round) and set ``pipe._interrupt = True`` (the call stops after this
-    round). While a callback is set, the host reads the device after every round instead of once per sync.
+    (``step_index`` from 0, as diffusers' ``i``) with copies of the state tensors named in
+    ``callback_on_step_end_tensor_inputs`` (``tokens``, or diffusers' ``latents``: the ``(B, H, W)`` grid, ``-1`` where
+    not yet decoded; ``acceptance_map``); it may return some of them (`_run_callback`), read ``pipe.guidance_scale``,
+    ``pipe.do_classifier_free_guidance`` and ``pipe.num_timesteps``, and set ``pipe._guidance_scale`` or
+    ``pipe._interrupt``. While a callback is set, the host reads the device after every round, not once per sync.
     """
 
     _callback_tensor_inputs = CALLBACK_TENSOR_INPUTS
@@ -36,8 +34,7 @@ class CallbackStateMixin:
 
     @property
     def guidance_scale(self) -> float:
-        """The CFG scale of the current (or last) call; a callback may set ``pipe._guidance_scale``, which the next
-        round uses."""
+        """The CFG scale of the current (or last) call; a callback's ``pipe._guidance_scale`` is used next round."""
         return self._guidance_scale
 
     @property
@@ -47,24 +44,21 @@ class CallbackStateMixin:
 
     @property
     def num_timesteps(self) -> int:
-        """Rounds (target passes after the prefill) of the current call known so far: those run, plus one while the grid
-        is not full, so a callback's last step is ``step_index == num_timesteps - 1`` as in diffusers; after a call,
-        the rounds it ran."""
+        """Rounds of the current call known so far: those run, plus one while the grid is not full (a callback's last
+        step is ``step_index == num_timesteps - 1``); after a call, the rounds it ran."""
         return self._num_timesteps
 
     @property
     def interrupt(self) -> bool:
-        """Set ``pipe._interrupt = True`` (in a callback) to stop the current call after its round: codes not yet
-        decoded stay ``-1`` in ``out.tokens`` and are mid-grey in images."""
+        """A callback sets ``pipe._interrupt = True`` to stop the call after its round (undecoded codes stay ``-1``)."""
         return self._interrupt
 
     def _start_call(self, guidance_scale: float, do_cfg: bool) -> None:
         self._guidance_scale, self._do_cfg, self._num_timesteps, self._interrupt = guidance_scale, do_cfg, 0, False
 
     def _follow_guidance(self, state: RoundView) -> None:
-        """After a callback: a new ``pipe._guidance_scale`` becomes the mixing scale of the next rounds. The rows a
-        call runs are fixed when it starts, so a call without CFG cannot turn it on; with CFG, any finite scale >= 0
-        goes (1 then gives the conditional model)."""
+        """After a callback: a new ``pipe._guidance_scale`` mixes the next rounds. A call without CFG cannot turn it on
+        (its rows are fixed when it starts); with CFG, any finite scale >= 0 goes."""
         scale = self._guidance_scale
         if scale == state.sampling.guidance_scale:
             return

@@ -39,8 +39,7 @@ class ChainState(DeviceState):
         drafts (`torch.LongTensor` `(B, L)`): each row's drafts for the ``L`` positions after its newest code.
         q (`torch.Tensor` `(B, L, V)`, *optional*): the law each draft was drawn from (a point mass for a copy), where
             drafts are tested against their proposals (`relaxed_chain`).
-        raced (`torch.BoolTensor` `(B, L)`, *optional*): continuation: the draft is its proposal's keyed sample
-            (`continue_drafts`).
+        raced (`torch.BoolTensor` `(B, L)`, *optional*): the draft is its proposal's keyed sample (`continue_drafts`).
         above (`torch.LongTensor` `(B, N + 1)`, *optional*): ``init="heads"``: the head's guess for each position, made
             when the code above it was committed (``-1``: none yet; column ``N`` a spare).
     """
@@ -52,12 +51,11 @@ class ChainState(DeviceState):
 
 
 class ChainDrafts:
-    """What a loop drafting a window of ``L`` positions keeps (`ChainLoop`, `device_proactive.ProactiveLoop`): its
-    drafting options (`setup_drafts`), the `ChainState` fields (`draft_fields`) and the first drafts (`start_rows`)."""
+    """What a loop drafting a window of ``L`` positions keeps (`ChainLoop`, `device_proactive.ProactiveLoop`)."""
 
     def setup_drafts(self, backbone: SpatialBackbone, window: int, rule: AcceptanceRule, init: str, anchor: bool,
                      continuation: bool, proposals: bool, guess: Optional[Callable], device: torch.device) -> None:
-        check_init(init, guess)
+        ChainRound(0, init, guess=guess)  # checks ``init`` (``"heads"`` with its ``guess``) as a plan's are checked
         self.window, self.init, self.guess = window, init, guess
         self.draft_passes_per_round = int(guess is not None)  # the head's
         self.proposals = (proposals and window > 0) or rule.relaxes  # AR tests no draft
@@ -97,8 +95,8 @@ class ChainLoop(ChainDrafts, DeviceLoop):
             `INIT_STREAM`) or ``"heads"`` (``guess``'s code).
         guess (`Callable`, *optional*): ``init="heads"``: ``guess(backbone, hidden, codes)``, the logits of the codes
             one row below ``codes`` ``(B, n)`` from the hidden states that predicted them (`predict_above`).
-        anchor (`bool`): the left anchor on the first draft's proposal, where proposals are kept (`anchor_left`).
-        continuation (`bool`): SJD-PAC's continuation, where proposals are kept (`continue_drafts`).
+        anchor (`bool`), continuation (`bool`): the left anchor (`anchor_left`) and SJD-PAC's continuation
+            (`continue_drafts`), where proposals are kept.
         proposals (`bool`): keep each draft's proposal ``q`` and accept a draft when a keyed uniform is below
             ``p(x) / q(x)`` (drawn noise; a relaxed rule always does), not when it equals the target's keyed sample.
         The other arguments are `DeviceLoop`'s.
@@ -125,11 +123,6 @@ class ChainLoop(ChainDrafts, DeviceLoop):
     @classmethod
     def default_round(cls) -> Callable:
         return chain_round
-
-
-def check_init(init: str, guess: Optional[Callable]) -> None:
-    """A chain loop's ``init`` (``"heads"`` with its ``guess``), checked as `ChainRound` checks it."""
-    ChainRound(0, init, guess=guess)
 
 
 def fed_slots(layout, window: int) -> int:
@@ -207,9 +200,9 @@ def chain_forward(loop: ChainLoop, start: torch.Tensor, codes: torch.Tensor) -> 
 
 def predict_above(loop: ChainLoop, hidden: torch.Tensor, codes: torch.Tensor, accepted: torch.Tensor,
                   first: torch.Tensor) -> None:
-    """``init="heads"``: the head's guess for the code one row below each of the first ``accepted`` ``(B,)`` codes
-    ``codes`` ``(B, C)`` committed from grid index ``first`` ``(B,)`` on, from the hidden states that predicted them
-    ``(B, C, D)`` (all ``C`` guessed: fixed shapes; the rest write the spare column)."""
+    """``init="heads"``: the head's guess for the code one row below each of the first ``accepted`` ``(B,)`` of the
+    codes ``codes`` ``(B, C)`` committed from grid index ``first`` ``(B,)`` on, from the hidden states that predicted
+    them ``(B, C, D)`` (the rest write the spare column)."""
     s, n = loop.state, loop.layout.num_tokens
     offsets = loop.code_offsets[: codes.shape[1]]  # (C,)
     guess = loop.guess(loop.backbone, hidden, codes).argmax(-1)  # (B, C)
@@ -220,9 +213,8 @@ def predict_above(loop: ChainLoop, hidden: torch.Tensor, codes: torch.Tensor, ac
 
 def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, committed: torch.Tensor,
                 probs: Optional[torch.Tensor]) -> None:
-    """Step 6 of a chain round: each row's next drafts are this pass's samples ``(B, L + 1)`` for the positions after
-    its ``accepted`` codes, then fresh drafts (`place_drafts`); with ``probs`` ``(B, L + 1, V)`` (proposals kept) each
-    draft's proposal too: the ``p`` it was drawn from."""
+    """Step 6 of a chain round: each row's next drafts are this pass's samples ``(B, L + 1)`` after its ``accepted``
+    codes (with ``probs`` ``(B, L + 1, V)``, their ``p`` as proposals), then fresh drafts (`place_drafts`)."""
     s, window = loop.state, loop.window
     source = accepted[:, None] + loop.draft_offsets  # (B, L) code slot whose sample is the draft's
     redrawn = samples.gather(1, source.clamp_max(window))  # (B, L)
@@ -236,10 +228,9 @@ def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, 
 
 def place_drafts(loop: ChainLoop, redrawn: torch.Tensor, drawn_from: Optional[torch.Tensor], source: torch.Tensor,
                  committed: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    """The next drafts: a position whose predicting slot ``source`` ``(B, L)`` lies in the window takes the redraw
-    ``redrawn`` ``(B, L)`` (with kept proposals, continued: `continue_drafts`, its proposal ``drawn_from``
-    ``(B, L, V)``), the rest fresh drafts (`fresh_drafts`, after ``committed`` ``(B,)`` codes and the draft
-    ``before``); then the left anchor (`anchor_left`). Returns the grid index of each next draft ``(B, L)``."""
+    """The next drafts: where the predicting slot ``source`` ``(B, L)`` lies in the window, the redraw ``redrawn``
+    (with kept proposals ``drawn_from`` ``(B, L, V)``, continued: `continue_drafts`), else a fresh draft after the
+    ``committed`` ``(B,)`` codes and the draft ``before``; then the left anchor. Returns the grid indices ``(B, L)``."""
     s = loop.state
     here = source <= loop.window  # (B, L)
     index = committed[:, None] + loop.draft_offsets  # (B, L) the grid index of each next draft
@@ -315,18 +306,14 @@ def continue_drafts(loop: ChainLoop, redrawn: torch.Tensor, p: torch.Tensor, sou
 def relaxed_chain(loop: ChainLoop, probs: torch.Tensor, index: torch.Tensor):
     """Step 4 under a relaxed rule (LANTERN, LANTERN++): draft ``x ~ q`` is accepted when a keyed uniform
     ``u < p~_x(x) / q(x)``; the first rejected position takes a keyed draw from ``norm(max(p~_x - q, 0))``, a row that
-    accepts every draft a draw from the next position's ``p``: speculative sampling of the relaxed target ``p~``.
-
-    The streams are their own (`ACCEPT_STREAM`, `RESIDUAL_STREAM`): a draft is drawn with the target's noise for its
-    position, so testing it with that noise would couple the two; a position is tested once, so the draws are fresh.
+    accepts every draft a draw from the next position's ``p``: speculative sampling of the relaxed target ``p~``. The
+    streams are their own (`ACCEPT_STREAM`, `RESIDUAL_STREAM`): a draft was drawn with its position's target noise.
 
     Args:
         probs (`torch.Tensor` `(B, L + 1, V)`): the pass's ``p`` at every code slot.
         index (`torch.LongTensor` `(B, L + 1)`): the grid index each slot predicts (clamped to the grid).
 
-    Returns the codes each slot commits ``(B, L + 1)`` (the drafts, then the draw) and the accepted drafts per row
-    ``(B,)``.
-    """
+    Returns the codes each slot commits ``(B, L + 1)`` (the drafts, then the draw) and the accepted drafts ``(B,)``."""
     s, rule, window = loop.state, loop.rule, loop.window
     relaxed = rule.relax(probs[:, :window], s.drafts, loop.neighbours)  # (B, L) the drafts' claims
     qx = s.q.gather(2, s.drafts[..., None])[..., 0]  # (B, L)

@@ -2,12 +2,10 @@
 token after every row (Emu3, Lumina-mGPT, the tiny LlamaGen with ``end_of_row``).
 
 A round whose newest code is ``c`` drafts grid index ``c + d`` at depth ``d``; the depths with ``(c + d) % W == W - 1``
-(but the grid's last) end a row, several of them in a tree as deep as a row. Every node at such a depth gets an EOL
-slot one sequence position after its code: it sees the node and its ancestors (and their EOL slots), the node's
-descendants see it, and its output predicts the next row's first code. Node positions need no shift of their own
-(`ImageTokenLayout.sequence_offset` counts the EOLs before a code). The accepted path keeps each EOL slot it crossed
-(`path_with_end_of_row`). The slot count is a host bound for the generation (`eol_slot_count`); a round's unused
-slots see only themselves and no node sees them."""
+(but the grid's last) end a row. Every node at such a depth gets an EOL slot one position after its code: it sees the
+node, its ancestors and their EOL slots, the node's descendants see it, and its output predicts the next row's first
+code (`ImageTokenLayout.sequence_offset` counts the EOLs before a node). The accepted path keeps each EOL slot it
+crossed (`path_with_end_of_row`). The slot count is a host bound (`eol_slot_count`); unused slots see themselves."""
 
 import math
 from dataclasses import dataclass
@@ -42,8 +40,8 @@ class EndOfRowSlots:
 
     Args:
         ends (`torch.BoolTensor` `(B, D + 1)`): per depth, whether the code there ends a row (not the grid's last).
-        predictor (`torch.LongTensor` `(B, T)`): the fed slot whose output predicts the code after each node: the
-            node itself, or its EOL slot ``T + j``.
+        predictor (`torch.LongTensor` `(B, T)`): the fed slot whose output predicts the code after each node: the node
+            itself, or its EOL slot ``T + j``.
         offsets (`torch.LongTensor` `(B, E)`), predicts (`torch.LongTensor` `(B, E)`): each EOL slot's sequence offset
             and the grid index its output predicts.
         mask (`torch.BoolTensor` `(B, T + E, T + E)`): the tree mask with the EOL slots.
@@ -57,8 +55,7 @@ class EndOfRowSlots:
 
 
 def end_of_row_slots(loop, tables, committed: torch.Tensor) -> EndOfRowSlots:
-    """Per row, the EOL slots of a tree round (the module docstring's rule): every node at a depth whose code ends a row
-    takes EOL slot ``j`` (in node order).
+    """Per row, the EOL slots of a tree round (the module docstring's rule): one per node ending a row.
 
     Args:
         loop (`TreeLoop`): the generation (its layout, ``num_nodes`` ``T``, ``eol_slots`` ``E``, ``code_offsets``,

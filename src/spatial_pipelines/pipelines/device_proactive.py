@@ -6,12 +6,9 @@ first candidate is its SJD draft (`device_chain.place_drafts`); the other ``K - 
 from the same law by Gumbel top-K on a keyed stream (`draw_alternatives`). A round, on device tensors only:
 
 0. the last round's accepted path moves to its rows' first cache slots (`StaticKVCache.keep_paths`);
-1. the tree's nodes gathered from the drafts and the candidates (one static index), one target pass with the tree
-   mask (and end-of-row slots: `device_tree.tree_pass`);
-2. verification: under keyed noise (or greedy) a node is accepted when it equals its parent's keyed sample (AR's
-   codes for a seed); under drawn noise or a relaxed rule by multi-candidate speculative sampling on keyed uniforms
-   (`speculative_matches`); the code after the deepest accepted node is its keyed sample, or (drawn) a keyed draw
-   from its residual;
+1. the tree's nodes gathered from the drafts and candidates, one target pass (`device_tree.tree_pass`);
+2. a node is accepted when it equals its parent's keyed sample (keyed noise, greedy: AR's codes for a seed), or by
+   multi-candidate speculative sampling on keyed uniforms (drawn noise, relaxed rules: `speculative_matches`);
 3. commit (`device_tree.commit_path`), then the next drafts along the first-candidate descent below the last
    accepted node (`decoding_jacobi.descent_table`) and the other candidates (`next_candidates`)."""
 
@@ -81,14 +78,12 @@ class ProactiveLoop(ChainDrafts, TreeLoop):
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
         self.tables = tree_tables(tree.to(device), self.node_slots)  # the static tree's
         self.descent = descent_table(tree).to(device)  # (T, L + 1) the first-candidate descent below every node
-        depths, ranks = tree.depths[1:], tree.ranks[1:].clamp_min(0)  # (T - 1,)
+        positions, ranks = tree.depths[1:] - 1, tree.ranks[1:].clamp_min(0)  # (T - 1,) each node's position and rank
         # where each node's code lies in [drafts, alternatives.flatten()]: its position's draft, or candidate rank - 1
-        source = torch.where(ranks == 0, depths - 1, window + (depths - 1) * (width - 1) + ranks - 1)
-        self.node_source = source.to(device)  # (T - 1,)
-        positions = (depths - 1).clamp_max(self.levels - 1)  # (T - 1,) a chain node reads the last level's (unused)
+        self.node_source = torch.where(ranks == 0, positions, window + positions * (width - 1) + ranks - 1).to(device)
         # [i, k]: candidate k of node i's position was offered before node i (the exclusions of its proposal)
         self.earlier = (torch.arange(width)[None] < ranks[:, None]).to(device)  # (T - 1, K)
-        self.node_position = positions.to(device)
+        self.node_position = positions.clamp_max(self.levels - 1).to(device)  # (T - 1,) a chain node: the last level's
 
     @staticmethod
     def fed_slots(layout, window: int, width: int, depth: int, **_) -> int:

@@ -7,16 +7,14 @@ a pass feeds and where. A pass (`ssd_round`) is a function of device tensors wit
 1. the first pass of a block drafts it (`draft_block`): a first-row chunk from the newest code through the heads'
    horizontal offsets, later rows from the row above through their vertical offsets; the heads' argmax, or
    (``draft="sample"``) a keyed draw from their ``q`` (`DRAFT_STREAM`);
-2. every row feeds its newest code and the block's first codes at its own positions (with end-of-row tokens), the
-   CFG rows the same; one target pass (`ssd_forward`);
+2. every row feeds its newest code and the block's first codes at its own positions; one target pass (`ssd_forward`);
 3. a verification pass (`repair_block`) tests every block code on its own: ``x`` stays when a keyed uniform
-   ``u < p(x) / q(x)``, else becomes a keyed draw from ``norm(max(p - q, 0))`` (greedy: the argmax), keyed by grid
-   index and pass; the block's ``q`` becomes ``p``; the cache keeps none of its slots;
-4. a commit pass (`commit_block`) commits the fed codes, on the first row also the keyed sample of its last output;
-   their hidden states are kept for later drafts; the cache keeps the fed slots before the new newest code.
+   ``u < p(x) / q(x)``, else becomes a keyed draw from ``norm(max(p - q, 0))`` (greedy: the argmax); ``q`` becomes
+   ``p``; the cache keeps none of its slots;
+4. a commit pass (`commit_block`) commits the fed codes, on the first row also the keyed sample of its last output,
+   and keeps their hidden states for later drafts; the cache keeps the fed slots before the new newest code.
 
-Passes of one shape (`SSDPass.shape`) run one graph: the round reads its shape from the current phase's host ints
-(`SSDPhase`) and where it is from the state."""
+Passes of one shape (`SSDPass.shape`) run one graph, reading it from the current phase's host ints (`SSDPhase`)."""
 
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple

@@ -1,15 +1,12 @@
 """Tree decoders' rounds run whole on the device (shared parts: `device_loop.DeviceLoop`).
 
-A head tree (`HeadTreeLoop`, `head_tree_round`) drafts a static tree of the draft heads' candidates (Medusa's top-k,
-Hawk's pools) from the hidden state that predicted each row's newest code (`HeadDrafter`); a grown tree
-(`DynamicTreeLoop`, `dynamic_tree_round`) comes from a drafter with its own cache (`EagleDrafter`) that reads the
-codes the last round committed with the target features that predicted them and grows one tree per row
-(`RowTrees`). Both are fed with the tree mask and verified alike (`verify_tree_round`): the deepest node whose path
-matches the keyed samples node by node is accepted (a sibling when it equals its parent's sample, `verify_tree` with a
-point mass; under a relaxed rule when that sample lies in the node's claim, `sibling_matches`), the samples along it
-are committed, and the cache moves the path's slots to the row's first ones (`StaticKVCache.keep_paths`). With
-end-of-row tokens a round also feeds an EOL slot per node at every depth whose code ends a row
-(`device_eol.end_of_row_slots`), and the cache keeps each one the accepted path crossed."""
+A head tree (`HeadTreeLoop`) drafts a static tree of the draft heads' candidates (Medusa's top-k, Hawk's pools) from
+the hidden state that predicted each row's newest code; a grown tree (`DynamicTreeLoop`) comes from a drafter with its
+own cache (`EagleDrafter`) that grows one tree per row (`RowTrees`). Both are verified alike (`verify_tree_round`):
+the deepest node whose path matches the keyed samples node by node is accepted (a sibling when it equals its
+parent's sample; under a relaxed rule when that sample lies in the node's claim, `sibling_matches`), the samples
+along it are committed, and the cache moves the path's slots (and the EOL slots it crossed, `device_eol`) to the
+row's first ones (`StaticKVCache.keep_paths`)."""
 
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
@@ -49,7 +46,7 @@ class DynamicTreeState(DeviceState):
         path (`torch.LongTensor` `(R, P)`), kept (`torch.LongTensor` `(R,)`): as `HeadTreeState`'s.
         features (`torch.Tensor` `(R, D + 1, D)`): per cache row, the pre-norm hidden states that predicted the codes
             the last round committed (after the prompt pass: the prompt's last, in slot 0).
-        fresh (`torch.LongTensor` `(B,)`): codes the last round committed per row (the drafter has not read them yet).
+        fresh (`torch.LongTensor` `(B,)`): codes the last round committed per row (not read by the drafter yet).
         tree_shapes (`torch.LongTensor` `(N + 1, B, 2)`): per round, each row's kept tree depth and its ``k``.
     """
 
@@ -89,11 +86,10 @@ class TreeLoop(DeviceLoop):
 
 
 class HeadTreeLoop(TreeLoop):
-    """A static tree of draft-head candidates (Medusa, Hawk: a `TreeRound`'s drafter): `head_tree_round`.
+    """A static tree of draft-head candidates (Medusa, Hawk: a `TreeRound`'s drafter).
 
     Args:
-        drafter (`HeadDrafter`): drafts the tree's nodes from each row's hidden state.
-        The other arguments are `DeviceLoop`'s.
+        drafter (`HeadDrafter`): drafts the tree's nodes from each row's hidden state; the rest are `DeviceLoop`'s.
     """
 
     def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
@@ -112,12 +108,11 @@ class HeadTreeLoop(TreeLoop):
         return num_nodes + TreeLoop.eol_slots_of(layout, drafter, num_nodes)
 
     def new_state(self, **common) -> HeadTreeState:
-        device = common["tokens"].device
-        hidden = torch.zeros(self.batch_size, self.hidden_size, dtype=self.hidden_dtype, device=device)
-        rows = self.cache.num_rows
-        path = torch.zeros(rows, self.path_slots, dtype=torch.long, device=device)
-        kept = torch.zeros(rows, dtype=torch.long, device=device)  # the prompt pass left nothing to move
-        return HeadTreeState(hidden=hidden, path=path, kept=kept, **common)
+        device, rows = common["tokens"].device, self.cache.num_rows
+        return HeadTreeState(
+            hidden=torch.zeros(self.batch_size, self.hidden_size, dtype=self.hidden_dtype, device=device),
+            path=torch.zeros(rows, self.path_slots, dtype=torch.long, device=device),
+            kept=torch.zeros(rows, dtype=torch.long, device=device), **common)  # the prompt pass left nothing to move
 
     draft_passes_per_round = 1  # the heads
 
@@ -130,8 +125,7 @@ class HeadTreeLoop(TreeLoop):
 
 
 class DynamicTreeLoop(TreeLoop):
-    """A drafter that grows each row's own tree every round (EAGLE-2: a `TreeRound` drafter with ``per_row_trees``):
-    `dynamic_tree_round`.
+    """A drafter that grows each row's own tree every round (EAGLE-2: a `TreeRound` drafter with ``per_row_trees``).
 
     Args:
         drafter (`EagleDrafter`): ``drafter(loop)`` gives each row's node codes ``(B, T - 1)`` and its `RowTrees`; it
@@ -224,11 +218,11 @@ def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
 
 
 def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", active: torch.Tensor):
-    """Steps 2-5 and 7 of a tree round: one target pass over the tree ``fed`` ``(B, T)`` (root first, ``-1``: a node
-    not offered; `tree_pass`); every node's keyed sample; the deepest node whose path matches the samples node by node
-    (a sibling is accepted exactly when it equals its parent's sample: `verify_tree` with a point mass); the samples
-    along it committed (`commit_path`). Returns the hidden states each node's output stands for ``(R, T, D)``, the
-    accepted path ``(B, D + 1)`` (padded with its last node) and the codes each row committed ``(B,)``."""
+    """Steps 2-5 and 7 of a tree round over the tree ``fed`` ``(B, T)`` (root first, ``-1``: not offered): the pass
+    (`tree_pass`), every node's keyed sample, the deepest node whose path matches them (a sibling when it equals its
+    parent's sample), the samples along it committed (`commit_path`). Returns the hidden states each node's output
+    stands for ``(R, T, D)``, the accepted path ``(B, D + 1)`` (padded with its last node) and the committed counts
+    ``(B,)``."""
     s, sampling, n = loop.state, loop.sampling, loop.layout.num_tokens
     eol, hidden, logits, predicts = tree_pass(loop, fed, tables)
     with loop.timer.section("accept"):
@@ -255,10 +249,9 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
 
 
 def tree_pass(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables"):
-    """Steps 1-3 of a tree round's pass: the EOL slots where the layout has them (`device_eol.end_of_row_slots`), one
-    target pass (`tree_forward`), the CFG mix. Returns the EOL slots (``None``: none), the hidden states each node's
-    output stands for ``(R, T, D)`` (a node that ends a row: its EOL slot's), the mixed logits of every fed slot
-    ``(B, T (+ E), V)`` and the grid index each slot's output predicts ``(B, T (+ E))``."""
+    """Steps 1-3 of a tree round's pass: the EOL slots (`device_eol.end_of_row_slots`), one target pass
+    (`tree_forward`), the CFG mix. Returns the EOL slots (or ``None``), the hidden states each node's output stands for
+    ``(R, T, D)``, the mixed logits of every fed slot ``(B, T (+ E), V)`` and the grid index each predicts."""
     eol = None
     if loop.layout.has_eol:  # the EOL slots after the nodes that end a row
         with loop.timer.section("eol"):
@@ -273,10 +266,9 @@ def tree_pass(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables"):
 
 def commit_path(loop: TreeLoop, fed: torch.Tensor, path: torch.Tensor, depth: torch.Tensor, bonus: torch.Tensor,
                 active: torch.Tensor, eol: Optional[EndOfRowSlots]):
-    """Steps 5 and 7 of a tree round: commit the accepted ``path`` ``(B, D + 1)`` (``depth`` ``(B,)`` deep, padded with
-    its last node): its nodes' codes in ``fed`` ``(B, T)``, then ``bonus`` ``(B, 1)`` or ``(B, D + 1)``, the code after
-    the deepest; each cache row keeps the path's slots (and each crossed row end's EOL slot), moved by the next round
-    (`StaticKVCache.keep_paths`). Returns the codes ``(B, D + 1)`` and how many each row committed ``(B,)``."""
+    """Steps 5 and 7 of a tree round: commit the accepted ``path`` ``(B, D + 1)`` (``depth`` ``(B,)`` deep): its nodes'
+    codes in ``fed`` ``(B, T)``, then ``bonus``, the code after the deepest; each cache row keeps the path's slots (and
+    the EOL slots it crossed) for the next round to move. Returns the codes ``(B, D + 1)`` and the counts ``(B,)``."""
     s, sampling = loop.state, loop.sampling
     below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) each code: an accepted node, then the bonus
     codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), bonus)  # (B, D + 1)

@@ -1,9 +1,7 @@
-"""The engine (`GenerationLoop`): from the encoded prompts to the token grids, for every family and decoder.
-
-It owns the KV cache, the prompt pass, the rounds (whole on the device, `device_loop`: the loop a decoder's plan
-names), fixed shapes (`static_shapes`), the compiled round and how often the host reads the device. The pipeline
-(`SpatialARPipeline`) checks the inputs, encodes the prompts, VQ-decodes the grids and runs diffusers' progress bar
-and callbacks through `LoopHooks`. One call (`GenerationLoop.generate`)::
+"""The engine (`GenerationLoop`): from the encoded prompts to the token grids, for every family and decoder: the KV
+cache, the prompt pass, the rounds (whole on the device, `device_loop`), fixed shapes (`static_shapes`), the compiled
+round and how often the host reads the device. The pipeline (`SpatialARPipeline`) checks the inputs, encodes the
+prompts, VQ-decodes the grids and runs diffusers' progress bar and callbacks (`LoopHooks`). One call::
 
     3. the decoder's plan and its loop, one noise seed per image, the KV cache
     4. the prompt pass: its keyed sample is each row's first code
@@ -34,21 +32,16 @@ from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
 from .static_shapes import RECOMPILE_LIMIT, static_cache_length
 
-#: `GenerationLoop.compile` keeps the compiled step unless its passes (1 and 8 fed tokens) take more than this much
-#: longer than the eager ones: the round compiled around it also drops the eager ops between passes, which that
-#: timing does not see (on the 2-core EPYC VM the passes tie while a compiled round is 1.07-1.31x faster per image)
+#: `GenerationLoop.compile` keeps the compiled step unless its passes (1 and 8 fed tokens) take this much longer than
+#: the eager ones: a compiled round also drops the eager ops between passes (1.07-1.31x faster per image on a CPU)
 COMPILE_TOLERANCE = 0.05
 
 
-@contextlib.contextmanager
-def _no_progress_bar(total: int = 0):
-    class _Bar:
-        n = 0
+class _NoProgressBar:
+    n = 0
 
-        def update(self, k: int) -> None:
-            self.n += k
-
-    yield _Bar()
+    def update(self, k: int) -> None:
+        self.n += k
 
 
 @dataclass
@@ -65,7 +58,7 @@ class LoopHooks:
             (``pipe.num_timesteps``).
     """
 
-    progress_bar: Callable[..., ContextManager] = _no_progress_bar
+    progress_bar: Callable[..., ContextManager] = lambda total=0: contextlib.nullcontext(_NoProgressBar())
     on_round: Optional[Callable[[int, Any], None]] = None
     interrupted: Callable[[], bool] = lambda: False
     rounds_known: Callable[[int], None] = lambda n: None
@@ -100,13 +93,22 @@ class GenerationLoop:
     # -- one generation -----------------------------------------------------------------------------------
     def generate(self, decoder: SpatialDecoderMixin, draft_heads, prefix: PromptEmbeddings, sampling: SamplingConfig,
                  generator, batch_size: int, hooks: Optional[LoopHooks] = None) -> Tuple[torch.Tensor, DecodingStats]:
-        """Steps 3-5 for ``batch_size`` images of the prompt rows ``prefix`` ``(R, P, D)``: rounds whole on the device
-        (`device_plan`). Returns the grids ``(B, N)`` in raster order and the `DecodingStats` (read from the device
-        after the last round)."""
+        """Steps 3-5 for ``batch_size`` images of the prompt rows ``prefix`` ``(R, P, D)`` by the loop of the decoder's
+        plan (`device_plan`), the host reading the device once per sync. Returns the grids ``(B, N)`` in raster order
+        and the `DecodingStats` (read from the device after the last round)."""
         self.decoder, self.draft_heads, self.hooks = decoder, draft_heads, hooks or LoopHooks()
         try:
             plan = self.device_plan(sampling, batch_size, prefix.embeds.device)
-            return self._generate_on_device(prefix, sampling, generator, batch_size, plan)
+            # 3. one noise seed per image, the KV cache, the round (compiled whole when the step is); 4. the prompt pass
+            seeds = torch.zeros(batch_size, dtype=torch.long) if sampling.greedy else draw_seeds(generator, batch_size)
+            loop = self.start_device_loop(prefix, sampling, seeds, plan)
+            # 5. rounds, the host reading the device once per sync (after every round while a step callback is set)
+            with self.hooks.progress_bar(total=self.backbone.layout.num_tokens * batch_size) as progress_bar:
+                rounds = self._run_device(loop, lambda done: progress_bar.update(done - progress_bar.n))
+            if self.timer is not None:
+                self.timer.rounds += rounds
+            self.hooks.rounds_known(rounds)
+            return loop.grid_tokens(), self._device_stats(loop, rounds, batch_size)
         finally:
             self.decoder, self.draft_heads, self.hooks = None, None, LoopHooks()
 
@@ -139,27 +141,11 @@ class GenerationLoop:
                         "decoder\").")
 
     # -- rounds on the device -------------------------------------------------------------------------------
-    def _generate_on_device(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int,
-                            plan: Tuple[type, Dict[str, Any]]) -> Tuple[torch.Tensor, DecodingStats]:
-        """Steps 3-5 by a `DeviceLoop`: the cache, the prompt pass, then rounds with a host read per sync."""
-        layout = self.backbone.layout
-        # 3. one noise seed per image, the KV cache, the round (compiled whole when the step is); 4. the prompt pass
-        seeds = torch.zeros(batch_size, dtype=torch.long) if sampling.greedy else draw_seeds(generator, batch_size)
-        loop = self.start_device_loop(prefix, sampling, seeds, plan)
-        # 5. rounds, the host reading the device once per sync (after every round while a step callback is set)
-        with self.hooks.progress_bar(total=layout.num_tokens * batch_size) as progress_bar:
-            rounds = self._run_device(loop, lambda done: progress_bar.update(done - progress_bar.n))
-        if self.timer is not None:
-            self.timer.rounds += rounds
-        self.hooks.rounds_known(rounds)
-        return loop.grid_tokens(), self._device_stats(loop, rounds, batch_size)
-
     def start_device_loop(self, prefix: PromptEmbeddings, sampling: SamplingConfig, seeds: torch.Tensor,
                           plan: Tuple[type, Dict[str, Any]], cache: Optional[StaticKVCache] = None,
                           compiled: bool = True) -> DeviceLoop:
-        """Steps 3-4 of a `device_plan`: the KV cache (``cache``: one of the caller's, reset here), the loop with its
-        round (compiled whole when the step is and ``compiled``), and the prompt pass. ``seeds`` ``(B,)``: one noise
-        seed per image."""
+        """Steps 3-4 of a `device_plan`: the KV cache (``cache``: the caller's, reset here), the loop with its round
+        (compiled whole when the step is and ``compiled``) and the prompt pass, one noise seed per image (``seeds``)."""
         loop_class, kwargs = plan
         backbone = self.backbone
         layout, rows = backbone.layout, prefix.embeds.shape[0]
@@ -228,8 +214,8 @@ class GenerationLoop:
     def compile(self, device: torch.device, mode: Optional[str] = None, dynamic: bool = False,
                 fullgraph: Optional[bool] = None, backend: str = "inductor", keep_if_slower: bool = False,
                 measure: bool = True, **kwargs) -> Dict[str, Any]:
-        """`SpatialARPipeline.enable_compile` on ``device``: compile the target step, keep it where it measures
-        faster. The rounds that run whole on the device are compiled with the same options on first use."""
+        """`SpatialARPipeline.enable_compile` on ``device``: compile the target step, keep it where it measures faster
+        (the device rounds compile with the same options on first use)."""
         backbone = self.backbone
         module = backbone.target_module
         if mode is None and device.type == "cuda" and backend == "inductor":

@@ -46,9 +46,8 @@ class PassCost:
         backbone: the pipeline's `SpatialBackbone`.
         rows (`int`): batch rows of a pass (2 with CFG at batch 1).
         repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed sweeps over the sizes (`sweep_estimate`).
-        compiled (`bool`): time the compiled target when the pipeline has one (otherwise the eager forward, which
-            compiles nothing per measured ``T``).
-        fixed_shape (`bool`): on a fixed-shape cache (every pass attends to the whole cache), as static-shape rounds run.
+        compiled (`bool`): time the compiled target when the pipeline has one (else the eager forward).
+        fixed_shape (`bool`): on a fixed-shape cache (every pass attends to all of it), as static-shape rounds run.
     """
 
     def __init__(self, backbone, rows: int, repeats: Optional[int] = None, warmup: int = 2, compiled: bool = False,
@@ -77,7 +76,7 @@ class PassCost:
                 for i in range(self.warmup + self.repeats):
                     order.shuffle(todo)
                     for t in todo:
-                        seconds = self._measure(t, 1)
+                        seconds = self._measure(t)
                         if i >= self.warmup:
                             times[t].append(seconds)
             self.seconds = sweep_estimate(times)
@@ -90,9 +89,10 @@ class PassCost:
         return fit_pass_cost({t: self.seconds[t] for t in (self.seconds if sizes is None else sizes)})
 
     @torch.no_grad()
-    def _measure(self, t: int, passes: int) -> float:
+    def _measure(self, t: int) -> float:
         backbone, layout = self.backbone, self.backbone.layout
-        weight = backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._device()))
+        code = torch.zeros(1, 1, dtype=torch.long, device=backbone.pipe._execution_device)
+        weight = backbone.embed_image_tokens(code)
         device, dtype = weight.device, weight.dtype
         filled = min(layout.sequence_length // 2 + 16, layout.sequence_length)  # the prompt and half the image
         if self._cache is None or self._cache.max_length < filled + t:
@@ -114,7 +114,7 @@ class PassCost:
                 backbone.image_logits(backbone.forward(backbone.embed_image_tokens(ids), positions, mask, None, cache))
             cache.crop(length)
 
-        return self._timed(one_pass, passes, device)
+        return self._timed(one_pass, 1, device)
 
     @staticmethod
     def _timed(one_pass, passes: int, device: torch.device) -> float:
@@ -127,9 +127,6 @@ class PassCost:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return (time.perf_counter() - start) / passes
-
-    def _device(self):
-        return self.backbone.pipe._execution_device
 
 
 @dataclass(frozen=True)
@@ -148,8 +145,8 @@ class FittedCost:
 
 
 def fit_pass_cost(seconds: Dict[int, float]) -> FittedCost:
-    """Least squares (relative errors) of `FittedCost` through ``{T: seconds}``, the knee tried at every measured
-    ``T``; a fit whose slope comes out negative is refitted without that term."""
+    """Least squares (relative errors) of `FittedCost` through ``{T: seconds}``, the knee tried at every measured ``T``;
+    a fit with a negative slope is refitted without that term."""
     sizes = sorted(seconds)
     if not sizes:
         raise ValueError("`seconds` is empty: measure at least one size before fitting.")
@@ -165,7 +162,8 @@ def fit_pass_cost(seconds: Dict[int, float]) -> FittedCost:
                 continue
             full = dict(zip(columns, coef))
             fit = FittedCost(float(full.get(0, 0.0)), float(full.get(1, 0.0)), float(full.get(2, 0.0)), knee)
-            error = float(((np.asarray([fit(s) for s in sizes]) - c) / c) @ ((np.asarray([fit(s) for s in sizes]) - c) / c))
+            relative = (np.asarray([fit(s) for s in sizes]) - c) / c
+            error = float(relative @ relative)
             if error < best_error - 1e-12:
                 best, best_error = fit, error
             break
@@ -234,11 +232,7 @@ class RoundCost:
             plans = {}
             for tree in trees:
                 decoder.tree = tree
-                plan = generation.device_plan(self.sampling, self.batch_size, device)
-                if plan is None:
-                    raise ValueError(f"{type(decoder).__name__} does not run on the device rounds with "
-                                     f"{tree.num_nodes} tree nodes: its draft size cannot be timed.")
-                plans[tree.num_nodes] = (tree, plan)
+                plans[tree.num_nodes] = (tree, generation.device_plan(self.sampling, self.batch_size, device))
             fed = max(loop_class.fed_slots(layout, **kwargs) for _, (loop_class, kwargs) in plans.values())
             # one cache for every candidate, reset for each: the candidates' loops never live at once
             cache = backbone.make_cache(rows, length + layout.sequence_length + fed)
