@@ -1,7 +1,6 @@
-"""What diffusers pipelines show callbacks and users during a call, for an AR loop: ``guidance_scale`` (a callback
-that changes ``pipe._guidance_scale`` changes it from the next round), ``do_classifier_free_guidance``,
-``num_timesteps`` (rounds run so far, plus one while the grid is not full), ``interrupt`` (a callback that sets ``pipe._interrupt`` stops the loop after
-the round), and the ``callback_on_step_end`` contract itself."""
+"""What diffusers pipelines show callbacks and users during a call, for an AR loop (`CallbackStateMixin`):
+``guidance_scale``, ``do_classifier_free_guidance``, ``num_timesteps``, ``interrupt`` and the
+``callback_on_step_end`` contract itself."""
 
 import dataclasses
 from typing import Sequence
@@ -20,18 +19,11 @@ class CallbackStateMixin:
     ``callback_on_step_end`` contract.
 
     ``callback_on_step_end(pipe, step_index, num_committed, callback_kwargs)`` is called after every target pass
-    (``step_index`` from 0, as diffusers' ``i``); ``callback_kwargs`` holds copies of the state tensors named in
-    ``callback_on_step_end_tensor_inputs`` (``tokens``, or diffusers' name ``latents``: the ``(B, H, W)`` grid, ``-1``
-    where not yet decoded; ``acceptance_map``), so changing them in place changes nothing. Return the dict (diffusers'
-    habit) or ``None``: a returned ``acceptance_map`` replaces the record; a returned grid must be as it was before the
-    last round (a `ValueError` otherwise: committed codes cannot be changed mid-generation, the KV cache holds them) and
-    replaces the output after it (codes in ``[0, V)``). As in diffusers, the callback may read ``pipe.guidance_scale``,
-    ``pipe.do_classifier_free_guidance`` and ``pipe.num_timesteps`` (rounds run, plus one while the grid is not full:
-    the last round is ``step_index == pipe.num_timesteps - 1``; after the call, the rounds run), set
-    ``pipe._guidance_scale`` (used from the next round; a call with ``guidance_scale=1`` cannot turn guidance on) and
-    set ``pipe._interrupt = True`` (the call stops after this round; undecoded codes stay ``-1`` and are mid-grey in
-    images). A callback sees every round, so while one is set the rounds on the device (`device_loop`) read the device
-    after every round instead of once per sync; the round itself stays one graph.
+    (``step_index`` from 0, as diffusers' ``i``) with copies of the state tensors named in
+    ``callback_on_step_end_tensor_inputs`` (``tokens``, or diffusers' ``latents``: the ``(B, H, W)`` grid, ``-1`` where
+    not yet decoded; ``acceptance_map``); it may return some of them (`_run_callback`), read ``pipe.guidance_scale``,
+    ``pipe.do_classifier_free_guidance`` and ``pipe.num_timesteps``, and set ``pipe._guidance_scale`` or
+    ``pipe._interrupt``. While a callback is set, the host reads the device after every round, not once per sync.
     """
 
     _callback_tensor_inputs = CALLBACK_TENSOR_INPUTS
@@ -42,8 +34,7 @@ class CallbackStateMixin:
 
     @property
     def guidance_scale(self) -> float:
-        """The CFG scale of the current (or last) call; a callback may set ``pipe._guidance_scale``, which the next
-        round uses."""
+        """The CFG scale of the current (or last) call; a callback's ``pipe._guidance_scale`` is used next round."""
         return self._guidance_scale
 
     @property
@@ -53,24 +44,21 @@ class CallbackStateMixin:
 
     @property
     def num_timesteps(self) -> int:
-        """Rounds (target passes after the prefill) of the current call known so far: those run, plus one while the grid
-        is not full, so a callback's last step is ``step_index == num_timesteps - 1`` as in diffusers; after a call,
-        the rounds it ran."""
+        """Rounds of the current call known so far: those run, plus one while the grid is not full (a callback's last
+        step is ``step_index == num_timesteps - 1``); after a call, the rounds it ran."""
         return self._num_timesteps
 
     @property
     def interrupt(self) -> bool:
-        """Set ``pipe._interrupt = True`` (in a callback) to stop the current call after its round: codes not yet
-        decoded stay ``-1`` in ``out.tokens`` and are mid-grey in images."""
+        """A callback sets ``pipe._interrupt = True`` to stop the call after its round (undecoded codes stay ``-1``)."""
         return self._interrupt
 
     def _start_call(self, guidance_scale: float, do_cfg: bool) -> None:
         self._guidance_scale, self._do_cfg, self._num_timesteps, self._interrupt = guidance_scale, do_cfg, 0, False
 
     def _follow_guidance(self, state: RoundView) -> None:
-        """After a callback: a new ``pipe._guidance_scale`` becomes the mixing scale of the next rounds. The rows a
-        call runs are fixed when it starts, so a call without CFG cannot turn it on; with CFG, any finite scale >= 0
-        goes (1 then gives the conditional model)."""
+        """After a callback: a new ``pipe._guidance_scale`` mixes the next rounds. A call without CFG cannot turn it on
+        (its rows are fixed when it starts); with CFG, any finite scale >= 0 goes."""
         scale = self._guidance_scale
         if scale == state.sampling.guidance_scale:
             return
@@ -82,11 +70,10 @@ class CallbackStateMixin:
         state.sampling = dataclasses.replace(state.sampling, guidance_scale=float(scale), cfg=True)
 
     def _run_callback(self, callback, tensor_inputs: Sequence[str], step_index: int, state: RoundView) -> None:
-        """diffusers' ``callback_on_step_end`` contract, for an AR loop: the callback gets copies of the state tensors
-        it names (mutating them changes nothing) and may return a dict of some of them. A returned
-        ``acceptance_map`` replaces the record; a returned ``tokens`` (or ``latents``) may not change committed codes
-        before the last round (the KV cache and the decoder hold them): a change there is a `ValueError`, never
-        silently dropped. After the last round a returned grid replaces the output."""
+        """diffusers' ``callback_on_step_end`` contract: the callback gets copies of the state tensors it names and may
+        return a dict of some of them. A returned ``acceptance_map`` replaces the record; a returned ``tokens`` (or
+        ``latents``) that changes codes before the last round is a `ValueError` (the KV cache holds them); after the
+        last round it replaces the output."""
         layout = state.layout
         grid = layout.grid(state.tokens)
         tensors = {"tokens": grid, "latents": grid}

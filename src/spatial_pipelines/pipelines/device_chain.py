@@ -1,23 +1,17 @@
-"""A chain decoder's rounds run whole on the device (`ChainLoop`: AR and SJD; what every device loop shares is
-`device_loop.DeviceLoop`).
+"""A chain decoder's rounds run whole on the device (`ChainLoop`: AR and SJD; shared parts: `device_loop.DeviceLoop`).
 
-A chain decoder feeds, per row, its newest committed code and ``L`` drafts for the positions after it (``L = 0``:
-AR), and commits the longest prefix of drafts that equal the target's own keyed samples, plus the sample after it.
-Under keyed noise (`keyed_sample`) that rule needs no random draw, so the whole round is a function of device
-tensors with fixed shapes (`chain_round`):
+Each row feeds its newest code and ``L`` drafts (``L = 0``: AR) and commits the longest prefix of drafts equal to the
+target's keyed samples, plus the sample after it. Under keyed noise (`keyed_sample`) that needs no random draw, so a
+round (`chain_round`) is a function of device tensors with fixed shapes:
 
-1. feed every row ``[last code, drafts]`` at its own positions (``(B, L + 1)``; a finished row feeds them too and
-   keeps nothing), the CFG rows the same;
+1. feed every row ``[last code, drafts]`` at its own positions (``(B, L + 1)``; a finished row too, keeping nothing);
 2. one target pass, each cache row writing at its own filled slots (`StaticKVCache.track_rows_on_device`);
 3. CFG mix, then each slot's keyed sample ``s`` (slot ``k`` predicts grid index ``n + k``);
-4. accepted count ``a = 1 + cumprod(draft == s).sum()`` per row (``0`` once the row is finished, never past the grid);
-   under a relaxed rule (LANTERN, LANTERN++), a draft is tested with a keyed uniform of its own stream against
-   ``p~(x) / q(x)``, its proposal ``q`` kept in the state (`relaxed_chain`);
+4. accepted count ``a = 1 + cumprod(draft == s).sum()`` per row (``0`` once finished, never past the grid); under a
+   relaxed rule (LANTERN, LANTERN++) a draft is tested against ``p~(x) / q(x)`` on a keyed stream (`relaxed_chain`);
 5. commit ``s[:a]`` to the grid and the acceptance map (slots past ``a`` write a spare column: no duplicate index);
-6. the next drafts: the samples this pass made for the positions after the commit (SJD's redraw), then the code one
-   row above each new position (``init="above"``; the newest code where the row above is not decoded yet);
-7. each cache row keeps its first ``a`` fed slots (a prefix: nothing moves), and its start moves by ``a``.
-"""
+6. the next drafts: this pass's samples after the commit (SJD's redraw), then fresh ones by ``init``;
+7. each cache row keeps its first ``a`` fed slots (a prefix: nothing moves)."""
 
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -30,7 +24,7 @@ from ..core.rounds import ChainRound
 from ..core.sampling import (ACCEPT_STREAM, CONTINUE_STREAM, INIT_STREAM, RESIDUAL_STREAM, SamplingConfig, keyed_sample,
                              keyed_integer, keyed_uniform, logits_to_probs, one_hot)
 from .backbone import PromptEmbeddings, SpatialBackbone
-from .device_loop import DeviceLoop, DeviceState, record_progress
+from .device_loop import DeviceLoop, DeviceState, commit_run, record_progress
 
 
 #: What a draw from an already-filtered distribution samples with: its log as the logits, at temperature 1
@@ -39,16 +33,15 @@ UNIT_SAMPLING = SamplingConfig()
 
 @dataclass
 class ChainState(DeviceState):
-    """`DeviceState` plus each row's drafts, and what the loop's options keep beside them (``None`` where unused).
+    """`DeviceState` plus each row's drafts and what the loop's options keep beside them (``None`` where unused).
 
     Args:
         drafts (`torch.LongTensor` `(B, L)`): each row's drafts for the ``L`` positions after its newest code.
-        q (`torch.Tensor` `(B, L, V)`, *optional*): the distribution each draft was drawn from (a point mass for a
-            copied one), where drawn noise or a relaxed rule tests drafts against their proposals (`relaxed_chain`).
-        raced (`torch.BoolTensor` `(B, L)`, *optional*): continuation: the draft is the keyed sample of its proposal
-            (not a copy, a guess, a uniform draw of its own stream or a continuation outcome; `continue_drafts`).
-        above (`torch.LongTensor` `(B, N + 1)`, *optional*): ``init="heads"``: the code the vertical head guessed for
-            each position when the code above it was committed (``-1``: none yet; column ``N`` a spare).
+        q (`torch.Tensor` `(B, L, V)`, *optional*): the law each draft was drawn from (a point mass for a copy), where
+            drafts are tested against their proposals (`relaxed_chain`).
+        raced (`torch.BoolTensor` `(B, L)`, *optional*): the draft is its proposal's keyed sample (`continue_drafts`).
+        above (`torch.LongTensor` `(B, N + 1)`, *optional*): ``init="heads"``: the head's guess for each position, made
+            when the code above it was committed (``-1``: none yet; column ``N`` a spare).
     """
 
     drafts: torch.Tensor
@@ -57,60 +50,29 @@ class ChainState(DeviceState):
     above: Optional[torch.Tensor] = None
 
 
-class ChainLoop(DeviceLoop):
-    """A chain decoder's generation (a `ChainRound` plan): `chain_round`, steps 1-7 of the module
-    docstring.
+class ChainDrafts:
+    """What a loop drafting a window of ``L`` positions keeps (`ChainLoop`, `device_proactive.ProactiveLoop`)."""
 
-    Args:
-        window (`int`): drafts per row per round (``0``: AR).
-        init (`str`): how a position entering the window is drafted (`ChainRound.init`):
-            ``"above"`` (the code one row above; the newest code where none), ``"left"`` (the draft before it),
-            ``"random"`` (a keyed uniform draw of its own stream, `INIT_STREAM`) or ``"heads"`` (``guess``'s code).
-        guess (`Callable`, *optional*): ``init="heads"``: ``guess(backbone, hidden, codes)``, the logits of the codes
-            one row below ``codes`` ``(B, n)`` from the hidden states that predicted them (`predict_above`).
-        anchor (`bool`): the left anchor on the first draft's proposal, where proposals are kept (`anchor_left`).
-        continuation (`bool`): SJD-PAC's continuation, where proposals are kept: a draft that is not the race of its
-            position's noise is tested anew against every pass's ``p`` (`continue_drafts`).
-        proposals (`bool`): keep each draft's proposal ``q`` and accept a draft when a keyed uniform is below
-            ``p(x) / q(x)`` (speculative sampling: drawn noise; a relaxed rule always does) instead of when it equals
-            the target's keyed sample.
-        The other arguments are `DeviceLoop`'s.
-    """
-
-    def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
-                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
-                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None, init: str = "above",
-                 anchor: bool = False, continuation: bool = False, proposals: bool = False, guess: Optional[Callable] = None):
-        check_init(init, guess)
-        self.guess = guess
+    def setup_drafts(self, backbone: SpatialBackbone, window: int, rule: AcceptanceRule, init: str, anchor: bool,
+                     continuation: bool, proposals: bool, guess: Optional[Callable], device: torch.device) -> None:
+        ChainRound(0, init, guess=guess)  # checks ``init`` (``"heads"`` with its ``guess``) as a plan's are checked
+        self.window, self.init, self.guess = window, init, guess
         self.draft_passes_per_round = int(guess is not None)  # the head's
-        self.window, self.fed, self.max_codes = window, fed_slots(backbone.layout, window), window + 1
-        self.init, self.proposals = init, (proposals and window > 0) or rule.relaxes  # AR tests no draft
+        self.proposals = (proposals and window > 0) or rule.relaxes  # AR tests no draft
         self.anchor, self.continuation = anchor and self.proposals, continuation and self.proposals
-        self.num_codes = backbone.num_image_codes
+        self.num_codes = v = backbone.num_image_codes
         # random drafts' proposal, built once (a round allocates nothing it could keep)
-        self.uniform_q = torch.full((self.num_codes,), 1.0 / self.num_codes, device=prefix.embeds.device)
-        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
-        device = prefix.embeds.device
+        self.uniform_q = torch.full((v,), 1.0 / v, device=device)
         self.draft_offsets = torch.arange(window, device=device)  # (L,)
-        self.mask = torch.ones(self.fed, self.fed, dtype=torch.bool, device=device).tril()  # (T, T) causal chain
 
-    @staticmethod
-    def fed_slots(layout, window: int, **_) -> int:
-        """Slots a round feeds per row, before the loop is made (the cache's size)."""
-        return fed_slots(layout, window)
-
-    def new_state(self, **common) -> ChainState:
-        device = common["tokens"].device
-        drafts = torch.zeros(self.batch_size, self.window, dtype=torch.long, device=device)
-        q = torch.zeros(self.batch_size, self.window, self.num_codes, device=device) if self.proposals else None
+    def draft_fields(self, tokens: torch.Tensor) -> dict:
+        """`ChainState`'s own fields, for a state whose grids are ``tokens`` ``(B, N + 1)``."""
+        b, device = self.batch_size, tokens.device
+        drafts = torch.zeros(b, self.window, dtype=torch.long, device=device)
+        q = torch.zeros(b, self.window, self.num_codes, device=device) if self.proposals else None
         raced = torch.zeros_like(drafts, dtype=torch.bool) if self.continuation else None  # the first drafts are copies
-        above = torch.full_like(common["tokens"], -1) if self.guess is not None else None
-        return ChainState(drafts=drafts, q=q, raced=raced, above=above, **common)
-
-    @classmethod
-    def default_round(cls) -> Callable:
-        return chain_round
+        above = torch.full_like(tokens, -1) if self.guess is not None else None
+        return {"drafts": drafts, "q": q, "raced": raced, "above": above}
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
         s = self.state
@@ -123,15 +85,48 @@ class ChainLoop(DeviceLoop):
             s.q.copy_(q)
 
 
-def check_init(init: str, guess: Optional[Callable]) -> None:
-    """A chain loop's ``init`` (`core.rounds.INITS`; ``"heads"`` with its ``guess``), checked as `ChainRound` checks it
-    (the loops are also made directly)."""
-    ChainRound(0, init, guess=guess)
+class ChainLoop(ChainDrafts, DeviceLoop):
+    """A chain decoder's generation (a `ChainRound` plan): `chain_round`, steps 1-7 of the module docstring.
+
+    Args:
+        window (`int`): drafts per row per round (``0``: AR).
+        init (`str`): how a position entering the window is drafted (`ChainRound.init`): ``"above"`` (the code one row
+            above; the newest code where none), ``"left"`` (the draft before it), ``"random"`` (a keyed uniform draw,
+            `INIT_STREAM`) or ``"heads"`` (``guess``'s code).
+        guess (`Callable`, *optional*): ``init="heads"``: ``guess(backbone, hidden, codes)``, the logits of the codes
+            one row below ``codes`` ``(B, n)`` from the hidden states that predicted them (`predict_above`).
+        anchor (`bool`), continuation (`bool`): the left anchor (`anchor_left`) and SJD-PAC's continuation
+            (`continue_drafts`), where proposals are kept.
+        proposals (`bool`): keep each draft's proposal ``q`` and accept a draft when a keyed uniform is below
+            ``p(x) / q(x)`` (drawn noise; a relaxed rule always does), not when it equals the target's keyed sample.
+        The other arguments are `DeviceLoop`'s.
+    """
+
+    def __init__(self, backbone: SpatialBackbone, window: int, sampling: SamplingConfig, seeds: torch.Tensor,
+                 prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
+                 rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None, init: str = "above",
+                 anchor: bool = False, continuation: bool = False, proposals: bool = False, guess: Optional[Callable] = None):
+        device = prefix.embeds.device
+        self.setup_drafts(backbone, window, rule, init, anchor, continuation, proposals, guess, device)
+        self.fed, self.max_codes = fed_slots(backbone.layout, window), window + 1
+        super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
+        self.mask = torch.ones(self.fed, self.fed, dtype=torch.bool, device=device).tril()  # (T, T) causal chain
+
+    @staticmethod
+    def fed_slots(layout, window: int, **_) -> int:
+        """Slots a round feeds per row, before the loop is made (the cache's size)."""
+        return fed_slots(layout, window)
+
+    def new_state(self, **common) -> ChainState:
+        return ChainState(**self.draft_fields(common["tokens"]), **common)
+
+    @classmethod
+    def default_round(cls) -> Callable:
+        return chain_round
 
 
 def fed_slots(layout, window: int) -> int:
-    """Slots a chain round feeds per row: the newest code, ``window`` drafts, and the end-of-row tokens that may
-    fall among them."""
+    """Slots a chain round feeds per row: the newest code, ``window`` drafts and the end-of-row tokens among them."""
     return window + 1 + (-(-(window + 1) // layout.width) if layout.has_eol else 0)
 
 
@@ -155,16 +150,9 @@ def chain_round(loop: ChainLoop) -> None:
             commit, matches = relaxed_chain(loop, probs, codes.clamp_max(n - 1))  # (B, L + 1), (B,)
         else:
             commit, matches = samples, (s.drafts == samples[:, :window]).long().cumprod(1).sum(1)  # (B,)
-        accepted = torch.minimum(1 + matches, n - s.committed) * active  # (B,) 0 once finished
-        # 5. commit the run; the slots past it write the spare column N
-        taken = loop.code_offsets < accepted[:, None]  # (B, L + 1)
-        target = torch.where(taken, codes, n)  # (B, L + 1)
-        s.tokens.scatter_(1, target, torch.where(taken, commit, -1))
-        s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
-        s.rounds.add_(1)
-        s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
+        # 5. commit the run (0 once finished)
+        accepted = commit_run(loop, commit, matches, active)  # (B,)
         committed = s.committed + accepted  # (B,)
-        s.last.copy_(torch.where(active, commit.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
     # 6. the next drafts: this pass's samples after the run, then fresh ones by the decoder's init
     if window:
         with timer.section("draft"):
@@ -180,9 +168,9 @@ def chain_round(loop: ChainLoop) -> None:
 
 
 def chain_forward(loop: ChainLoop, start: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """Steps 1-2 of a chain round: every row's newest code and drafts fed at its own positions from sequence offset
-    ``start`` ``(B,)``, one target pass; the logits of the slot before each code slot ``codes`` ``(B, L + 1)`` (grid
-    indices) predicts: the hidden states ``(R, L + 1, D)`` and the logits ``(R, L + 1, V)`` fp32."""
+    """Steps 1-2 of a chain round: every row's newest code and drafts fed from sequence offset ``start`` ``(B,)``, one
+    target pass. Returns, for the slot predicting each code slot ``codes`` ``(B, L + 1)`` (grid indices), the hidden
+    states ``(R, L + 1, D)`` and the logits ``(R, L + 1, V)`` fp32."""
     s, backbone, sampling, layout, cache = loop.state, loop.backbone, loop.sampling, loop.layout, loop.cache
     n, width, window = layout.num_tokens, layout.width, loop.window
     # 1. feed the newest code and the drafts at each row's own positions (with end-of-row tokens: every sequence
@@ -212,9 +200,9 @@ def chain_forward(loop: ChainLoop, start: torch.Tensor, codes: torch.Tensor) -> 
 
 def predict_above(loop: ChainLoop, hidden: torch.Tensor, codes: torch.Tensor, accepted: torch.Tensor,
                   first: torch.Tensor) -> None:
-    """``init="heads"``: the head's guess for the code one row below each of the first ``accepted`` ``(B,)`` codes
-    ``codes`` ``(B, C)`` committed from grid index ``first`` ``(B,)`` on, from the hidden states that predicted them
-    ``(B, C, D)`` (all ``C`` guessed: fixed shapes; the rest write the spare column)."""
+    """``init="heads"``: the head's guess for the code one row below each of the first ``accepted`` ``(B,)`` of the
+    codes ``codes`` ``(B, C)`` committed from grid index ``first`` ``(B,)`` on, from the hidden states that predicted
+    them ``(B, C, D)`` (the rest write the spare column)."""
     s, n = loop.state, loop.layout.num_tokens
     offsets = loop.code_offsets[: codes.shape[1]]  # (C,)
     guess = loop.guess(loop.backbone, hidden, codes).argmax(-1)  # (B, C)
@@ -225,34 +213,42 @@ def predict_above(loop: ChainLoop, hidden: torch.Tensor, codes: torch.Tensor, ac
 
 def next_drafts(loop: ChainLoop, samples: torch.Tensor, accepted: torch.Tensor, committed: torch.Tensor,
                 probs: Optional[torch.Tensor]) -> None:
-    """Step 6 of a chain round: each row's next drafts are this pass's samples ``(B, L + 1)`` for the positions after
-    its ``accepted`` codes, then fresh drafts (`fresh_drafts`); with ``probs`` ``(B, L + 1, V)`` (proposals kept) each
-    draft's proposal too: the ``p`` it was drawn from, or the fresh draft's, the first one anchored (`anchor_left`)."""
+    """Step 6 of a chain round: each row's next drafts are this pass's samples ``(B, L + 1)`` after its ``accepted``
+    codes (with ``probs`` ``(B, L + 1, V)``, their ``p`` as proposals), then fresh drafts (`place_drafts`)."""
     s, window = loop.state, loop.window
     source = accepted[:, None] + loop.draft_offsets  # (B, L) code slot whose sample is the draft's
     redrawn = samples.gather(1, source.clamp_max(window))  # (B, L)
     # the draft before the first fresh one: the last redraw, or the newest code when every draft was accepted
     before = torch.where(accepted <= window, samples[:, window], s.last)  # (B,)
+    drawn_from = None
+    if probs is not None:
+        drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
+    place_drafts(loop, redrawn, drawn_from, source, committed, before)
+
+
+def place_drafts(loop: ChainLoop, redrawn: torch.Tensor, drawn_from: Optional[torch.Tensor], source: torch.Tensor,
+                 committed: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """The next drafts: where the predicting slot ``source`` ``(B, L)`` lies in the window, the redraw ``redrawn``
+    (with kept proposals ``drawn_from`` ``(B, L, V)``, continued: `continue_drafts`), else a fresh draft after the
+    ``committed`` ``(B,)`` codes and the draft ``before``; then the left anchor. Returns the grid indices ``(B, L)``."""
+    s = loop.state
+    here = source <= loop.window  # (B, L)
     index = committed[:, None] + loop.draft_offsets  # (B, L) the grid index of each next draft
-    fresh, q = fresh_drafts(loop, index, committed, before, s.drafts)  # (B, L)
-    if probs is None:
-        s.drafts.copy_(torch.where(source <= window, redrawn, fresh))
-        return
-    drawn_from = probs.gather(1, source.clamp_max(window)[..., None].expand(-1, -1, probs.shape[-1]))  # (B, L, V)
-    if loop.continuation:  # before the drafts and proposals move: the old ones are tested
-        redrawn = continue_drafts(loop, redrawn, drawn_from, source, index)
-    s.drafts.copy_(torch.where(source <= window, redrawn, fresh))
-    s.q.copy_(torch.where((source <= window)[..., None], drawn_from, q))
+    fresh, q = fresh_drafts(loop, index, committed, before, s.drafts)  # (B, L), (B, L, V) or None
+    if drawn_from is not None:
+        if loop.continuation:  # before the drafts and proposals move: the old ones are tested
+            redrawn = continue_drafts(loop, redrawn, drawn_from, source, index)
+        s.q.copy_(torch.where(here[..., None], drawn_from, q))
+    s.drafts.copy_(torch.where(here, redrawn, fresh))
     if loop.anchor:
         anchor_left(s)
+    return index
 
 
 def fresh_drafts(loop: ChainLoop, index: torch.Tensor, committed: torch.Tensor, before: torch.Tensor, spare: torch.Tensor):
-    """Drafts of positions entering the window at grid indices ``index`` ``(B, L)`` by the loop's ``init``: the code one
-    row above (the newest code where none of the ``committed`` ``(B,)`` is), ``before`` ``(B,)`` (the draft before them),
-    a keyed uniform draw, or the head's guess (`predict_above`; the newest code where none). Returns the codes
-    ``(B, L)`` (``spare``'s shape) and, where proposals are kept, their law ``(B, L, V)``: point masses, or uniform for
-    random draws (else ``None``)."""
+    """Drafts by the loop's ``init`` for grid indices ``index`` ``(B, L)``: the code one row above (the newest code
+    where none of the ``committed`` ``(B,)`` is), ``before`` ``(B,)``, a keyed uniform draw, or the head's guess.
+    Returns the codes (``spare``'s shape) and, where proposals are kept, their law ``(B, L, V)`` (else ``None``)."""
     s, n, v = loop.state, loop.layout.num_tokens, loop.num_codes
     if loop.init == "random":
         codes = keyed_integer(s.seeds ^ INIT_STREAM, index.clamp_max(n - 1), v)  # (B, L)
@@ -286,14 +282,11 @@ def anchor_left(s: ChainState) -> None:
 
 
 def continue_drafts(loop: ChainLoop, redrawn: torch.Tensor, p: torch.Tensor, source: torch.Tensor, index: torch.Tensor):
-    """SJD-PAC's continuation on the device, step 6 with kept proposals: the next drafts ``(B, L)`` at grid indices
-    ``index`` whose code slot ``source`` fed an old draft ``x`` (drawn from ``q``) are tested against this pass's ``p``
-    ``(B, L, V)``: a draft that is the race of its position's keyed noise stays with the race (the redraw, ``redrawn``);
-    any other is kept when a keyed uniform ``u < p(x) / q(x)``, else replaced by a keyed draw from
-    ``norm(max(p - q, 0))``: a maximal coupling, so the outcome follows ``p``, its new proposal. Both draws are keyed by
-    the position and the round (`CONTINUE_STREAM`, salted apart for the draw): a position may be continued in many
-    rounds, each time afresh.
-    Redraws become raced; the rest not."""
+    """SJD-PAC's continuation, step 6 with kept proposals: a next draft (grid indices ``index`` ``(B, L)``) whose code
+    slot ``source`` fed an old draft ``x ~ q`` that is no race of its position's noise is kept when a keyed uniform
+    ``u < p(x) / q(x)`` (``p`` ``(B, L, V)``: this pass's), else replaced by a keyed draw from ``norm(max(p - q, 0))``:
+    a maximal coupling, so the outcome follows ``p``. Races keep the redraw ``redrawn``. Keyed by position and round
+    (`CONTINUE_STREAM`): a position may be continued in many rounds. Redraws become raced; the rest not."""
     s, window, n = loop.state, loop.window, loop.layout.num_tokens
     old = source.clamp_max(window - 1)  # (B, L) the old draft at each position (where source < L)
     tested = (source < window) & ~s.raced.gather(1, old)  # (B, L) an old draft that is no race
@@ -311,23 +304,16 @@ def continue_drafts(loop: ChainLoop, redrawn: torch.Tensor, p: torch.Tensor, sou
 
 
 def relaxed_chain(loop: ChainLoop, probs: torch.Tensor, index: torch.Tensor):
-    """Step 4 of a chain round under a relaxed rule (LANTERN, LANTERN++): draft ``k`` (code ``x``, drawn from its
-    proposal ``q``) is accepted when a keyed uniform ``u < p~_x(x) / q(x)``; the position of the first rejected draft
-    takes a keyed draw from ``norm(max(p~_x - q, 0))``, and a row that accepts every draft a draw from the next
-    position's ``p``: speculative sampling of the relaxed target ``p~``.
-
-    Why keyed streams of their own (`ACCEPT_STREAM`, `RESIDUAL_STREAM`): a draft is the keyed sample of its proposal,
-    drawn with the target's noise for that position; testing it against that same noise would couple the two and move
-    more than the rule allows. A position is tested once (it is committed then), and nothing tested before it read
-    its noise, so given what came before, ``x ~ q`` and the uniform and the draw are fresh.
+    """Step 4 under a relaxed rule (LANTERN, LANTERN++): draft ``x ~ q`` is accepted when a keyed uniform
+    ``u < p~_x(x) / q(x)``; the first rejected position takes a keyed draw from ``norm(max(p~_x - q, 0))``, a row that
+    accepts every draft a draw from the next position's ``p``: speculative sampling of the relaxed target ``p~``. The
+    streams are their own (`ACCEPT_STREAM`, `RESIDUAL_STREAM`): a draft was drawn with its position's target noise.
 
     Args:
         probs (`torch.Tensor` `(B, L + 1, V)`): the pass's ``p`` at every code slot.
         index (`torch.LongTensor` `(B, L + 1)`): the grid index each slot predicts (clamped to the grid).
 
-    Returns the codes each slot commits ``(B, L + 1)`` (the drafts, then the draw; read up to the accepted count) and
-    the accepted drafts per row ``(B,)``.
-    """
+    Returns the codes each slot commits ``(B, L + 1)`` (the drafts, then the draw) and the accepted drafts ``(B,)``."""
     s, rule, window = loop.state, loop.rule, loop.window
     relaxed = rule.relax(probs[:, :window], s.drafts, loop.neighbours)  # (B, L) the drafts' claims
     qx = s.q.gather(2, s.drafts[..., None])[..., 0]  # (B, L)

@@ -1,18 +1,11 @@
-"""The end-of-row (EOL) slots of a tree round on the device (`device_tree.verify_tree_round`), for layouts that feed an
-EOL token after every row (Emu3, Lumina-mGPT, the tiny LlamaGen with ``end_of_row``).
+"""The end-of-row (EOL) slots of a tree round on the device (`device_tree.tree_pass`), for layouts that feed an EOL
+token after every row (Emu3, Lumina-mGPT, the tiny LlamaGen with ``end_of_row``).
 
-A round whose newest committed code is ``c`` drafts the code at grid index ``c + d`` at depth ``d``; the depths with
-``(c + d) % W == W - 1`` (all but the grid's last row) end a row, and a tree as deep as a row or deeper has several
-of them. Every node at such a depth gets an EOL slot, one sequence position after its code: the slot sees the node and
-its ancestors (and their EOL slots), the node's descendants see it, and its output predicts the next row's first code,
-so it stands for its node's output. Node positions need no shift of their own: `ImageTokenLayout.sequence_offset`
-counts the EOLs before a code, so a node after ``k`` crossed row ends sits ``k`` positions later. The accepted path
-keeps each EOL slot it crossed (`path_with_end_of_row`), and the next round's `StaticKVCache.keep_paths` moves them
-with the nodes.
-
-The slot count is a host bound fixed for the generation (`eol_slot_count`: the most nodes over the depths one round
-can end rows at); a round's unused slots see only themselves and no node sees them.
-"""
+A round whose newest code is ``c`` drafts grid index ``c + d`` at depth ``d``; the depths with ``(c + d) % W == W - 1``
+(but the grid's last) end a row. Every node at such a depth gets an EOL slot one position after its code: it sees the
+node, its ancestors and their EOL slots, the node's descendants see it, and its output predicts the next row's first
+code (`ImageTokenLayout.sequence_offset` counts the EOLs before a node). The accepted path keeps each EOL slot it
+crossed (`path_with_end_of_row`). The slot count is a host bound (`eol_slot_count`); unused slots see themselves."""
 
 import math
 from dataclasses import dataclass
@@ -22,9 +15,8 @@ import torch
 
 
 def eol_slot_count(layout, depth_counts: Sequence[int]) -> int:
-    """EOL slots a tree round feeds per row, where the layout has EOLs (else 0): the depths ending rows in one round
-    are those congruent to one residue mod ``W`` (``(c + d) % W == W - 1``), so the bound is the most nodes over the
-    depths of one residue class.
+    """EOL slots a tree round feeds per row (0 without EOLs): the most nodes over the depths of one residue mod ``W``
+    (those ending rows in one round).
 
     Args:
         layout (`ImageTokenLayout`): the grid.
@@ -48,8 +40,8 @@ class EndOfRowSlots:
 
     Args:
         ends (`torch.BoolTensor` `(B, D + 1)`): per depth, whether the code there ends a row (not the grid's last).
-        predictor (`torch.LongTensor` `(B, T)`): the fed slot whose output predicts the code after each node: the
-            node itself, or its EOL slot ``T + j``.
+        predictor (`torch.LongTensor` `(B, T)`): the fed slot whose output predicts the code after each node: the node
+            itself, or its EOL slot ``T + j``.
         offsets (`torch.LongTensor` `(B, E)`), predicts (`torch.LongTensor` `(B, E)`): each EOL slot's sequence offset
             and the grid index its output predicts.
         mask (`torch.BoolTensor` `(B, T + E, T + E)`): the tree mask with the EOL slots.
@@ -63,9 +55,7 @@ class EndOfRowSlots:
 
 
 def end_of_row_slots(loop, tables, committed: torch.Tensor) -> EndOfRowSlots:
-    """Per row, the EOL slots of a tree round: every node at a depth whose code ends a row takes EOL slot ``j`` (in node
-    order), placed one sequence position after its code; it sees its node, the node's ancestors and their EOL slots,
-    and the node's descendants see it. Unused slots see only themselves and no node sees them.
+    """Per row, the EOL slots of a tree round (the module docstring's rule): one per node ending a row.
 
     Args:
         loop (`TreeLoop`): the generation (its layout, ``num_nodes`` ``T``, ``eol_slots`` ``E``, ``code_offsets``,
@@ -100,9 +90,8 @@ def end_of_row_slots(loop, tables, committed: torch.Tensor) -> EndOfRowSlots:
 
 
 def path_with_end_of_row(loop, eol: EndOfRowSlots, path: torch.Tensor, accepted: torch.Tensor):
-    """The cache slots a row keeps: its accepted path's ``accepted`` nodes (node ``d`` at depth ``d``), each that ends
-    a row followed by its EOL slot (the sequence has the EOL there). A fixed-shape compaction: the (node, EOL slot)
-    pairs of every depth, the wanted ones scattered to their places, the rest to a spare column.
+    """The cache slots a row keeps: its accepted path's ``accepted`` nodes, each that ends a row followed by its EOL
+    slot. A fixed-shape compaction: the (node, EOL slot) pairs of every depth, the wanted ones scattered in place.
 
     Args:
         loop (`TreeLoop`): the generation (its ``path_slots`` ``P``).
@@ -110,9 +99,7 @@ def path_with_end_of_row(loop, eol: EndOfRowSlots, path: torch.Tensor, accepted:
         path (`torch.LongTensor` `(B, D + 1)`): the accepted path's node slots (padded with its last node).
         accepted (`torch.LongTensor` `(B,)`): the nodes it keeps.
 
-    Returns:
-        ``(slots (B, P), count (B,))``: the kept slots, root first, and how many.
-    """
+    Returns the kept slots ``(B, P)``, root first, and how many ``(B,)``."""
     b, c = path.shape
     pairs = torch.stack([path, eol.predictor.gather(1, path)], 2).flatten(1)  # (B, 2 (D + 1)) a node, then its EOL slot
     wanted = torch.stack([torch.ones_like(eol.ends), eol.ends], 2).flatten(1)  # (B, 2 (D + 1))

@@ -1,24 +1,13 @@
 """Rounds that run whole on the device, every row on its own, under keyed noise (or greedy): what every such
 generation shares (`DeviceLoop`: its state, the prompt pass, the rounds and the host's reads between them). Chain
-decoders (AR and SJD) run `device_chain.ChainLoop`, SJD's proactive candidates `device_proactive.ProactiveLoop`, static
-head trees (Medusa, Hawk) `device_tree.HeadTreeLoop`, and trees a drafter grows per row (EAGLE-2, ADT-Tree)
-`device_tree.DynamicTreeLoop`.
+decoders (AR, SJD) run `device_chain.ChainLoop`, SJD's proactive candidates `device_proactive.ProactiveLoop`, head
+trees (Medusa, Hawk) `device_tree.HeadTreeLoop`, trees grown per row (EAGLE-2, ADT-Tree) `device_tree.DynamicTreeLoop`.
 
-A round commits, per row, the drafts that equal the target's own keyed samples (`keyed_sample`), plus the sample after
-them. Under keyed noise that rule needs no random draw, so the whole round is a function of device tensors with fixed
-shapes. Nothing in a round reads the device or branches on a device value, and no tensor is built from Python values,
-so the round compiles with ``fullgraph=True`` (`compile_round`) and its buffers keep their addresses (CUDA graphs
-replay it). The host reads the device once per *sync*: the fewest rounds the slowest row still needs (``ceil(remaining
-/ codes a round commits at most)``) run without a read, so no round runs after the last row is done and a generation
-of ``R`` rounds reads the device about ``log R`` times, plus once per round at the very end.
-
-The rows never wait for each other: a batch takes as many passes as its slowest row alone, and each row commits
-exactly what it commits alone (its noise is keyed by its own seed).
-
-A relaxed acceptance rule (LANTERN, LANTERN++; lossy) runs the same rounds: a tree node is accepted when its parent's
-keyed sample lies in the node's claim (`verification.sibling_matches`), and a chain's draft when a keyed uniform of its
-own stream is below ``p~(x) / q(x)``, its proposal ``q`` kept in the state (`device_chain.relaxed_chain`).
-"""
+A round commits, per row, the drafts that equal the target's keyed samples (`keyed_sample`), plus the sample after
+them (a relaxed rule tests them on keyed streams of their own). Nothing in a round reads the device, branches on a
+device value or builds a tensor from Python values, so it compiles with ``fullgraph=True`` (`compile_round`) and its
+buffers keep their addresses (CUDA graphs replay it). The host reads the device once per *sync*, after the fewest
+rounds the slowest row still needs. Each row commits exactly what it commits alone (its noise is keyed by its seed)."""
 
 import math
 import types
@@ -48,13 +37,12 @@ class DeviceState:
         tokens (`torch.LongTensor` `(B, N + 1)`): the grids in raster order (``-1``: not decoded); column ``N`` is a
             spare that writes past a row's accepted run land in.
         acceptance_map (`torch.LongTensor` `(B, N + 1)`): the accepted length of the pass that committed each code.
-        committed (`torch.LongTensor` `(B,)`): codes committed per row.
-        last (`torch.LongTensor` `(B,)`): each row's newest committed code.
+        committed (`torch.LongTensor` `(B,)`), last (`torch.LongTensor` `(B,)`): codes committed per row, the newest.
         accepted (`torch.LongTensor` `(P, B)`): codes each pass committed per row (row 0: the prompt pass).
         rounds (`torch.LongTensor` `()`): rounds run (the next row of ``accepted``).
         seeds (`torch.LongTensor` `(B,)`): the rows' noise seeds.
-        progress (`torch.LongTensor` `(3,)`): the fewest, the most and the total codes committed over the rows, written
-            by every round (`record_progress`) so that a sync reads one small tensor and runs no op of its own.
+        progress (`torch.LongTensor` `(3,)`): the fewest, the most and the total codes committed over the rows
+            (`record_progress`): what a sync reads.
     """
 
     tokens: torch.Tensor
@@ -78,12 +66,10 @@ class DeviceLoop:
         seeds (`torch.LongTensor` `(B,)`): one noise seed per image.
         prefix (`PromptEmbeddings`): the prompt rows ``(R, P, D)``.
         cache (`StaticKVCache`): a cache for the ``R`` rows, empty.
-        round_fn (`Callable`, *optional*): what runs a round: the subclass's round function (the default), or
-            `compile_round`'s graph of it.
-        rule (`AcceptanceRule`): exact (the default: a draft is accepted when it equals the target's keyed sample),
-            or relaxed (LANTERN, LANTERN++: `verification.sibling_matches` for a tree's point-mass candidates,
-            `device_chain.relaxed_chain` for a chain's drafts and their proposals).
-        neighbours (`torch.Tensor` `(V, k)`, *optional*): the codebook neighbour table of a relaxed rule
+        round_fn (`Callable`, *optional*): what runs a round: `default_round` or `compile_round`'s graph of it.
+        rule (`AcceptanceRule`): exact (the default: a draft is accepted when it equals the target's keyed sample), or
+            relaxed (LANTERN, LANTERN++).
+        neighbours (`torch.Tensor` `(V, k)`, *optional*): a relaxed rule's codebook neighbour table
             (`SpatialBackbone.code_neighbours`).
     """
 
@@ -110,17 +96,12 @@ class DeviceLoop:
         device = prefix.embeds.device
         self.batch_size = b = seeds.shape[0]
         n = layout.num_tokens
+        long = {"dtype": torch.long, "device": device}
         # every round commits at least one code per unfinished row: N rounds at most, and the prompt pass
         self.state = self.new_state(
-            tokens=torch.full((b, n + 1), -1, dtype=torch.long, device=device),
-            acceptance_map=torch.zeros(b, n + 1, dtype=torch.long, device=device),
-            committed=torch.zeros(b, dtype=torch.long, device=device),
-            last=torch.zeros(b, dtype=torch.long, device=device),
-            accepted=torch.zeros(n + 1, b, dtype=torch.long, device=device),
-            rounds=torch.zeros((), dtype=torch.long, device=device),
-            seeds=seeds.to(device),
-            progress=torch.zeros(3, dtype=torch.long, device=device),
-        )
+            tokens=torch.full((b, n + 1), -1, **long), acceptance_map=torch.zeros(b, n + 1, **long),
+            committed=torch.zeros(b, **long), last=torch.zeros(b, **long), accepted=torch.zeros(n + 1, b, **long),
+            rounds=torch.zeros((), **long), seeds=seeds.to(device), progress=torch.zeros(3, **long))
         # constants of every round, built once: nothing is made from Python values inside a round
         self.slots = torch.arange(self.fed, device=device)  # (T,)
         # the prompt's length and the CFG scale as data: a new prompt length or scale is not a new graph
@@ -146,25 +127,21 @@ class DeviceLoop:
         raise NotImplementedError(f"{cls.__name__} must define `default_round`.")
 
     def guided(self, logits: torch.Tensor) -> torch.Tensor:
-        """``(R, ..., V)`` fp32 logits -> ``(B, ..., V)``: the CFG mix at the scale tensor, divided by the temperature
-        tensor (the sampling config then says 1)."""
+        """``(R, ..., V)`` fp32 logits -> ``(B, ..., V)``: CFG mix at the scale tensor, over the temperature tensor."""
         logits = cfg_mix(logits, self.guidance_scale) if self.sampling.do_cfg else logits
         return logits / self.temperature if self.temperature is not None else logits
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
-        """After the prompt pass: what the subclass's state needs besides the first code ``first`` ``(B,)`` (``hidden``:
-        the pass's last pre-norm outputs ``(R, D)``)."""
+        """After the prompt pass: the subclass's state for the first codes ``first`` ``(B,)``, ``hidden`` ``(R, D)``."""
 
     # -- the loop's steps ------------------------------------------------------------------------------------
     def prefill(self, prefix: PromptEmbeddings) -> None:
-        """The prompt pass fills the cache; its last output's keyed sample is each row's first code. The cache rows
-        then keep their own lengths on the device."""
+        """The prompt pass fills the cache; its last output's keyed sample is each row's first code."""
         s, backbone = self.state, self.backbone
         positions = torch.arange(self.prefix_length, device=prefix.embeds.device)
         with eager_target(backbone.target_module):  # the prompt's length varies: never a graph per length
             hidden = backbone.forward(prefix.embeds, positions, None, prefix.valid, self.cache)  # (R, P, D)
-        logits = backbone.image_logits(hidden[:, -1:])  # (R, 1, V)
-        logits = self.guided(logits)  # (B, 1, V)
+        logits = self.guided(backbone.image_logits(hidden[:, -1:]))  # (R, 1, V) -> (B, 1, V)
         first = keyed_sample(logits[:, 0], self.sampling, s.seeds, 0)  # (B,)
         s.tokens[:, 0] = first
         s.acceptance_map[:, 0] = 1
@@ -182,13 +159,10 @@ class DeviceLoop:
 
     def run(self, on_sync: Optional[Callable[[int], None]] = None, on_round: Optional[Callable[[int, int], None]] = None,
             interrupted: Optional[Callable[[], bool]] = None) -> int:
-        """Rounds until every grid is full; returns how many. Between two reads of the device run the fewest rounds
-        the slowest row still needs, at most ``max_rounds_per_sync``; ``on_sync(codes committed over the batch)`` is
-        called after each read (the progress bar).
-
-        With ``on_round`` (a step callback) the host reads the device after every round and calls
-        ``on_round(round index, the slowest row's committed codes)`` (`RoundView` shows the grids). ``interrupted()`` is asked after every
-        read: true stops the generation there."""
+        """Rounds until every grid is full; returns how many. Between two reads of the device run the fewest rounds the
+        slowest row still needs, at most ``max_rounds_per_sync``, then call ``on_sync(codes committed over the batch)``.
+        With ``on_round`` (a step callback) the host reads after every round and calls ``on_round(round index, the
+        slowest row's committed codes)``; ``interrupted()`` true after a read stops the generation."""
         n = self.layout.num_tokens
         while True:
             slowest, total = self.sync()
@@ -203,8 +177,7 @@ class DeviceLoop:
                 self.step()
 
     def sync(self) -> Tuple[int, int]:
-        """The host's read of the device: the slowest row's committed codes and the batch's total (what the last round
-        recorded); the host's bound on the cache rows becomes exact again."""
+        """The host's read: the slowest row's committed codes and the batch's total; the cache bound becomes exact."""
         with self.host_timer.section("sync"):
             slowest, fastest, total = self.state.progress.tolist()
         self.bound = self.prefix_length + self.layout.sequence_offset(fastest - 1)  # the longest cache row, exactly
@@ -243,8 +216,7 @@ class DeviceLoop:
         return self.state.accepted[: self.num_rounds + 1]
 
     def row_passes(self, accepted: torch.Tensor) -> List[int]:
-        """Target passes each row took, from `accepted_lengths` ``(passes, B)``: those that committed a code (a row
-        that is done commits nothing)."""
+        """Target passes each row took (those that committed a code), from `accepted_lengths` ``(passes, B)``."""
         return (accepted > 0).sum(0).tolist()
 
     def draft_passes(self, rounds: int) -> int:
@@ -257,10 +229,9 @@ class DeviceLoop:
 
 
 class RoundView:
-    """What a step callback sees of a generation on the device (`CallbackStateMixin._run_callback`): every row's grid
-    and acceptance record so far (views of the device state: a callback's returned grid is written into it), the
-    slowest row's count, and the call's sampling, whose guidance scale a callback may change (the rounds read it as a
-    tensor, so a new scale is no new graph).
+    """What a step callback sees of a generation (`CallbackStateMixin._run_callback`): every row's grid and acceptance
+    record (views of the device state), the slowest row's count, and the call's sampling, whose guidance scale a
+    callback may change (a tensor to the rounds: no new graph).
 
     Args:
         loop (`DeviceLoop`): the generation.
@@ -290,9 +261,8 @@ class RoundView:
 
 
 def compile_round(round_fn: Callable, fullgraph: bool = True, **options) -> Callable[[DeviceLoop], None]:
-    """A round function (a loop's `DeviceLoop.default_round`: `device_chain.chain_round`, `device_tree.head_tree_round`
-    or `device_tree.dynamic_tree_round`) compiled whole (``torch.compile(fullgraph=True)``): one graph per batch, draft
-    shape and attended length. Under CUDA graphs (``mode="reduce-overhead"``) each round is a new graph step."""
+    """A round function (`DeviceLoop.default_round`) compiled whole (``torch.compile(fullgraph=True)``): one graph per
+    batch, draft shape and attended length; under CUDA graphs (``mode="reduce-overhead"``) each round is a new step."""
     # a copy of the function with its own code object: dynamo keeps graphs, and counts them against its recompile
     # limit, per code object, so each compiled pipeline gets its own rather than sharing one with every other
     own = types.FunctionType(round_fn.__code__.replace(), round_fn.__globals__, round_fn.__name__)
@@ -308,14 +278,27 @@ def compile_round(round_fn: Callable, fullgraph: bool = True, **options) -> Call
     return run
 
 
+def commit_run(loop: DeviceLoop, codes: torch.Tensor, run: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Commit each active row's ``run + 1`` codes ``codes`` ``(B, C)`` (never past the grid; the slots past them write
+    the spare column ``N``), record the round and the newest code. Returns the counts ``(B,)`` (``0`` once finished)."""
+    s, n = loop.state, loop.layout.num_tokens
+    accepted = torch.minimum(run + 1, n - s.committed) * active  # (B,)
+    taken = loop.code_offsets < accepted[:, None]  # (B, C)
+    target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, C)
+    s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
+    s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
+    s.rounds.add_(1)
+    s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
+    s.last.copy_(torch.where(active, codes.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
+    return accepted
+
+
 def record_progress(state: DeviceState) -> None:
-    """The end of every round (and of the prompt pass): the fewest, most and total committed codes, which the host
-    reads at a sync (inside the round's graph the reductions cost nothing; outside it they would be four ops)."""
+    """End of a round or the prompt pass: the fewest, most and total committed codes, read by a sync."""
     committed = state.committed
     state.progress.copy_(torch.stack([committed.min(), committed.max(), committed.sum()]))
 
 
 def state_tensors(state: DeviceState) -> List[torch.Tensor]:
-    """The state's tensors (their ``data_ptr`` must not change from round to round); a field a loop's options leave
-    unused is ``None`` and not listed."""
+    """The state's tensors (their ``data_ptr`` stays put), less the fields a loop's options leave ``None``."""
     return [t for t in (getattr(state, f.name) for f in fields(state)) if t is not None]

@@ -1,26 +1,16 @@
 """SJD-PAC's proactive drafting run whole on the device (`ProactiveLoop`, `proactive_round`).
 
 The window of ``L`` drafts is a static tree (`decoding_jacobi.proactive_tree`): ``K`` candidates at each of the first
-``P`` positions (their Cartesian product, a ``K``-ary tree), then one draft per position after the path of first
-candidates. Each position's first candidate is its SJD draft (a redraw from the last pass, a fresh draft by the
-decoder's ``init``, anchored or continued as `device_chain` does it); the other ``K - 1`` are drawn without
-replacement from the same law by Gumbel top-K on a keyed stream, and kept in the state at fixed addresses.
-
-A round, on device tensors only:
+``P`` positions (a ``K``-ary tree), then one draft per position after the path of first candidates. A position's
+first candidate is its SJD draft (`device_chain.place_drafts`); the other ``K - 1`` are drawn without replacement
+from the same law by Gumbel top-K on a keyed stream (`draw_alternatives`). A round, on device tensors only:
 
 0. the last round's accepted path moves to its rows' first cache slots (`StaticKVCache.keep_paths`);
-1. the tree's nodes gathered from the drafts and the candidates (one static index), fed with the tree mask (and the
-   end-of-row slots where the layout has them: `device_tree.end_of_row_slots`), one target pass;
-2. verification: under keyed noise (or greedy) a node is accepted when it equals its parent's keyed sample, so the
-   committed codes are AR's for a seed; under drawn noise or a relaxed rule each position's candidates are tested in
-   rank order against their proposals (the position's ``q`` less the earlier candidates: drawn without replacement),
-   the parent's ``p`` replaced by its residual after each rejection, on keyed uniforms of the rows' seeds
-   (`speculative_matches`); the deepest node whose path is accepted ends the run, and the code after it is the
-   parent's keyed sample (keyed) or a keyed draw from its residual (drawn);
-3. commit, then the next drafts: this pass's samples at the fed slots along the first-candidate descent below the
-   last accepted node (`decoding_jacobi.descent_table`), fresh drafts after them, and the first ``P`` positions'
-   other candidates (`draw_alternatives`).
-"""
+1. the tree's nodes gathered from the drafts and candidates, one target pass (`device_tree.tree_pass`);
+2. a node is accepted when it equals its parent's keyed sample (keyed noise, greedy: AR's codes for a seed), or by
+   multi-candidate speculative sampling on keyed uniforms (drawn noise, relaxed rules: `speculative_matches`);
+3. commit (`device_tree.commit_path`), then the next drafts along the first-candidate descent below the last
+   accepted node (`decoding_jacobi.descent_table`) and the other candidates (`next_candidates`)."""
 
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -33,11 +23,10 @@ from ..core.sampling import (PROACTIVE_STREAM, RESIDUAL_STREAM, SamplingConfig, 
                              keyed_gumbel, keyed_sample, logits_to_probs)
 from ..decoders.decoding_jacobi import descent_table, proactive_tree
 from .backbone import PromptEmbeddings, SpatialBackbone
-from .device_chain import UNIT_SAMPLING, ChainState, check_init, anchor_left, continue_drafts, fresh_drafts, predict_above
+from .device_chain import UNIT_SAMPLING, ChainDrafts, ChainState, place_drafts, predict_above
 from .device_eol import eol_slot_count
-from .device_loop import record_progress
 from ..core.verification import sibling_matches
-from .device_tree import TreeLoop, deepest_match, end_of_row_slots, path_with_end_of_row, tree_forward, tree_tables
+from .device_tree import TreeLoop, commit_path, deepest_match, tree_pass, tree_tables
 
 
 def proactive_eol_slots(layout, tree) -> int:
@@ -47,14 +36,12 @@ def proactive_eol_slots(layout, tree) -> int:
 
 @dataclass(kw_only=True)
 class ProactiveState(ChainState):
-    """`device_chain.ChainState` (``drafts``: each position's first candidate; ``q``, ``raced``, ``above`` as there)
-    plus the other candidates and the accepted path.
+    """`device_chain.ChainState` (``drafts``: each position's first candidate) plus the other candidates and the path.
 
     Args:
         alternatives (`torch.LongTensor` `(B, P, K - 1)`): the other candidates of the first ``P`` positions, in the
             order they were drawn (``-1``: none, e.g. behind a point mass).
-        path (`torch.LongTensor` `(R, L + 1 (+ 1))`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots
-            of the last round's accepted path and how many it keeps (`device_tree.HeadTreeState`'s).
+        path (`torch.LongTensor` `(R, L + 1 (+ 1))`), kept (`torch.LongTensor` `(R,)`): `device_tree.HeadTreeState`'s.
     """
 
     alternatives: torch.Tensor
@@ -62,16 +49,14 @@ class ProactiveState(ChainState):
     kept: torch.Tensor
 
 
-class ProactiveLoop(TreeLoop):
-    """SJD with proactive drafting (`JacobiDecoder(proactive_width=K > 1)`): `proactive_round`, the module docstring's
-    steps.
+class ProactiveLoop(ChainDrafts, TreeLoop):
+    """SJD with proactive drafting (`JacobiDecoder(proactive_width=K > 1)`): `proactive_round`.
 
     Args:
         window (`int`): positions drafted per round (``L``).
         width (`int`): candidates per position at the first ``depth`` positions (``K > 1``).
         depth (`int`): positions with ``K`` candidates (``P``; at most ``L``).
-        init, guess, anchor, continuation, proposals: as `device_chain.ChainLoop`'s (the anchor and continuation act
-            where proposals are kept: under keyed noise they change no committed code).
+        init, guess, anchor, continuation, proposals: as `device_chain.ChainLoop`'s.
         The other arguments are `DeviceLoop`'s.
     """
 
@@ -79,36 +64,26 @@ class ProactiveLoop(TreeLoop):
                  seeds: torch.Tensor, prefix: PromptEmbeddings, cache: StaticKVCache, round_fn: Optional[Callable] = None,
                  rule: AcceptanceRule = EXACT, neighbours: Optional[torch.Tensor] = None, init: str = "above",
                  anchor: bool = False, continuation: bool = False, proposals: bool = False, guess: Optional[Callable] = None):
-        check_init(init, guess)
+        device = prefix.embeds.device
+        self.setup_drafts(backbone, window, rule, init, anchor, continuation, proposals, guess, device)
         if width < 2 or window < 1:
             raise ValueError(f"Proactive drafting needs `width` >= 2 and a window, got width={width}, window={window}.")
         tree = proactive_tree(window, width, depth)
-        self.window, self.width, self.levels = window, width, min(depth, window)
+        self.width, self.levels = width, min(depth, window)
         self.num_nodes, self.max_codes = tree.num_nodes, window + 1
         self.eol_slots = proactive_eol_slots(backbone.layout, tree)
-        self.init, self.guess = init, guess
-        self.draft_passes_per_round = int(guess is not None)  # the head's
-        self.proposals = proposals or rule.relaxes  # speculative sampling against kept proposals
-        self.anchor, self.continuation = anchor and self.proposals, continuation and self.proposals
-        self.num_codes = v = backbone.num_image_codes
-        device = prefix.embeds.device
-        # constants of every round, built once (a round allocates nothing it could keep)
-        self.uniform_q = torch.full((v,), 1.0 / v, device=device)  # random drafts' proposal
-        self.code_range = torch.arange(v, device=device)  # (V,) the codes Gumbel noise is drawn for
+        self.code_range = torch.arange(self.num_codes, device=device)  # (V,) the codes Gumbel noise is drawn for
         # under keyed noise, a fresh draft's log-weights: uniform for random drafts, else a point mass (nothing more)
-        self.fresh_row = torch.full((v,), 0.0 if init == "random" else float("-inf"), device=device)
+        self.fresh_row = torch.full((self.num_codes,), 0.0 if init == "random" else float("-inf"), device=device)
         super().__init__(backbone, sampling, seeds, prefix, cache, round_fn, rule, neighbours)
-        self.draft_offsets = torch.arange(window, device=device)  # (L,)
         self.tables = tree_tables(tree.to(device), self.node_slots)  # the static tree's
         self.descent = descent_table(tree).to(device)  # (T, L + 1) the first-candidate descent below every node
-        depths, ranks = tree.depths[1:], tree.ranks[1:].clamp_min(0)  # (T - 1,)
+        positions, ranks = tree.depths[1:] - 1, tree.ranks[1:].clamp_min(0)  # (T - 1,) each node's position and rank
         # where each node's code lies in [drafts, alternatives.flatten()]: its position's draft, or candidate rank - 1
-        source = torch.where(ranks == 0, depths - 1, window + (depths - 1) * (width - 1) + ranks - 1)
-        self.node_source = source.to(device)  # (T - 1,)
-        positions = (depths - 1).clamp_max(self.levels - 1)  # (T - 1,) a chain node reads the last level's (unused)
+        self.node_source = torch.where(ranks == 0, positions, window + positions * (width - 1) + ranks - 1).to(device)
         # [i, k]: candidate k of node i's position was offered before node i (the exclusions of its proposal)
         self.earlier = (torch.arange(width)[None] < ranks[:, None]).to(device)  # (T - 1, K)
-        self.node_position = positions.to(device)
+        self.node_position = positions.clamp_max(self.levels - 1).to(device)  # (T - 1,) a chain node: the last level's
 
     @staticmethod
     def fed_slots(layout, window: int, width: int, depth: int, **_) -> int:
@@ -118,15 +93,11 @@ class ProactiveLoop(TreeLoop):
 
     def new_state(self, **common) -> ProactiveState:
         device, b, rows = common["tokens"].device, self.batch_size, self.cache.num_rows
-        drafts = torch.zeros(b, self.window, dtype=torch.long, device=device)
         return ProactiveState(
-            drafts=drafts,
             alternatives=torch.full((b, self.levels, self.width - 1), -1, dtype=torch.long, device=device),
             path=torch.zeros(rows, self.path_slots, dtype=torch.long, device=device),
             kept=torch.zeros(rows, dtype=torch.long, device=device),  # the prompt pass left nothing to move
-            q=torch.zeros(b, self.window, self.num_codes, device=device) if self.proposals else None,
-            raced=torch.zeros_like(drafts, dtype=torch.bool) if self.continuation else None,  # first drafts: copies
-            above=torch.full_like(common["tokens"], -1) if self.guess is not None else None, **common)
+            **self.draft_fields(common["tokens"]), **common)
 
     @classmethod
     def default_round(cls) -> Callable:
@@ -136,15 +107,8 @@ class ProactiveLoop(TreeLoop):
         return []
 
     def start_rows(self, first: torch.Tensor, hidden: torch.Tensor) -> None:
-        s = self.state
-        if self.guess is not None:  # the prompt's last output predicted the first code: guess the one below it
-            predict_above(self, hidden[: self.batch_size, None], first[:, None], torch.ones_like(first), s.committed - 1)
-        index = 1 + self.draft_offsets.expand_as(s.drafts)  # (B, L) the grid index of each draft
-        codes, q = fresh_drafts(self, index, s.committed, first, s.drafts)  # the first row has nothing above
-        s.drafts.copy_(codes)
-        if self.proposals:
-            s.q.copy_(q)
-        levels = index[:, : self.levels]  # (B, P)
+        super().start_rows(first, hidden)  # the drafts, then the other candidates of the first P positions
+        levels = 1 + self.draft_offsets[: self.levels].expand(self.batch_size, -1)  # (B, P) their grid indices
         draw_alternatives(self, fresh_scores(self, levels.shape), levels)
 
 
@@ -159,19 +123,11 @@ def proactive_round(loop: ProactiveLoop) -> None:
     # 1. the tree: each node is its position's draft or one of its other candidates; one target pass
     candidates = torch.cat([s.drafts, s.alternatives.flatten(1)], 1)  # (B, L + P (K - 1))
     fed = torch.cat([s.last[:, None], candidates.gather(1, loop.node_source.expand(b, -1))], 1)  # (B, T) root first
-    eol = None
-    if layout.has_eol:  # the EOL slots after the nodes that end a row
-        with loop.timer.section("eol"):
-            eol = end_of_row_slots(loop, tables, s.committed)
-    with loop.timer.section("forward"):
-        hidden, logits, _ = tree_forward(loop, fed, tables, eol)  # (R, T (+ E), D), (R, T (+ E), V)
+    eol, hidden, logits, _ = tree_pass(loop, fed, tables)  # the EOL slots, (R, T, D), (B, T (+ E), V)
     with loop.timer.section("accept"):
-        # 2. every node's output (a row end: its EOL slot's), mixed, and its keyed sample
-        logits = loop.guided(logits)  # (B, T (+ E), V)
+        # 2. every node's output (a row end: its EOL slot's) and its keyed sample
         if eol is not None:
             logits = logits.gather(1, eol.predictor[..., None].expand(-1, -1, logits.shape[-1]))  # (B, T, V)
-            predictor = eol.predictor.repeat(2, 1) if sampling.do_cfg else eol.predictor  # (R, T)
-            hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
         index = (s.committed[:, None] + tables.depths).clamp_max(n - 1)  # (B, T) the grid index each output predicts
         samples = keyed_sample(logits, sampling, s.seeds, index)  # (B, T)
         probs = logits_to_probs(logits, sampling) if loop.proposals else None  # (B, T, V)
@@ -186,38 +142,21 @@ def proactive_round(loop: ProactiveLoop) -> None:
         else:  # drawn: a keyed draw from what its rejected children left
             left = residual.gather(1, last_node[..., None].expand(-1, -1, residual.shape[-1]))  # (B, 1, V)
             bonus = keyed_sample(left.log(), UNIT_SAMPLING, s.seeds ^ RESIDUAL_STREAM, index.gather(1, last_node))
-        # 3. commit the run; the slots past it write the spare column N
-        accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
-        below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, L + 1) each code: an accepted node, then the bonus
-        codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), bonus)  # (B, L + 1)
-        taken = loop.code_offsets < accepted[:, None]  # (B, L + 1)
-        target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, L + 1)
-        s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
-        s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
-        s.rounds.add_(1)
-        s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
-        s.last.copy_(torch.where(active, codes.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], s.last))
-        kept_path, kept = path_with_end_of_row(loop, eol, path, accepted) if eol is not None else (path, accepted)
+        # 3. commit the run and keep the path's cache slots (`device_tree.commit_path`), then the next drafts
+        codes, accepted = commit_path(loop, fed, path, depth, bonus, active, eol)  # (B, L + 1), (B,)
     with loop.timer.section("draft"):
         if loop.guess is not None:  # the head guesses the codes one row below the run, from the path's outputs
             path_hidden = hidden[:b].gather(1, path[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, L + 1, D)
-            predict_above(loop, path_hidden, codes, accepted, s.committed)
-        next_candidates(loop, logits, samples, probs, last_node[:, 0], depth, s.committed + accepted)
-    # each cache row keeps the path's slots (and a crossed row end's EOL slot), moved by the next round (step 0)
-    s.committed.add_(accepted)
-    record_progress(s)
-    s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
-    s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
+            predict_above(loop, path_hidden, codes, accepted, s.committed - accepted)
+        next_candidates(loop, logits, samples, probs, last_node[:, 0], depth, s.committed)
 
 
 def speculative_matches(loop: ProactiveLoop, probs: torch.Tensor, fed: torch.Tensor, index: torch.Tensor):
     """Step 2 under drawn noise or a relaxed rule: multi-candidate speculative sampling, every parent at once
-    (`verification.sibling_matches` with each node's proposal). Child ``x`` of rank ``r`` was drawn from its position's
-    ``q`` less the ``r`` candidates before it (renormalised: a draw without replacement), so that is its proposal.
-
-    Why keyed streams of their own (`ACCEPT_STREAM` keyed by grid index and rank): a position's uniforms are read in
-    the one round whose walk reaches it (it is committed then), by one parent (the walk visits one node per depth);
-    the candidates were drawn from other streams (`draw_alternatives`), so given them the uniforms are fresh.
+    (`verification.sibling_matches`). Child ``x`` of rank ``r`` was drawn from its position's ``q`` less the ``r``
+    candidates before it (renormalised: a draw without replacement), so that is its proposal. Its uniforms
+    (`ACCEPT_STREAM`) are read once, in the round whose walk commits the position, and the candidates came from other
+    streams, so they are fresh.
 
     Args:
         probs (`torch.Tensor` `(B, T, V)`): ``p`` after every node.
@@ -238,14 +177,13 @@ def speculative_matches(loop: ProactiveLoop, probs: torch.Tensor, fed: torch.Ten
 
 def next_candidates(loop: ProactiveLoop, logits: torch.Tensor, samples: torch.Tensor, probs: Optional[torch.Tensor],
                     last: torch.Tensor, depth: torch.Tensor, committed: torch.Tensor) -> None:
-    """Step 3's drafting: the next window after the last accepted node ``last`` ``(B,)`` at depth ``depth`` ``(B,)``.
-    A position this pass predicted takes the keyed sample (and ``p``, its proposal) of the fed slot that predicted it
-    along the first-candidate descent below ``last``; the rest are fresh (`device_chain.fresh_drafts`); continuation
-    and the anchor as `device_chain.next_drafts` applies them; then the other candidates of the first ``P``.
+    """Step 3's drafting after the last accepted node ``last`` ``(B,)`` at depth ``depth`` ``(B,)``: a position this
+    pass predicted takes the keyed sample (and ``p``) of the slot that predicted it along the first-candidate descent
+    below ``last``, the rest fresh drafts (`device_chain.place_drafts`); then the other candidates of the first ``P``.
 
     Args:
-        logits (`torch.Tensor` `(B, T, V)`): every node's mixed logits; samples (`torch.LongTensor` `(B, T)`): their keyed
-            samples; probs (`torch.Tensor` `(B, T, V)`, *optional*): their ``p``, where proposals are kept.
+        logits (`torch.Tensor` `(B, T, V)`), samples (`torch.LongTensor` `(B, T)`), probs (`torch.Tensor` `(B, T, V)`,
+            *optional*): every node's mixed logits, keyed sample and ``p`` (where proposals are kept).
         committed (`torch.LongTensor` `(B,)`): each row's committed codes after this round.
     """
     s, window, v = loop.state, loop.window, loop.num_codes
@@ -255,16 +193,8 @@ def next_candidates(loop: ProactiveLoop, logits: torch.Tensor, samples: torch.Te
     redrawn = samples.gather(1, slot)  # (B, L)
     # the draft before the first fresh one: the last redraw, or the newest code when every draft was accepted
     before = torch.where(depth < window, redrawn[:, -1], s.last)  # (B,)
-    index = committed[:, None] + loop.draft_offsets  # (B, L) the grid index of each next draft
-    fresh, q = fresh_drafts(loop, index, committed, before, s.drafts)  # (B, L), (B, L, V) or None
-    if probs is not None:
-        drawn_from = probs.gather(1, slot[..., None].expand(-1, -1, v))  # (B, L, V)
-        if loop.continuation:  # before the drafts and proposals move: the old ones are tested
-            redrawn = continue_drafts(loop, redrawn, drawn_from, source, index)
-        s.q.copy_(torch.where(redrawn_here[..., None], drawn_from, q))
-    s.drafts.copy_(torch.where(redrawn_here, redrawn, fresh))
-    if loop.anchor:
-        anchor_left(s)
+    drawn_from = probs.gather(1, slot[..., None].expand(-1, -1, v)) if probs is not None else None  # (B, L, V)
+    index = place_drafts(loop, redrawn, drawn_from, source, committed, before)  # (B, L)
     levels = index[:, : loop.levels]  # (B, P)
     if probs is not None:
         scores = None  # the kept proposals, after any anchoring
@@ -284,14 +214,10 @@ def fresh_scores(loop: ProactiveLoop, shape) -> torch.Tensor:
 
 def draw_alternatives(loop: ProactiveLoop, scores: Optional[torch.Tensor], index: torch.Tensor) -> None:
     """The other ``K - 1`` candidates of the first ``P`` positions at grid indices ``index`` ``(B, P)``: Gumbel top-K
-    without their first candidate, a draw without replacement from the position's law less that code.
-
-    Under keyed noise ``scores`` ``(B, P, V)`` are the law's log-weights and the noise is the target's own keyed
-    stream: the first candidate is the top of that race (where it is a redraw), so the others are its runners-up, the
-    codes most likely to be the target's sample if ``p`` moved (any candidates keep the committed codes AR's). With
-    kept proposals (``scores`` ``None``) the law is ``q`` and the noise a keyed stream of its own (`PROACTIVE_STREAM`),
-    independent of what drew the first candidate (the target's stream, a continuation's or an init's), as an exact
-    verification needs."""
+    without the first candidate, a draw without replacement from the position's law less that code. Under keyed noise
+    ``scores`` ``(B, P, V)`` are the law's log-weights and the noise the target's own stream, so the others are the
+    race's runners-up. With kept proposals (``scores`` ``None``) the law is ``q`` and the noise its own stream
+    (`PROACTIVE_STREAM`), independent of the first candidate's, as an exact verification needs."""
     s = loop.state
     first = s.drafts[:, : loop.levels, None]  # (B, P, 1)
     keyed = scores is not None

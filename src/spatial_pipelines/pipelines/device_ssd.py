@@ -1,25 +1,20 @@
-"""SSD's passes run whole on the device (`SSDLoop`; what every device loop shares is `device_loop.DeviceLoop`).
+"""SSD's passes run whole on the device (`SSDLoop`; shared parts: `device_loop.DeviceLoop`).
 
-SSD's passes do not depend on what they accept: every row takes the same passes (`SSDDecoder.plan`, written
-out before the first, like a diffusers scheduler's timesteps), so the rows run them in lockstep and the host knows,
-before a pass, what it feeds and where. A pass (`ssd_round`) is a function of device tensors with fixed shapes:
+SSD's passes do not depend on what they accept: every row takes the same passes (`SSDDecoder.plan`, written out
+before the first, like a diffusers scheduler's timesteps), so the rows run them in lockstep and the host knows what
+a pass feeds and where. A pass (`ssd_round`) is a function of device tensors with fixed shapes:
 
-1. the first pass of a block drafts it from committed codes (`draft_block`): a first-row chunk from the newest code
-   through the heads' horizontal offsets, later rows from the completed row above through their vertical offsets;
-   the heads' argmax, or (``draft="sample"``) a keyed draw from their distribution ``q`` (`DRAFT_STREAM`);
-2. every row feeds its newest code and the block's first codes at its own positions (an end-of-row token after each
-   fed code that ends a row), the CFG rows the same; one target pass (`ssd_forward`);
-3. a verification pass ("auto-correction", `repair_block`) tests every block code on its own: ``x`` stays when a keyed
-   uniform ``u < p(x) / q(x)``, else it becomes a keyed draw from ``norm(max(p - q, 0))`` (greedy: the argmax); both
-   keyed by grid index and pass (`ACCEPT_STREAM`, `RESIDUAL_STREAM`), a position being tested in several passes; the
-   block's ``q`` becomes the pass's ``p``; the cache keeps none of its slots (they stay invalid);
-4. a commit pass (`commit_block`) commits the fed codes, and on the first row the keyed sample of its last output
-   (the code after the chunk, as AR draws it); their hidden states are kept for the drafts that follow; the cache
-   keeps the fed slots before the new newest code; a staged commit moves the rest of the block forward.
+1. the first pass of a block drafts it (`draft_block`): a first-row chunk from the newest code through the heads'
+   horizontal offsets, later rows from the row above through their vertical offsets; the heads' argmax, or
+   (``draft="sample"``) a keyed draw from their ``q`` (`DRAFT_STREAM`);
+2. every row feeds its newest code and the block's first codes at its own positions; one target pass (`ssd_forward`);
+3. a verification pass (`repair_block`) tests every block code on its own: ``x`` stays when a keyed uniform
+   ``u < p(x) / q(x)``, else becomes a keyed draw from ``norm(max(p - q, 0))`` (greedy: the argmax); ``q`` becomes
+   ``p``; the cache keeps none of its slots;
+4. a commit pass (`commit_block`) commits the fed codes, on the first row also the keyed sample of its last output,
+   and keeps their hidden states for later drafts; the cache keeps the fed slots before the new newest code.
 
-Passes of one shape (`SSDPass.shape`: what is fed, drafted and committed, not where) run one graph: the round reads
-its shape from host ints of the current phase (`SSDPhase`, one object per shape) and where it is from the state.
-"""
+Passes of one shape (`SSDPass.shape`) run one graph, reading it from the current phase's host ints (`SSDPhase`)."""
 
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
@@ -40,12 +35,10 @@ class SSDState(DeviceState):
     """`DeviceState` plus the block being repaired and what drafts it.
 
     Args:
-        hidden (`torch.Tensor` `(B, N, D)`): ``h_j``, the pre-norm hidden state whose logits drew code ``j``, for every
-            committed code (the trunk's dtype).
-        block (`torch.LongTensor` `(B, L)`): the drafted codes being repaired; code ``k`` is grid index
-            ``committed + k``.
-        q (`torch.Tensor` `(B, L, V)`, *optional*): the law each block code follows (a point mass for an argmax
-            draft); ``None`` when greedy (a verification pass then takes the argmax).
+        hidden (`torch.Tensor` `(B, N, D)`): ``h_j``, the pre-norm hidden state whose logits drew code ``j``.
+        block (`torch.LongTensor` `(B, L)`): the drafted codes being repaired (code ``k``: index ``committed + k``).
+        q (`torch.Tensor` `(B, L, V)`, *optional*): the law each block code follows (a point mass for an argmax draft);
+            ``None`` when greedy.
     """
 
     hidden: torch.Tensor
@@ -55,14 +48,12 @@ class SSDState(DeviceState):
 
 @dataclass
 class SSDPhase:
-    """The host ints a pass's graph is made for: one object per `SSDPass.shape` (the round reads them; a pass of
-    another shape is another graph).
+    """The host ints a pass's graph is made for: one object per `SSDPass.shape`.
 
     Args:
         fed (`int`), commit (`bool`), bonus (`bool`), draft (`str`, *optional*), drafted (`int`), block (`int`): as
             in `SSDPass`.
-        slots (`int`): slots the pass feeds per row: the newest code, ``fed`` codes and the end-of-row tokens after
-            the fed codes that end a row.
+        slots (`int`): slots the pass feeds per row: the newest code, ``fed`` codes and the end-of-row tokens.
     """
 
     fed: int
@@ -89,8 +80,7 @@ def pass_slots(layout, p: SSDPass) -> int:
 
 
 class SSDLoop(DeviceLoop):
-    """SSD's generation on the device: `ssd_round`, steps 1-4 of the module docstring, pass after pass of the
-    schedule.
+    """SSD's generation on the device: `ssd_round`, pass after pass of the schedule.
 
     Args:
         schedule (`SSDSchedule`): the passes after the prompt's and how drafts are made.

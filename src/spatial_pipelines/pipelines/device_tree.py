@@ -1,20 +1,12 @@
-"""Tree decoders' rounds run whole on the device (what every device loop shares is `device_loop.DeviceLoop`).
+"""Tree decoders' rounds run whole on the device (shared parts: `device_loop.DeviceLoop`).
 
-A head tree (`HeadTreeLoop`, `head_tree_round`) drafts a static tree of the draft heads' candidates (Medusa's top-k,
-Hawk's pools) from the hidden state that predicted each row's newest code (the decoder's `HeadDrafter`), feeds it with
-the tree mask, and accepts the deepest node whose path matches the keyed samples node by node (a sibling is accepted
-exactly when it equals its parent's sample, as `verify_tree` does with a point mass); the codes are the samples along
-that path, and the cache moves the path's slots to the row's first ones (`StaticKVCache.keep_paths`). A grown tree
-(`DynamicTreeLoop`, `dynamic_tree_round`) comes from a drafter with its own cache (`EagleDrafter`): it reads the codes
-the last round committed with the target features that predicted them, grows one tree per row (`RowTrees`), and the
-same verification (`verify_tree_round`) reads that tree's per-row tables. With end-of-row tokens a tree round also
-feeds one EOL slot per node at every depth whose code ends a row (`device_eol.end_of_row_slots`; a tree as deep as a
-row or deeper crosses several): the node's descendants see it, its output predicts the next row's first code, and the
-cache keeps each one the accepted path crossed.
-
-Under a relaxed acceptance rule (LANTERN, LANTERN++; lossy) a node is accepted when its parent's keyed sample lies in
-the node's claim (`sibling_matches`).
-"""
+A head tree (`HeadTreeLoop`) drafts a static tree of the draft heads' candidates (Medusa's top-k, Hawk's pools) from
+the hidden state that predicted each row's newest code; a grown tree (`DynamicTreeLoop`) comes from a drafter with its
+own cache (`EagleDrafter`) that grows one tree per row (`RowTrees`). Both are verified alike (`verify_tree_round`):
+the deepest node whose path matches the keyed samples node by node is accepted (a sibling when it equals its
+parent's sample; under a relaxed rule when that sample lies in the node's claim, `sibling_matches`), the samples
+along it are committed, and the cache moves the path's slots (and the EOL slots it crossed, `device_eol`) to the
+row's first ones (`StaticKVCache.keep_paths`)."""
 
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
@@ -28,7 +20,7 @@ from ..core.sampling import RESIDUAL_STREAM, SamplingConfig, keyed_sample, logit
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .device_chain import UNIT_SAMPLING
 from .device_eol import EndOfRowSlots, end_of_row_slots, eol_slot_count, path_slot_count, path_with_end_of_row
-from .device_loop import DeviceLoop, DeviceState, record_progress
+from .device_loop import DeviceLoop, DeviceState, commit_run, record_progress
 
 
 @dataclass
@@ -37,9 +29,8 @@ class HeadTreeState(DeviceState):
 
     Args:
         hidden (`torch.Tensor` `(B, D)`): per row, the pre-norm hidden state that predicted its newest code.
-        path (`torch.LongTensor` `(R, P)`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots of the
-            last round's accepted path (with an EOL slot at each row end it crossed) and how many of them it keeps: the
-            next round moves them first (`StaticKVCache.keep_paths`).
+        path (`torch.LongTensor` `(R, P)`), kept (`torch.LongTensor` `(R,)`): per cache row, the fed slots of the last
+            round's accepted path (and the EOL slots it crossed) and how many it keeps, moved by the next round.
     """
 
     hidden: torch.Tensor
@@ -53,12 +44,10 @@ class DynamicTreeState(DeviceState):
 
     Args:
         path (`torch.LongTensor` `(R, P)`), kept (`torch.LongTensor` `(R,)`): as `HeadTreeState`'s.
-        features (`torch.Tensor` `(R, D + 1, D)`): per cache row (CFG rows too), the pre-norm hidden states of the
-            last round's accepted path: the ones that predicted the codes it committed (after the prompt pass: the
-            prompt's last, in slot 0).
-        fresh (`torch.LongTensor` `(B,)`): codes the last round committed per row (the drafter has not read them yet).
-        tree_shapes (`torch.LongTensor` `(N + 1, B, 2)`): per round (as ``accepted``), each row's kept tree depth and
-            the ``k`` it was grown with.
+        features (`torch.Tensor` `(R, D + 1, D)`): per cache row, the pre-norm hidden states that predicted the codes
+            the last round committed (after the prompt pass: the prompt's last, in slot 0).
+        fresh (`torch.LongTensor` `(B,)`): codes the last round committed per row (not read by the drafter yet).
+        tree_shapes (`torch.LongTensor` `(N + 1, B, 2)`): per round, each row's kept tree depth and its ``k``.
     """
 
     path: torch.Tensor
@@ -69,14 +58,9 @@ class DynamicTreeState(DeviceState):
 
 
 class TreeLoop(DeviceLoop):
-    """What the tree loops share: ``T`` tree nodes per row, then (with end-of-row tokens) ``E`` EOL slots, one for each
-    node at a depth whose code ends a row (`device_eol.end_of_row_slots`; ``E`` a host bound, `eol_slots_of`); the
-    accepted path's cache slots (``P``: its nodes and an EOL slot at each row end it crossed) moved by the next round. A
-    subclass sets ``drafter``, ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before `DeviceLoop.__init__`.
-
-    Under a relaxed rule a node is accepted when its parent's keyed sample lies in the set the node claims
-    (`sibling_matches`): LANTERN's own verification of point-mass candidates, with the sample as its only
-    randomness."""
+    """What the tree loops share: ``T`` tree nodes per row, then (with end-of-row tokens) ``E`` EOL slots (a host bound,
+    `eol_slots_of`); the accepted path's cache slots (``P``: its nodes and the EOL slots it crossed) moved by the next
+    round. A subclass sets ``num_nodes`` (``T``), ``max_codes`` and ``eol_slots`` before `DeviceLoop.__init__`."""
 
     def __init__(self, backbone: SpatialBackbone, sampling: SamplingConfig, seeds: torch.Tensor, prefix: PromptEmbeddings,
                  cache: StaticKVCache, round_fn: Optional[Callable] = None, rule: AcceptanceRule = EXACT,
@@ -91,9 +75,8 @@ class TreeLoop(DeviceLoop):
 
     @staticmethod
     def eol_slots_of(layout, drafter, num_nodes: int) -> int:
-        """EOL slots a round of the drafter's trees (``num_nodes`` nodes, root included) feeds (`eol_slot_count`), from
-        the nodes at each depth at most: a static tree's own counts (``depth_counts``), or ``nodes_per_depth`` below
-        the root."""
+        """EOL slots a round of the drafter's trees (``num_nodes`` nodes) feeds (`eol_slot_count`), from the nodes per
+        depth at most: a static tree's ``depth_counts``, or ``nodes_per_depth`` below the root."""
         counts = getattr(drafter, "depth_counts", None)
         counts = tuple(counts) if counts is not None else (1,) + (drafter.nodes_per_depth,) * drafter.tree_depth
         return min(num_nodes, eol_slot_count(layout, counts))
@@ -103,12 +86,10 @@ class TreeLoop(DeviceLoop):
 
 
 class HeadTreeLoop(TreeLoop):
-    """A static tree of draft-head candidates (Medusa, Hawk: a `TreeRound`'s drafter), verified exactly
-    under keyed noise: `head_tree_round`.
+    """A static tree of draft-head candidates (Medusa, Hawk: a `TreeRound`'s drafter).
 
     Args:
-        drafter (`HeadDrafter`): drafts the tree's nodes from each row's hidden state; the other arguments are
-            `DeviceLoop`'s.
+        drafter (`HeadDrafter`): drafts the tree's nodes from each row's hidden state; the rest are `DeviceLoop`'s.
     """
 
     def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
@@ -127,12 +108,11 @@ class HeadTreeLoop(TreeLoop):
         return num_nodes + TreeLoop.eol_slots_of(layout, drafter, num_nodes)
 
     def new_state(self, **common) -> HeadTreeState:
-        device = common["tokens"].device
-        hidden = torch.zeros(self.batch_size, self.hidden_size, dtype=self.hidden_dtype, device=device)
-        rows = self.cache.num_rows
-        path = torch.zeros(rows, self.path_slots, dtype=torch.long, device=device)
-        kept = torch.zeros(rows, dtype=torch.long, device=device)  # the prompt pass left nothing to move
-        return HeadTreeState(hidden=hidden, path=path, kept=kept, **common)
+        device, rows = common["tokens"].device, self.cache.num_rows
+        return HeadTreeState(
+            hidden=torch.zeros(self.batch_size, self.hidden_size, dtype=self.hidden_dtype, device=device),
+            path=torch.zeros(rows, self.path_slots, dtype=torch.long, device=device),
+            kept=torch.zeros(rows, dtype=torch.long, device=device), **common)  # the prompt pass left nothing to move
 
     draft_passes_per_round = 1  # the heads
 
@@ -145,15 +125,13 @@ class HeadTreeLoop(TreeLoop):
 
 
 class DynamicTreeLoop(TreeLoop):
-    """A drafter that grows each row's own tree every round (EAGLE-2: a `TreeRound`'s drafter
-    with ``per_row_trees``), verified exactly under keyed noise: `dynamic_tree_round`.
+    """A drafter that grows each row's own tree every round (EAGLE-2: a `TreeRound` drafter with ``per_row_trees``).
 
     Args:
-        drafter: grows the trees (`EagleDrafter`): ``drafter(loop)`` gives each row's node codes ``(B, T - 1)`` and its
-            `RowTrees`; it has ``num_nodes`` (``T - 1``), ``tree_depth`` (the trees' at most), ``nodes_per_depth`` (at
-            most), ``draft_passes`` per round, ``start(loop)`` (after the prompt pass), ``report(shapes)``,
-            ``buffers()`` and ``set_bound(committed)`` (a host bound on any row's committed codes before a round).
-            The other arguments are `DeviceLoop`'s.
+        drafter (`EagleDrafter`): ``drafter(loop)`` gives each row's node codes ``(B, T - 1)`` and its `RowTrees`; it
+            has ``num_nodes`` (``T - 1``), ``tree_depth``, ``nodes_per_depth`` (at most), ``draft_passes`` per round,
+            ``start(loop)``, ``report(shapes)``, ``buffers()`` and ``set_bound(committed)`` (a host bound).
+        The other arguments are `DeviceLoop`'s.
     """
 
     def __init__(self, backbone: SpatialBackbone, drafter, sampling: SamplingConfig, seeds: torch.Tensor,
@@ -199,8 +177,8 @@ class DynamicTreeLoop(TreeLoop):
 
 
 def head_tree_round(loop: HeadTreeLoop) -> None:
-    """One round of a head tree (`HeadTreeLoop`) on device tensors only: draft, one target pass, keyed samples, the
-    deepest node whose path matches them, commit, and the path's cache slots moved to the row's first ones."""
+    """One round of a head tree (`HeadTreeLoop`) on device tensors only: draft, verify and commit
+    (`verify_tree_round`), then the hidden state the heads read next."""
     s, backbone = loop.state, loop.backbone
     active = s.committed < loop.layout.num_tokens  # (B,)
     # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
@@ -218,10 +196,8 @@ def head_tree_round(loop: HeadTreeLoop) -> None:
 
 
 def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
-    """One round of a drafter that grows each row's own tree (`DynamicTreeLoop`, EAGLE-2) on device tensors only:
-    the drafter reads the codes the last round committed with the features that predicted them and grows the trees,
-    then one target pass, keyed samples, the deepest matching node, commit, and the features of the accepted path
-    kept for the drafter's next round."""
+    """One round of a drafter that grows each row's own tree (`DynamicTreeLoop`, EAGLE-2) on device tensors only: grow
+    the trees, verify and commit (`verify_tree_round`), keep the accepted path's features for the drafter."""
     s = loop.state
     active = s.committed < loop.layout.num_tokens  # (B,)
     # 0. the last round's accepted path moves to its rows' first slots, before this pass writes or reads the cache
@@ -242,35 +218,24 @@ def dynamic_tree_round(loop: "DynamicTreeLoop") -> None:
 
 
 def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", active: torch.Tensor):
-    """Steps 2-5 and 7 of a tree round: one target pass over the tree ``fed`` ``(B, T)`` (root first, ``-1``: a node
-    not offered) with the tree mask, node ``i`` at the position of grid index (newest + depth; clamped past the grid,
-    where nothing is committed), and the EOL slots where the layout has them (`device_eol.end_of_row_slots`); every
-    node's keyed sample; the deepest node whose path matches the samples node by node (a sibling is accepted exactly
-    when it equals its parent's sample: `verify_tree` with a point mass); the samples along it committed; the path's
-    cache slots (and the EOL slots it crossed) and their count left for the next round's move. Returns the hidden states each node's output stands for ``(R, T, D)``
-    (a node that ends a row: its EOL slot's), the accepted path ``(B, D + 1)`` (padded with its last node) and the
-    codes each row committed ``(B,)``."""
-    s, sampling, layout = loop.state, loop.sampling, loop.layout
-    n, eol = layout.num_tokens, None
-    if layout.has_eol:  # the EOL slots after the nodes that end a row
-        with loop.timer.section("eol"):
-            eol = end_of_row_slots(loop, tables, s.committed)
-    with loop.timer.section("forward"):
-        hidden, logits, predicts = tree_forward(loop, fed, tables, eol)  # (R, T (+ E), D)
+    """Steps 2-5 and 7 of a tree round over the tree ``fed`` ``(B, T)`` (root first, ``-1``: not offered): the pass
+    (`tree_pass`), every node's keyed sample, the deepest node whose path matches them (a sibling when it equals its
+    parent's sample), the samples along it committed (`commit_path`). Returns the hidden states each node's output
+    stands for ``(R, T, D)``, the accepted path ``(B, D + 1)`` (padded with its last node) and the committed counts
+    ``(B,)``."""
+    s, sampling, n = loop.state, loop.sampling, loop.layout.num_tokens
+    eol, hidden, logits, predicts = tree_pass(loop, fed, tables)
     with loop.timer.section("accept"):
-        # 3. CFG mix and every slot's keyed sample, then the sample each node's output stands for (a row end: its EOL's)
-        logits = loop.guided(logits)  # (B, T (+ E), V)
+        # 3. every slot's keyed sample, then the sample each node's output stands for (a row end: its EOL's)
         samples = keyed_sample(logits, sampling, s.seeds, predicts.clamp_max(n - 1))  # (B, T (+ E))
-        if layout.has_eol:
-            samples = samples.gather(1, eol.predictor)  # (B, T)
-            predictor = eol.predictor.repeat(2, 1) if sampling.do_cfg else eol.predictor  # (R, T)
-            hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
+        predictor = eol.predictor if eol is not None else None  # (B, T)
+        if predictor is not None:
+            samples = samples.gather(1, predictor)  # (B, T)
         # 4. a node matches when it equals its parent's sample (a relaxed rule: when the sample lies in the node's claim);
         #    the accepted node is the deepest whose path all matches
         if loop.rule.relaxes:
-            predictor = eol.predictor if layout.has_eol else None
             index = predicts.clamp_max(n - 1)  # (B, T (+ E)) the grid index each slot's output predicts
-            index = index.gather(1, eol.predictor) if layout.has_eol else index  # (B, T)
+            index = index.gather(1, predictor) if predictor is not None else index  # (B, T)
             named = samples if loop.rule.claims_neighbours else None  # a claim one sample of p decides
             matches, left = sibling_matches(loop.rule, loop.neighbours, node_probs(logits, sampling, predictor), fed,
                                             tables, s.seeds, index, samples=named)
@@ -279,25 +244,41 @@ def verify_tree_round(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", a
         else:
             matches = (fed == samples.gather(1, tables.parents.expand_as(fed))) | tables.is_root  # (B, T)
         path, depth = deepest_match(tables, matches)  # (B, D + 1), (B,)
-        accepted = torch.minimum(depth + 1, n - s.committed) * active  # (B,) 0 once finished
-        below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) each code: an accepted node, then the last one's sample
-        codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), samples.gather(1, path))  # (B, D + 1)
-        # 5. commit the run; the slots past it write the spare column N
-        taken = loop.code_offsets < accepted[:, None]  # (B, D + 1)
-        target = torch.where(taken, s.committed[:, None] + loop.code_offsets, n)  # (B, D + 1)
-        s.tokens.scatter_(1, target, torch.where(taken, codes, -1))
-        s.acceptance_map.scatter_(1, target, torch.where(taken, accepted[:, None], 0))
-        s.rounds.add_(1)
-        s.accepted.index_copy_(0, s.rounds.clamp_max(n)[None], accepted[None])
-        last = (accepted - 1).clamp_min(0)[:, None]  # (B, 1)
-        s.last.copy_(torch.where(active, codes.gather(1, last)[:, 0], s.last))
-        # 7. each cache row keeps the path's slots (and each crossed row end's EOL slot), moved by the next round (step 0)
-        kept_path, kept = (path_with_end_of_row(loop, eol, path, accepted) if layout.has_eol else (path, accepted))
-        s.committed.add_(accepted)
-        record_progress(s)
-        s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
-        s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
+        _, accepted = commit_path(loop, fed, path, depth, samples.gather(1, path), active, eol)
     return hidden, path, accepted
+
+
+def tree_pass(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables"):
+    """Steps 1-3 of a tree round's pass: the EOL slots (`device_eol.end_of_row_slots`), one target pass
+    (`tree_forward`), the CFG mix. Returns the EOL slots (or ``None``), the hidden states each node's output stands for
+    ``(R, T, D)``, the mixed logits of every fed slot ``(B, T (+ E), V)`` and the grid index each predicts."""
+    eol = None
+    if loop.layout.has_eol:  # the EOL slots after the nodes that end a row
+        with loop.timer.section("eol"):
+            eol = end_of_row_slots(loop, tables, loop.state.committed)
+    with loop.timer.section("forward"):
+        hidden, logits, predicts = tree_forward(loop, fed, tables, eol)  # (R, T (+ E), D), (R, T (+ E), V)
+    if eol is not None:
+        predictor = eol.predictor.repeat(2, 1) if loop.sampling.do_cfg else eol.predictor  # (R, T)
+        hidden = hidden.gather(1, predictor[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, T, D)
+    return eol, hidden, loop.guided(logits), predicts
+
+
+def commit_path(loop: TreeLoop, fed: torch.Tensor, path: torch.Tensor, depth: torch.Tensor, bonus: torch.Tensor,
+                active: torch.Tensor, eol: Optional[EndOfRowSlots]):
+    """Steps 5 and 7 of a tree round: commit the accepted ``path`` ``(B, D + 1)`` (``depth`` ``(B,)`` deep): its nodes'
+    codes in ``fed`` ``(B, T)``, then ``bonus``, the code after the deepest; each cache row keeps the path's slots (and
+    the EOL slots it crossed) for the next round to move. Returns the codes ``(B, D + 1)`` and the counts ``(B,)``."""
+    s, sampling = loop.state, loop.sampling
+    below = torch.cat([path[:, 1:], path[:, -1:]], 1)  # (B, D + 1) each code: an accepted node, then the bonus
+    codes = torch.where(loop.code_offsets < depth[:, None], fed.gather(1, below), bonus)  # (B, D + 1)
+    accepted = commit_run(loop, codes, depth, active)  # (B,) 0 once finished
+    kept_path, kept = path_with_end_of_row(loop, eol, path, accepted) if eol is not None else (path, accepted)
+    s.committed.add_(accepted)
+    record_progress(s)
+    s.path.copy_(kept_path.repeat(2, 1) if sampling.do_cfg else kept_path)
+    s.kept.copy_(kept.repeat(2) if sampling.do_cfg else kept)
+    return codes, accepted
 
 
 def tree_forward(loop: TreeLoop, fed: torch.Tensor, tables: "TreeTables", eol: Optional["EndOfRowSlots"]):

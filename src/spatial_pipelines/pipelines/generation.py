@@ -1,19 +1,13 @@
-"""The engine (`GenerationLoop`): from the encoded prompts to the token grids, for every family and decoder.
-
-It owns what runs between the prompt encoder and the VQ decoder: the KV cache, the prompt pass, the rounds (whole on
-the device, `device_loop`: the loop a decoder's plan names), fixed shapes (`static_shapes`), the compiled round, and
-how often the host reads the device. The pipeline (`SpatialARPipeline`) checks the inputs, encodes the prompts,
-VQ-decodes the grids and runs diffusers' progress bar and callbacks through `LoopHooks`; it builds its loop once,
-beside its backbone adapter.
-
-One call, as numbered steps (`GenerationLoop.generate`)::
+"""The engine (`GenerationLoop`): from the encoded prompts to the token grids, for every family and decoder: the KV
+cache, the prompt pass, the rounds (whole on the device, `device_loop`), fixed shapes (`static_shapes`), the compiled
+round and how often the host reads the device. The pipeline (`SpatialARPipeline`) checks the inputs, encodes the
+prompts, VQ-decodes the grids and runs diffusers' progress bar and callbacks (`LoopHooks`). One call::
 
     3. the decoder's plan and its loop, one noise seed per image, the KV cache
     4. the prompt pass: its keyed sample is each row's first code
     5. rounds until every grid is full, each on device tensors only:
        a. draft  b. one target forward (end-of-row slots, the tree mask, CFG rows)  c. CFG mix, temperature
-       d. verify on keyed noise and commit each row's run  e. keep each row's accepted slots in the cache
-"""
+       d. verify on keyed noise and commit each row's run  e. keep each row's accepted slots in the cache"""
 
 import contextlib
 from dataclasses import dataclass
@@ -38,21 +32,16 @@ from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
 from .static_shapes import RECOMPILE_LIMIT, static_cache_length
 
-#: `GenerationLoop.compile` keeps the compiled step unless its passes (1 and 8 fed tokens) take more than this much
-#: longer than the eager ones: the round compiled around it also drops the eager ops between passes, which that
-#: timing does not see (on the 2-core EPYC VM the passes tie while a compiled round is 1.07-1.31x faster per image)
+#: `GenerationLoop.compile` keeps the compiled step unless its passes (1 and 8 fed tokens) take this much longer than
+#: the eager ones: a compiled round also drops the eager ops between passes (1.07-1.31x faster per image on a CPU)
 COMPILE_TOLERANCE = 0.05
 
 
-@contextlib.contextmanager
-def _no_progress_bar(total: int = 0):
-    class _Bar:
-        n = 0
+class _NoProgressBar:
+    n = 0
 
-        def update(self, k: int) -> None:
-            self.n += k
-
-    yield _Bar()
+    def update(self, k: int) -> None:
+        self.n += k
 
 
 @dataclass
@@ -62,26 +51,22 @@ class LoopHooks:
     Args:
         progress_bar (`Callable`): ``progress_bar(total=...)``, a context manager yielding a bar with ``update(k)`` and
             ``n`` (`DiffusionPipeline.progress_bar`); it counts codes over the batch.
-        on_round (`Callable`, *optional*): ``on_round(step_index, view)`` after every round, ``view`` showing every row's
-            grid (``tokens``, ``acceptance_map``, ``num_committed``, ``finished``, ``sampling``: `device_loop.RoundView`)
-            (``callback_on_step_end``). The host reads the device after every round while it is set.
+        on_round (`Callable`, *optional*): ``on_round(step_index, view)`` after every round (``callback_on_step_end``;
+            ``view``: `device_loop.RoundView`); the host reads the device after every round while it is set.
         interrupted (`Callable`): ``interrupted()`` is checked after every sync (``pipe.interrupt``).
-        rounds_known (`Callable`): ``rounds_known(n)``: the rounds known so far, those run and one more while a grid is
-            not full (``pipe.num_timesteps``; a callback finds its last step as ``step_index == num_timesteps - 1``).
+        rounds_known (`Callable`): ``rounds_known(n)``: the rounds run, plus one while a grid is not full
+            (``pipe.num_timesteps``).
     """
 
-    progress_bar: Callable[..., ContextManager] = _no_progress_bar
+    progress_bar: Callable[..., ContextManager] = lambda total=0: contextlib.nullcontext(_NoProgressBar())
     on_round: Optional[Callable[[int, Any], None]] = None
     interrupted: Callable[[], bool] = lambda: False
     rounds_known: Callable[[int], None] = lambda n: None
 
 
 class GenerationLoop:
-    r"""Prefill, rounds, KV cache, fixed shapes, compile and sync cadence of a pipeline's generations.
-
-    Built once per pipeline over its backbone adapter (`SpatialARPipeline.loop`); the decoder and heads come with each
-    call (they are swappable). Its settings are the pipeline's (`SpatialARPipeline.static_shapes`,
-    ``max_rounds_per_sync``).
+    r"""Prefill, rounds, KV cache, fixed shapes, compile and sync cadence of a pipeline's generations: built once per
+    pipeline over its backbone adapter (`SpatialARPipeline.loop`); the decoder and heads come with each call.
 
     Args:
         backbone (`SpatialBackbone`): the family adapter.
@@ -108,29 +93,31 @@ class GenerationLoop:
     # -- one generation -----------------------------------------------------------------------------------
     def generate(self, decoder: SpatialDecoderMixin, draft_heads, prefix: PromptEmbeddings, sampling: SamplingConfig,
                  generator, batch_size: int, hooks: Optional[LoopHooks] = None) -> Tuple[torch.Tensor, DecodingStats]:
-        """Steps 3-5 for ``batch_size`` images of the prompt rows ``prefix`` ``(R, P, D)``: rounds whole on the device
-        (`device_plan`). Returns the grids ``(B, N)`` in raster order and the `DecodingStats` (read from the device
-        after the last round)."""
+        """Steps 3-5 for ``batch_size`` images of the prompt rows ``prefix`` ``(R, P, D)`` by the loop of the decoder's
+        plan (`device_plan`), the host reading the device once per sync. Returns the grids ``(B, N)`` in raster order
+        and the `DecodingStats` (read from the device after the last round)."""
         self.decoder, self.draft_heads, self.hooks = decoder, draft_heads, hooks or LoopHooks()
         try:
             plan = self.device_plan(sampling, batch_size, prefix.embeds.device)
-            return self._generate_on_device(prefix, sampling, generator, batch_size, plan)
+            # 3. one noise seed per image, the KV cache, the round (compiled whole when the step is); 4. the prompt pass
+            seeds = torch.zeros(batch_size, dtype=torch.long) if sampling.greedy else draw_seeds(generator, batch_size)
+            loop = self.start_device_loop(prefix, sampling, seeds, plan)
+            # 5. rounds, the host reading the device once per sync (after every round while a step callback is set)
+            with self.hooks.progress_bar(total=self.backbone.layout.num_tokens * batch_size) as progress_bar:
+                rounds = self._run_device(loop, lambda done: progress_bar.update(done - progress_bar.n))
+            if self.timer is not None:
+                self.timer.rounds += rounds
+            self.hooks.rounds_known(rounds)
+            return loop.grid_tokens(), self._device_stats(loop, rounds, batch_size)
         finally:
             self.decoder, self.draft_heads, self.hooks = None, None, LoopHooks()
 
     def device_plan(self, sampling: SamplingConfig, batch_size: int, device: torch.device) -> Tuple[type, Dict[str, Any]]:
-        """The loop that runs the decoder's rounds on the device and its arguments, from what the decoder says its round
-        is (`SpatialDecoderMixin.plan`): a chain (`ChainRound`: `device_chain.ChainLoop`; SJD-PAC's proactive
-        candidates as a static tree, `device_proactive.ProactiveLoop`), a tree of point-mass candidates (`TreeRound`:
-        a static tree, `device_tree.HeadTreeLoop`, or a tree grown per row, `device_tree.DynamicTreeLoop`; of any
-        depth, with an EOL slot at every row end it crosses), or passes known before the first (SSD's schedule:
-        `device_ssd.SSDLoop`), under the decoder's acceptance rule (exact, or relaxed: LANTERN, LANTERN++,
-        `relaxed_chain`, `verification.sibling_matches`).
-
-        Every random draw comes from keyed streams of a seed each image draws from its generator: under keyed noise
-        (or greedy) a draft is accepted when it equals the target's keyed sample (AR's image); under drawn noise a
-        chain keeps its drafts' proposals and accepts by speculative sampling, and a tree of distinct point-mass
-        candidates by the parent's sample, which is that test for point masses."""
+        """The loop that runs the decoder's rounds on the device and its arguments, from the decoder's plan
+        (`SpatialDecoderMixin.plan`): a chain (`ChainRound`: `ChainLoop`; with proactive candidates `ProactiveLoop`), a
+        tree of point-mass candidates (`TreeRound`: `HeadTreeLoop`, or `DynamicTreeLoop` for trees grown per row), or
+        SSD's schedule (`SSDLoop`), under the decoder's acceptance rule. Under drawn noise a chain keeps its drafts'
+        proposals and accepts by speculative sampling on keyed streams of the rows' seeds."""
         decoder, layout = self.decoder, self.backbone.layout
         drawn = not (sampling.keyed or sampling.greedy)  # speculative sampling on keyed streams of the rows' seeds
         plan = decoder.plan(self.draft_heads, layout, batch_size, device, drawn)
@@ -154,28 +141,11 @@ class GenerationLoop:
                         "decoder\").")
 
     # -- rounds on the device -------------------------------------------------------------------------------
-    def _generate_on_device(self, prefix: PromptEmbeddings, sampling: SamplingConfig, generator, batch_size: int,
-                            plan: Tuple[type, Dict[str, Any]]) -> Tuple[torch.Tensor, DecodingStats]:
-        """Steps 3-5 by a `DeviceLoop`: the cache, the prompt pass, then rounds on the device with a host read per
-        sync (the progress bar moves at each)."""
-        layout = self.backbone.layout
-        # 3. one noise seed per image, the KV cache, the round (compiled whole when the step is); 4. the prompt pass
-        seeds = torch.zeros(batch_size, dtype=torch.long) if sampling.greedy else draw_seeds(generator, batch_size)
-        loop = self.start_device_loop(prefix, sampling, seeds, plan)
-        # 5. rounds, the host reading the device once per sync (after every round while a step callback is set)
-        with self.hooks.progress_bar(total=layout.num_tokens * batch_size) as progress_bar:
-            rounds = self._run_device(loop, lambda done: progress_bar.update(done - progress_bar.n))
-        if self.timer is not None:
-            self.timer.rounds += rounds
-        self.hooks.rounds_known(rounds)
-        return loop.grid_tokens(), self._device_stats(loop, rounds, batch_size)
-
     def start_device_loop(self, prefix: PromptEmbeddings, sampling: SamplingConfig, seeds: torch.Tensor,
                           plan: Tuple[type, Dict[str, Any]], cache: Optional[StaticKVCache] = None,
                           compiled: bool = True) -> DeviceLoop:
-        """Steps 3-4 of a `device_plan`: the KV cache (``cache``: one of the caller's, reset here), the loop with its
-        round (compiled whole when the step is and ``compiled``), and the prompt pass. ``seeds`` ``(B,)``: one noise
-        seed per image."""
+        """Steps 3-4 of a `device_plan`: the KV cache (``cache``: the caller's, reset here), the loop with its round
+        (compiled whole when the step is and ``compiled``) and the prompt pass, one noise seed per image (``seeds``)."""
         loop_class, kwargs = plan
         backbone = self.backbone
         layout, rows = backbone.layout, prefix.embeds.shape[0]
@@ -193,9 +163,8 @@ class GenerationLoop:
         return loop
 
     def _run_device(self, loop: DeviceLoop, on_sync: Callable[[int], None]) -> int:
-        """Step 5 on the device (`DeviceLoop.run`) with the call's hooks: a step callback sees every round (`RoundView`),
-        ``pipe.num_timesteps`` is the rounds run plus one while a grid is not full, ``pipe.interrupt`` stops the rounds;
-        returns the rounds run."""
+        """Step 5 (`DeviceLoop.run`) with the call's hooks (a step callback sees every round: `RoundView`); returns the
+        rounds run."""
         hooks = self.hooks
         on_round = None
         if hooks.on_round is not None:
@@ -221,9 +190,8 @@ class GenerationLoop:
 
     # -- the cache, fixed shapes and the target pass ----------------------------------------------------------
     def make_cache(self, rows: int, needed: int, device: torch.device) -> StaticKVCache:
-        """Step 3's KV cache. With static shapes its length is rounded up (one size serves many prompt lengths) and the
-        cache is kept for the next call of the same size (`BackboneCaches.kv_cache`): its tensors keep their address,
-        which CUDA graphs replay."""
+        """Step 3's KV cache. With static shapes its length is rounded up and the cache kept for the next call of the
+        same size (`BackboneCaches.kv_cache`): its tensors keep their address, which CUDA graphs replay."""
         backbone = self.backbone
         if not self.static_shapes:
             return backbone.make_cache(rows, needed)
@@ -246,8 +214,8 @@ class GenerationLoop:
     def compile(self, device: torch.device, mode: Optional[str] = None, dynamic: bool = False,
                 fullgraph: Optional[bool] = None, backend: str = "inductor", keep_if_slower: bool = False,
                 measure: bool = True, **kwargs) -> Dict[str, Any]:
-        """`SpatialARPipeline.enable_compile` on ``device``: compile the target step, keep it where it measures
-        faster. The rounds that run whole on the device are compiled with the same options on first use."""
+        """`SpatialARPipeline.enable_compile` on ``device``: compile the target step, keep it where it measures faster
+        (the device rounds compile with the same options on first use)."""
         backbone = self.backbone
         module = backbone.target_module
         if mode is None and device.type == "cuda" and backend == "inductor":
@@ -285,9 +253,8 @@ class GenerationLoop:
         self.backbone.caches.kv_cache = None
 
     def _compiled_device_round(self, round_fn):
-        """With the target compiled: a round that runs whole on the device (`device_chain.chain_round`,
-        `head_tree_round`, `dynamic_tree_round`) compiled whole with the same options (`device_loop.compile_round`,
-        ``fullgraph=True``), made once per function and compile; ``None`` when eager."""
+        """With the target compiled: ``round_fn`` compiled whole with the same options (`device_loop.compile_round`),
+        made once per function and compile; ``None`` when eager."""
         if not self.is_compiled:
             return None
         module = self.backbone.target_module

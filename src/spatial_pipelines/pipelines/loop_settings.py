@@ -7,13 +7,12 @@ from .generation import GenerationLoop, check_rounds_per_sync
 
 
 class LoopSettingsMixin:
-    """`SpatialARPipeline`'s generation loop and its settings, read and set on the pipeline (the loop is built once per
-    pipeline over its backbone adapter, ``self.backbone``, and keeps them)."""
+    """`SpatialARPipeline`'s generation loop (built once over ``self.backbone``) and its settings, read and set on the
+    pipeline."""
 
     @property
     def loop(self) -> GenerationLoop:
-        """The generation loop (`GenerationLoop`: cache, prompt pass, rounds, fixed shapes, compile, syncs), built once
-        per pipeline over its backbone adapter; a copied pipeline builds its own with the same settings."""
+        """The generation loop (`GenerationLoop`); a copied pipeline builds its own with the same settings."""
         loop = self.__dict__.get("_loop")
         backbone = self.backbone
         if loop is None or loop.backbone is not backbone:
@@ -25,11 +24,10 @@ class LoopSettingsMixin:
 
     @property
     def static_shapes(self) -> bool:
-        """Whether every round of a generation runs the target with a few fixed shapes: the KV cache (its length rounded
-        up) attended over one of at most ``attend_buckets`` fixed lengths and every draft padded to the decoder's
-        largest (`static_shapes` module). On by default when the target is compiled (`enable_compile`), off otherwise
-        (eager, the growing slice is cheaper). Set it to ``True``/``False`` to choose, ``None`` for the default.
-        Outputs are the same either way."""
+        """Whether every round runs the target with a few fixed shapes: the KV cache (its length rounded up) attended
+        over one of at most ``attend_buckets`` fixed lengths and every draft padded to the decoder's largest. On by
+        default when the target is compiled (`enable_compile`), off otherwise; ``True``/``False`` to choose, ``None``
+        for the default. Outputs are the same either way."""
         return self.loop.static_shapes
 
     @static_shapes.setter
@@ -38,9 +36,8 @@ class LoopSettingsMixin:
 
     @property
     def max_rounds_per_sync(self) -> int:
-        """Rounds on the device run between two host reads at most (``K``; default `MAX_ROUNDS_PER_SYNC`, 8). The
-        loop runs the fewest rounds the slowest row still needs, up to ``K``, then reads once: a larger ``K`` reads
-        less often, and between reads each pass attends to up to ``K`` rounds of slots no row has filled yet."""
+        """Rounds on the device run between two host reads at most (``K``; default `MAX_ROUNDS_PER_SYNC`, 8): a larger
+        ``K`` reads less often, and between reads each pass attends to up to ``K`` rounds of slots no row has filled."""
         return self.loop.max_rounds_per_sync
 
     @max_rounds_per_sync.setter
@@ -55,13 +52,12 @@ class LoopSettingsMixin:
                        backend: str = "inductor", keep_if_slower: bool = False, measure: bool = True, **kwargs) -> Dict[str, Any]:
         """Compile the round's target step once per shape, and keep it unless it measures slower.
 
-        With the target compiled, `static_shapes` is on: every round of a generation feeds the same number of slots
-        and attends to one of a few fixed lengths (`StaticKVCache`'s ``attend_buckets``), so a handful of graphs (one
-        per length reached) serve the whole generation and every later one of the same batch, draft size and cache
-        size; a new prompt length compiles nothing (the prefill runs eagerly). A round that runs whole on the device
-        (`GenerationLoop.device_plan`) is compiled whole with the same options (``fullgraph=True``). The first round
-        of each new shape compiles (tens of seconds with inductor on a CPU). Dynamo's per-function recompile limit is
-        raised to at least `RECOMPILE_LIMIT` (64), since swapping decoders adds graphs.
+        With the target compiled, `static_shapes` is on: every round feeds the same number of slots and attends to one
+        of a few fixed lengths (`StaticKVCache`'s ``attend_buckets``), so a handful of graphs serve the whole generation
+        and every later one of the same batch, draft size and cache size; a new prompt length compiles nothing (the
+        prefill runs eagerly). A round that runs whole on the device is compiled whole with the same options. The first
+        round of each new shape compiles (tens of seconds with inductor on a CPU). Dynamo's recompile limit is raised to
+        at least `RECOMPILE_LIMIT` (64), since swapping decoders adds graphs.
 
         Args:
             mode (`str`, *optional*): ``torch.compile``'s mode; default ``"reduce-overhead"`` (CUDA graphs) on a GPU
@@ -69,17 +65,16 @@ class LoopSettingsMixin:
             dynamic (`bool`): ``False`` (the default): static shapes, one graph per shape.
             fullgraph (`bool`, *optional*): no graph breaks allowed; default: the backbone's ``supports_fullgraph``.
             backend (`str`): ``"inductor"``, or ``"eager"`` / ``"aot_eager"`` to check graphs and recompiles quickly.
-            keep_if_slower (`bool`): keep the compiled step even when it measures slower (by default it is dropped
-                when its passes take more than `COMPILE_TOLERANCE`, 5%, longer than the eager ones: the compiled
-                round also drops the eager ops around the pass, which that timing does not see).
-            measure (`bool`): time the eager and compiled passes (one fed token and eight, CFG rows, after warming up)
-                and drop the compiled step when it is slower (above); ``False`` keeps it unmeasured.
+            keep_if_slower (`bool`): keep the compiled step even when its passes take more than `COMPILE_TOLERANCE`
+                (5%) longer than the eager ones (dropped by default).
+            measure (`bool`): time the eager and compiled passes (one fed token and eight, CFG rows, after warming
+                up); ``False`` keeps the compiled step unmeasured.
             kwargs: further ``torch.compile`` options.
 
         Returns:
             ``{"eager_ms": {T: ms}, "compiled_ms": {T: ms}, "enabled": bool, "kept_by_default": bool, "options":
-            {...}}``: ``kept_by_default`` says whether the measured rule alone keeps it (what ``keep_if_slower=False``
-            decides; no timings when ``measure=False``).
+            {...}}``: ``kept_by_default`` says whether the measured rule alone keeps it (no timings when
+            ``measure=False``).
         """
         return self.loop.compile(self._execution_device, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
                                  backend=backend, keep_if_slower=keep_if_slower, measure=measure, **kwargs)
@@ -91,10 +86,9 @@ class LoopSettingsMixin:
     def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):
         """Time the rounds of the calls made inside the block (``scripts/bench_cost.py``).
 
-        Yields a `RoundTimer`: ``seconds`` per section summed over ``rounds``: ``round`` for each whole round and
-        ``sync`` for the host's reads between rounds; an eager round also its parts, ``draft``,
-        ``eol``, ``forward``, ``accept`` and ``kv``. A compiled round is one graph, timed whole (its parts:
-        ``torch.profiler``). On a GPU pass ``synchronize=torch.cuda.synchronize``.
+        Yields a `RoundTimer`: ``seconds`` per section summed over ``rounds``: ``round`` (each whole round), ``sync``
+        (the host's reads) and, for an eager round, its parts ``draft``, ``eol``, ``forward``, ``accept`` and ``kv``
+        (a compiled round is one graph, timed whole). On a GPU pass ``synchronize=torch.cuda.synchronize``.
         """
         return self.loop.profile_rounds(synchronize)
 

@@ -17,24 +17,20 @@ import torch
 
 from ..core.kv_cache import varying_length_attention
 from ..core.sampling import SamplingConfig
+from ..utils import check_number
 from .backbone import PromptEmbeddings
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 
 
-#: Timed sweeps per cost measurement (after 2 untimed ones): enough for "auto" sizes that repeat from process to
-#: process on a noisy 2-core AMD EPYC VM (commit `27dc985`, docs/benchmarks/archive-cost.md, '"Auto" draft sizes that
-#: hold from process to process'). The test suite lowers it: its tiny models' sizes are not
-#: what most tests check.
+#: Timed sweeps per cost measurement (after untimed ones): enough for "auto" sizes that repeat from process to process
+#: on a noisy 2-core AMD EPYC VM (docs/benchmarks/archive-cost.md). The test suite lowers it.
 SWEEPS = 15
 
 
 def sweep_estimate(times: Dict[int, List[float]]) -> Dict[int, float]:
-    """Seconds per size from sweeps that timed every size once (``times[size][i]``: sweep ``i``).
-
-    A sweep takes a fraction of a second, so a slow spell of a shared machine scales a whole sweep: each size's shape
-    is the median over sweeps of its time relative to its sweep's mean, and the level is the quietest sweep's mean.
-    (Per-size medians moved by 5-10% between processes on a busy 2-core VM, and per-size minimums caught one size in
-    a quiet moment and the others not, moving the chosen draft size.)"""
+    """Seconds per size from sweeps that timed every size once (``times[size][i]``: sweep ``i``). A slow spell of a
+    shared machine scales a whole sweep, so each size's shape is the median over sweeps of its time relative to its
+    sweep's mean, and the level is the quietest sweep's mean (per-size medians or minimums moved the chosen sizes)."""
     sizes = list(times)
     sweeps = len(times[sizes[0]])
     means = [sum(times[t][i] for t in sizes) / len(sizes) for i in range(sweeps)]
@@ -50,9 +46,8 @@ class PassCost:
         backbone: the pipeline's `SpatialBackbone`.
         rows (`int`): batch rows of a pass (2 with CFG at batch 1).
         repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed sweeps over the sizes (`sweep_estimate`).
-        compiled (`bool`): time the compiled target when the pipeline has one (otherwise the eager forward, which
-            compiles nothing per measured ``T``).
-        fixed_shape (`bool`): on a fixed-shape cache (every pass attends to the whole cache), as static-shape rounds run.
+        compiled (`bool`): time the compiled target when the pipeline has one (else the eager forward).
+        fixed_shape (`bool`): on a fixed-shape cache (every pass attends to all of it), as static-shape rounds run.
     """
 
     def __init__(self, backbone, rows: int, repeats: Optional[int] = None, warmup: int = 2, compiled: bool = False,
@@ -69,10 +64,9 @@ class PassCost:
         return self.seconds[t]
 
     def measure(self, sizes) -> Dict[int, float]:
-        """Measure several ``T`` at once in sweeps: each sweep times every ``T`` once, in a shuffled order (no ``T``
-        always runs first, right after other work), and the times are combined by `sweep_estimate`. Sizes not
-        measured before are timed together with every size measured so far, and all are replaced from the new
-        sweeps: one curve, measured at one time. Returns the seconds of ``sizes``."""
+        """Measure several ``T`` in sweeps, each timing every ``T`` once in a shuffled order (`sweep_estimate`). New
+        sizes are timed together with every size measured so far, all replaced from the new sweeps (one curve, one
+        time). Returns the seconds of ``sizes``."""
         if any(t not in self.seconds for t in sizes):
             todo = sorted(set(self.seconds) | set(sizes))
             times = {t: [] for t in todo}
@@ -82,7 +76,7 @@ class PassCost:
                 for i in range(self.warmup + self.repeats):
                     order.shuffle(todo)
                     for t in todo:
-                        seconds = self._measure(t, 1)
+                        seconds = self._measure(t)
                         if i >= self.warmup:
                             times[t].append(seconds)
             self.seconds = sweep_estimate(times)
@@ -95,9 +89,10 @@ class PassCost:
         return fit_pass_cost({t: self.seconds[t] for t in (self.seconds if sizes is None else sizes)})
 
     @torch.no_grad()
-    def _measure(self, t: int, passes: int) -> float:
+    def _measure(self, t: int) -> float:
         backbone, layout = self.backbone, self.backbone.layout
-        weight = backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._device()))
+        code = torch.zeros(1, 1, dtype=torch.long, device=backbone.pipe._execution_device)
+        weight = backbone.embed_image_tokens(code)
         device, dtype = weight.device, weight.dtype
         filled = min(layout.sequence_length // 2 + 16, layout.sequence_length)  # the prompt and half the image
         if self._cache is None or self._cache.max_length < filled + t:
@@ -119,7 +114,7 @@ class PassCost:
                 backbone.image_logits(backbone.forward(backbone.embed_image_tokens(ids), positions, mask, None, cache))
             cache.crop(length)
 
-        return self._timed(one_pass, passes, device)
+        return self._timed(one_pass, 1, device)
 
     @staticmethod
     def _timed(one_pass, passes: int, device: torch.device) -> float:
@@ -133,16 +128,12 @@ class PassCost:
             torch.cuda.synchronize(device)
         return (time.perf_counter() - start) / passes
 
-    def _device(self):
-        return self.backbone.pipe._execution_device
-
 
 @dataclass(frozen=True)
 class FittedCost:
-    """A pass cost curve fitted through measured ``c(T)``: ``base + slope * T + extra_slope * max(0, T - knee)``,
-    every term non-negative, so the curve never falls as ``T`` grows and bends up at most once (weight-bound below the
-    knee, compute-bound above it on a GPU; two compute slopes on a CPU). One point's timing noise moves the fit by
-    about a fifteenth of what it moves that point, which is what makes ``"auto"`` sizes repeat between processes."""
+    """A pass cost curve fitted through measured ``c(T)``: ``base + slope * T + extra_slope * max(0, T - knee)``, every
+    term non-negative, so it never falls and bends up at most once (weight-bound below the knee, compute-bound above on
+    a GPU). One point's timing noise moves the fit by about a fifteenth of that, so ``"auto"`` sizes repeat."""
 
     base: float
     slope: float
@@ -154,8 +145,8 @@ class FittedCost:
 
 
 def fit_pass_cost(seconds: Dict[int, float]) -> FittedCost:
-    """Least squares (relative errors) of `FittedCost` through ``{T: seconds}``, the knee tried at every measured
-    ``T``; a fit whose slope comes out negative is refitted without that term."""
+    """Least squares (relative errors) of `FittedCost` through ``{T: seconds}``, the knee tried at every measured ``T``;
+    a fit with a negative slope is refitted without that term."""
     sizes = sorted(seconds)
     if not sizes:
         raise ValueError("`seconds` is empty: measure at least one size before fitting.")
@@ -171,7 +162,8 @@ def fit_pass_cost(seconds: Dict[int, float]) -> FittedCost:
                 continue
             full = dict(zip(columns, coef))
             fit = FittedCost(float(full.get(0, 0.0)), float(full.get(1, 0.0)), float(full.get(2, 0.0)), knee)
-            error = float(((np.asarray([fit(s) for s in sizes]) - c) / c) @ ((np.asarray([fit(s) for s in sizes]) - c) / c))
+            relative = (np.asarray([fit(s) for s in sizes]) - c) / c
+            error = float(relative @ relative)
             if error < best_error - 1e-12:
                 best, best_error = fit, error
             break
@@ -179,11 +171,10 @@ def fit_pass_cost(seconds: Dict[int, float]) -> FittedCost:
 
 
 class RoundCost:
-    """Seconds of one whole round of a decoder per candidate draft tree (the target pass, the drafting, the
-    verification, the commit and the KV moves, and a read of the device per two rounds, as a generation syncs): timed
-    on real rounds of the engine (`GenerationLoop.start_device_loop`, eager), each candidate's loop prefilled with a
-    zero prompt of ``prefix_length`` positions and keyed noise, in sweeps over the candidates in a shuffled order
-    combined by `sweep_estimate`. What ``"auto"`` sizes divide each tree's expected codes by.
+    """Seconds of one whole round of a decoder per candidate draft tree (pass, drafting, verification, commit, KV moves,
+    and a device read per two rounds), timed on real eager rounds of the engine (`GenerationLoop.start_device_loop`)
+    with a zero prompt and keyed noise, in shuffled sweeps combined by `sweep_estimate`: what ``"auto"`` sizes divide
+    each tree's expected codes by.
 
     Args:
         generation (`GenerationLoop`): the pipeline's loop (its backbone, settings and `device_plan`).
@@ -192,8 +183,8 @@ class RoundCost:
         sampling (`SamplingConfig`): the call's sampling settings.
         batch_size (`int`): images per round.
         prefix_length (`int`): prompt positions before the first code.
-        repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed sweeps (each measurement also runs
-            one untimed round first).
+        repeats (`int`), warmup (`int`): timed (default `SWEEPS`) and untimed sweeps (each measurement also runs one
+            untimed round first).
         rounds (`int`): rounds timed per candidate and sweep.
     """
 
@@ -210,9 +201,8 @@ class RoundCost:
         return self.seconds[tree.num_nodes]
 
     def fitted(self, trees) -> Callable[[Any], float]:
-        """Seconds per round of a tree, on the monotone curve `fit_pass_cost` draws through ``trees``' timings (by
-        their node counts; timed first where needed): near the best size the rate is flat, and the fit keeps timing
-        noise from moving the choice."""
+        """Seconds per round of a tree on the monotone curve `fit_pass_cost` draws through ``trees``' timings (by node
+        count; timed first where needed): the fit keeps timing noise from moving the choice."""
         fit = fit_pass_cost(self.measure(trees))
         return lambda tree: fit(tree.num_nodes)
 
@@ -242,11 +232,7 @@ class RoundCost:
             plans = {}
             for tree in trees:
                 decoder.tree = tree
-                plan = generation.device_plan(self.sampling, self.batch_size, device)
-                if plan is None:
-                    raise ValueError(f"{type(decoder).__name__} does not run on the device rounds with "
-                                     f"{tree.num_nodes} tree nodes: its draft size cannot be timed.")
-                plans[tree.num_nodes] = (tree, plan)
+                plans[tree.num_nodes] = (tree, generation.device_plan(self.sampling, self.batch_size, device))
             fed = max(loop_class.fed_slots(layout, **kwargs) for _, (loop_class, kwargs) in plans.values())
             # one cache for every candidate, reset for each: the candidates' loops never live at once
             cache = backbone.make_cache(rows, length + layout.sequence_length + fed)
@@ -283,10 +269,9 @@ class RoundCost:
 
 
 #: Fixed draft sizes for the families whose checkpoints (1-8B parameters) run on GPUs: on an H100 (bf16,
-#: `scripts/gpu_check.py`, 2026-11-26) a target pass over 1 to 256 fed tokens costs one AR step, so a draft is bounded
-#: by what acceptance still gains, not by its pass. SJD: the window "auto" chose there (32); Medusa: its whole default
-#: tree (4 heads x top-4); Hawk: as SJD; EAGLE-2 and ADT-Tree: EAGLE-2's released 60 draft tokens. The decoders' own
-#: class defaults are the same numbers.
+#: `scripts/gpu_check.py`, 2026-11-26) a pass over 1 to 256 fed tokens costs one AR step, so acceptance bounds a
+#: draft. SJD: the window "auto" chose there; Medusa: its default tree (4 heads x top-4); Hawk: as SJD; EAGLE-2 and
+#: ADT-Tree: EAGLE-2's released 60 draft tokens. The decoders' class defaults are the same numbers.
 GPU_DRAFT_SIZES: Dict[str, int] = {"JacobiDecoder": 32, "MedusaDecoder": 16, "HawkDecoder": 32, "EagleDecoder": 60}
 
 #: Fixed draft sizes on a CPU: there every fed token past about 8 costs (a pass over 32 tokens took 2.0 AR steps on
@@ -297,14 +282,12 @@ CPU_DRAFT_SIZES: Dict[str, int] = {"JacobiDecoder": 8, "MedusaDecoder": 4, "Hawk
 
 
 class DraftSizingMixin:
-    """The pipeline side of draft sizes: the family's fixed defaults (`default_draft_sizes`), ``"auto"`` sizes from
-    the measured costs (kept per pipeline), `resolve_draft_sizes` and `tune_decoder`. `SpatialARPipeline` inherits it;
-    it reads the pipeline's ``backbone``, ``decoder``, ``draft_heads``, ``static_shapes`` and ``_execution_device``."""
+    """The pipeline side of draft sizes: the family's fixed defaults, ``"auto"`` sizes from measured costs,
+    `resolve_draft_sizes` and `tune_decoder` (reads ``backbone``, ``decoder``, ``draft_heads``, ``static_shapes``)."""
 
-    #: The family's fixed draft size per decoder class name (a subclass inherits its base's entry): what a decoder whose
-    #: size is left at ``None`` drafts with on an accelerator, and on a CPU unless `cpu_draft_sizes` names its own. A
-    #: decoder the family does not name drafts with its class's ``default_draft_size``. Each family says where its
-    #: numbers come from.
+    #: The family's fixed draft size per decoder class name (a subclass inherits its base's entry) for a decoder whose
+    #: size is ``None`` (on a CPU unless `cpu_draft_sizes` names its own); one not named drafts with its class's
+    #: ``default_draft_size``.
     default_draft_sizes: ClassVar[Dict[str, int]] = {}
     #: The family's fixed sizes when the pipeline runs on a CPU (``None``: `default_draft_sizes` there too).
     cpu_draft_sizes: ClassVar[Optional[Dict[str, int]]] = None
@@ -317,9 +300,8 @@ class DraftSizingMixin:
         return self.default_draft_sizes
 
     def default_draft_size(self, decoder, device: Optional[torch.device] = None) -> int:
-        """The size ``decoder`` (a decoder with a ``draft_size_name``) drafts with when its config leaves it at ``None``
-        on ``device`` (default: the pipeline's execution device): this family's entry for its class or the nearest
-        base class that has one (`draft_size_table`), else the class's own default."""
+        """The size ``decoder`` drafts with when its config leaves it at ``None`` on ``device`` (default: the execution
+        device): the family's entry for its class or nearest base (`draft_size_table`), else the class's default."""
         table = self.draft_size_table(device)
         for cls in type(decoder).__mro__:
             if cls.__name__ in table:
@@ -328,7 +310,7 @@ class DraftSizingMixin:
 
     def pass_cost(self, rows: int) -> PassCost:
         """The measured cost ``c(T)`` of a target pass with ``rows`` batch rows on this pipeline's device and dtype,
-        kept per pipeline (measured on first use of each ``T``): what ``"auto"`` draft sizes are chosen from."""
+        kept per pipeline: what ``"auto"`` draft sizes are chosen from."""
         device, dtype = self._execution_device, self.backbone.embed_image_tokens(torch.zeros(1, 1, dtype=torch.long, device=self._execution_device)).dtype
         key = (rows, str(device), str(dtype), self.static_shapes)
         costs = self.backbone.caches.pass_costs
@@ -337,12 +319,9 @@ class DraftSizingMixin:
         return costs[key]
 
     def resolve_draft_sizes(self, num_images: int = 1, sampling: Optional[SamplingConfig] = None, prefix_length: int = 16) -> None:
-        """Fix the decoder's ``"auto"`` draft sizes for calls of ``num_images`` images (a call does this itself before
-        its first round; nothing happens for fixed sizes or sizes already chosen for this cost model).
-
-        Each candidate's whole round (the target pass, the drafting with any drafter passes, the verification) is timed
-        on real rounds of the engine at up to 4 images (`RoundCost`; a big batch would take long to time) and fitted
-        (`fit_pass_cost` over the tree's nodes).
+        """Fix the decoder's ``"auto"`` draft sizes for calls of ``num_images`` images (a call does this before its
+        first round; nothing happens for fixed sizes or sizes already chosen). Each candidate's whole round is timed on
+        real rounds at up to 4 images (`RoundCost`) and fitted (`fit_pass_cost` over the tree's nodes).
 
         Args:
             num_images (`int`): images per call.
@@ -361,11 +340,8 @@ class DraftSizingMixin:
     def tune_decoder(self, batch_size: int = 1, guidance_scale: Optional[float] = None, temperature: float = 1.0,
                      top_k: Optional[int] = None, prefix_length: int = 16):
         """Measure this device at ``batch_size`` images per call and return a copy of the pipeline's decoder with the
-        draft size that measurement picks, fixed in its config (save it with ``decoder.save_config(...)`` and reuse
-        it on this device: nothing is measured inside a call). The size is the one ``"auto"`` would pick: the most
-        expected codes per second from the measured target pass cost ``c(T)`` and the decoder's own work per round.
-        The decoder's size may be ``None``, ``"auto"`` or an int (every size is weighed); a decoder without a draft
-        size (AR, SSD) comes back as a copy of itself. The pipeline's own decoder is left as it is.
+        draft size ``"auto"`` would pick (the most expected codes per second) fixed in its config, to save and reuse on
+        this device. A decoder without a draft size (AR, SSD) comes back as a copy; the pipeline's decoder is kept.
 
         Args:
             batch_size (`int`): images per call the decoder will serve (>= 1).
@@ -382,8 +358,6 @@ class DraftSizingMixin:
         >>> pipe.decoder = decoder
         ```
         """
-        from ..utils import check_number
-
         check_number("batch_size", batch_size, 1, integer=True, meaning="images per call")
         check_number("prefix_length", prefix_length, 1, integer=True)
         backbone = self.backbone
@@ -402,8 +376,7 @@ class DraftSizingMixin:
 
     def round_cost(self, batch_size: int, sampling: SamplingConfig, prefix_length: int) -> RoundCost:
         """The measured cost of the current decoder's whole round per candidate tree (`RoundCost`) at ``batch_size``
-        images, kept per pipeline, decoder object and heads (measured with the first call's sampling settings), so that
-        decoders swapped back and forth (a benchmark's interleaved rows) are timed once each."""
+        images, kept per pipeline, decoder object and heads, so decoders swapped back and forth are timed once each."""
         per_decoder = self.__dict__.setdefault("_round_costs", weakref.WeakKeyDictionary())
         costs = per_decoder.setdefault(self.decoder, {})
         key = (batch_size, str(self._execution_device), self.static_shapes)
