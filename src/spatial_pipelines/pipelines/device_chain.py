@@ -307,7 +307,8 @@ def relaxed_chain(loop: ChainLoop, probs: torch.Tensor, index: torch.Tensor):
     """Step 4 under a relaxed rule (LANTERN, LANTERN++): draft ``x ~ q`` is accepted when a keyed uniform
     ``u < p~_x(x) / q(x)``; the first rejected position takes a keyed draw from ``norm(max(p~_x - q, 0))``, a row that
     accepts every draft a draw from the next position's ``p``: speculative sampling of the relaxed target ``p~``. The
-    streams are their own (`ACCEPT_STREAM`, `RESIDUAL_STREAM`): a draft was drawn with its position's target noise.
+    streams are their own (`ACCEPT_STREAM`, `RESIDUAL_STREAM`): a draft was drawn with its position's target noise, and
+    a test on that same noise would couple the two and move more than the rule allows.
 
     Args:
         probs (`torch.Tensor` `(B, L + 1, V)`): the pass's ``p`` at every code slot.
