@@ -100,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-eager", action="store_true", help="our compiled rows only (the peer always runs)")
     p.add_argument("--skip-compiled", action="store_true", help="our eager rows only")
     p.add_argument("--trees", action="store_true", help="also Medusa on random heads (its round's cost)")
+    p.add_argument("--tuned", action="store_true",
+                   help="also SJD at the window `tune_decoder` picks, its acceptance measured on a prompt no timed call uses")
     p.add_argument("--greedy-check", action="store_true", help="peer and our AR at temperature 0: equal codes?")
     p.add_argument("--budget-s", type=float, default=None, help="skip rows whose warm-up would start after this many seconds")
     p.add_argument("--dry-run", action="store_true", help="the tiny layouts on the CPU, eager backend for compile")
@@ -108,8 +110,8 @@ def parse_args(argv=None):
     for name, values in (("--num-images-per-prompt", args.num_images_per_prompt), ("--num-prompts", [args.num_prompts])):
         if min(values) < 1:
             p.error(f"{name} values must be >= 1, got {values}")
-    if args.num_prompts > len(PROMPTS):
-        p.error(f"--num-prompts is at most {len(PROMPTS)}, got {args.num_prompts}")
+    if args.num_prompts > len(PROMPTS) - 1:  # the last prompt is `--tuned`'s calibration prompt
+        p.error(f"--num-prompts is at most {len(PROMPTS) - 1}, got {args.num_prompts}")
     if args.skip_eager and args.skip_compiled:
         p.error("--skip-eager and --skip-compiled leave none of our rows")
     if args.budget_s is not None and not args.budget_s > 0:
@@ -181,11 +183,21 @@ def build_rows(args, subject, n: int) -> List[Row]:
             return family.peer(subject, prompts, n_, sampling["temperature"], seed, compiled=compiled, warm=warm)
 
         rows.append(Row(name, peer, "peer"))
-    decoders = ["ar", "sjd"] + (["medusa"] if args.trees else [])
+    decoders = ["ar", "sjd"] + (["sjd tuned"] if args.tuned else []) + (["medusa"] if args.trees else [])
     for compiled in modes:
         pipe = subject.pipe(compiled)
         for name in decoders:
-            decoder = DECODERS[name]()
+            if name == "sjd tuned":  # the window "auto" picks here at n images, weighed by what this model accepts
+                pipe.decoder = DECODERS["sjd"]()
+                start = time.perf_counter()
+                decoder = pipe.tune_decoder(batch_size=n, guidance_scale=sampling["guidance_scale"],
+                                            temperature=sampling["temperature"], top_k=sampling["top_k"],
+                                            prompt=subject.prompts(PROMPTS[-1:]))
+                subject.tuned[(compiled, n)] = {"window_size": decoder.config.window_size,
+                                                "tune_s": round(time.perf_counter() - start, 1)}
+                name = f"sjd tuned (window {decoder.config.window_size})"
+            else:
+                decoder = DECODERS[name]()
             heads = None
             if decoder.heads_needed() is not None:
                 from spatial_pipelines.testing import random_draft_heads
@@ -231,6 +243,8 @@ def run_block(args, layout_name: str, subject, n: int, started: float, report: d
     """Every row at ``n`` images per prompt: warm-ups (skipping rows past the budget), then timed calls interleaved
     prompt by prompt; the block's columns are written into ``report`` and saved after every timed call."""
     rows = build_rows(args, subject, n)
+    for (compiled, images), tuned in subject.tuned.items():
+        report["layouts"][layout_name].setdefault("tuned", {})[f"x{images}" + (" [compiled]" if compiled else "")] = tuned
     prompts = subject.prompts(PROMPTS[: args.num_prompts])
     live = []
     for row in rows:
@@ -294,6 +308,8 @@ def markdown(report: dict) -> str:
         lines += [f"## {layout}: {block['parameters']}", "", f"Peer: {block['peer']} Sampling: {block['sampling']}", ""]
         if "greedy" in block:
             lines += [f"Greedy codes equal to the peer's: {block['greedy']}", ""]
+        if "tuned" in block:
+            lines += [f"`tune_decoder(prompt=...)` picked: {block['tuned']}", ""]
         lines += ["| row | images / prompt | s / image | vs peer | passes / call | codes / pass (per row) | ms / pass | pass cost (AR steps) | peak MiB |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for n, rows in block["rows"].items():

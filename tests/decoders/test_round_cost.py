@@ -405,6 +405,49 @@ def test_tune_decoder_returns_the_chosen_sizes_as_config(decoder_cls, kwargs, he
     assert loaded.config[name] == chosen and loaded.tree.num_nodes == tuned.tree.num_nodes
 
 
+@pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
+def test_measured_acceptance_replaces_the_prior(decoder_cls, size_arg):
+    """Under a flat cost the prior makes a large draft pay; measured acceptance that stops growing after two drafts
+    makes two the choice, and only the measured sizes are weighed. Sizes named nowhere are refused."""
+    prior = decoder_cls(**{size_arg: "auto"})
+    prior.resolve_draft_size(lambda tree: 1.0)
+    assert prior.tree.num_nodes - 1 > 8
+    sizes = prior._draft_sizes()
+    measured = decoder_cls(**{size_arg: "auto"})
+    measured.resolve_draft_size(lambda tree: 1.0, accepted={n: min(n, 2) * 0.4 for n in sizes})
+    assert measured.tree.num_nodes - 1 == 2 and measured.fixed_sizes() == {size_arg: 2}
+    some = decoder_cls(**{size_arg: "auto"})
+    some.resolve_draft_size(lambda tree: 1.0, accepted={3: 0.5, 5: 0.6})  # 1.5 codes per pass is not within 3% of 1.6
+    assert some.tree.num_nodes - 1 == 5
+    with pytest.raises(ValueError, match="accepted"):
+        decoder_cls(**{size_arg: "auto"}).resolve_draft_size(lambda tree: 1.0, accepted={10_000: 1.0})
+
+
+def test_tune_decoder_measures_acceptance_on_the_prompt(monkeypatch):
+    """`tune_decoder(prompt=...)` runs one eager generation per candidate size and weighs each size by the codes per
+    pass it gave there (the same as a call at that fixed size gives), keeps the pipeline's decoder and progress bar,
+    and refuses a bad seed before any work."""
+    pipe = make(JacobiDecoder, {"window_size": 4}, None, grid=(4, 5))
+    pipe.set_progress_bar_config(leave=False)
+    with pytest.raises(ValueError, match="seed"):
+        pipe.tune_decoder(prompt="a red fox", seed=-1)
+    assert not pipe.__dict__.get("_round_costs")
+    seen = {}
+    resolve = JacobiDecoder.resolve_draft_size
+    monkeypatch.setattr(JacobiDecoder, "resolve_draft_size",
+                        lambda self, cost, batch_size=1, accepted=None: seen.update(accepted=accepted) or resolve(self, cost, batch_size, accepted))
+    kept = pipe.decoder
+    tuned = pipe.tune_decoder(batch_size=1, prompt="a red fox", seed=3)
+    assert pipe.decoder is kept and pipe._progress_bar_config == {"leave": False}
+    accepted = seen["accepted"]
+    assert sorted(accepted) == JacobiDecoder(window_size="auto")._draft_sizes()
+    assert tuned.config.window_size in accepted
+    pipe.decoder = JacobiDecoder(window_size=2)
+    alone = pipe("a red fox", generator=torch.Generator().manual_seed(3), output_type="latent")
+    assert accepted[2] == pytest.approx(alone.stats.mean_accepted_length - 1.0)
+    assert len(set(accepted.values())) > 1  # the sizes accept differently: measured, not one number
+
+
 class _TwoFamily(LlamaGenPipeline):
     """A family whose table names SJD's window and EAGLE-2's size (ADT-Tree inherits EAGLE-2's entry)."""
 

@@ -1,6 +1,7 @@
 """scripts/peer_check.py: on a machine without CUDA its dry run builds each family's tiny layout and times the peer
 (transformers' own ``generate`` for Janus-Pro, Emu3 and Anole; `minimal_ar.py` eager and compiled for LlamaGen) beside
-our AR and SJD, with every column, the greedy check and both files; a run stopped mid-block keeps what it timed."""
+our AR and SJD (and SJD at the window `tune_decoder` picks), with every column, the greedy check and both files; a
+run stopped mid-block keeps what it timed."""
 
 import json
 
@@ -15,7 +16,7 @@ COLUMNS = ("seconds_per_image", "passes_per_call", "codes_per_pass", "ms_per_pas
 def test_peer_check_dry_run_writes_its_report(tmp_path):
     out = tmp_path / "peer"
     run_script("peer_check.py", "--out", str(out), "--dry-run", "--layouts", "janus-tiny", "--skip-compiled", "--greedy-check",
-               "--num-prompts", "1", "--num-images-per-prompt", "1", "2", "--threads", "1")
+               "--tuned", "--num-prompts", "1", "--num-images-per-prompt", "1", "2", "--threads", "1")
     assert sorted(p.name for p in out.iterdir()) == ["peer_check.json", "peer_check.md"]
     report = json.loads((out / "peer_check.json").read_text())
     assert report["dtype"] == "float32" and report["versions"]["transformers"] and not report["skipped"]
@@ -24,7 +25,9 @@ def test_peer_check_dry_run_writes_its_report(tmp_path):
     assert block["greedy"]["equal"] and block["greedy"]["codes"] == 16
     for n in ("1", "2"):
         rows = block["rows"][n]
-        assert list(rows) == ["peer", "ar", "sjd"]
+        # --tuned: SJD at the window tune_decoder(prompt=...) picked for n images, on a prompt no timed call uses
+        window = block["tuned"][f"x{n}"]["window_size"]
+        assert list(rows) == ["peer", "ar", "sjd", f"sjd tuned (window {window})"] and 1 <= window <= 32
         for name, row in rows.items():
             assert all(row[c] is not None for c in COLUMNS if c != "pass_cost_in_ar_steps" or name != "peer"), name
         assert rows["peer"]["passes_per_call"] == 16 and rows["peer"]["speedup_vs_peer"] == 1.0

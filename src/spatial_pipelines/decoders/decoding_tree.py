@@ -2,7 +2,7 @@
 static tree of candidates and verifying it exactly (`TreeDecoderMixin`), and ``"auto"`` tree sizes from the
 measured round cost."""
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -87,10 +87,11 @@ class TreeDecoderMixin:
     times each candidate's whole round on real rounds of the engine on its device (a drafter model's decoder: the pass
     cost ``c(T)`` and its drafter's passes), and `resolve_draft_size` keeps the node count that maximises the expected
     codes per second, ``(1 + E[accepted]) / (seconds per round)``.
-    The costs are measured on the device; ``E[accepted]`` is not: it comes from the prior `node_priors` with the
-    class's ``acceptance_prior`` ``(first_rate, sibling_decay)``, fitted on the embedded model (`HEADS_ACCEPTANCE_PRIOR`,
-    `EAGLE_ACCEPTANCE_PRIOR`, the SJD priors; docs/decoders.md, "Fitted constants"), also for other checkpoints.
-    `SpatialARPipeline.tune_decoder` measures ahead, once, and returns a decoder of fixed sizes.
+    The costs are measured on the device; ``E[accepted]`` comes from the prior `node_priors` with the class's
+    ``acceptance_prior`` ``(first_rate, sibling_decay)``, fitted on the embedded model (`HEADS_ACCEPTANCE_PRIOR`,
+    `EAGLE_ACCEPTANCE_PRIOR`, the SJD priors; docs/decoders.md, "Fitted constants"), unless measured:
+    `SpatialARPipeline.tune_decoder` measures ahead, once (with a ``prompt``: each size's acceptance on real
+    generations of this checkpoint, passed as ``accepted``), and returns a decoder of fixed sizes.
     """
 
     acceptance_prior: Tuple[float, float] = HEADS_ACCEPTANCE_PRIOR
@@ -147,12 +148,18 @@ class TreeDecoderMixin:
             return {}
         return {name: self._resolved_size}
 
-    def resolve_draft_size(self, round_cost: Callable[[DraftTree], float], batch_size: int = 1) -> None:
+    def resolve_draft_size(self, round_cost: Callable[[DraftTree], float], batch_size: int = 1,
+                           accepted: Optional[Dict[int, float]] = None) -> None:
         resolved = self._resolved_for
         if self._size != AUTO or (resolved is not None and resolved[0] is round_cost and resolved[1] == batch_size):
             return  # once per pipeline cost model and batch size
         sizes = self._draft_sizes()
-        candidates = [self._sized_tree(n) for n in sizes]  # (tree, expected accepted drafts)
+        candidates = [self._sized_tree(n) for n in sizes]  # (tree, expected accepted drafts under the prior)
+        if accepted is not None:  # measured on real generations: those sizes only, each with its own acceptance
+            candidates = [(tree, accepted[n]) for (tree, _), n in zip(candidates, sizes) if n in accepted]
+            sizes = [n for n in sizes if n in accepted]
+            if not sizes:
+                raise ValueError(f"`accepted` names none of the sizes {self._draft_sizes()} this decoder weighs.")
         trees = [tree for tree, _ in candidates]
         # a RoundCost times what it has not yet and returns its fitted curve (through these trees only)
         seconds = round_cost.fitted(trees) if hasattr(round_cost, "fitted") else round_cost

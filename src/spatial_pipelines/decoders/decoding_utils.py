@@ -182,9 +182,11 @@ class SpatialDecoderMixin(SchedulerMixin, ConfigMixin, abc.ABC):
     def use_default_size(self, size: int) -> None:
         """Draft with ``size`` where the config leaves the draft size at ``None`` (nothing happens otherwise)."""
 
-    def resolve_draft_size(self, round_cost: Callable[[Any], float], batch_size: int = 1) -> None:
+    def resolve_draft_size(self, round_cost: Callable[[Any], float], batch_size: int = 1,
+                           accepted: Optional[Dict[int, float]] = None) -> None:
         """Fix ``"auto"`` sizes from ``round_cost(tree)``, the measured seconds of a whole round per candidate tree
-        (`RoundCost`: real rounds of the engine, the drafter's passes included), for calls of ``batch_size`` images."""
+        (`RoundCost`: real rounds of the engine, the drafter's passes included), for calls of ``batch_size`` images;
+        ``accepted`` (size -> mean accepted drafts per round, measured) replaces the acceptance prior where given."""
 
     def fixed_sizes(self) -> Dict[str, int]:
         """The config values that fix this decoder's ``"auto"`` sizes to the ones chosen (`resolve_draft_size`); ``{}``

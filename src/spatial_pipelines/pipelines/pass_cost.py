@@ -318,7 +318,8 @@ class DraftSizingMixin:
             costs[key] = PassCost(self.backbone, rows, fixed_shape=self.static_shapes)
         return costs[key]
 
-    def resolve_draft_sizes(self, num_images: int = 1, sampling: Optional[SamplingConfig] = None, prefix_length: int = 16) -> None:
+    def resolve_draft_sizes(self, num_images: int = 1, sampling: Optional[SamplingConfig] = None, prefix_length: int = 16,
+                            accepted: Optional[Dict[int, float]] = None) -> None:
         """Fix the decoder's ``"auto"`` draft sizes for calls of ``num_images`` images (a call does this before its
         first round; nothing happens for fixed sizes or sizes already chosen). Each candidate's whole round is timed on
         real rounds at up to 4 images (`RoundCost`) and fitted (`fit_pass_cost` over the tree's nodes).
@@ -327,6 +328,8 @@ class DraftSizingMixin:
             num_images (`int`): images per call.
             sampling (`SamplingConfig`, *optional*): the calls' sampling settings (default: the backbone's defaults).
             prefix_length (`int`): prompt positions before the first code (the timed rounds' zero prompt).
+            accepted (`dict`, *optional*): size -> mean accepted drafts per round, measured (`measure_acceptance`):
+                weighs those sizes with it instead of the decoder's acceptance prior.
         """
         if self.decoder.sizes_from_family:  # the family's fixed size: nothing is measured
             self.decoder.use_default_size(self.default_draft_size(self.decoder))
@@ -335,24 +338,57 @@ class DraftSizingMixin:
             return
         if sampling is None:
             sampling = SamplingConfig(self.backbone.default_guidance_scale, 1.0, self.backbone.default_top_k)
-        self.decoder.resolve_draft_size(self.round_cost(min(num_images, 4), sampling, prefix_length), batch_size=num_images)
+        self.decoder.resolve_draft_size(self.round_cost(min(num_images, 4), sampling, prefix_length), batch_size=num_images,
+                                        accepted=accepted)
+
+    @torch.no_grad()
+    def measure_acceptance(self, decoder, prompt, batch_size: int, sampling: SamplingConfig, seed: int = 0) -> Dict[int, float]:
+        """Mean accepted drafts per round (codes per pass per row, less the one a pass always commits) of ``decoder`` at
+        each size it weighs (``decoder._draft_sizes()``), each from one eager generation of ``prompt`` at
+        ``batch_size`` images under keyed noise from ``seed`` (codes only, no image decoded): what this checkpoint
+        accepts, where the decoder's prior was fitted on the embedded model. The pipeline's decoder is kept."""
+        name, kept = decoder.draft_size_name, self.decoder
+        bar = dict(getattr(self, "_progress_bar_config", {}))
+        accepted = {}
+        try:
+            self.set_progress_bar_config(**{**bar, "disable": True})
+            with eager_target(self.backbone.target_module):  # one graph per size would be minutes of compiling
+                for size in decoder._draft_sizes():
+                    self.decoder = type(decoder).from_config(decoder.config, **{name: size})
+                    out = self(prompt, guidance_scale=sampling.guidance_scale, temperature=sampling.temperature,
+                               top_k=sampling.top_k, num_images_per_prompt=batch_size, output_type="latent",
+                               generator=torch.Generator().manual_seed(seed), sampling_noise="keyed")
+                    accepted[size] = out.stats.mean_accepted_length - 1.0
+        finally:
+            self.decoder = kept
+            self._progress_bar_config = bar
+        return accepted
 
     def tune_decoder(self, batch_size: int = 1, guidance_scale: Optional[float] = None, temperature: float = 1.0,
-                     top_k: Optional[int] = None, prefix_length: int = 16):
+                     top_k: Optional[int] = None, prefix_length: int = 16, prompt=None, seed: int = 0):
         """Measure this device at ``batch_size`` images per call and return a copy of the pipeline's decoder with the
         draft size ``"auto"`` would pick (the most expected codes per second) fixed in its config, to save and reuse on
         this device. A decoder without a draft size (AR, SSD) comes back as a copy; the pipeline's decoder is kept.
+
+        Each candidate size's whole round is timed on the device. What a size accepts comes from the decoder's prior,
+        fitted on the embedded Twemoji model, unless ``prompt`` is given: then each size is also run on one real
+        generation of it (eager, keyed noise, `measure_acceptance`) and weighed by what this checkpoint accepts, which
+        a photographic or untrained model may put far from the prior.
 
         Args:
             batch_size (`int`): images per call the decoder will serve (>= 1).
             guidance_scale (`float`, *optional*), temperature (`float`), top_k (`int`, *optional*): the calls'
                 sampling settings (defaults: the family's).
-            prefix_length (`int`): prompt positions before the first code.
+            prefix_length (`int`): prompt positions before the first code (the timed rounds' zero prompt).
+            prompt (*optional*): a prompt (or class label) like the ones the decoder will serve: measure each size's
+                acceptance on it (one generation per candidate size) rather than assume the prior.
+            seed (`int`): the calibration generations' seed (keyed noise).
 
         Examples:
 
         ```py
-        >>> decoder = pipe.tune_decoder(batch_size=4)  # measures c(T) here, a few seconds
+        >>> decoder = pipe.tune_decoder(batch_size=4)  # measures the rounds here, a few seconds
+        >>> decoder = pipe.tune_decoder(batch_size=4, prompt="a red barn")  # and the acceptance on this checkpoint
         >>> decoder.config.window_size  # e.g. 8
         >>> decoder.save_config("my_decoder")  # later: pipe.decoder = JacobiDecoder.from_config(...)
         >>> pipe.decoder = decoder
@@ -360,6 +396,7 @@ class DraftSizingMixin:
         """
         check_number("batch_size", batch_size, 1, integer=True, meaning="images per call")
         check_number("prefix_length", prefix_length, 1, integer=True)
+        check_number("seed", seed, 0, integer=True)
         backbone = self.backbone
         sampling = SamplingConfig(backbone.default_guidance_scale if guidance_scale is None else guidance_scale, temperature,
                                   backbone.default_top_k if top_k is None else top_k)
@@ -367,9 +404,10 @@ class DraftSizingMixin:
         if name is None:
             return type(decoder).from_config(decoder.config)
         tuned = type(decoder).from_config(decoder.config, **{name: "auto"})  # measured on a copy: the pipeline keeps its own
+        accepted = None if prompt is None else self.measure_acceptance(tuned, prompt, batch_size, sampling, seed)
         self.decoder, kept = tuned, decoder
         try:
-            self.resolve_draft_sizes(batch_size, sampling, prefix_length)
+            self.resolve_draft_sizes(batch_size, sampling, prefix_length, accepted=accepted)
         finally:
             self.decoder = kept
         return type(decoder).from_config(decoder.config, **tuned.fixed_sizes())
