@@ -154,12 +154,13 @@ class TreeDecoderMixin:
         if self._size != AUTO or (resolved is not None and resolved[0] is round_cost and resolved[1] == batch_size):
             return  # once per pipeline cost model and batch size
         sizes = self._draft_sizes()
-        candidates = [self._sized_tree(n) for n in sizes]  # (tree, expected accepted drafts under the prior)
         if accepted is not None:  # measured on real generations: those sizes only, each with its own acceptance
-            candidates = [(tree, accepted[n]) for (tree, _), n in zip(candidates, sizes) if n in accepted]
             sizes = [n for n in sizes if n in accepted]
             if not sizes:
                 raise ValueError(f"`accepted` names none of the sizes {self._draft_sizes()} this decoder weighs.")
+        candidates = [self._sized_tree(n) for n in sizes]  # (tree, expected accepted drafts under the prior)
+        if accepted is not None:
+            candidates = [(tree, accepted[n]) for (tree, _), n in zip(candidates, sizes)]
         trees = [tree for tree, _ in candidates]
         # a RoundCost times what it has not yet and returns its fitted curve (through these trees only)
         seconds = round_cost.fitted(trees) if hasattr(round_cost, "fitted") else round_cost

@@ -345,8 +345,9 @@ class DraftSizingMixin:
     def measure_acceptance(self, decoder, prompt, batch_size: int, sampling: SamplingConfig, seed: int = 0) -> Dict[int, float]:
         """Mean accepted drafts per round (codes per pass per row, less the one a pass always commits) of ``decoder`` at
         each size it weighs (``decoder._draft_sizes()``), each from one eager generation of ``prompt`` at
-        ``batch_size`` images under keyed noise from ``seed`` (codes only, no image decoded): what this checkpoint
-        accepts, where the decoder's prior was fitted on the embedded model. The pipeline's decoder is kept."""
+        ``batch_size`` images from ``seed`` (the call's default noise: keyed for exact decoders; codes only, no image
+        decoded): what this checkpoint accepts, where the decoder's prior was fitted on the embedded model. The
+        pipeline's decoder is kept."""
         name, kept = decoder.draft_size_name, self.decoder
         bar = dict(getattr(self, "_progress_bar_config", {}))
         accepted = {}
@@ -357,7 +358,7 @@ class DraftSizingMixin:
                     self.decoder = type(decoder).from_config(decoder.config, **{name: size})
                     out = self(prompt, guidance_scale=sampling.guidance_scale, temperature=sampling.temperature,
                                top_k=sampling.top_k, num_images_per_prompt=batch_size, output_type="latent",
-                               generator=torch.Generator().manual_seed(seed), sampling_noise="keyed")
+                               generator=torch.Generator().manual_seed(seed))
                     accepted[size] = out.stats.mean_accepted_length - 1.0
         finally:
             self.decoder = kept
