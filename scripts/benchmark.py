@@ -118,6 +118,9 @@ def parse_args(argv=None):
                    help="also every row with the target step compiled (pipe.enable_compile on a second copy of the pipeline, "
                         "static shapes, kept even where slower): rows '<decoder> [compiled]', each also against compiled AR")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
+    p.add_argument("--freeze-weights", default="auto", choices=["auto", "on", "off"],
+                   help="with --compile: fold the weights into the compiled rounds (enable_compile's freeze_weights; "
+                        "auto: on a CPU for float32 passes of 4 or more rows)")
     p.add_argument("--skip-eager", action="store_true",
                    help="with --compile: only the compiled rows, each against compiled AR (the eager rows of the same "
                         "prompts come from a run without it)")
@@ -331,7 +334,8 @@ def load_pipelines(args):
         # one static-shape graph per decoder row and batch: more than dynamo's default limit of 8 graphs per function
         # in one run (past it dynamo would silently run eager); every timed call's compilations are counted below
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        compiled = cpipe.enable_compile(backend=args.compile_backend, keep_if_slower=True)
+        freeze = {"auto": None, "on": True, "off": False}[args.freeze_weights]
+        compiled = cpipe.enable_compile(backend=args.compile_backend, keep_if_slower=True, freeze_weights=freeze)
         pipes[True] = cpipe
     heads = {}
     for compiled_pipe, p in pipes.items():

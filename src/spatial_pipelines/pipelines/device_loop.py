@@ -260,22 +260,29 @@ class RoundView:
         self.loop.guidance_scale.fill_(float(value.guidance_scale))
 
 
-def compile_round(round_fn: Callable, fullgraph: bool = True, **options) -> Callable[[DeviceLoop], None]:
-    """A round function (`DeviceLoop.default_round`) compiled whole (``torch.compile(fullgraph=True)``): one graph per
-    batch, draft shape and attended length; under CUDA graphs (``mode="reduce-overhead"``) each round is a new step."""
-    # a copy of the function with its own code object: dynamo keeps graphs, and counts them against its recompile
-    # limit, per code object, so each compiled pipeline gets its own rather than sharing one with every other
-    own = types.FunctionType(round_fn.__code__.replace(), round_fn.__globals__, round_fn.__name__)
-    compiled = torch.compile(own, fullgraph=fullgraph, **options)
-    graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
+class CompiledRound:
+    """A round function compiled whole (`compile_round`); ``weights_version`` is what `GenerationLoop` compiled it
+    against where its graphs may hold frozen weights (``None`` otherwise)."""
 
-    def run(loop: DeviceLoop) -> None:
-        if graphs and loop.cache.storage.device.type == "cuda":
+    def __init__(self, round_fn: Callable, fullgraph: bool = True, **options):
+        # a copy of the function with its own code object: dynamo keeps graphs, and counts them against its recompile
+        # limit, per code object, so each compiled pipeline gets its own rather than sharing one with every other
+        own = types.FunctionType(round_fn.__code__.replace(), round_fn.__globals__, round_fn.__name__)
+        self.compiled = torch.compile(own, fullgraph=fullgraph, **options)
+        self.graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
+        self.weights_version = None
+
+    def __call__(self, loop: DeviceLoop) -> None:
+        if self.graphs and loop.cache.storage.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         with eager_target(loop.backbone.target_module):  # the module is traced inside this graph, not called compiled
-            compiled(loop)
+            self.compiled(loop)
 
-    return run
+
+def compile_round(round_fn: Callable, fullgraph: bool = True, **options) -> CompiledRound:
+    """A round function (`DeviceLoop.default_round`) compiled whole (``torch.compile(fullgraph=True)``): one graph per
+    batch, draft shape and attended length; under CUDA graphs (``mode="reduce-overhead"``) each round is a new step."""
+    return CompiledRound(round_fn, fullgraph=fullgraph, **options)
 
 
 def commit_run(loop: DeviceLoop, codes: torch.Tensor, run: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

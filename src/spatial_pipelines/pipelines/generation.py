@@ -10,6 +10,7 @@ prompts, VQ-decodes the grids and runs diffusers' progress bar and callbacks (`L
        d. verify on keyed noise and commit each row's run  e. keep each row's accepted slots in the cache"""
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
@@ -24,7 +25,7 @@ from ..utils import RoundTimer, check_number
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import mark_static_cache, uses_cuda_graphs
 from .device_chain import ChainLoop
-from .device_loop import MAX_ROUNDS_PER_SYNC, DeviceLoop, RoundView, compile_round
+from .device_loop import MAX_ROUNDS_PER_SYNC, CompiledRound, DeviceLoop, RoundView, compile_round
 from .device_proactive import ProactiveLoop
 from .device_ssd import SSDLoop
 from .device_tree import DynamicTreeLoop, HeadTreeLoop
@@ -35,6 +36,12 @@ from .static_shapes import RECOMPILE_LIMIT, static_cache_length
 #: `GenerationLoop.compile` keeps the compiled step unless its passes (1 and 8 fed tokens) take this much longer than
 #: the eager ones: a compiled round also drops the eager ops between passes (1.07-1.31x faster per image on a CPU)
 COMPILE_TOLERANCE = 0.05
+
+#: ``freeze_weights=None``: a compiled float32 round on a CPU folds the weights into its graph (inductor's ``freezing``,
+#: which packs them for MKL's GEMM) when its pass feeds at least this many rows (rows x slots). Why: on unpacked
+#: weights MKL's GEMM leaves its few-row kernel at 4 rows and costs 2-4x as much from there (a 2-core Xeon, 320 to
+#: 1536 wide); below 4 rows packed and unpacked weights cost the same.
+FREEZE_MIN_ROWS = 4
 
 
 class _NoProgressBar:
@@ -172,7 +179,19 @@ class GenerationLoop:
                 view = RoundView(loop, slowest)
                 hooks.rounds_known(index + 1 + (0 if view.finished else 1))
                 hooks.on_round(index, view)
-        return loop.run(on_sync, on_round, hooks.interrupted)
+        # inductor reads `freezing` when it compiles a graph, which any round of a new shape may do: set once per call
+        frozen = self.freezes_weights(loop) and isinstance(loop.round_fn, CompiledRound)
+        with torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
+            return loop.run(on_sync, on_round, hooks.interrupted)
+
+    def freezes_weights(self, loop: DeviceLoop) -> bool:
+        """Whether ``loop``'s compiled rounds fold the weights into their graphs (`compile`'s ``freeze_weights``)."""
+        setting = getattr(self.backbone.target_module, "_spatial_freeze_weights", False)
+        if setting is not None:
+            return bool(setting)
+        storage = loop.cache.storage
+        return (storage.device.type == "cpu" and storage.dtype == torch.float32
+                and loop.cache.storage.shape[2] * loop.fed >= FREEZE_MIN_ROWS)
 
     def _device_stats(self, loop: DeviceLoop, rounds: int, batch_size: int) -> DecodingStats:
         """What a device generation cost: one host read of the per-pass accepted lengths, after the last round."""
@@ -213,11 +232,14 @@ class GenerationLoop:
 
     def compile(self, device: torch.device, mode: Optional[str] = None, dynamic: bool = False,
                 fullgraph: Optional[bool] = None, backend: str = "inductor", keep_if_slower: bool = False,
-                measure: bool = True, **kwargs) -> Dict[str, Any]:
+                measure: bool = True, freeze_weights: Optional[bool] = None, **kwargs) -> Dict[str, Any]:
         """`SpatialARPipeline.enable_compile` on ``device``: compile the target step, keep it where it measures faster
         (the device rounds compile with the same options on first use)."""
         backbone = self.backbone
         module = backbone.target_module
+        if freeze_weights and (torch.device(device).type != "cpu" or backend != "inductor"):
+            raise ValueError(f"`freeze_weights=True` packs the weights for a CPU's GEMM (inductor's `freezing`); this "
+                             f"pipeline runs on {torch.device(device).type} with backend {backend!r}: leave it None.")
         if mode is None and device.type == "cuda" and backend == "inductor":
             mode = "reduce-overhead"
         options = dict(backend=backend, dynamic=dynamic, fullgraph=backbone.supports_fullgraph if fullgraph is None else fullgraph,
@@ -231,6 +253,7 @@ class GenerationLoop:
         module.compile(**options)
         module._spatial_compile_mode = mode  # read by `uses_cuda_graphs`
         module._spatial_compile_options = options  # device rounds compile with the same (`_compiled_device_round`)
+        module._spatial_freeze_weights = freeze_weights if backend == "inductor" else False  # read by `freezes_weights`
         compiled = PassCost(backbone, rows, repeats=5, warmup=2, compiled=True, fixed_shape=True).measure(sizes) if measure else {}
         # the passes alone: a compiled round also drops the eager ops around its pass, which this does not time
         kept_by_default = not measure or sum(compiled.values()) <= (1 + COMPILE_TOLERANCE) * sum(eager.values())
@@ -240,7 +263,8 @@ class GenerationLoop:
         backbone.caches.pass_costs.clear()  # "auto" sizes are chosen again for the forward that runs now
         return {"eager_ms": {t: 1e3 * s for t, s in eager.items()}, "compiled_ms": {t: 1e3 * s for t, s in compiled.items()},
                 "enabled": enabled, "kept_by_default": kept_by_default,
-                "options": {k: v for k, v in options.items() if isinstance(v, (str, bool, int, float, type(None)))}}
+                "options": {k: v for k, v in options.items() if isinstance(v, (str, bool, int, float, type(None)))},
+                "freeze_weights": freeze_weights}
 
     def disable_compile(self) -> None:
         """Undo `compile`: the target forward runs eagerly again."""
@@ -248,23 +272,34 @@ class GenerationLoop:
         module._compiled_call_impl = None  # what nn.Module.compile sets
         module._spatial_compile_mode = None
         module._spatial_compile_options = None
+        module._spatial_freeze_weights = False
         module.__dict__.pop("_spatial_device_rounds", None)
         self.backbone.caches.pass_costs.clear()
         self.backbone.caches.kv_cache = None
 
     def _compiled_device_round(self, round_fn):
         """With the target compiled: ``round_fn`` compiled whole with the same options (`device_loop.compile_round`),
-        made once per function and compile; ``None`` when eager."""
+        made once per function and compile (and again once a weight changed, where graphs may hold frozen weights:
+        `weights_version`); ``None`` when eager."""
         if not self.is_compiled:
             return None
         module = self.backbone.target_module
         rounds = module.__dict__.setdefault("_spatial_device_rounds", {})  # dropped with the compiled step
+        version = self.weights_version() if getattr(module, "_spatial_freeze_weights", False) is not False else None
         compiled = rounds.get(round_fn.__name__)
-        if compiled is None:
+        if compiled is None or compiled.weights_version != version:
             options = dict(getattr(module, "_spatial_compile_options", None) or {})
             options["fullgraph"] = self.backbone.supports_fullgraph
             compiled = rounds[round_fn.__name__] = compile_round(round_fn, **options)
+            compiled.weights_version = version
         return compiled
+
+    def weights_version(self) -> Tuple[Tuple[int, int], ...]:
+        """The identity and version counter of every weight a round reads (the target's and the draft heads'): a
+        frozen graph holds copies of them, so a weight changed in place (``load_state_dict``, an optimiser step, a
+        merged adapter) makes the round compile again rather than run on the old values. Read once per call."""
+        modules = [self.backbone.target_module] + ([self.draft_heads] if isinstance(self.draft_heads, torch.nn.Module) else [])
+        return tuple((id(t), t._version) for m in modules for t in itertools.chain(m.parameters(), m.buffers()))
 
     @contextlib.contextmanager
     def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):

@@ -1,0 +1,80 @@
+"""`enable_compile(freeze_weights=...)`: inductor's ``freezing`` on the compiled rounds (weights packed for the CPU's
+GEMM): when it applies, that it keeps exact decoders exact, and that a weight changed in place is never left behind."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder
+from spatial_pipelines.pipelines.generation import FREEZE_MIN_ROWS
+from spatial_pipelines.testing import dummy_pipeline
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.5, float("nan")])
+def test_freeze_weights_must_be_a_bool_or_none(value):
+    pipe = dummy_pipeline("llamagen", AutoregressiveDecoder(), None, grid=(3, 4))
+    with pytest.raises(ValueError, match="`freeze_weights` must be True, False or None"):
+        pipe.enable_compile(freeze_weights=value, measure=False)
+    assert not pipe.is_compiled
+
+
+def test_freeze_weights_true_needs_inductor():
+    pipe = dummy_pipeline("llamagen", AutoregressiveDecoder(), None, grid=(3, 4))
+    with pytest.raises(ValueError, match="freeze_weights=True.*backend 'eager'"):
+        pipe.enable_compile(backend="eager", freeze_weights=True, measure=False)
+    assert not pipe.is_compiled
+
+
+# (setting, rows, slots fed per row, dtype, frozen)
+FREEZE_CASES = [
+    (None, 1, 1, torch.float32, False),  # AR, one image: MKL's few-row kernel is as fast
+    (None, 2, 1, torch.float32, False),  # AR with CFG
+    (None, 1, FREEZE_MIN_ROWS, torch.float32, True),  # a draft of 3 and the code it follows
+    (None, 2, 9, torch.float32, True),  # SJD with CFG
+    (None, 4, 1, torch.float32, True),  # AR, 4 images
+    (None, 2, 9, torch.bfloat16, False),  # packing measured for float32 only
+    (True, 1, 1, torch.float32, True),
+    (False, 2, 9, torch.float32, False),
+]
+
+
+@pytest.mark.parametrize("setting,rows,fed,dtype,frozen", FREEZE_CASES)
+def test_which_rounds_freeze_their_weights(setting, rows, fed, dtype, frozen):
+    pipe = dummy_pipeline("llamagen", AutoregressiveDecoder(), None, grid=(3, 4))
+    pipe.enable_compile(measure=False, freeze_weights=setting)  # inductor compiles lazily: nothing is compiled here
+    loop = SimpleNamespace(fed=fed, cache=SimpleNamespace(storage=torch.zeros(2, 1, rows, 1, 1, dtype=dtype)))
+    assert pipe.loop.freezes_weights(loop) is frozen
+    pipe.disable_compile()
+    assert pipe.loop.freezes_weights(loop) is False  # eager: nothing to freeze
+
+
+def _mkl_packed_calls(pipe, prompts, **kwargs):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = pipe(prompts, **kwargs)
+    return out.tokens, sum(e.count for e in prof.key_averages() if e.key == "mkl::_mkl_linear")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch._C.has_mkl, reason="inductor packs float32 weights for MKL's GEMM only where torch has MKL")
+def test_frozen_rounds_keep_exact_decoders_exact_and_see_a_changed_weight():
+    """With ``freeze_weights=True`` (inductor) the rounds run on packed weights (MKL's packed GEMM is called), greedy AR
+    and SJD give the eager grid token for token, and after a weight is changed in place the next call compiles again
+    and follows the new weight instead of the frozen copy."""
+    pipe = dummy_pipeline("llamagen", AutoregressiveDecoder(), None, grid=(3, 4))
+    pipe.set_progress_bar_config(disable=True)
+    prompts, kwargs = ["a fox", "x"], dict(guidance_scale=2.0, temperature=0, output_type="latent")
+    ref = pipe(prompts, **kwargs).tokens
+    pipe.enable_compile(measure=False, freeze_weights=True)
+    tokens, packed = _mkl_packed_calls(pipe, prompts, **kwargs)
+    assert tokens.equal(ref) and packed > 0
+    pipe.decoder = JacobiDecoder(window_size=3)
+    assert pipe(prompts, **kwargs).tokens.equal(ref)
+    with torch.no_grad():  # in place, as `load_state_dict` or a merged adapter would
+        head = pipe.transformer.output.weight
+        head.copy_(torch.roll(head, 1, dims=0))
+    changed = pipe(prompts, **kwargs).tokens
+    pipe.disable_compile()
+    eager = pipe(prompts, **kwargs).tokens
+    assert not eager.equal(ref)  # the change matters, so a frozen copy would show
+    assert changed.equal(eager)
