@@ -39,8 +39,8 @@ COMPILE_TOLERANCE = 0.05
 
 #: ``freeze_weights=None``: a compiled float32 round on a CPU folds the weights into its graph (inductor's ``freezing``,
 #: which packs them for MKL's GEMM) when its pass feeds at least this many rows (rows x slots). Why: on unpacked
-#: weights MKL's GEMM leaves its few-row kernel at 4 rows and costs 2-4x as much from there (a 2-core Xeon, 320 to
-#: 1536 wide); below 4 rows packed and unpacked weights cost the same.
+#: weights MKL's GEMM leaves its few-row kernel at 4 rows and costs 2-3x as much as packed from there (a 2-core Xeon,
+#: `scripts/cpu_gemm.py`); at 1-3 rows packing gains nothing (it costs more at 2-3).
 FREEZE_MIN_ROWS = 4
 
 

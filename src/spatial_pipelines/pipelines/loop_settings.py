@@ -71,8 +71,8 @@ class LoopSettingsMixin:
             measure (`bool`): time the eager and compiled passes (one fed token and eight, CFG rows, after warming
                 up); ``False`` keeps the compiled step unmeasured.
             freeze_weights (`bool`, *optional*): fold the weights into the compiled rounds as constants (inductor's
-                ``freezing``, which on a CPU packs them for MKL's GEMM: a pass of 4-17 rows costs a half to a quarter
-                as much on a 2-core Xeon). ``None`` (default): on a CPU, for float32 rounds whose pass feeds at least
+                ``freezing``, which on a CPU packs them for MKL's GEMM: a linear layer fed 4-9 rows costs a half to a
+                third as much on a 2-core Xeon). ``None`` (default): on a CPU, for float32 rounds whose pass feeds at least
                 `FREEZE_MIN_ROWS` (4) rows (rows x slots), where packing pays; ``True``: every round on a CPU;
                 ``False``: never. Each frozen graph keeps its own packed copy of the weights, and a weight changed in
                 place makes the rounds compile again at the next call.
