@@ -78,3 +78,29 @@ def test_frozen_rounds_keep_exact_decoders_exact_and_see_a_changed_weight():
     eager = pipe(prompts, **kwargs).tokens
     assert not eager.equal(ref)  # the change matters, so a frozen copy would show
     assert changed.equal(eager)
+
+
+def test_the_compiled_round_is_made_again_only_when_a_weight_changes_in_place():
+    """Where rounds may be frozen, a weight changed in place makes a new compiled round (its graphs would hold the old
+    values); heads swapped in do not (dynamo's guards tell their graphs apart), nor anything when nothing is frozen."""
+    from spatial_pipelines.pipelines.device_chain import ChainLoop
+
+    pipe = dummy_pipeline("llamagen", AutoregressiveDecoder(), None, grid=(3, 4))
+    pipe.enable_compile(measure=False)  # inductor compiles lazily: nothing is compiled here
+    loop, round_fn = pipe.loop, ChainLoop.default_round()
+    first = loop._compiled_device_round(round_fn)
+    assert loop._compiled_device_round(round_fn) is first
+    loop.draft_heads = torch.nn.Linear(2, 2)  # other heads
+    assert loop._compiled_device_round(round_fn) is first
+    with torch.no_grad():
+        loop.draft_heads.weight.add_(1.0)  # the heads changed in place
+    second = loop._compiled_device_round(round_fn)
+    assert second is not first and loop._compiled_device_round(round_fn) is second
+    with torch.no_grad():
+        pipe.transformer.output.weight.mul_(2.0)  # the target changed in place
+    assert loop._compiled_device_round(round_fn) is not second
+    pipe.enable_compile(measure=False, freeze_weights=False)
+    third = loop._compiled_device_round(round_fn)
+    with torch.no_grad():
+        pipe.transformer.output.weight.mul_(2.0)
+    assert loop._compiled_device_round(round_fn) is third  # nothing frozen: the graphs read the weights as they are

@@ -261,8 +261,8 @@ class RoundView:
 
 
 class CompiledRound:
-    """A round function compiled whole (`compile_round`); ``weights_version`` is what `GenerationLoop` compiled it
-    against where its graphs may hold frozen weights (``None`` otherwise)."""
+    """A round function compiled whole (`compile_round`); ``weights_seen`` are the weights `GenerationLoop` saw it run
+    on (`GenerationLoop.weights_changed`), where its graphs may hold them frozen."""
 
     def __init__(self, round_fn: Callable, fullgraph: bool = True, **options):
         # a copy of the function with its own code object: dynamo keeps graphs, and counts them against its recompile
@@ -270,7 +270,7 @@ class CompiledRound:
         own = types.FunctionType(round_fn.__code__.replace(), round_fn.__globals__, round_fn.__name__)
         self.compiled = torch.compile(own, fullgraph=fullgraph, **options)
         self.graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
-        self.weights_version = None
+        self.weights_seen = {}  # {id: (weakref, version counter)}
 
     def __call__(self, loop: DeviceLoop) -> None:
         if self.graphs and loop.cache.storage.device.type == "cuda":

@@ -11,6 +11,7 @@ prompts, VQ-decodes the grids and runs diffusers' progress bar and callbacks (`L
 
 import contextlib
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
@@ -279,27 +280,37 @@ class GenerationLoop:
 
     def _compiled_device_round(self, round_fn):
         """With the target compiled: ``round_fn`` compiled whole with the same options (`device_loop.compile_round`),
-        made once per function and compile (and again once a weight changed, where graphs may hold frozen weights:
-        `weights_version`); ``None`` when eager."""
+        made once per function and compile (and again once a weight changed in place, where graphs may hold frozen
+        weights: `weights_changed`); ``None`` when eager."""
         if not self.is_compiled:
             return None
         module = self.backbone.target_module
         rounds = module.__dict__.setdefault("_spatial_device_rounds", {})  # dropped with the compiled step
-        version = self.weights_version() if getattr(module, "_spatial_freeze_weights", False) is not False else None
+        freezing = getattr(module, "_spatial_freeze_weights", False) is not False
         compiled = rounds.get(round_fn.__name__)
-        if compiled is None or compiled.weights_version != version:
+        if compiled is None or (freezing and self.weights_changed(compiled.weights_seen)):
             options = dict(getattr(module, "_spatial_compile_options", None) or {})
             options["fullgraph"] = self.backbone.supports_fullgraph
             compiled = rounds[round_fn.__name__] = compile_round(round_fn, **options)
-            compiled.weights_version = version
+            if freezing:
+                self.weights_changed(compiled.weights_seen)  # what its graphs will be compiled on
         return compiled
 
-    def weights_version(self) -> Tuple[Tuple[int, int], ...]:
-        """The identity and version counter of every weight a round reads (the target's and the draft heads'): a
-        frozen graph holds copies of them, so a weight changed in place (``load_state_dict``, an optimiser step, a
-        merged adapter) makes the round compile again rather than run on the old values. Read once per call."""
+    def weights_changed(self, seen: Dict[int, Tuple[Any, int]]) -> bool:
+        """Whether a weight a round reads (the target's and the draft heads') changed in place since ``seen`` (``{id:
+        (weakref, version counter)}``) recorded it; records the ones not seen yet. A frozen graph holds copies of the
+        weights, so a change in place (``load_state_dict``, an optimiser step, a merged adapter) must compile the round
+        again; other weights (heads swapped in) are new graph constants dynamo's guards already tell apart. Read once
+        per call."""
         modules = [self.backbone.target_module] + ([self.draft_heads] if isinstance(self.draft_heads, torch.nn.Module) else [])
-        return tuple((id(t), t._version) for m in modules for t in itertools.chain(m.parameters(), m.buffers()))
+        changed = False
+        for t in itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules):
+            known = seen.get(id(t))
+            if known is None or known[0]() is not t:
+                seen[id(t)] = (weakref.ref(t), t._version)
+            elif known[1] != t._version:
+                changed = True
+        return changed
 
     @contextlib.contextmanager
     def profile_rounds(self, synchronize: Optional[Callable[[], None]] = None):
