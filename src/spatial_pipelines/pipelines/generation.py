@@ -190,9 +190,8 @@ class GenerationLoop:
         setting = getattr(self.backbone.target_module, "_spatial_freeze_weights", False)
         if setting is not None:
             return bool(setting)
-        storage = loop.cache.storage
-        return (storage.device.type == "cpu" and storage.dtype == torch.float32
-                and loop.cache.storage.shape[2] * loop.fed >= FREEZE_MIN_ROWS)
+        storage = loop.cache.storage  # (2, L, R, S, ...): R rows
+        return storage.device.type == "cpu" and storage.dtype == torch.float32 and storage.shape[2] * loop.fed >= FREEZE_MIN_ROWS
 
     def _device_stats(self, loop: DeviceLoop, rounds: int, batch_size: int) -> DecodingStats:
         """What a device generation cost: one host read of the per-pass accepted lengths, after the last round."""
@@ -286,7 +285,9 @@ class GenerationLoop:
             return None
         module = self.backbone.target_module
         rounds = module.__dict__.setdefault("_spatial_device_rounds", {})  # dropped with the compiled step
-        freezing = getattr(module, "_spatial_freeze_weights", False) is not False
+        setting = getattr(module, "_spatial_freeze_weights", False)
+        # only where a graph may hold frozen weights (`freezes_weights`: never off a CPU unless forced) are they watched
+        freezing = setting is True or (setting is None and next(module.parameters()).device.type == "cpu")
         compiled = rounds.get(round_fn.__name__)
         if compiled is None or (freezing and self.weights_changed(compiled.weights_seen)):
             options = dict(getattr(module, "_spatial_compile_options", None) or {})
