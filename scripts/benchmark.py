@@ -121,6 +121,9 @@ def parse_args(argv=None):
     p.add_argument("--freeze-weights", default="auto", choices=["auto", "on", "off"],
                    help="with --compile: fold the weights into the compiled rounds (enable_compile's freeze_weights; "
                         "auto: on a CPU for float32 passes of 4 or more rows)")
+    p.add_argument("--pack-weights", default="auto", choices=["auto", "on", "off"],
+                   help="the eager rows' linear weights packed for MKL's GEMM (pipe.pack_weights; auto: on a CPU for "
+                        "float32 passes of 4 or more rows)")
     p.add_argument("--skip-eager", action="store_true",
                    help="with --compile: only the compiled rows, each against compiled AR (the eager rows of the same "
                         "prompts come from a run without it)")
@@ -325,6 +328,7 @@ def load_pipelines(args):
     compilation reported; the heads of ``--heads`` loaded onto each."""
     pipe = load_pipeline(args.model or default_model_path(), torch_dtype=getattr(torch, args.dtype)).to(args.device)
     pipe.set_progress_bar_config(disable=True)
+    pipe.pack_weights = {"auto": None, "on": True, "off": False}[args.pack_weights]
     pipes = {False: pipe}
     compiled = None
     if args.compile:
@@ -685,6 +689,7 @@ def make_report(args, bench: Bench, rows: dict) -> dict:
         "quality": quality,
         "device": device,
         "dtype": str(pipe.transformer.dtype),
+        "pack_weights": args.pack_weights,
         "compile": bench.compiled,
         "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__,
                      "diffusers": diffusers.__version__, "transformers": transformers.__version__},

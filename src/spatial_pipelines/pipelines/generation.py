@@ -30,6 +30,7 @@ from .device_loop import MAX_ROUNDS_PER_SYNC, CompiledRound, DeviceLoop, RoundVi
 from .device_proactive import ProactiveLoop
 from .device_ssd import SSDLoop
 from .device_tree import DynamicTreeLoop, HeadTreeLoop
+from .packed_weights import PackedWeights, fits_in_memory, mkl_packing_available, packable_linears
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
 from .static_shapes import RECOMPILE_LIMIT, static_cache_length
@@ -83,6 +84,8 @@ class GenerationLoop:
     def __init__(self, backbone: SpatialBackbone):
         self.backbone = backbone
         self.static_shapes_setting: Optional[bool] = None  # None: on when compiled
+        self.pack_weights_setting: Optional[bool] = None  # None: eager CPU float32 passes of FREEZE_MIN_ROWS rows or more
+        self.packs = PackedWeights()  # the eager rounds' packed weights (`packed_weights`)
         self.max_rounds_per_sync: int = MAX_ROUNDS_PER_SYNC
         self.timer: Optional[RoundTimer] = None  # a RoundTimer while `profile_rounds` is active
         # what one call runs with (`generate` sets them)
@@ -92,7 +95,8 @@ class GenerationLoop:
 
     def settings(self) -> Dict[str, Any]:
         """The user's settings, carried over when a copied pipeline builds its own loop."""
-        return {"static_shapes_setting": self.static_shapes_setting, "max_rounds_per_sync": self.max_rounds_per_sync}
+        return {"static_shapes_setting": self.static_shapes_setting, "max_rounds_per_sync": self.max_rounds_per_sync,
+                "pack_weights_setting": self.pack_weights_setting}
 
     @property
     def static_shapes(self) -> bool:
@@ -106,6 +110,7 @@ class GenerationLoop:
         and the `DecodingStats` (read from the device after the last round)."""
         self.decoder, self.draft_heads, self.hooks = decoder, draft_heads, hooks or LoopHooks()
         try:
+            self.check_pack_weights()
             plan = self.device_plan(sampling, batch_size, prefix.embeds.device)
             # 3. one noise seed per image, the KV cache, the round (compiled whole when the step is); 4. the prompt pass
             seeds = torch.zeros(batch_size, dtype=torch.long) if sampling.greedy else draw_seeds(generator, batch_size)
@@ -183,7 +188,8 @@ class GenerationLoop:
         # inductor reads `freezing` when it compiles a graph, which any round of a new shape may do: set once per call
         frozen = self.freezes_weights(loop) and isinstance(loop.round_fn, CompiledRound)
         with torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
-            return loop.run(on_sync, on_round, hooks.interrupted)
+            with contextlib.nullcontext() if frozen or self.is_compiled else self.packed_weights(loop.cache.storage.shape[2] * loop.fed):
+                return loop.run(on_sync, on_round, hooks.interrupted)
 
     def freezes_weights(self, loop: DeviceLoop) -> bool:
         """Whether ``loop``'s compiled rounds fold the weights into their graphs (`compile`'s ``freeze_weights``)."""
@@ -192,6 +198,28 @@ class GenerationLoop:
             return bool(setting)
         storage = loop.cache.storage  # (2, L, R, S, ...): R rows
         return storage.device.type == "cpu" and storage.dtype == torch.float32 and storage.shape[2] * loop.fed >= FREEZE_MIN_ROWS
+
+    def check_pack_weights(self) -> None:
+        """`pack_weights=True` where nothing can be packed is a `ValueError`, before any work."""
+        if self.pack_weights_setting is True and not (mkl_packing_available() and packable_linears(self.backbone.target_module)):
+            param = next(self.backbone.target_module.parameters())
+            raise ValueError(f"`pack_weights=True` runs float32 linear layers on a CPU on weights packed for MKL's GEMM; "
+                             f"this target runs on {param.device.type} in {param.dtype}"
+                             f"{'' if mkl_packing_available() else ' and this torch build has no MKL'}: leave it None.")
+
+    def packed_weights(self, rows: int) -> ContextManager:
+        """While entered, the eager target's float32 linear layers on a CPU run on weights packed for MKL's GEMM at
+        ``rows`` rows per pass (`PackedWeights`): where `pack_weights` is ``True``, or ``None`` and ``rows`` is at least
+        `FREEZE_MIN_ROWS` and the packed copy fits in half the free memory. Never on a compiled target (its rounds freeze
+        their own: `freezes_weights`)."""
+        setting = self.pack_weights_setting
+        if setting is False or self.is_compiled or not mkl_packing_available() or (setting is None and rows < FREEZE_MIN_ROWS):
+            return contextlib.nullcontext()
+        linears = packable_linears(self.backbone.target_module)  # none off the CPU or below float32
+        if not linears or (setting is None and self.packs.rows != rows and not fits_in_memory(linears)):
+            self.packs.clear()
+            return contextlib.nullcontext()
+        return self.packs.applied(linears, rows)
 
     def _device_stats(self, loop: DeviceLoop, rounds: int, batch_size: int) -> DecodingStats:
         """What a device generation cost: one host read of the per-pass accepted lengths, after the last round."""

@@ -35,6 +35,24 @@ class LoopSettingsMixin:
         self.loop.static_shapes_setting = _check_optional_bool("static_shapes", value, "the default: on when compiled")
 
     @property
+    def pack_weights(self) -> Optional[bool]:
+        """Whether eager rounds on a CPU run the target's float32 linear layers on weights packed for MKL's GEMM at the
+        pass's row count (rows x slots), as a compiled round does with ``freeze_weights`` (`enable_compile`). ``None``
+        (default): for passes of `FREEZE_MIN_ROWS` (4) rows or more, where packing pays (MKL's GEMM on the weights as
+        stored costs 2-3x as much there on a 2-core Xeon), while the packed copy fits in half the free memory;
+        ``True``: every eager round (a `ValueError` at the call where the target has no float32 linear layer on a CPU);
+        ``False``: never. The packed copy (about the target's float32 size, plus 8 MiB a layer) is kept for the next
+        call of the same row count and packed again once a weight changes in place. Outputs are the same either way
+        up to float rounding."""
+        return self.loop.pack_weights_setting
+
+    @pack_weights.setter
+    def pack_weights(self, value: Optional[bool]) -> None:
+        self.loop.pack_weights_setting = _check_optional_bool("pack_weights", value, "the default: eager CPU float32 passes of 4 or more rows")
+        if value is False:
+            self.loop.packs.clear()
+
+    @property
     def max_rounds_per_sync(self) -> int:
         """Rounds on the device run between two host reads at most (``K``; default `MAX_ROUNDS_PER_SYNC`, 8): a larger
         ``K`` reads less often, and between reads each pass attends to up to ``K`` rounds of slots no row has filled."""

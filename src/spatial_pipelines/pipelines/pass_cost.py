@@ -256,8 +256,6 @@ class RoundCost:
         """Mean seconds of ``rounds`` rounds of a freshly prefilled loop (one untimed round first), with one read of
         the device per two rounds."""
         loop = self.generation.start_device_loop(prefix, self.sampling, seeds, plan, cache=cache, compiled=False)
-        loop.step()
-        loop.sync()
 
         def rounds():
             for r in range(self.rounds):
@@ -265,7 +263,11 @@ class RoundCost:
                 if r % 2 == 1 or r == self.rounds - 1:
                     loop.sync()
 
-        return PassCost._timed(rounds, 1, device) / self.rounds
+        # on the weights a call's eager rounds of this size run on (`GenerationLoop.packed_weights`), packed untimed
+        with self.generation.packed_weights(loop.cache.storage.shape[2] * loop.fed):
+            loop.step()
+            loop.sync()
+            return PassCost._timed(rounds, 1, device) / self.rounds
 
 
 #: Fixed draft sizes for the families whose checkpoints (1-8B parameters) run on GPUs: on an H100 (bf16,

@@ -1,0 +1,155 @@
+"""``pipe.pack_weights``: eager rounds on a CPU on linear weights packed for MKL's GEMM (`PackedWeights`): when it
+applies, that codes stay the eager ones token for token, that a weight changed in place is packed again, and that the
+layers get their own forward back after every call."""
+
+import pytest
+import torch
+
+from spatial_pipelines import AutoregressiveDecoder, JacobiDecoder
+from spatial_pipelines.pipelines import packed_weights
+from spatial_pipelines.pipelines.generation import FREEZE_MIN_ROWS
+from spatial_pipelines.pipelines.packed_weights import PackedWeights, packable_linears
+from spatial_pipelines.testing import dummy_pipeline
+
+needs_mkl = pytest.mark.skipif(not packed_weights.mkl_packing_available(),
+                               reason="MKL's packed GEMM exists only in torch builds with MKL (x86 wheels)")
+
+
+def _pipe(decoder=None):
+    pipe = dummy_pipeline("llamagen", decoder or AutoregressiveDecoder(), None, grid=(3, 4))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _packed_calls(pipe, prompts, **kwargs):
+    """The call's tokens and how many times MKL's packed GEMM ran in it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = pipe(prompts, **kwargs)
+    return out.tokens, sum(e.count for e in prof.key_averages() if e.key == "mkl::_mkl_linear")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0, float("nan")])
+def test_pack_weights_must_be_a_bool_or_none(value):
+    pipe = _pipe()
+    with pytest.raises(ValueError, match="`pack_weights` must be True, False or None"):
+        pipe.pack_weights = value
+    assert pipe.pack_weights is None
+
+
+def test_pack_weights_true_without_float32_layers_on_a_cpu_is_refused_before_any_work():
+    pipe = _pipe()
+    pipe.transformer.to(torch.bfloat16)
+    pipe.pack_weights = True
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match="pack_weights=True.*float32 linear layers on a CPU.*bfloat16"):
+        pipe("a fox", output_type="latent")
+    assert calls == []  # not even the prompt pass
+
+
+# (setting, rows fed per pass, dtype, layers packed: "all" or 0)
+PACK_CASES = [
+    (None, 1, torch.float32, 0),  # AR, one image: MKL's few-row kernel is as fast
+    (None, FREEZE_MIN_ROWS - 1, torch.float32, 0),
+    (None, FREEZE_MIN_ROWS, torch.float32, "all"),
+    (None, 18, torch.float32, "all"),  # SJD (window 8) with CFG
+    (None, 18, torch.bfloat16, 0),  # packing is for float32
+    (True, 1, torch.float32, "all"),
+    (False, 18, torch.float32, 0),
+]
+
+
+@needs_mkl
+@pytest.mark.parametrize("setting,rows,dtype,packed", PACK_CASES)
+def test_which_eager_passes_run_on_packed_weights(setting, rows, dtype, packed):
+    pipe = _pipe()
+    pipe.transformer.to(dtype)
+    pipe.pack_weights = setting
+    layers = packable_linears(pipe.transformer)
+    with pipe.loop.packed_weights(rows) as routed:
+        patched = sum("forward" in m.__dict__ for m in pipe.transformer.modules())
+    assert (routed or 0) == patched == (len(layers) if packed == "all" else 0)
+    assert dtype != torch.float32 or len(layers) > 0  # the float32 rows test something
+    assert not any("forward" in m.__dict__ for m in pipe.transformer.modules())  # every layer's own forward back
+
+
+@needs_mkl
+def test_no_packing_where_the_copy_would_not_fit(monkeypatch):
+    pipe = _pipe()
+    monkeypatch.setattr(packed_weights, "available_memory", lambda device: 1 << 20)
+    with pipe.loop.packed_weights(18) as routed:
+        assert routed is None
+    pipe.pack_weights = True  # asked for: packed all the same
+    layers = len(packable_linears(pipe.transformer))
+    with pipe.loop.packed_weights(18) as routed:
+        assert routed == layers > 0
+
+
+@needs_mkl
+def test_no_packing_on_a_compiled_target():
+    pipe = _pipe()
+    pipe.enable_compile(backend="eager", measure=False)
+    with pipe.loop.packed_weights(18) as routed:
+        assert routed is None  # its rounds freeze their own weights (`freeze_weights`)
+
+
+@needs_mkl
+def test_packs_are_made_once_per_weight_version_and_row_count():
+    packs, weight = PackedWeights(), torch.nn.Parameter(torch.randn(8, 6))
+    first = packs.pack(weight, 5)
+    assert packs.pack(weight, 5) is first
+    with torch.no_grad():
+        weight.mul_(2.0)  # in place: a new version
+    second = packs.pack(weight, 5)
+    assert second is not first and packs.pack(weight, 5) is second
+    packs.pack(weight, 6)
+    assert packs.rows == 6 and len(packs._packs) == 1  # another row count drops the old packs
+    x = torch.randn(6, 6)
+    assert torch.allclose(torch.ops.mkl._mkl_linear(x, packs.pack(weight, 6), weight, None, 6), x @ weight.T, atol=1e-5)
+
+
+@needs_mkl
+@pytest.mark.parametrize("decoder", [AutoregressiveDecoder(), JacobiDecoder(window_size=3)], ids=["ar", "sjd"])
+def test_packed_rounds_give_the_unpacked_codes_and_follow_a_changed_weight(decoder):
+    """Greedy AR and SJD (4 images, 8 rows with CFG) give the same grid packed and unpacked, MKL's
+    packed GEMM runs only when packing, and a weight changed in place between calls is packed again."""
+    pipe = _pipe(decoder)
+    prompts, kwargs = ["a fox", "x"], dict(guidance_scale=2.0, temperature=0, output_type="latent", num_images_per_prompt=2)
+    pipe.pack_weights = False
+    ref, calls = _packed_calls(pipe, prompts, **kwargs)
+    assert calls == 0
+    pipe.pack_weights = None  # 4 images x 2 CFG rows: 8 rows or more per pass
+    tokens, calls = _packed_calls(pipe, prompts, **kwargs)
+    assert tokens.equal(ref) and calls > 0
+    assert pipe(prompts, **kwargs).tokens.equal(ref)  # the packs kept from the call before
+    with torch.no_grad():  # in place, as `load_state_dict` or a merged adapter would
+        head = pipe.transformer.output.weight
+        head.copy_(torch.roll(head, 1, dims=0))
+    changed = pipe(prompts, **kwargs).tokens
+    pipe.pack_weights = False
+    eager = pipe(prompts, **kwargs).tokens
+    assert not eager.equal(ref)  # the change matters, so a stale pack would show
+    assert changed.equal(eager)
+    assert not any("forward" in m.__dict__ for m in pipe.transformer.modules())
+
+
+@needs_mkl
+def test_the_layers_get_their_forward_back_when_a_call_fails():
+    pipe = _pipe(JacobiDecoder(window_size=3))
+    pipe.pack_weights = True
+
+    def fail(*args):
+        if any("forward" in m.__dict__ for m in pipe.transformer.modules()):
+            raise RuntimeError("inside the rounds")
+
+    pipe.transformer.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="inside the rounds"):
+        pipe("a fox", output_type="latent")
+    assert not any("forward" in m.__dict__ for m in pipe.transformer.modules())
+
+
+def test_a_copied_pipeline_keeps_pack_weights():
+    pipe = _pipe()
+    pipe.pack_weights = False
+    pipe.loop.backbone = None  # what a copied pipeline's new backbone does: the loop is built again
+    assert pipe.pack_weights is False
