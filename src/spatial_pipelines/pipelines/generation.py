@@ -187,8 +187,10 @@ class GenerationLoop:
                 hooks.on_round(index, view)
         # inductor reads `freezing` when it compiles a graph, which any round of a new shape may do: set once per call
         frozen = self.freezes_weights(loop) and isinstance(loop.round_fn, CompiledRound)
+        storage = loop.cache.storage  # (2, L, R, S, ...): R rows, each feeding `loop.fed` slots a pass
+        eager_cpu = not self.is_compiled and storage.device.type == "cpu"  # the rounds' packed GEMM: `packed_weights`
         with torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
-            with contextlib.nullcontext() if frozen or self.is_compiled else self.packed_weights(loop.cache.storage.shape[2] * loop.fed):
+            with self.packed_weights(storage.shape[2] * loop.fed) if eager_cpu else contextlib.nullcontext():
                 return loop.run(on_sync, on_round, hooks.interrupted)
 
     def freezes_weights(self, loop: DeviceLoop) -> bool:
