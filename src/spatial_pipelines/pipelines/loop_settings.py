@@ -41,9 +41,9 @@ class LoopSettingsMixin:
         (default): for passes of `FREEZE_MIN_ROWS` (4) rows or more, where packing pays (MKL's GEMM on the weights as
         stored costs 2-3x as much there on a 2-core Xeon), while the packed copy fits in half the free memory;
         ``True``: every eager round (a `ValueError` at the call where the target has no float32 linear layer on a CPU);
-        ``False``: never. The packed copy (about the target's float32 size, plus 8 MiB a layer) is kept for the next
-        call of the same row count and packed again once a weight changes in place. Outputs are the same either way
-        up to float rounding."""
+        ``False``: never. The packed copy (about the target's float32 size resident; MKL reserves 8 MiB more a
+        layer, mostly never touched) is kept for the next call of the same row count and packed again once a weight
+        changes in place. Greedy codes are the same either way (tested); logits may differ in the last bits."""
         return self.loop.pack_weights_setting
 
     @pack_weights.setter
