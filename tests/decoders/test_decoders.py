@@ -170,7 +170,8 @@ BAD_CONFIGS = [
     (MedusaDecoder, {"num_heads": 2, "tree_paths": [[0, 0, 0]]}, "tree_paths"),
     (HawkDecoder, {"vertical_speculation_depth": -1}, "vertical_speculation_depth"),
     (HawkDecoder, {"num_draft_tokens": 0}, "num_draft_tokens"),
-    (JacobiDecoder, {"window_size": 0}, "window_size"),
+    (JacobiDecoder, {"window_size": -1}, "window_size"),
+    (JacobiDecoder, {"window_size": 0, "proactive_width": 2}, "proactive_width"),  # nothing drafted to widen
     (JacobiDecoder, {"init": "middle"}, "init"),
     (JacobiDecoder, {"acceptance": "greedy"}, "acceptance"),
     (JacobiDecoder, {"coupling": "gauss"}, "coupling"),

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spatial_pipelines import ADTTreeDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, LlamaGenPipeline, MedusaDecoder
+from spatial_pipelines import (ADTTreeDecoder, AutoregressiveDecoder, EagleDecoder, HawkDecoder, JacobiDecoder, LlamaGenPipeline,
+                               MedusaDecoder)
 
 from spatial_pipelines.core.tree import tree_from_paths
 from helpers.walks import RandomSource, verify_tree_sequential
@@ -112,7 +113,8 @@ def test_auto_size_follows_the_round_cost(decoder_cls, size_arg):
     assert chosen > 8  # flat: a large draft
     steep = decoder_cls(**{size_arg: "auto"})
     steep.resolve_draft_size(lambda tree: float(tree.num_nodes))
-    assert steep.tree.num_nodes == 2  # the root and one draft
+    # the root and one draft; SJD may draft nothing (window 0: AR's rounds), which a pass per fed slot makes best
+    assert steep.tree.num_nodes == (1 if decoder_cls is JacobiDecoder else 2)
     fixed = decoder_cls(**{size_arg: 3})
     assert fixed.tree.num_nodes == 4 and not fixed.sizes_from_pass_cost
 
@@ -248,8 +250,47 @@ def test_pipeline_times_whole_rounds_on_the_engine(decoder_cls, kwargs, monkeypa
 @pytest.mark.parametrize("bad", [0, -2, "big", 1.5, True])
 @pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
 def test_bad_draft_size_is_refused(decoder_cls, size_arg, bad):
+    if decoder_cls is JacobiDecoder and bad == 0:
+        assert decoder_cls(**{size_arg: bad}).tree.num_nodes == 1  # SJD's window 0: AR's rounds (tested below)
+        return
     with pytest.raises(ValueError, match=size_arg):
         decoder_cls(**{size_arg: bad})
+
+
+@pytest.mark.parametrize("temperature,noise", [(0, None), (1.0, "keyed"), (1.0, "drawn")])
+def test_sjd_window_zero_gives_ar_codes_and_rounds(temperature, noise):
+    """`window_size=0` drafts nothing: AR's passes, and under greedy or keyed noise AR's codes, for every init."""
+    pipe = dummy_pipeline("llamagen", AutoregressiveDecoder(), None, grid=(3, 4))
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = dict(guidance_scale=2.0, temperature=temperature, output_type="latent", num_images_per_prompt=2)
+    if noise is not None:
+        kwargs["sampling_noise"] = noise
+    ref = pipe(["a fox", "x"], generator=torch.Generator().manual_seed(3), **kwargs)
+    for init in ("above", "random", "left"):
+        pipe.decoder = JacobiDecoder(window_size=0, init=init)
+        out = pipe(["a fox", "x"], generator=torch.Generator().manual_seed(3), **kwargs)
+        assert out.stats.num_forward_passes == ref.stats.num_forward_passes
+        assert noise == "drawn" or out.tokens.equal(ref.tokens)
+
+
+def test_tune_decoder_says_when_no_window_beats_rounds_without_drafts(monkeypatch, caplog):
+    """Where every drafted slot costs a full pass and nothing is accepted, `tune_decoder` returns window 0 and says
+    so."""
+    pipe = make(JacobiDecoder, {"window_size": 4}, None, grid=(4, 5))
+    resolve = JacobiDecoder.resolve_draft_size
+    monkeypatch.setattr(JacobiDecoder, "resolve_draft_size",
+                        lambda self, cost, batch_size=1, accepted=None: resolve(self, lambda tree: float(tree.num_nodes), batch_size,
+                                                                                 {n: 0.0 for n in self._draft_sizes()}))
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            tuned = pipe.tune_decoder(batch_size=1)
+    finally:
+        diffusers_logging.disable_propagation()
+    assert tuned.config.window_size == 0 and tuned.tree.num_nodes == 1
+    assert "window_size=0" in caplog.text and "AutoregressiveDecoder" in caplog.text
 
 
 def test_best_subtree_keeps_the_likeliest_nodes_prefix_closed():

@@ -100,7 +100,8 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         window_size (`int`, `None` or `"auto"`): drafts verified per pass (L; the paper uses 16). ``None``
             (default): the pipeline family's fixed window (`SpatialARPipeline.default_draft_sizes`; 32 where the family
             names none). ``"auto"``: the window of most codes per second on the device, up to `MAX_WINDOW`
-            (`TreeDecoderMixin`, `SJD_ACCEPTANCE_PRIOR`).
+            (`TreeDecoderMixin`, `SJD_ACCEPTANCE_PRIOR`); ``0`` drafts nothing (one code per row per round, AR's
+            rounds and codes), which ``"auto"`` and `tune_decoder` pick where no window is expected to beat it.
         init (`str`): how a position entering the window is first drafted: ``"above"`` (default: a copy of the
             committed code one row above; training-free, and the fastest measured on the embedded model),
             ``"random"`` (uniform over the codes: the SJD paper's), ``"left"`` (a copy of its left neighbour's draft)
@@ -157,7 +158,10 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         acceptance: AcceptanceLike = "exact",
     ):
         super().__init__()
-        check_draft_size("window_size", window_size)
+        check_draft_size("window_size", window_size, low=0)
+        if window_size == 0 and proactive_width > 1:
+            raise ValueError(f"`window_size=0` drafts nothing, so it has no candidates to widen: `proactive_width` must "
+                             f"be 1 with it, got {proactive_width}.")
         check_choice("init", init, INITS)
         check_choice("coupling", coupling, COUPLINGS)
         check_choice("anchor", anchor, ANCHORS)
@@ -191,7 +195,10 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         return proactive_tree(window, c.proactive_width, c.proactive_depth), first * (1 - later**window) / (1 - later)
 
     def _draft_sizes(self) -> List[int]:
-        return [c for c in DRAFT_SIZE_CANDIDATES if c < MAX_WINDOW] + [MAX_WINDOW]
+        # 0: rounds of no drafts, as AR's, where no window is expected to beat them (an untrained or photographic
+        # checkpoint on a CPU, where a drafted slot costs); proactive candidates need a window to widen
+        none = [0] if self.config.proactive_width == 1 else []
+        return none + [c for c in DRAFT_SIZE_CANDIDATES if c < MAX_WINDOW] + [MAX_WINDOW]
 
     @property
     def window(self) -> int:

@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional
 
 import numpy as np
 import torch
+from diffusers.utils import logging
 
 from ..core.kv_cache import varying_length_attention
 from ..core.sampling import SamplingConfig
@@ -21,6 +22,8 @@ from ..utils import check_number
 from .backbone import PromptEmbeddings
 from .compiled import eager_target, mark_static_cache, uses_cuda_graphs
 
+
+logger = logging.get_logger(__name__)
 
 #: Timed sweeps per cost measurement (after untimed ones): enough for "auto" sizes that repeat from process to process
 #: on a noisy 2-core AMD EPYC VM (docs/benchmarks/archive-cost.md). The test suite lowers it.
@@ -413,7 +416,14 @@ class DraftSizingMixin:
             self.resolve_draft_sizes(batch_size, sampling, prefix_length, accepted=accepted)
         finally:
             self.decoder = kept
-        return type(decoder).from_config(decoder.config, **tuned.fixed_sizes())
+        fixed = tuned.fixed_sizes()
+        if fixed.get(name) == 0:
+            logger.warning(f"tune_decoder: on this device no {name} of {type(decoder).__name__} is expected to give more "
+                           f"codes per second than rounds without drafts, so it returns {name}=0 (AR's rounds and "
+                           f"codes), as `AutoregressiveDecoder` does"
+                           + (": pass a `prompt` like the ones it will serve to weigh the sizes by what this checkpoint "
+                              "accepts." if prompt is None else f" (acceptance measured on {prompt!r})."))
+        return type(decoder).from_config(decoder.config, **fixed)
 
     def round_cost(self, batch_size: int, sampling: SamplingConfig, prefix_length: int) -> RoundCost:
         """The measured cost of the current decoder's whole round per candidate tree (`RoundCost`) at ``batch_size``
