@@ -27,7 +27,7 @@ def test_peer_check_dry_run_writes_its_report(tmp_path):
         rows = block["rows"][n]
         # --tuned: SJD at the window tune_decoder(prompt=...) picked for n images, on a prompt no timed call uses
         window = block["tuned"][f"x{n}"]["window_size"]
-        assert list(rows) == ["peer", "ar", "sjd", f"sjd tuned (window {window})"] and 1 <= window <= 32
+        assert list(rows) == ["peer", "ar", "sjd", f"sjd tuned (window {window})"] and 0 <= window <= 32  # 0: no drafts
         for name, row in rows.items():
             assert all(row[c] is not None for c in COLUMNS if c != "pass_cost_in_ar_steps" or name != "peer"), name
         assert rows["peer"]["passes_per_call"] == 16 and rows["peer"]["speedup_vs_peer"] == 1.0
