@@ -188,9 +188,9 @@ class GenerationLoop:
         # inductor reads `freezing` when it compiles a graph, which any round of a new shape may do: set once per call
         frozen = self.freezes_weights(loop) and isinstance(loop.round_fn, CompiledRound)
         storage = loop.cache.storage  # (2, L, R, S, ...): R rows, each feeding `loop.fed` slots a pass
-        eager_cpu = not self.is_compiled and storage.device.type == "cpu"  # the rounds' packed GEMM: `packed_weights`
+        on_cpu = storage.device.type == "cpu"  # eager rounds there run on packed weights (`packed_weights` decides)
         with torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
-            with self.packed_weights(storage.shape[2] * loop.fed) if eager_cpu else contextlib.nullcontext():
+            with self.packed_weights(storage.shape[2] * loop.fed) if on_cpu else contextlib.nullcontext():
                 return loop.run(on_sync, on_round, hooks.interrupted)
 
     def freezes_weights(self, loop: DeviceLoop) -> bool:
