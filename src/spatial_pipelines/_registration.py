@@ -30,6 +30,9 @@ import functools
 import os
 from typing import Optional
 
+from diffusers import DiffusionPipeline
+from diffusers.pipelines import pipeline_loading_utils, pipeline_utils
+
 from .core.acceptance import AcceptanceRule
 from .decoders.decoding_utils import SpatialDecoderMixin
 from .heads.heads_utils import DraftHeadsMixin
@@ -44,8 +47,6 @@ ENTRY = {
 
 
 def register_with_diffusers() -> None:
-    from diffusers.pipelines import pipeline_loading_utils, pipeline_utils
-
     if LIBRARY not in pipeline_loading_utils.LOADABLE_CLASSES:
         pipeline_loading_utils.LOADABLE_CLASSES[LIBRARY] = dict(ENTRY)
     pipeline_loading_utils.ALL_IMPORTABLE_CLASSES.update(ENTRY)
@@ -59,8 +60,6 @@ def register_with_diffusers() -> None:
 def _named_pipeline(pretrained_model_name_or_path, kwargs) -> Optional[type]:
     """The pipeline class of this library that the folder's (or Hub repo's) ``model_index.json`` names; ``None`` for
     anything else, or where the index cannot be read (diffusers then says why)."""
-    from diffusers import DiffusionPipeline
-
     if not isinstance(pretrained_model_name_or_path, (str, os.PathLike)) or kwargs.get("custom_pipeline") is not None:
         return None
     path = os.fspath(pretrained_model_name_or_path)
@@ -83,8 +82,6 @@ def route_diffusion_pipeline_loading() -> None:
     """``DiffusionPipeline.from_pretrained(folder_or_repo)`` of a folder whose ``model_index.json`` names a pipeline of
     this library goes through that class's ``from_pretrained``, so the folder checks run before any component is
     loaded (diffusers loads the components in no fixed order); every other folder loads as diffusers loads it."""
-    from diffusers import DiffusionPipeline
-
     original = DiffusionPipeline.__dict__["from_pretrained"].__func__
     if getattr(original, "_spatial_pipelines_route", False):
         return
@@ -102,8 +99,5 @@ def route_diffusion_pipeline_loading() -> None:
 
 def find_registered(name: str) -> Optional[type]:
     """The loaded decoder, draft heads, pipeline or acceptance rule class called ``name`` (``None``: none is)."""
-    for base in (SpatialDecoderMixin, SpatialARPipeline, DraftHeadsMixin, AcceptanceRule):
-        found = find_subclass(base, name)
-        if found is not None:
-            return found
-    return None
+    bases = (SpatialDecoderMixin, SpatialARPipeline, DraftHeadsMixin, AcceptanceRule)
+    return next(filter(None, (find_subclass(base, name) for base in bases)), None)

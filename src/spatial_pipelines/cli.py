@@ -15,15 +15,20 @@ import sys
 from typing import List, Optional
 
 import torch
+from PIL import Image
 
+from . import __version__
 from .cli_utils import DTYPES, embedded_heads_path, grid_image, load_pipeline  # noqa: F401  (scripts import them from here)
 from .core.sampling import SAMPLING_NOISE
 from .decoders import DECODERS
+from .demo import add_demo_arguments, serve
+from .embedded import default_model_path
+from .jobs import JobFolder, read_prompts, rows_digest, run_job
+from .pipelines.call_checks import MAX_GUIDANCE_SCALE
+from .utils import check_number, check_path_or_repo_id, check_writable_parent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = argparse.ArgumentParser(prog="spatial-pipelines", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"spatial_pipelines {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,8 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_demo_parser(sub) -> None:
     """``spatial-pipelines demo``: the browser app (`spatial_pipelines.demo`; Gradio, the ``demo`` extra)."""
-    from .demo import add_demo_arguments
-
     add_demo_arguments(sub.add_parser("demo", help="serve a page that runs AR and a speculative decoder side by side "
                                                    "(needs the demo extra)"))
 
@@ -73,8 +76,6 @@ def add_demo_parser(sub) -> None:
 def check_writable_file(path: str, name: str) -> None:
     """Raise `ValueError` naming ``name`` unless a file can be written at ``path``: not an existing folder, and its
     nearest existing parent is a folder this process may write in (the missing folders are made)."""
-    from .utils import check_writable_parent
-
     full = os.path.abspath(path)
     if os.path.isdir(full):
         raise ValueError(f"`{name}` {path!r} is a folder; give a file name such as {os.path.join(path, 'image.png')!r}.")
@@ -83,11 +84,6 @@ def check_writable_file(path: str, name: str) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every option that can be checked before the model loads; `ValueError` naming the option."""
-    from PIL import Image
-
-    from .pipelines.call_checks import MAX_GUIDANCE_SCALE
-    from .utils import check_number, check_path_or_repo_id
-
     if args.prompts_file is None:
         if args.prompt is None:
             raise ValueError("give a `prompt`, or `--prompts-file FILE --out DIR` for a job.")
@@ -142,8 +138,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 def load_for_args(args: argparse.Namespace, device=None):
     """The pipeline the options ask for, on ``device`` (default ``--device``), with its decoder and heads."""
-    from .embedded import default_model_path
-
     pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype], args.revision).to(device or args.device)
     pipe.decoder = DECODERS[args.decoder].from_config(pipe.decoder.config)
     heads = args.heads
@@ -174,8 +168,6 @@ def sampling_arguments(args: argparse.Namespace, pipe, images: int, option: str)
 
 def job_settings(args: argparse.Namespace, rows) -> dict:
     """What every image of a job depends on, keyed by the option that sets it (`jobs.JobFolder` compares them)."""
-    from .jobs import rows_digest
-
     return {"--model": args.model or "embedded", "--revision": args.revision, "--decoder": args.decoder,
             "--heads": args.heads, "--heads-revision": args.heads_revision, "--dtype": args.dtype, "--seed": args.seed,
             "--num-images-per-prompt": args.num_images, "--negative-prompt": args.negative_prompt,
@@ -186,8 +178,6 @@ def job_settings(args: argparse.Namespace, rows) -> dict:
 def generate_job(args: argparse.Namespace) -> int:
     """``--prompts-file``: every image of the file into ``--out`` (`jobs.run_job`), this process's share of the rows."""
     from accelerate import PartialState
-
-    from .jobs import JobFolder, read_prompts, run_job
 
     rows = read_prompts(args.prompts_file)
     if args.seed + len(rows) - 1 > 2**63 - 1:
@@ -237,8 +227,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo":
-            from .demo import serve
-
             return serve(args)
         return generate(args)
     except ValueError as err:

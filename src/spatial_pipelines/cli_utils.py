@@ -6,6 +6,14 @@ import os
 from typing import Optional
 
 import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import make_image_grid
+from PIL import Image
+
+from .core.contracts import DRAFTER, LATENT, OFFSET_LOGITS
+from .embedded import default_eagle_head_path, default_heads_path, default_ssd_heads_path
+from .pipelines import SpatialARPipeline
+from .utils import check_path_or_repo_id, find_subclass, read_json_file
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -14,11 +22,6 @@ def load_pipeline(model: str, torch_dtype: torch.dtype = torch.float32, revision
     """Load a saved pipeline (a folder, or a Hub repo id through the Hub cache) with the pipeline class its
     ``model_index.json`` names, through that class's ``from_pretrained`` (the folder checks of docs/checks.md run
     before any weight is read). Raises `ValueError` naming ``model`` when it cannot."""
-    from diffusers import DiffusionPipeline
-
-    import spatial_pipelines
-    from .utils import check_path_or_repo_id, find_subclass, read_json_file
-
     check_path_or_repo_id(model, "--model")
     offline = " (HF_HUB_OFFLINE is set: only the Hub cache is read)" if os.environ.get("HF_HUB_OFFLINE") else ""
     if os.path.exists(model):
@@ -34,7 +37,7 @@ def load_pipeline(model: str, torch_dtype: torch.dtype = torch.float32, revision
         except (OSError, ValueError) as err:  # not in the cache when offline, unknown repo or revision
             raise ValueError(f"`--model` {model!r} could not be loaded{offline}: {err}") from err
     name = index.get("_class_name") if isinstance(index, dict) else None
-    cls = find_subclass(spatial_pipelines.SpatialARPipeline, name) if isinstance(name, str) else None
+    cls = find_subclass(SpatialARPipeline, name) if isinstance(name, str) else None
     if cls is None or cls.backbone_class is None:
         raise ValueError(f"`--model` {model!r} holds a {name or 'folder'}, which is not a spatial_pipelines pipeline.")
     try:
@@ -45,16 +48,12 @@ def load_pipeline(model: str, torch_dtype: torch.dtype = torch.float32, revision
 
 def grid_image(images):
     """One image, or the images on a near-square grid (blank cells filled white)."""
-    from diffusers.utils import make_image_grid
-    from PIL import Image
-
     if len(images) == 1:
         return images[0]
     cols = math.ceil(math.sqrt(len(images)))
     rows = math.ceil(len(images) / cols)
     blank = Image.new("RGB", images[0].size, "white")
     return make_image_grid(list(images) + [blank] * (rows * cols - len(images)), rows=rows, cols=cols)
-
 
 
 def embedded_heads_path(kind: str) -> str:
@@ -64,9 +63,6 @@ def embedded_heads_path(kind: str) -> str:
     Args:
         kind (`str`): the kind of heads.
     """
-    from .core.contracts import DRAFTER, LATENT, OFFSET_LOGITS
-    from .embedded import default_eagle_head_path, default_heads_path, default_ssd_heads_path
-
     paths = {OFFSET_LOGITS: default_heads_path, LATENT: default_ssd_heads_path, DRAFTER: default_eagle_head_path}
     if kind not in paths:
         raise ValueError(f"`kind` must be one of {tuple(paths)}, got {kind!r}.")

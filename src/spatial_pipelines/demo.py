@@ -24,8 +24,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from .cli_utils import DTYPES
+from .cli_utils import DTYPES, embedded_heads_path, grid_image, load_pipeline
 from .decoders import DECODERS
+from .embedded import default_model_path
+from .utils import check_number, check_path_or_repo_id
 
 INSTALL_HINT = 'pip install "spatial_pipelines[demo]"  (in a checkout: pip install -e ".[demo]")'
 DISPLAY_SIZE = 256  # images and acceptance pictures are enlarged (nearest neighbour) to at least this many pixels
@@ -103,8 +105,6 @@ def check_request(prompt, decoder, seed, num_images, max_images: int) -> tuple:
     Raises:
         `ValueError` naming the argument and what it takes.
     """
-    from .utils import check_number
-
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("`prompt` is empty: type the text of the image to generate, e.g. 'red heart'.")
     names = [name for _, name in decoder_choices()]
@@ -125,8 +125,6 @@ def load_heads(pipe, heads: Sequence[str] = (), embedded: bool = False) -> Dict[
         heads (`list[str]`): heads folders or Hub repo ids, keyed by the kind each provides.
         embedded (`bool`): also load the heads shipped with the embedded model, for every kind a decoder needs.
     """
-    from .cli_utils import embedded_heads_path
-
     loaded = {}
     for path in heads:
         try:
@@ -225,8 +223,6 @@ def _enlarge(image: Image.Image, size: int = DISPLAY_SIZE) -> Image.Image:
 
 def image_grid(images: Sequence[Image.Image]) -> Image.Image:
     """The images enlarged for the page, on a near-square grid (`cli.grid_image`)."""
-    from .cli_utils import grid_image
-
     return grid_image([_enlarge(image.convert("RGB")) for image in images])
 
 
@@ -239,8 +235,6 @@ def acceptance_picture(acceptance_map: torch.Tensor, size: int = DISPLAY_SIZE) -
         acceptance_map (`torch.LongTensor` `(B, H, W)`): `DecodingStats.acceptance_map`.
         size (`int`): the smallest side, in pixels, of each grid's picture.
     """
-    from .cli_utils import grid_image
-
     if acceptance_map.dim() != 3 or acceptance_map.numel() == 0:
         raise ValueError(f"`acceptance_map` must be a non-empty (B, H, W) tensor, got shape {tuple(acceptance_map.shape)}.")
     values = acceptance_map.detach().cpu().clamp(min=1).numpy()
@@ -294,8 +288,6 @@ def build_app(pipe, heads: Dict[str, object], max_images: int = 4, max_queue: in
     """
     import gradio as gr
 
-    from .utils import check_number
-
     check_number("max_images", max_images, 1, integer=True)
     check_number("max_queue", max_queue, 1, integer=True)
     choices = decoder_choices()
@@ -339,8 +331,6 @@ def build_app(pipe, heads: Dict[str, object], max_images: int = 4, max_queue: in
 
 def check_demo_args(args: argparse.Namespace) -> None:
     """The demo's options, checked before the model loads; `ValueError` naming the option."""
-    from .utils import check_number, check_path_or_repo_id
-
     check_number("--port", args.port, 0, 65535, integer=True, meaning="0 picks a free port")
     check_number("--max-images", args.max_images, 1, 64, integer=True, meaning="the bound on images per prompt")
     check_number("--max-queue", args.max_queue, 1, integer=True, meaning="requests that may wait")
@@ -358,9 +348,6 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError:
         print(f"error: the demo needs Gradio, an optional extra: {INSTALL_HINT}", file=sys.stderr)
         return 1
-    from .cli_utils import load_pipeline
-    from .embedded import default_model_path
-
     pipe = load_pipeline(args.model or default_model_path(), DTYPES[args.dtype]).to(args.device)
     heads = load_heads(pipe, args.heads, embedded=args.model is None)
     name = args.model or "the embedded Twemoji model"

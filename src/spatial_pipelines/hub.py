@@ -11,6 +11,7 @@ heads kind, `HEADS_TEMPLATES`, one for other heads, one for pipelines) by the he
 
 import json
 import os
+import tempfile
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from huggingface_hub import ModelCard, ModelCardData, create_repo
@@ -45,6 +46,11 @@ SHARED_DECODERS = ("JacobiDecoder",)
 #: Keyword arguments of ``save_pretrained(..., push_to_hub=True)`` that belong to the upload.
 HUB_KWARGS = ("repo_id", "private", "token", "commit_message", "create_pr")
 EMBEDDED_PREFIX = "spatial_pipelines/embedded/"
+#: The speed table's formatted columns: (card field, benchmark report field, format, suffix).
+SPEED_COLUMNS = (("codes_per_pass", "mean_accepted_length", ".2f", ""),
+                 ("target_passes", "target_forward_passes_per_image", ".1f", ""),
+                 ("draft_passes", "draft_passes_per_image", ".0f", ""), ("seconds", "seconds_per_image", ".2f", ""),
+                 ("speedup", "speedup_vs_ar", ".2f", "x"))
 
 PathOrDict = Union[str, os.PathLike, Mapping[str, Any]]
 
@@ -101,19 +107,17 @@ def save_with_card(obj, save_directory: Union[str, os.PathLike], kwargs: Dict[st
     return None
 
 
-def push_with_card(obj, repo_id: str, save, private: Optional[bool] = None, token: Optional[str] = None,
-                   commit_message: Optional[str] = None, create_pr: bool = False, subfolder: Optional[str] = None,
-                   safe_serialization: bool = True) -> str:
-    """What heads' and pipelines' ``push_to_hub`` share: create the repo, ``save(folder, repo_id)`` into a temporary
-    folder (our card included, so diffusers' generic card is never written), upload it."""
-    import tempfile
-
+def push_with_card(obj, repo_id: str, save_kwargs: Dict[str, Any], private: Optional[bool] = None,
+                   token: Optional[str] = None, commit_message: Optional[str] = None, create_pr: bool = False,
+                   subfolder: Optional[str] = None, safe_serialization: bool = True) -> str:
+    """What heads' and pipelines' ``push_to_hub`` share: create the repo, ``obj.save_pretrained`` (with ``save_kwargs``)
+    into a temporary folder (our card included, so diffusers' generic card is never written), upload it."""
     if not safe_serialization:
         raise ValueError("`safe_serialization=False` is not supported: spatial_pipelines saves safetensors only.")
     repo_id = create_hub_repo(repo_id, private=private, token=token)
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "upload")
-        save(folder, repo_id)
+        obj.save_pretrained(folder, repo_id=repo_id, **save_kwargs)
         return upload_to_hub(obj, folder, repo_id, token=token, commit_message=commit_message, create_pr=create_pr,
                              subfolder=subfolder)
 
@@ -163,29 +167,12 @@ def speed_table(report: Mapping[str, Any], heads_classes: Sequence[str]) -> Dict
             return False
         return row["decoder_class"] not in SHARED_DECODERS or not own or row["heads"] in own
 
-    table = []
-    for name, row in rows.items():
-        if not (name == "ar" or counts(row)):
-            continue
-        table.append({
-            "name": name,
-            "exact": "yes" if row.get("exact") else "no",
-            "codes_per_pass": _fmt(row.get("mean_accepted_length"), ".2f"),
-            "target_passes": _fmt(row.get("target_forward_passes_per_image"), ".1f"),
-            "draft_passes": _fmt(row.get("draft_passes_per_image"), ".0f"),
-            "seconds": _fmt(row.get("seconds_per_image"), ".2f"),
-            "speedup": _fmt(row.get("speedup_vs_ar"), ".2f", "x"),
-        })
+    table = [{"name": name, "exact": "yes" if row.get("exact") else "no",
+              **{column: _fmt(row.get(key), spec, suffix) for column, key, spec, suffix in SPEED_COLUMNS}}
+             for name, row in rows.items() if name == "ar" or counts(row)]
     sampling = report.get("sampling") or {}
-    return {
-        "rows": table,
-        "model": report.get("model"),
-        "device": report.get("device"),
-        "dtype": report.get("dtype"),
-        "num_prompts": report.get("num_prompts"),
-        "batch_size": report.get("batch_size"),
-        "sampling": ", ".join(f"{k} {v}" for k, v in sampling.items() if v is not None),
-    }
+    return {"rows": table, **{k: report.get(k) for k in ("model", "device", "dtype", "num_prompts", "batch_size")},
+            "sampling": ", ".join(f"{k} {v}" for k, v in sampling.items() if v is not None)}
 
 
 # -- draft heads -------------------------------------------------------------------------------------------

@@ -25,17 +25,10 @@ __all__ = ["FAMILIES", "chameleon_image_token", "dummy_chameleon_components", "d
 FAMILIES = DerivedMapping(family_pipelines)
 
 
-def dummy_pipeline(
-    family: str,
-    decoder: Union[None, str, SpatialDecoderMixin] = None,
-    draft_heads: Union[None, str, DraftHeadsMixin] = None,
-    *,
-    grid: Tuple[int, int] = (4, 4),
-    num_codes: int = 16,
-    seed: int = 0,
-    condition_type: str = "text",
-    end_of_row: bool = False,
-) -> SpatialARPipeline:
+def dummy_pipeline(family: str, decoder: Union[None, str, SpatialDecoderMixin] = None,
+                   draft_heads: Union[None, str, DraftHeadsMixin] = None, *, grid: Tuple[int, int] = (4, 4),
+                   num_codes: int = 16, seed: int = 0, condition_type: str = "text",
+                   end_of_row: bool = False) -> SpatialARPipeline:
     """A tiny random pipeline of ``family`` on CPU.
 
     Args:

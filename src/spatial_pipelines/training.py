@@ -137,14 +137,8 @@ def prepare_and_resume(accelerator: Accelerator, args: argparse.Namespace, log: 
     return model, optimizer, scheduler, batches, step
 
 
-def build_dataset(
-    accelerator: Accelerator,
-    path: str,
-    num_items: int,
-    make_chunk: Callable[[int, int], Dict[str, torch.Tensor]],
-    chunk_size: int = 32,
-    desc: str = "generate",
-) -> Dict[str, torch.Tensor]:
+def build_dataset(accelerator: Accelerator, path: str, num_items: int, make_chunk: Callable[[int, int], Dict[str, torch.Tensor]],
+                  chunk_size: int = 32, desc: str = "generate") -> Dict[str, torch.Tensor]:
     """A dataset of ``num_items`` rows, made in chunks by every process and merged into one safetensors file.
 
     ``make_chunk(start, end)`` returns the tensors of items ``[start, end)`` (rows first), depending on the item
@@ -282,27 +276,10 @@ class WeightEMA:
                 params[name].copy_(shadow)
 
 
-def fit(
-    accelerator: Accelerator,
-    *,
-    model,
-    optimizer,
-    scheduler,
-    batches,
-    loss_fn,
-    steps: int,
-    out: str,
-    log: TrainingLog,
-    start_step: int = 0,
-    log_every: int = 10,
-    checkpoint_every: int = 250,
-    title: str = "training",
-    plot_keys: Optional[List[str]] = None,
-    clip_grad_norm: Optional[float] = None,
-    desc: str = "train",
-    ema: Optional[WeightEMA] = None,
-    on_checkpoint: Optional[Callable[[int, str], None]] = None,
-) -> int:
+def fit(accelerator: Accelerator, *, model, optimizer, scheduler, batches, loss_fn, steps: int, out: str, log: TrainingLog,
+        start_step: int = 0, log_every: int = 10, checkpoint_every: int = 250, title: str = "training",
+        plot_keys: Optional[List[str]] = None, clip_grad_norm: Optional[float] = None, desc: str = "train",
+        ema: Optional[WeightEMA] = None, on_checkpoint: Optional[Callable[[int, str], None]] = None) -> int:
     """The training loop the scripts share: ``loss_fn(batch) -> (loss, {name: value})`` under autocast, backward,
     optional gradient clipping, optimizer and scheduler steps (and the `WeightEMA` ``ema``, if given), a progress
     bar, logging every ``log_every`` steps and a checkpoint (with the average) + loss-curve plot every

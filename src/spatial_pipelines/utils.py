@@ -226,9 +226,10 @@ def json_depth(text: str) -> int:
     return deepest
 
 
-def read_json_file(path: str, what: str = "config"):
-    """The JSON in ``path``, after checking it is readable UTF-8 JSON that nests at most `MAX_JSON_DEPTH` levels;
-    anything else is a `ValueError` naming the file (never a `RecursionError` or `UnicodeDecodeError`)."""
+def read_json_file(path: str, what: str = "config", json_object: bool = False):
+    """The JSON in ``path``, after checking it is readable UTF-8 JSON that nests at most `MAX_JSON_DEPTH` levels (and
+    with ``json_object``, that it is an object); anything else is a `ValueError` naming the file (never a
+    `RecursionError` or `UnicodeDecodeError`)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -236,9 +237,12 @@ def read_json_file(path: str, what: str = "config"):
         raise ValueError(f"The {what} file {path!r} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
     check_json_text(text, path, what)
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"The {what} file {path!r} is not valid JSON: {err}.") from None
+    if json_object and not isinstance(value, dict):
+        raise ValueError(f"{path!r} must hold a JSON object, got {type(value).__name__}.")
+    return value
 
 
 def check_json_text(text: str, path: str, what: str = "config") -> None:
@@ -293,7 +297,7 @@ def safetensors_header(path: str, what: str = "weights") -> dict:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            begin, stop = info["data_offsets"]
+            _, stop = info["data_offsets"]
             if not (isinstance(info["shape"], list) and all(isinstance(d, int) and d >= 0 for d in info["shape"])):
                 raise ValueError(f"tensor {name!r} has the shape {info['shape']!r}")
             end = max(end, int(stop))

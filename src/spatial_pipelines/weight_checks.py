@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional
 
 import torch
 from diffusers import ModelMixin
+from diffusers.utils import _add_variant as _variant  # ``model.safetensors`` -> ``model.<variant>.safetensors``
 
 from .utils import PICKLE_SUFFIXES, SAVED_FACTS_KEY, read_json_file, safetensors_header
 
@@ -41,14 +42,6 @@ PICKLE_WEIGHTS_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 DIFFUSERS_WEIGHTS_NAMES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json")
 #: ``from_pretrained`` arguments that say where a checkpoint's files are, as transformers reads them.
 HUB_FILE_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
-
-
-def _variant(name: str, variant: Optional[str]) -> str:
-    """transformers' ``_add_variant``: ``model.safetensors`` -> ``model.<variant>.safetensors``."""
-    if variant is None:
-        return name
-    stem, ext = name.rsplit(".", 1)
-    return f"{stem}.{variant}.{ext}"
 
 
 class HubCheckpoint:
@@ -118,7 +111,6 @@ class HubCheckpoint:
         for tensor, info in meta.tensors.items():
             header[tensor] = {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": list(info.data_offsets)}
         return header
-
 
 
 def _check_value(path: str, key: str, value, annotation, default) -> None:
@@ -340,11 +332,9 @@ def check_component(model_cls, key: str, component_dir: str, variant: Optional[s
     own, is_transformers = checked_classes(model_cls)
     if not os.path.isfile(config_path) or not (own or is_transformers):
         return None, None
-    config = read_json_file(config_path, f"`{key}` config")
+    config = read_json_file(config_path, f"`{key}` config", json_object=True)
     if own:
         check_model_config(model_cls, config, config_path)
-    elif not isinstance(config, dict):
-        raise ValueError(f"{config_path!r} must hold a JSON object, got {type(config).__name__}.")
     headers = check_weights(key, component_dir, variant, "diffusion_pytorch_model.safetensors" if own else "model.safetensors")
     model = None
     if headers:

@@ -11,8 +11,29 @@ from typing import ClassVar, Sequence, Tuple
 import torch
 
 
+class _TreeSizes:
+    """The sizes `DraftTree` and `RowTrees` read off their tables' last dimension (a shape, not a device read)."""
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[-1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.node_paths.shape[-1] - 1
+
+    @property
+    def max_children(self) -> int:
+        """Most children of one node (1 for a chain; for `RowTrees`, a bound on any node's)."""
+        return self.children.shape[-1]
+
+    def to(self, device):
+        values = (getattr(self, f.name) for f in fields(self))
+        return type(self)(*(v.to(device) if isinstance(v, torch.Tensor) else v for v in values))
+
+
 @dataclass(frozen=True)
-class DraftTree:
+class DraftTree(_TreeSizes):
     """A static draft tree.
 
     Args:
@@ -44,22 +65,6 @@ class DraftTree:
     chain_from: int = 0
     chain_index: torch.Tensor = None
     per_row: ClassVar[bool] = False  # one tree for every batch row (`RowTrees`: one per row)
-
-    @property
-    def num_nodes(self) -> int:
-        return self.parents.shape[0]
-
-    @property
-    def max_depth(self) -> int:
-        return self.retrieve_indices.shape[1] - 1  # a shape, not a device read
-
-    @property
-    def max_children(self) -> int:
-        """Most children of one node (1 for a chain); a shape, not a device read."""
-        return self.children.shape[1]
-
-    def to(self, device) -> "DraftTree":
-        return DraftTree(*(v.to(device) if isinstance(v, torch.Tensor) else v for v in (getattr(self, f.name) for f in fields(self))))
 
 
 def tree_from_parents(parents: Sequence[int], ranks: Sequence[int] = None) -> DraftTree:
@@ -123,7 +128,7 @@ def chain_tree(length: int) -> DraftTree:
 
 
 @dataclass(frozen=True)
-class RowTrees:
+class RowTrees(_TreeSizes):
     """One draft tree per batch row (EAGLE-2's dynamic trees), padded to ``T`` nodes, built on the device.
 
     Node 0 of every row is the root. A padding node is not ``valid``: its parent is ``-1``, it sees only itself and
@@ -148,22 +153,6 @@ class RowTrees:
     earlier_siblings: torch.Tensor
     children: torch.Tensor
     per_row: ClassVar[bool] = True  # tables with a leading batch dimension
-
-    @property
-    def num_nodes(self) -> int:
-        return self.parents.shape[1]
-
-    @property
-    def max_depth(self) -> int:
-        return self.node_paths.shape[2] - 1  # a shape, not a device read
-
-    @property
-    def max_children(self) -> int:
-        """A bound on any node's children (a shape, not a device read)."""
-        return self.children.shape[2]
-
-    def to(self, device) -> "RowTrees":
-        return RowTrees(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def row_trees_from_parents(parents: torch.Tensor, valid: torch.Tensor, max_depth: int, max_children: int) -> RowTrees:

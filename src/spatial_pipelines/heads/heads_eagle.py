@@ -85,11 +85,7 @@ class EagleDraftHead(DraftHeadsMixin):
         heads = getattr(backbone, "num_attention_heads", None) or max(1, backbone.hidden_size // 64)
         head = cls(base_model_name_or_path=kwargs.pop("base_model_name_or_path", None), num_attention_heads=heads,
                    **{**backbone.facts(), **kwargs})
-        if random_init:
-            for module in head.modules():
-                if isinstance(module, nn.Linear):
-                    nn.init.normal_(module.weight, std=1.0 / module.in_features**0.5)
-        return head
+        return head._redrawn() if random_init else head
 
     @property
     def head_dim(self) -> int:

@@ -6,18 +6,19 @@ facts that must match (hidden size, number of image codes, grid); loading agains
 """
 
 import os
+import re
 from typing import Any, Dict, Optional, Sequence
 
+import torch
 from diffusers import ConfigMixin, ModelMixin
-from diffusers.utils import logging
-from diffusers.utils import _add_variant  # diffusers' variant file names
-from huggingface_hub import ModelCard
+from diffusers.utils import _add_variant, logging  # _add_variant: diffusers' variant file names
+from huggingface_hub import ModelCard, constants
 from torch import nn
 
 from ..core.contracts import HEADS_KINDS, HeadsProvide, as_offsets
-from ..hub import heads_card, push_with_card, save_with_card
+from ..hub import EMBEDDED_PREFIX, heads_card, hub_model_id, push_with_card, save_with_card
 from ..utils import (PICKLE_SUFFIXES, available_memory, check_path_or_repo_id, check_safe_serialization,
-                     check_choice, find_subclass, read_json_file, safetensors_header, subclasses)
+                     check_choice, check_number, find_subclass, read_json_file, safetensors_header, subclasses)
 
 logger = logging.get_logger(__name__)
 
@@ -92,8 +93,6 @@ def _known_identity(name: Optional[str]) -> Optional[str]:
     identity = model_identity(name)
     if identity is None or identity.startswith("embedded:"):
         return identity
-    from huggingface_hub import constants
-
     owner, repo = identity.split("/")
     return identity if os.path.isdir(os.path.join(constants.HF_HUB_CACHE, f"models--{owner}--{repo}")) else None
 
@@ -133,10 +132,6 @@ def model_identity(name_or_path) -> Optional[str]:
     in this package (by package path or installed folder), ``"org/name"`` for a Hub id or a Hub cache snapshot
     folder; ``None`` when it cannot be told (unset, or another local folder: a pipeline saved from a Hub model keeps
     serving heads made for that model)."""
-    import re
-
-    from ..hub import EMBEDDED_PREFIX, hub_model_id
-
     if not name_or_path:
         return None
     name = os.fspath(name_or_path).replace("\\", "/").rstrip("/")
@@ -160,8 +155,6 @@ def check_heads_args(base_model_name_or_path=None, base_model_revision=None, int
     """The argument checks every heads constructor shares: the base model id, revision and family are ``None`` or strings,
     ``ints`` are ints >= 1, ``optional_ints`` ``None`` or ints >= 1, ``positives`` finite numbers > 0 (each a
     ``(name, value)`` pair). Raises `ValueError` naming the argument."""
-    from ..utils import check_number
-
     for name, value in (("base_model_name_or_path", base_model_name_or_path), ("base_model_revision", base_model_revision),
                         ("family", family)):
         if value is not None and not isinstance(value, (str, os.PathLike)):
@@ -182,8 +175,6 @@ MAX_HEADS_VALUES = 2**32
 def check_heads_size(class_name: str, values: int, sizes) -> None:
     """Raise `ValueError` naming the size arguments ``sizes`` (``(name, value)`` pairs) when heads of ``values``
     parameters and buffers exceed `MAX_HEADS_VALUES` or the free host memory, before anything is allocated."""
-    import torch
-
     named = ", ".join(f"`{n}={v}`" for n, v in sizes)
     if values > MAX_HEADS_VALUES:
         raise ValueError(f"{named}: these {class_name} would hold {values:.3g} values ({values * 4 / 2**30:.3g} GiB in "
@@ -242,11 +233,14 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
             vertical_offsets=list(need.vertical_offsets) if need is not None else [],
             **{**backbone.facts(), **kwargs},
         )
-        if random_init:
-            for module in heads.modules():
-                if isinstance(module, nn.Linear):
-                    nn.init.normal_(module.weight, std=1.0 / module.in_features**0.5)
-        return heads
+        return heads._redrawn() if random_init else heads
+
+    def _redrawn(self) -> "DraftHeadsMixin":
+        """These heads, every linear layer's weight redrawn at ``1 / sqrt(fan_in)`` (`for_backbone`'s ``random_init``)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=1.0 / module.in_features**0.5)
+        return self
 
     def frozen(self, horizontal: Sequence[int], vertical: Sequence[int]):
         """The heads ``horizontal`` and ``vertical`` (indices) as a function of post-norm hidden states ``(B, D)``:
@@ -338,28 +332,16 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         return save_with_card(self, save_directory, kwargs, lambda tmp: super(DraftHeadsMixin, self).save_pretrained(tmp, *args, **kwargs),
                               lambda repo_id: self.model_card(repo_id=repo_id, **card))
 
-    def push_to_hub(
-        self,
-        repo_id: str,
-        commit_message: Optional[str] = None,
-        private: Optional[bool] = None,
-        token: Optional[str] = None,
-        create_pr: bool = False,
-        safe_serialization: bool = True,
-        variant: Optional[str] = None,
-        subfolder: Optional[str] = None,
-        *,
-        benchmark=None,
-        training_command: Optional[str] = None,
-    ) -> str:
+    def push_to_hub(self, repo_id: str, commit_message: Optional[str] = None, private: Optional[bool] = None,
+                    token: Optional[str] = None, create_pr: bool = False, safe_serialization: bool = True,
+                    variant: Optional[str] = None, subfolder: Optional[str] = None, *, benchmark=None,
+                    training_command: Optional[str] = None) -> str:
         """Upload these heads to the Hub repo ``repo_id``: weights (safetensors), config and the adapter card of
         `model_card`, the files ``save_pretrained(..., push_to_hub=True)`` sends. Arguments as diffusers'
         `PushToHubMixin.push_to_hub`; ``benchmark`` and ``training_command`` go to `model_card`."""
-        def save(folder, full_id):
-            self.save_pretrained(folder, variant=variant, repo_id=full_id, benchmark=benchmark, training_command=training_command)
-
-        return push_with_card(self, repo_id, save, private=private, token=token, commit_message=commit_message,
-                              create_pr=create_pr, subfolder=subfolder, safe_serialization=safe_serialization)
+        return push_with_card(self, repo_id, dict(variant=variant, benchmark=benchmark, training_command=training_command),
+                              private=private, token=token, commit_message=commit_message, create_pr=create_pr,
+                              subfolder=subfolder, safe_serialization=safe_serialization)
 
     def model_card(self, repo_id: Optional[str] = None, benchmark=None, training_command: Optional[str] = None, **fields) -> ModelCard:
         """The Hub card declaring these heads an adapter of their base model (`spatial_pipelines.hub.heads_card`,

@@ -299,13 +299,9 @@ def _build(config: Dict[str, Any], norm_num_groups: Optional[int], torch_dtype: 
     return model.to(torch_dtype) if torch_dtype is not None else model
 
 
-def chameleon_vq_from_original(
-    state_dict: Mapping[str, torch.Tensor],
-    config: Optional[Mapping[str, Any]] = None,
-    *,
-    norm_num_groups: Optional[int] = None,
-    torch_dtype: Optional[torch.dtype] = None,
-) -> ChameleonVQModel:
+def chameleon_vq_from_original(state_dict: Mapping[str, torch.Tensor], config: Optional[Mapping[str, Any]] = None, *,
+                               norm_num_groups: Optional[int] = None,
+                               torch_dtype: Optional[torch.dtype] = None) -> ChameleonVQModel:
     """A `ChameleonVQModel` from Chameleon's original ``vqgan.ckpt`` contents.
 
     Args:
@@ -324,13 +320,8 @@ def chameleon_vq_from_original(
     return _load_strict(_build(cfg, norm_num_groups, torch_dtype), sd, "The original VQGAN checkpoint")
 
 
-def chameleon_vq_from_hf(
-    state_dict: Mapping[str, torch.Tensor],
-    config: Any = None,
-    *,
-    norm_num_groups: Optional[int] = None,
-    torch_dtype: Optional[torch.dtype] = None,
-) -> ChameleonVQModel:
+def chameleon_vq_from_hf(state_dict: Mapping[str, torch.Tensor], config: Any = None, *, norm_num_groups: Optional[int] = None,
+                         torch_dtype: Optional[torch.dtype] = None) -> ChameleonVQModel:
     """A `ChameleonVQModel` from transformers-format weights: a standalone ``chameleon_vqgan`` repo (keys
     ``encoder.*``, ``decoder.*``, ``quantize.*`` ...) or a whole Chameleon/Anole model (keys under ``model.vqmodel.``;
     other keys are ignored then). ``config``: its ``config.json`` (dict or config object); ``None`` for defaults.
@@ -375,13 +366,8 @@ def _read_hf_weights(folder: Path) -> Dict[str, torch.Tensor]:
     return out
 
 
-def load_chameleon_vq(
-    source: Union[str, Path],
-    config: Union[None, str, Path, Mapping[str, Any]] = None,
-    *,
-    norm_num_groups: Optional[int] = None,
-    torch_dtype: Optional[torch.dtype] = None,
-) -> ChameleonVQModel:
+def load_chameleon_vq(source: Union[str, Path], config: Union[None, str, Path, Mapping[str, Any]] = None, *,
+                      norm_num_groups: Optional[int] = None, torch_dtype: Optional[torch.dtype] = None) -> ChameleonVQModel:
     """Load Chameleon's VQGAN from a local path in any supported layout.
 
     ``source`` may be: the original ``vqgan.ckpt`` (``config``: its ``vqgan.yaml``, by default the ``.yaml`` beside

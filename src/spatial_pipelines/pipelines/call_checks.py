@@ -136,7 +136,6 @@ class CallChecksMixin:
         return rows * slots * slot + 3 * rows * fed * vocab * 4 + self.decoder.state_bytes(batch_size, vocab)
 
 
-
 def _check_generator(generator, num_prompts: int, num_images_per_prompt: int) -> None:
     """``generator``: ``None``, one `torch.Generator`, or one per image (``num_prompts * num_images_per_prompt``)."""
     batch_size = num_prompts * num_images_per_prompt

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 from ..utils import check_json_text, read_json_file, safetensors_header
 from ..weight_checks import (HUB_FILE_KWARGS, PICKLE_WEIGHTS_NAMES, SAFE_WEIGHTS_NAMES, HubCheckpoint, _variant,
                              check_shapes, meta_model, pickle_refusal, refuse_pickles, weights_files)
+from .transformers_utils import TREE_MASK_ATTENTION, check_device_map, check_image_fits_context
 
 
 def check_trained_positions(backbone_class, config, generation_config: Dict[str, Any], folder: Optional[str],
@@ -21,8 +22,6 @@ def check_trained_positions(backbone_class, config, generation_config: Dict[str,
     the generation config, or the ``image_grid`` argument) against the positions its model was trained for (the text
     config's ``max_position_embeddings``): a grid whose image leaves no position for a prompt is a `ValueError` naming
     what set it (a file of the checkpoint ``folder``, ``None`` where it was not found, or the argument)."""
-    from .transformers_utils import check_image_fits_context
-
     if backbone_class is None or not hasattr(backbone_class, "grid_from_configs"):
         return
     if image_grid is not None:
@@ -48,12 +47,7 @@ def check_trained_positions(backbone_class, config, generation_config: Dict[str,
 
 def _generation_config(component_dir: str) -> Dict[str, Any]:
     path = os.path.join(component_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    generation = read_json_file(path, "generation config")
-    if not isinstance(generation, dict):
-        raise ValueError(f"{path!r} must hold a JSON object, got {type(generation).__name__}.")
-    return generation
+    return read_json_file(path, "generation config", json_object=True) if os.path.isfile(path) else {}
 
 
 def _index_shards(index_path: str) -> list:
@@ -191,9 +185,7 @@ def check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config, i
         config_path, headers = _hub_checkpoint(os.fspath(repo_or_path), hub_kwargs)
         folder = os.path.dirname(config_path) if config_path is not None else None
     if config_path is not None:
-        raw = read_json_file(config_path, "model config")
-        if not isinstance(raw, dict):
-            raise ValueError(f"{config_path!r} must hold a JSON object, got {type(raw).__name__}.")
+        read_json_file(config_path, "model config", json_object=True)
         if headers:
             check_shapes(meta_model(model_cls, config, config_path), headers, folder, strict=False)
     known = config_path is not None
@@ -207,8 +199,6 @@ def read_backbone_config(repo_or_path, kwargs: Dict[str, Any], model_type: str, 
     ``kwargs``, or only their `HUB_FILE_KWARGS` where ``hub_only``) and its ``model_type`` checked (``what``: the
     checkpoint the error names). Returns ``(weights dtype or None, kwargs without use_safetensors, config)``."""
     from transformers import AutoConfig
-
-    from .transformers_utils import TREE_MASK_ATTENTION
 
     if attn_implementation not in TREE_MASK_ATTENTION:
         raise ValueError(f"`attn_implementation` must be one of {TREE_MASK_ATTENTION} (draft trees need an arbitrary "
@@ -228,8 +218,6 @@ def load_checked_model(backbone_class, model_cls, repo_or_path, config, kwargs: 
     """``model_cls.from_pretrained`` (safetensors only, in eval mode; built from ``config`` where ``pass_config``) once
     `check_backbone_checkpoint` passed; a model transformers spread over several accelerators is refused
     (`check_device_map`)."""
-    from .transformers_utils import check_device_map
-
     check_backbone_checkpoint(backbone_class, model_cls, repo_or_path, config, image_grid, kwargs)
     extra = {**({"device_map": device_map} if device_map is not None else {}),
              **({"config": config} if pass_config else {})}

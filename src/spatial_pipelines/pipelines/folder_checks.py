@@ -24,19 +24,16 @@ from diffusers.utils import logging
 
 from ..decoders.decoding_utils import DECODER_CONFIG_NAME, SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from ..utils import check_json_text, find_subclass, read_json_file
+from ..utils import check_json_text, find_subclass, read_json_file, subclasses
 from ..weight_checks import check_component, meta_model
 from .checkpoint_checks import _generation_config, check_trained_positions
+from .pipeline_utils import SpatialARPipeline
 
 
 logger = logging.get_logger(__name__)
 
 #: Libraries whose classes a ``model_index.json`` may name (nothing else is imported on a folder's word).
 KNOWN_LIBRARIES = ("spatial_pipelines", "transformers", "diffusers")
-
-
-def _rel(folder: str, path: str) -> str:
-    return os.path.relpath(path, folder)
 
 
 def check_json_files(folder: str) -> None:
@@ -94,8 +91,6 @@ def check_model_index(pipeline_cls, folder: str, index: Any) -> Tuple[type, Dict
     path = os.path.join(folder, "model_index.json")
     if not isinstance(index, dict):
         raise ValueError(f"{path!r} must hold a JSON object, got {type(index).__name__}.")
-    from .pipeline_utils import SpatialARPipeline
-
     name = index.get("_class_name")
     target = find_subclass(SpatialARPipeline, name) if isinstance(name, str) else None
     if target is None or target is SpatialARPipeline:
@@ -126,9 +121,6 @@ def check_model_index(pipeline_cls, folder: str, index: Any) -> Tuple[type, Dict
 
 
 def _pipeline_classes():
-    from ..utils import subclasses
-    from .pipeline_utils import SpatialARPipeline
-
     return [c for c in subclasses(SpatialARPipeline) if c.backbone_class is not None]
 
 

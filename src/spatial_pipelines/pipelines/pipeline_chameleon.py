@@ -26,19 +26,16 @@ from transformers import ChameleonForConditionalGeneration
 from ..core.layout import ImageTokenLayout
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
-from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq
+from ..models.vq_chameleon import ChameleonVQModel, load_chameleon_vq, tiny_chameleon_vq
 from .backbone import PromptEmbeddings
 from .checkpoint_checks import load_checked_model, read_backbone_config
-from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
+from .pass_cost import GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import (
-    GRID_KEY, CodeIndex, TransformersBackbone, configure_generation, left_padded, natural_scale_init, onload,
-    use_grouped_attention, use_tree_attention,
-)
+from .transformers_utils import (GRID_KEY, CodeIndex, TransformersBackbone, TransformersPipelineMixin, configure_generation,
+                                 left_padded, natural_scale_init, onload)
 
 #: Chameleon's structural tokens (names in the model's ``vocabulary_map``).
 BEGIN_IMAGE_TOKEN = "<racm3:break>"
-END_IMAGE_TOKEN = "<eoss>"
 END_OF_TURN_TOKEN = "<reserved08706>"
 #: Anole's published setting: 32x32 codes (512 px), text CFG 3.0 (Chameleon's ``guidance_scale_text``; the scale
 #: the LANTERN and ADT-Tree papers use on Anole).
@@ -185,7 +182,7 @@ class AnoleBackbone(ChameleonBackbone):
     family_name = "Anole"
 
 
-class ChameleonARPipeline(SpatialARPipeline):
+class ChameleonARPipeline(TransformersPipelineMixin, SpatialARPipeline):
     r"""Base of the Chameleon-architecture pipelines (Anole, Lumina-mGPT): components, checks and loading.
 
     Args:
@@ -199,9 +196,7 @@ class ChameleonARPipeline(SpatialARPipeline):
 
     backbone_class = ChameleonBackbone
     default_draft_sizes = GPU_DRAFT_SIZES  # a 1-8B model on a GPU: drafts as large as acceptance pays for
-    cpu_draft_sizes = CPU_DRAFT_SIZES  # on a CPU a fed token past about 8 costs: the sizes tuned there
     model_cpu_offload_seq = "transformer->vqgan"
-    _optional_components = ["draft_heads"]
     #: the VQ checkpoint `from_backbone` reads when ``vq`` is not given (Chameleon's VQGAN, shared by Anole and
     #: Lumina-mGPT)
     default_vq_repo: Optional[str] = ANOLE_VQ_REPO
@@ -220,10 +215,8 @@ class ChameleonARPipeline(SpatialARPipeline):
         if not isinstance(vqgan, ChameleonVQModel):
             raise ValueError(f"`vqgan` must be a ChameleonVQModel (Chameleon's VQGAN decoder), got {type(vqgan).__name__}; "
                              "convert the released weights with `load_chameleon_vq` or scripts/convert_chameleon_vqgan.py.")
-        use_tree_attention(transformer, transformer.config._attn_implementation, "Chameleon")
-        use_grouped_attention(transformer.model)
-        self.register_modules(transformer=transformer.eval(), processor=processor, vqgan=vqgan.eval(), decoder=decoder)
-        self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
+        self._register_transformer(transformer.model, "Chameleon", draft_heads, transformer=transformer.eval(),
+                                   processor=processor, vqgan=vqgan.eval(), decoder=decoder)
 
     @classmethod
     def default_image_grid_for(cls, repo_or_path, vae_scale_factor: int) -> Tuple[int, int]:
@@ -373,8 +366,6 @@ def dummy_chameleon_components(grid: Tuple[int, int] = (4, 4), num_codes: int = 
     the bare tokenizer its repos ship and one resolution step per code (``resolution_patch_size`` 2 px)."""
     from transformers import ChameleonConfig, ChameleonProcessor
     from transformers.models.chameleon.image_processing_pil_chameleon import ChameleonImageProcessorPil
-
-    from ..models import tiny_chameleon_vq
 
     tokenizer = tiny_chameleon_tokenizer(num_codes)
     vq = dict(embed_dim=4, num_embeddings=num_codes, latent_channels=4, base_channels=32, channel_multiplier=[1],

@@ -24,11 +24,9 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
 from .checkpoint_checks import load_checked_model, read_backbone_config
-from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
+from .pass_cost import GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import (
-    CodeIndex, TransformersBackbone, left_padded, natural_scale_init, use_grouped_attention,
-)
+from .transformers_utils import CodeIndex, TransformersBackbone, TransformersPipelineMixin, left_padded, natural_scale_init
 from .transformers_utils import configure_generation as configure_shared
 
 #: Emu3's published sampling settings (its image-generation example: CFG 3.0 with this negative prompt; top-k 2048
@@ -150,7 +148,7 @@ class Emu3Backbone(TransformersBackbone):
         return pixels.clamp(-1, 1)
 
 
-class Emu3Pipeline(SpatialARPipeline):
+class Emu3Pipeline(TransformersPipelineMixin, SpatialARPipeline):
     r"""Emu3 text-to-image generation with a swappable speculative decoder.
 
     Args:
@@ -166,9 +164,6 @@ class Emu3Pipeline(SpatialARPipeline):
 
     backbone_class = Emu3Backbone
     default_draft_sizes = GPU_DRAFT_SIZES  # a 1-8B model on a GPU: drafts as large as acceptance pays for
-    cpu_draft_sizes = CPU_DRAFT_SIZES  # on a CPU a fed token past about 8 costs: the sizes tuned there
-    model_cpu_offload_seq = "transformer"
-    _optional_components = ["draft_heads"]
 
     @classmethod
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
@@ -185,9 +180,8 @@ class Emu3Pipeline(SpatialARPipeline):
         super().__init__()
         if not isinstance(transformer, Emu3ForConditionalGeneration):
             raise ValueError(f"`transformer` must be an Emu3ForConditionalGeneration (text model + VQ model), got {type(transformer).__name__}.")
-        use_grouped_attention(transformer.model.text_model)
-        self.register_modules(transformer=transformer, processor=processor, decoder=decoder)
-        self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
+        self._register_transformer(transformer.model.text_model, None, draft_heads, transformer=transformer,
+                                   processor=processor, decoder=decoder)
 
     @classmethod
     def load_backbone_components(cls, repo_or_path: Union[str, os.PathLike],

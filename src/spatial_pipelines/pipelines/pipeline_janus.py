@@ -26,9 +26,9 @@ from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
 from .backbone import PromptEmbeddings
 from .checkpoint_checks import load_checked_model, read_backbone_config
-from .pass_cost import CPU_DRAFT_SIZES, GPU_DRAFT_SIZES
+from .pass_cost import GPU_DRAFT_SIZES
 from .pipeline_utils import SpatialARPipeline
-from .transformers_utils import TransformersBackbone, natural_scale_init, use_grouped_attention, use_tree_attention
+from .transformers_utils import TransformersBackbone, TransformersPipelineMixin, natural_scale_init
 
 #: Janus-Pro's CFG scale (the checkpoints' generation config and the paper's sampling setting).
 JANUS_DEFAULT_GUIDANCE_SCALE = 5.0
@@ -183,7 +183,7 @@ class JanusProBackbone(TransformersBackbone):
         return tokens.reshape(pixels.shape[0], -1)  # (B, H*W)
 
 
-class JanusProPipeline(SpatialARPipeline):
+class JanusProPipeline(TransformersPipelineMixin, SpatialARPipeline):
     r"""Janus-Pro text-to-image generation with a swappable speculative decoder.
 
     Args:
@@ -203,9 +203,6 @@ class JanusProPipeline(SpatialARPipeline):
 
     backbone_class = JanusProBackbone
     default_draft_sizes = GPU_DRAFT_SIZES  # a 1-8B model on a GPU: drafts as large as acceptance pays for
-    cpu_draft_sizes = CPU_DRAFT_SIZES  # on a CPU a fed token past about 8 costs: the sizes tuned there
-    model_cpu_offload_seq = "transformer"
-    _optional_components = ["draft_heads"]
 
     @classmethod
     def dummy_components(cls, grid=(4, 4), num_codes: int = 16) -> Dict[str, Any]:
@@ -224,11 +221,8 @@ class JanusProPipeline(SpatialARPipeline):
 
         if not isinstance(transformer, JanusForConditionalGeneration):
             raise ValueError(f"`transformer` must be a JanusForConditionalGeneration, got {type(transformer).__name__}.")
-        # the trunk's implementation: what tree masks reach
-        use_tree_attention(transformer, transformer.model.language_model.config._attn_implementation, "Janus")
-        use_grouped_attention(transformer.model.language_model)
-        self.register_modules(transformer=transformer.eval(), processor=processor, decoder=decoder)
-        self.set_draft_heads(draft_heads)  # checked against the backbone, moved to its device and dtype
+        self._register_transformer(transformer.model.language_model, "Janus", draft_heads, transformer=transformer.eval(),
+                                   processor=processor, decoder=decoder)
 
     @classmethod
     def load_backbone_components(cls, repo_or_path: Union[str, os.PathLike], torch_dtype: Optional[torch.dtype] = None,

@@ -114,14 +114,10 @@ class LuminaMGPTPipeline(ChameleonARPipeline):
         return size // vae_scale_factor, size // vae_scale_factor
 
     @classmethod
-    def load_backbone_components(
-        cls,
-        repo_or_path: Union[str, os.PathLike],
-        vq: Union[None, str, os.PathLike, ChameleonVQModel] = None,
-        image_grid: Optional[Tuple[int, int]] = None,
-        resolution_patch_size: Optional[int] = None,
-        **kwargs: Any,
-    ) -> Dict[str, Any]:
+    def load_backbone_components(cls, repo_or_path: Union[str, os.PathLike],
+                                 vq: Union[None, str, os.PathLike, ChameleonVQModel] = None,
+                                 image_grid: Optional[Tuple[int, int]] = None, resolution_patch_size: Optional[int] = None,
+                                 **kwargs: Any) -> Dict[str, Any]:
         """`ChameleonARPipeline.load_backbone_components` for a Lumina-mGPT repo (tokenizer files, no processor).
 
         Args:

@@ -18,6 +18,7 @@ from ..core.sampling import SamplingConfig
 from ..decoders.decoding_autoregressive import AutoregressiveDecoder
 from ..decoders.decoding_utils import SpatialDecoderMixin
 from ..heads.heads_utils import DraftHeadsMixin
+from ..hub import pipeline_card, push_with_card, save_with_card
 from ..utils import check_path_or_repo_id, check_safe_serialization, check_weights_folder, subclasses
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .call_checks import CallChecksMixin, PromptInput, as_list
@@ -178,8 +179,6 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
         (default: the folder's name; ``private``, ``token``, ``commit_message``, ``create_pr`` as in diffusers);
         without it ``repo_id`` only names the repo in the card. ``model_card=False`` writes no card; ``card_fields``
         (a dict) go to `pipeline_card`."""
-        from ..hub import pipeline_card, save_with_card
-
         check_safe_serialization(safe_serialization)
         write_card = kwargs.pop("model_card", True)
         card_fields = kwargs.pop("card_fields", None) or {}
@@ -209,13 +208,9 @@ class SpatialARPipeline(CallbackStateMixin, DraftSizingMixin, CallChecksMixin, L
         """Upload the pipeline to the Hub repo ``repo_id``: the files ``save_pretrained(..., push_to_hub=True)`` sends
         (our model card, not diffusers' generic one). Arguments as diffusers' `PushToHubMixin.push_to_hub`; further
         keyword arguments go to `pipeline_card`."""
-        from ..hub import push_with_card
-
-        def save(folder, full_id):
-            self.save_pretrained(folder, variant=variant, repo_id=full_id, card_fields=card_fields)
-
-        return push_with_card(self, repo_id, save, private=private, token=token, commit_message=commit_message,
-                              create_pr=create_pr, subfolder=subfolder, safe_serialization=safe_serialization)
+        return push_with_card(self, repo_id, dict(variant=variant, card_fields=card_fields), private=private, token=token,
+                              commit_message=commit_message, create_pr=create_pr, subfolder=subfolder,
+                              safe_serialization=safe_serialization)
 
     def _packaged_components(self) -> List[str]:
         """Components loaded from an installed package rather than from the pipeline folder."""

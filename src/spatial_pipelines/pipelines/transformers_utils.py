@@ -17,6 +17,7 @@ from diffusers.utils import logging
 from ..core.kv_cache import StaticKVCache, TransformersCacheView, additive_mask
 from ..utils import check_number
 from .backbone import SpatialBackbone
+from .pass_cost import CPU_DRAFT_SIZES
 
 
 @torch.no_grad()
@@ -438,6 +439,24 @@ class TransformersBackbone(SpatialBackbone):
         return StaticKVCache(config.num_hidden_layers, rows, config.num_key_value_heads or config.num_attention_heads,
                              head_dim, max_length, dtype=self.dtype, device=device)  # the compute dtype
 
+
+class TransformersPipelineMixin:
+    """What the transformers families' pipelines share (a base before `SpatialARPipeline`): their components' settings
+    and their ``__init__``'s body (`_register_transformer`)."""
+
+    cpu_draft_sizes = CPU_DRAFT_SIZES  # on a CPU a fed token past about 8 costs: the sizes tuned there
+    model_cpu_offload_seq = "transformer"
+    _optional_components = ["draft_heads"]
+
+    def _register_transformer(self, trunk: torch.nn.Module, tree_family: Optional[str], draft_heads, **components):
+        """Switch the ``transformer`` component's ``trunk`` to an attention that takes tree masks (warning in the name of
+        ``tree_family``; ``None``: the backbone checks it per call) and to `use_grouped_attention`, register the
+        components, then attach ``draft_heads`` (checked against the backbone, moved to its device and dtype)."""
+        if tree_family is not None:  # the trunk's implementation: what tree masks reach
+            use_tree_attention(components["transformer"], trunk.config._attn_implementation, tree_family)
+        use_grouped_attention(trunk)
+        self.register_modules(**components)
+        self.set_draft_heads(draft_heads)
 
 
 def configure_generation(transformer: torch.nn.Module, image_grid: Optional[Tuple[int, int]] = None,
