@@ -15,7 +15,7 @@ from spatial_pipelines.core.tree import tree_from_paths
 from helpers.walks import RandomSource, verify_tree_sequential
 from spatial_pipelines.decoders.decoding_tree import AUTO_RATE_TOLERANCE, best_subtree, node_priors
 from spatial_pipelines.pipelines.device_loop import DeviceLoop
-from spatial_pipelines.pipelines.pass_cost import RoundCost, fit_pass_cost
+from spatial_pipelines.pipelines.pass_cost import RoundCost, fit_pass_cost, fit_round_cost
 from spatial_pipelines.testing import dummy_pipeline
 
 from helpers import DECODER_CASES, make
@@ -171,6 +171,22 @@ def test_fitted_pass_cost_recovers_the_curve_and_never_falls():
         fit_pass_cost({})
 
 
+def test_a_round_without_drafts_is_read_as_timed_off_the_drafted_curve():
+    """janus-25m's shape: a one-token round costs 1.0, a drafted one 1.2 + 0.05 per node. The round without drafts is
+    read as timed (one line through every point puts it near 1.1), so a window whose drafts add 0.25 codes a round
+    loses to no window (1.25 / 1.3 codes per unit), and one whose drafts add 0.4 wins."""
+    timing = lambda n: 1.0 if n == 1 else 1.2 + 0.05 * n  # noqa: E731
+    sizes = [1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 17]
+    curve = fit_round_cost({n: timing(n) for n in sizes})
+    assert curve(1) == 1.0 and all(abs(curve(n) - timing(n)) < 1e-9 for n in sizes[1:])
+    assert fit_pass_cost({n: timing(n) for n in sizes})(1) > 1.05  # what one line through all the points gives
+    assert fit_round_cost({1: 2.0})(1) == 2.0
+    for extra, window in ((0.25, 0), (0.40, 1)):
+        decoder = JacobiDecoder(window_size="auto")
+        decoder.resolve_draft_size(_Timings(timing), accepted={n: extra if n else 0.0 for n in decoder._draft_sizes()})
+        assert decoder.fixed_sizes() == {"window_size": window}
+
+
 class _Timings:
     """A `RoundCost` stand-in: "measures" ``seconds(nodes)`` per candidate tree and fits like `RoundCost.fitted`."""
 
@@ -179,8 +195,8 @@ class _Timings:
 
     def fitted(self, trees):
         self.seconds.update({t.num_nodes: self.timing(t.num_nodes) for t in trees})
-        fit = fit_pass_cost(self.seconds)
-        return lambda tree: fit(tree.num_nodes)
+        curve = fit_round_cost(self.seconds)
+        return lambda tree: curve(tree.num_nodes)
 
 
 @pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
