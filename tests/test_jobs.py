@@ -121,7 +121,7 @@ def _check_complete(out):
 
 
 @pytest.mark.slow
-def test_a_killed_job_resumes_then_torchrun_makes_the_same_rows(tmp_path):
+def test_a_killed_job_resumes_then_torchrun_makes_the_same_rows(tmp_path, capsys):
     prompts = _write(tmp_path, "prompts.txt", "\n".join(PROMPTS) + "\n")
     out = tmp_path / "job"
     job = _job(prompts, out)
@@ -144,9 +144,8 @@ def test_a_killed_job_resumes_then_torchrun_makes_the_same_rows(tmp_path):
     assert summary["run_images"] == len(PROMPTS) - len(recorded_before)  # nothing made twice
     assert set(recorded_before) <= set(rows)
 
-    other = _job(prompts, out, "--decoder", "ar")  # another decoder in the same folder
-    _, stderr = other.communicate(timeout=300)
-    assert other.returncode == 2 and "`--decoder` was 'sjd', now 'ar'" in stderr
+    other = ["generate", "--prompts-file", prompts, "--out", str(out), "--decoder", "ar"]  # refused before loading
+    assert cli.main(other) == 2 and "`--decoder` was 'sjd', now 'ar'" in capsys.readouterr().err
 
     split = tmp_path / "split"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "spatial_pipelines.cli",
