@@ -13,7 +13,7 @@ from spatial_pipelines import (ADTTreeDecoder, AutoregressiveDecoder, EagleDecod
 
 from spatial_pipelines.core.tree import tree_from_paths
 from helpers.walks import RandomSource, verify_tree_sequential
-from spatial_pipelines.decoders.decoding_tree import AUTO_RATE_TOLERANCE, best_subtree, node_priors
+from spatial_pipelines.decoders.decoding_tree import AUTO_RATE_TOLERANCE, NO_DRAFT_MARGIN, best_subtree, node_priors
 from spatial_pipelines.pipelines.device_loop import DeviceLoop
 from spatial_pipelines.pipelines.pass_cost import RoundCost, fit_pass_cost, fit_round_cost
 from spatial_pipelines.testing import dummy_pipeline
@@ -185,6 +185,15 @@ def test_a_round_without_drafts_is_read_as_timed_off_the_drafted_curve():
         decoder = JacobiDecoder(window_size="auto")
         decoder.resolve_draft_size(_Timings(timing), accepted={n: extra if n else 0.0 for n in decoder._draft_sizes()})
         assert decoder.fixed_sizes() == {"window_size": window}
+
+
+@pytest.mark.parametrize("extra,window", [(0.04, 0), (NO_DRAFT_MARGIN - 0.005, 0), (NO_DRAFT_MARGIN + 0.005, 1), (0.2, 1)])
+def test_drafting_must_beat_rounds_without_drafts_by_the_margin(extra, window):
+    """At equal round costs a window whose drafts add ``extra`` codes a round is chosen only past `NO_DRAFT_MARGIN`
+    (the best of many noisy estimates sits above its true rate); then the smallest within the tolerance."""
+    decoder = JacobiDecoder(window_size="auto")
+    decoder.resolve_draft_size(lambda tree: 1.0, accepted={n: extra if n else 0.0 for n in decoder._draft_sizes()})
+    assert decoder.fixed_sizes() == {"window_size": window}
 
 
 class _Timings:

@@ -18,6 +18,12 @@ DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 #: '"Auto" draft sizes that hold from process to process'): sizes then repeat from process to process; a 5% margin
 #: tried earlier chose 2-4 drafts and lost 0.04-0.14x (docs/archive.md).
 AUTO_RATE_TOLERANCE = 0.03
+#: ``"auto"`` drafts at all (where rounds without drafts are a candidate: SJD's window 0) only when the best size's
+#: predicted rate beats theirs by more than this share: the best of ~14 noisy estimates sits above its true rate. On
+#: janus-25m (CPU, eager) one generation's acceptance at window 6 was 0.37-0.49 drafts per round from seed to seed, and
+#: timed rounds scatter 3-9% about their curve (docs/performance.md, "What `tune_decoder` weighs there"): with 3% the
+#: pick moved between window 0 and 6, which ran at 0.82x rounds without drafts.
+NO_DRAFT_MARGIN = 0.06
 #: The acceptance prior ``(first_rate, sibling_decay)`` of a tree of head candidates (Medusa, Hawk): the sibling tried
 #: ``r``-th is accepted with ``first_rate * sibling_decay**r`` once its parent is reached. An assumed round value set
 #: with ``"auto"`` sizes (commit `81d140f`, docs/archive.md), not fitted; on the embedded model v2 the first draft was
@@ -167,8 +173,12 @@ class TreeDecoderMixin:
         cost = [seconds(tree) for tree in trees]
         rates = [(tree, (1.0 + accepted) / seconds) for (tree, accepted), seconds in zip(candidates, cost)]  # smallest first
         best = max(rate for _, rate in rates)
-        # the smallest draft within AUTO_RATE_TOLERANCE of the best (near the optimum the rate is flat)
-        self.tree, self._resolved_size = next((tree, n) for (tree, rate), n in zip(rates, sizes) if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
+        # the smallest draft within AUTO_RATE_TOLERANCE of the best (near the optimum the rate is flat), and no drafts
+        # unless drafting wins by NO_DRAFT_MARGIN
+        chosen = next(i for i, (_, rate) in enumerate(rates) if rate >= (1.0 - AUTO_RATE_TOLERANCE) * best)
+        if sizes[0] == 0 and best < (1.0 + NO_DRAFT_MARGIN) * rates[0][1]:
+            chosen = 0
+        self.tree, self._resolved_size = rates[chosen][0], sizes[chosen]
         self._resolved_for = (round_cost, batch_size)
 
     def _draft_sizes(self) -> List[int]:
