@@ -134,6 +134,24 @@ def test_packed_rounds_give_the_unpacked_codes_and_follow_a_changed_weight(decod
 
 
 @needs_mkl
+def test_janus_packs_its_image_head_and_aligner_beside_the_trunk():
+    """Janus-Pro embeds codes through `generation_aligner` and scores them with `generation_head`, outside its text
+    model: an eager round packs their layers too, and greedy SJD gives the unpacked grid."""
+    pipe = dummy_pipeline("janus", JacobiDecoder(window_size=3), None)
+    pipe.set_progress_bar_config(disable=True)
+    model = pipe.transformer.model
+    outside = packable_linears(model.generation_aligner, model.generation_head)
+    assert outside and set(map(id, outside)) <= set(map(id, packable_linears(*pipe.backbone.round_modules)))
+    with pipe.loop.packed_weights(18):
+        assert all("forward" in m.__dict__ for m in outside)
+    kwargs = dict(guidance_scale=2.0, temperature=0, output_type="latent", num_images_per_prompt=2)
+    pipe.pack_weights = False
+    ref = pipe(["a fox"], **kwargs).tokens
+    pipe.pack_weights = True
+    assert pipe(["a fox"], **kwargs).tokens.equal(ref)
+
+
+@needs_mkl
 def test_the_layers_get_their_forward_back_when_a_call_fails():
     pipe = _pipe(JacobiDecoder(window_size=3))
     pipe.pack_weights = True

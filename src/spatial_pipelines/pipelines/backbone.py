@@ -3,7 +3,7 @@ prefix it is prefilled with (`PromptEmbeddings`). One subclass per family, in th
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from diffusers import DiffusionPipeline
@@ -218,6 +218,12 @@ class SpatialBackbone(abc.ABC):
     def target_module(self) -> torch.nn.Module:
         """The module whose forward `forward` runs: what `SpatialARPipeline.enable_compile` compiles, and whose dtype
         draft heads take (`dtype`)."""
+
+    @property
+    def round_modules(self) -> Tuple[torch.nn.Module, ...]:
+        """Every module a round's target pass runs: `target_module`, and a family's code embedding and output head
+        where they live outside it. Eager rounds pack their linear layers (`GenerationLoop.packed_weights`)."""
+        return (self.target_module,)
 
     #: Whether `target_module` compiles with ``fullgraph=True`` (no graph break in a round's step).
     supports_fullgraph: bool = True

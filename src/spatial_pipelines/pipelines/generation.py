@@ -203,7 +203,7 @@ class GenerationLoop:
 
     def check_pack_weights(self) -> None:
         """`pack_weights=True` where nothing can be packed is a `ValueError`, before any work."""
-        if self.pack_weights_setting is True and not (mkl_packing_available() and packable_linears(self.backbone.target_module)):
+        if self.pack_weights_setting is True and not (mkl_packing_available() and packable_linears(*self.backbone.round_modules)):
             param = next(self.backbone.target_module.parameters())
             raise ValueError(f"`pack_weights=True` runs float32 linear layers on a CPU on weights packed for MKL's GEMM; "
                              f"this target runs on {param.device.type} in {param.dtype}"
@@ -217,7 +217,7 @@ class GenerationLoop:
         setting = self.pack_weights_setting
         if setting is False or self.is_compiled or not mkl_packing_available() or (setting is None and rows < FREEZE_MIN_ROWS):
             return contextlib.nullcontext()
-        linears = packable_linears(self.backbone.target_module)  # none off the CPU or below float32
+        linears = packable_linears(*self.backbone.round_modules)  # none off the CPU or below float32
         if not linears or (setting is None and self.packs.rows != rows and not fits_in_memory(linears)):
             self.packs.clear()
             return contextlib.nullcontext()

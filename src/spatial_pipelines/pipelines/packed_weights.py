@@ -23,12 +23,12 @@ def mkl_packing_available() -> bool:
     return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
-def packable_linears(module: nn.Module) -> List[nn.Linear]:
-    """The layers of ``module`` whose forward `PackedWeights` may route through the packed GEMM: plain float32
+def packable_linears(*modules: nn.Module) -> List[nn.Linear]:
+    """The layers of ``modules`` whose forward `PackedWeights` may route through the packed GEMM: plain float32
     ``nn.Linear`` on the CPU (not a subclass: a quantised layer keeps its own forward) whose forward nobody replaced
     (accelerate's offload hooks set one on the instance), each once."""
     seen, linears = set(), []
-    for m in module.modules():
+    for m in (m for module in modules for m in module.modules()):
         if (type(m) is nn.Linear and "forward" not in m.__dict__ and id(m) not in seen
                 and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 and m.weight.layout == torch.strided):
             seen.add(id(m))

@@ -145,6 +145,11 @@ class JanusProBackbone(TransformersBackbone):
     def output_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.transformer.model.generation_head(hidden_states).float()
 
+    @property
+    def round_modules(self):
+        model = self.transformer.model  # the code embedding's aligner and the image head run beside the trunk
+        return (self.target_module, model.generation_aligner, model.generation_head)
+
     # -- pixels -----------------------------------------------------------------------------------------
     def _pixel_normalization(self, device: torch.device):
         """The processor's (mean, std) per channel on ``device``: the VQ model's pixels are ``(x - mean) / std`` of
