@@ -71,6 +71,19 @@ def test_keyed_sample_follows_p_over_seeds_and_over_positions(config, p):
     assert same_next == pytest.approx((expected**2).sum().item(), abs=0.02)
 
 
+@pytest.mark.parametrize("top_p", [None, 0.8])
+def test_keyed_top_k_is_the_race_of_every_code_with_the_rest_masked(top_p):
+    """Top-k's race runs over the k kept codes only (one top-k over the logits without top-p): the same codes as the
+    race of all V codes, each with its own keyed noise, where top-k and top-p put the rest at -inf."""
+    from spatial_pipelines.core.sampling import filtered_logits
+
+    logits, config = torch.randn(4, 6, 50, generator=gen(2)), SamplingConfig(temperature=0.7, top_k=7, top_p=top_p)
+    seeds, index = draw_seeds(gen(3), 4), torch.arange(6)
+    every = torch.arange(50).expand(4, 6, 50)
+    race = (filtered_logits(logits, config) + keyed_gumbel(seeds, index[:, None], every, 50)).argmax(-1)
+    assert torch.equal(keyed_sample(logits, config, seeds, index), race)
+
+
 def test_keyed_sample_is_the_argmax_when_greedy():
     logits = torch.randn(3, 5, 7)
     assert torch.equal(keyed_sample(logits, SamplingConfig(temperature=0), torch.zeros(3, dtype=torch.long), 0),

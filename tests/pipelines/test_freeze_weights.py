@@ -104,3 +104,20 @@ def test_the_compiled_round_is_made_again_only_when_a_weight_changes_in_place():
     with torch.no_grad():
         pipe.transformer.output.weight.mul_(2.0)
     assert loop._compiled_device_round(round_fn) is third  # nothing frozen: the graphs read the weights as they are
+
+
+def test_a_change_to_janus_image_head_makes_the_round_again():
+    """Janus-Pro's image head and code aligner run in the round outside its text model (`round_modules`): frozen
+    graphs would hold their old values too, so a change in place to either makes a new compiled round."""
+    from spatial_pipelines.pipelines.device_chain import ChainLoop
+
+    pipe = dummy_pipeline("janus", AutoregressiveDecoder(), None)
+    pipe.enable_compile(measure=False)
+    loop, round_fn, model = pipe.loop, ChainLoop.default_round(), pipe.transformer.model
+    first = loop._compiled_device_round(round_fn)
+    for module in (model.generation_head, model.generation_aligner):
+        with torch.no_grad():
+            next(module.parameters()).mul_(2.0)
+        again = loop._compiled_device_round(round_fn)
+        assert again is not first and loop._compiled_device_round(round_fn) is again
+        first = again

@@ -103,9 +103,10 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     return filtered_logits(logits, config).softmax(dim=-1)
 
 
-def filtered_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+def filtered_logits(logits: torch.Tensor, config: SamplingConfig, top_k: bool = True) -> torch.Tensor:
     """``log p`` up to a constant per distribution (fp32, ``-inf`` where top-k or top-p removed a code): the
-    temperature, top-k and top-p of `logits_to_probs` without its softmax. Not for ``temperature == 0``."""
+    temperature, top-k (unless ``top_k=False``) and top-p of `logits_to_probs` without its softmax. Not for
+    ``temperature == 0``."""
     logits = logits.float()
     if config.temperature < TINY_TEMPERATURE:
         # the same softmax, shifted first: logits / T would overflow fp32 (inf - inf = NaN), and T itself rounds to 0
@@ -113,7 +114,7 @@ def filtered_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
         logits = torch.where(shifted == 0, 0.0, shifted / config.temperature)  # the rest -> -inf: the greedy limit
     else:
         logits = logits / config.temperature
-    return apply_top_p(apply_top_k(logits, config.top_k), config.top_p)
+    return apply_top_p(apply_top_k(logits, config.top_k) if top_k else logits, config.top_p)
 
 
 def keyed_sample(logits: torch.Tensor, config: SamplingConfig, seeds: torch.Tensor,
@@ -129,11 +130,13 @@ def keyed_sample(logits: torch.Tensor, config: SamplingConfig, seeds: torch.Tens
     if config.greedy:
         return logits.argmax(dim=-1)
     v = logits.shape[-1]
-    scores = filtered_logits(logits, config)  # (B, ..., V)
+    top_k = bool(config.top_k) and config.top_k < v
+    # without top-p the k codes top-k keeps are the k largest scaled logits: one top-k over V, not a mask and a top-k
+    scores = filtered_logits(logits, config, top_k=not top_k or config.top_p is not None)  # (B, ..., V)
     index = index if isinstance(index, int) else index[..., None]  # (..., 1): one grid index per distribution
     # noise for the k codes top-k kept only: the rest are -inf anyway (logits tied exactly at the k-th largest: k of
     # them stay in the race here, where `apply_top_k` keeps every tied code)
-    if config.top_k and config.top_k < v:
+    if top_k:
         kept, codes = scores.topk(config.top_k, dim=-1)  # (B, ..., k)
         pick = (kept + keyed_gumbel(seeds, index, codes, v)).argmax(dim=-1, keepdim=True)
         return codes.gather(-1, pick).squeeze(-1)

@@ -328,12 +328,12 @@ class GenerationLoop:
         return compiled
 
     def weights_changed(self, seen: Dict[int, Tuple[Any, int]]) -> bool:
-        """Whether a weight a round reads (the target's and the draft heads') changed in place since ``seen`` (``{id:
+        """Whether a weight a round reads (the round's modules' and the draft heads') changed in place since ``seen`` (``{id:
         (weakref, version counter)}``) recorded it; records the ones not seen yet. A frozen graph holds copies of the
         weights, so a change in place (``load_state_dict``, an optimiser step, a merged adapter) must compile the round
         again; other weights (heads swapped in) are new graph constants dynamo's guards already tell apart. Read once
         per call."""
-        modules = [self.backbone.target_module] + ([self.draft_heads] if isinstance(self.draft_heads, torch.nn.Module) else [])
+        modules = [*self.backbone.round_modules] + ([self.draft_heads] if isinstance(self.draft_heads, torch.nn.Module) else [])
         changed = False
         for t in itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules):
             known = seen.get(id(t))
