@@ -21,8 +21,8 @@ AUTO_RATE_TOLERANCE = 0.03
 #: ``"auto"`` drafts at all (where rounds without drafts are a candidate: SJD's window 0) only when the best size's
 #: predicted rate beats theirs by more than this share: the best of ~14 noisy estimates sits above its true rate. On
 #: janus-25m (CPU, eager) one generation's acceptance at window 6 was 0.37-0.49 drafts per round from seed to seed, and
-#: timed rounds scatter 3-9% about their curve (docs/performance.md, "What `tune_decoder` weighs there"): with 3% the
-#: pick moved between window 0 and 6, which ran at 0.82x rounds without drafts.
+#: timed rounds scatter 3-9% about their curve (docs/benchmarks/archive-peers.md, "What `tune_decoder` weighs
+#: there"): with 3% the pick moved between window 0 and 6, which ran at 0.82x rounds without drafts.
 NO_DRAFT_MARGIN = 0.06
 #: The acceptance prior ``(first_rate, sibling_decay)`` of a tree of head candidates (Medusa, Hawk): the sibling tried
 #: ``r``-th is accepted with ``first_rate * sibling_decay**r`` once its parent is reached. An assumed round value set
