@@ -6,7 +6,7 @@ import torch
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from spatial_pipelines import DraftHeadsMixin
+from spatial_pipelines import DECODERS, DraftHeadsMixin
 from spatial_pipelines.heads import check_backbone_facts
 from spatial_pipelines.testing import dummy_pipeline
 
@@ -144,3 +144,18 @@ def test_heads_follow_the_backbone_dtype(decoder):
     assert {p.dtype for p in pipe.draft_heads.parameters()} == {torch.bfloat16}
     out = pipe("a prompt", generator=torch.Generator().manual_seed(0), output_type="latent")
     assert out.tokens.shape[0] == 1 and bool((out.tokens >= 0).all())
+
+
+@pytest.mark.parametrize("decoder", ["medusa", "hawk"])
+def test_stacked_heads_follow_a_cast_after_a_call(decoder):
+    """Loaded heads are in eval mode, where a round runs them as one matmul over their stacked weights, kept between
+    calls. A pipeline cast after a call (``.to()`` keeps each parameter and its version counter) stacks them again:
+    the call runs, and in float64 gives the greedy codes of AR in float64."""
+    pipe = dummy_pipeline("llamagen", decoder=decoder, draft_heads="random", grid=(4, 4))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.draft_heads.eval()
+    pipe("a prompt", temperature=0, output_type="latent")
+    pipe.to(dtype=torch.float64)
+    out = pipe("a prompt", temperature=0, output_type="latent")
+    pipe.decoder = DECODERS["ar"]()
+    assert out.tokens.equal(pipe("a prompt", temperature=0, output_type="latent").tokens)

@@ -110,10 +110,10 @@ class SpatialDraftHeads(DraftHeadsMixin):
 
     def _stacked(self, horizontal, vertical, heads):
         """The heads' ResBlock weights stacked ``(K * D_out, D_in)`` and biases ``(K * D,)`` (one plain linear: faster
-        than a batched einsum for a few rows), rebuilt only when a weight changed (its version counter moved) or other
-        heads are asked for."""
+        than a batched einsum for a few rows), rebuilt only when a weight changed (its version counter moved, or its
+        storage: ``.to(dtype or device)`` keeps the parameter and its counter) or other heads are asked for."""
         linears = [h[0].linear for h in heads]
-        key = (horizontal, vertical, tuple((id(l.weight), l.weight._version, l.bias._version) for l in linears))
+        key = (horizontal, vertical, tuple((id(p), p.data_ptr(), p._version) for l in linears for p in (l.weight, l.bias)))
         cached = self.__dict__.get("_stacked_cache")
         if cached is None or cached[0] != key:
             with torch.no_grad():
