@@ -18,6 +18,13 @@ LIBRARY = "spatial_pipelines"
 SAVED_MARKERS = ("model_index.json", "config.json")
 
 
+def tensor_stamp(t: torch.Tensor) -> tuple:
+    """What tells that a tensor's values may have changed without reading them: its version counter (in-place
+    writes) and its storage address (``.to()`` and ``.data =`` give the same parameter new storage, keeping the
+    counter). Caches of values derived from weights (packed, stacked, frozen into a graph) compare stamps."""
+    return t._version, t.data_ptr()
+
+
 def subclasses(base: type) -> list:
     """Every loaded subclass of ``base``, at any depth (``base`` excluded)."""
     found, todo = [], [base]

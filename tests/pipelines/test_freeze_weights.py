@@ -99,6 +99,9 @@ def test_the_compiled_round_is_made_again_only_when_a_weight_changes_in_place():
     with torch.no_grad():
         pipe.transformer.output.weight.mul_(2.0)  # the target changed in place
     assert loop._compiled_device_round(round_fn) is not second
+    third = loop._compiled_device_round(round_fn)
+    pipe.to(dtype=torch.bfloat16).to(dtype=torch.float32)  # rounded there and back: new storage, the same counters
+    assert loop._compiled_device_round(round_fn) is not third
     pipe.enable_compile(measure=False, freeze_weights=False)
     third = loop._compiled_device_round(round_fn)
     with torch.no_grad():

@@ -102,6 +102,10 @@ def test_packs_are_made_once_per_weight_version_and_row_count():
         weight.mul_(2.0)  # in place: a new version
     second = packs.pack(weight, 5)
     assert second is not first and packs.pack(weight, 5) is second
+    version = weight._version
+    weight.data = weight.data.to(torch.bfloat16).float()  # a cast there and back: new storage, the same counter
+    assert weight._version == version and packs.pack(weight, 5) is not second
+    second = packs.pack(weight, 5)
     packs.pack(weight, 6)
     assert packs.rows == 6 and len(packs._packs) == 1  # another row count drops the old packs
     x = torch.randn(6, 6)

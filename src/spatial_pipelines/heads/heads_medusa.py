@@ -13,6 +13,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from ..core.contracts import OFFSET_LOGITS
+from ..utils import tensor_stamp
 from .heads_utils import DraftHeadsMixin, check_heads_args, check_heads_size, check_offsets
 
 
@@ -110,10 +111,10 @@ class SpatialDraftHeads(DraftHeadsMixin):
 
     def _stacked(self, horizontal, vertical, heads):
         """The heads' ResBlock weights stacked ``(K * D_out, D_in)`` and biases ``(K * D,)`` (one plain linear: faster
-        than a batched einsum for a few rows), rebuilt only when a weight changed (its version counter moved, or its
-        storage: ``.to(dtype or device)`` keeps the parameter and its counter) or other heads are asked for."""
+        than a batched einsum for a few rows), rebuilt only when a weight changed (`tensor_stamp`: ``.to()`` keeps the
+        parameter and its version counter, not its storage) or other heads are asked for."""
         linears = [h[0].linear for h in heads]
-        key = (horizontal, vertical, tuple((id(p), p.data_ptr(), p._version) for l in linears for p in (l.weight, l.bias)))
+        key = (horizontal, vertical, tuple((id(p), tensor_stamp(p)) for l in linears for p in (l.weight, l.bias)))
         cached = self.__dict__.get("_stacked_cache")
         if cached is None or cached[0] != key:
             with torch.no_grad():

@@ -22,7 +22,7 @@ from ..core.rounds import ChainRound, TreeRound
 from ..core.sampling import SamplingConfig, draw_seeds
 from ..decoders.decoding_ssd import SSDSchedule
 from ..decoders.decoding_utils import SpatialDecoderMixin
-from ..utils import RoundTimer, check_number
+from ..utils import RoundTimer, check_number, tensor_stamp
 from .backbone import PromptEmbeddings, SpatialBackbone
 from .compiled import mark_static_cache, uses_cuda_graphs
 from .device_chain import ChainLoop
@@ -327,19 +327,19 @@ class GenerationLoop:
                 self.weights_changed(compiled.weights_seen)  # what its graphs will be compiled on
         return compiled
 
-    def weights_changed(self, seen: Dict[int, Tuple[Any, int]]) -> bool:
-        """Whether a weight a round reads (the round's modules' and the draft heads') changed in place since ``seen`` (``{id:
-        (weakref, version counter)}``) recorded it; records the ones not seen yet. A frozen graph holds copies of the
-        weights, so a change in place (``load_state_dict``, an optimiser step, a merged adapter) must compile the round
-        again; other weights (heads swapped in) are new graph constants dynamo's guards already tell apart. Read once
+    def weights_changed(self, seen: Dict[int, Tuple[Any, tuple]]) -> bool:
+        """Whether a weight a round reads (the round's modules' and the draft heads') changed since ``seen`` (``{id:
+        (weakref, tensor_stamp)}``) recorded it; records the ones not seen yet. A frozen graph holds copies of the
+        weights, so a change in place (``load_state_dict``, an optimiser step, a merged adapter, a cast there and back)
+        must compile the round again; other weights (heads swapped in) are new graph constants dynamo's guards already tell apart. Read once
         per call."""
         modules = [*self.backbone.round_modules] + ([self.draft_heads] if isinstance(self.draft_heads, torch.nn.Module) else [])
         changed = False
         for t in itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules):
             known = seen.get(id(t))
             if known is None or known[0]() is not t:
-                seen[id(t)] = (weakref.ref(t), t._version)
-            elif known[1] != t._version:
+                seen[id(t)] = (weakref.ref(t), tensor_stamp(t))
+            elif known[1] != tensor_stamp(t):
                 changed = True
         return changed
 

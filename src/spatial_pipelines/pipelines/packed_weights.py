@@ -10,7 +10,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..utils import available_memory
+from ..utils import available_memory, tensor_stamp
 
 #: MKL's packed buffer reserves about this much beside the weight itself (a 2-core Xeon, torch 2.13: 7.5-8 MiB per
 #: matrix, mostly never touched: packing the embedded model's 43 layers, 40 MiB of weights, grew the resident memory by
@@ -49,8 +49,8 @@ def fits_in_memory(linears: List[nn.Linear]) -> bool:
 
 class PackedWeights:
     """MKL-packed copies of linear weights for one number of rows fed per pass, kept while each weight keeps its
-    version (a weight changed in place, by ``load_state_dict`` or an optimiser step, is packed again) and dropped when
-    the row count changes: at most one packed copy of the target beside its weights."""
+    `tensor_stamp` (a weight changed in place, by ``load_state_dict``, an optimiser step or a cast there and back, is
+    packed again) and dropped when the row count changes: at most one packed copy of the target beside its weights."""
 
     def __init__(self):
         self.rows: Optional[int] = None
@@ -62,10 +62,10 @@ class PackedWeights:
             self._packs.clear()
             self.rows = rows
         known = self._packs.get(id(weight))
-        if known is not None and known[0]() is weight and known[1] == weight._version:
+        if known is not None and known[0]() is weight and known[1] == tensor_stamp(weight):
             return known[2]
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
-        self._packs[id(weight)] = (weakref.ref(weight), weight._version, packed)
+        self._packs[id(weight)] = (weakref.ref(weight), tensor_stamp(weight), packed)
         return packed
 
     def clear(self) -> None:
