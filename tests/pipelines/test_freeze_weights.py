@@ -109,16 +109,18 @@ def test_the_compiled_round_is_made_again_only_when_a_weight_changes_in_place():
     assert loop._compiled_device_round(round_fn) is third  # nothing frozen: the graphs read the weights as they are
 
 
-def test_a_change_to_janus_image_head_makes_the_round_again():
-    """Janus-Pro's image head and code aligner run in the round outside its text model (`round_modules`): frozen
-    graphs would hold their old values too, so a change in place to either makes a new compiled round."""
+@pytest.mark.parametrize("family", ["janus", "emu3"])
+def test_a_change_to_a_head_outside_the_trunk_makes_the_round_again(family):
+    """Janus-Pro's image head and code aligner and Emu3's ``lm_head`` (read as a slice of its weight) run in the round
+    outside the text model: frozen graphs would hold their old values too, so a change in place makes a new round."""
     from spatial_pipelines.pipelines.device_chain import ChainLoop
 
-    pipe = dummy_pipeline("janus", AutoregressiveDecoder(), None)
+    pipe = dummy_pipeline(family, AutoregressiveDecoder(), None)
     pipe.enable_compile(measure=False)
-    loop, round_fn, model = pipe.loop, ChainLoop.default_round(), pipe.transformer.model
+    loop, round_fn, model = pipe.loop, ChainLoop.default_round(), pipe.transformer
     first = loop._compiled_device_round(round_fn)
-    for module in (model.generation_head, model.generation_aligner):
+    heads = (model.model.generation_head, model.model.generation_aligner) if family == "janus" else (model.lm_head,)
+    for module in heads:
         with torch.no_grad():
             next(module.parameters()).mul_(2.0)
         again = loop._compiled_device_round(round_fn)

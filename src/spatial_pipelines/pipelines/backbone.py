@@ -221,8 +221,9 @@ class SpatialBackbone(abc.ABC):
 
     @property
     def round_modules(self) -> Tuple[torch.nn.Module, ...]:
-        """Every module a round's target pass runs: `target_module`, and a family's code embedding and output head
-        where they live outside it. Eager rounds pack their linear layers (`GenerationLoop.packed_weights`)."""
+        """The modules whose forward a round's target pass calls: `target_module`, and a family's code embedding and
+        output head where they live outside it. Eager rounds pack their linear layers (`GenerationLoop.packed_weights`);
+        a head read as a slice of its weight (Emu3's, Chameleon's ``lm_head``) is not one."""
         return (self.target_module,)
 
     #: Whether `target_module` compiles with ``fullgraph=True`` (no graph break in a round's step).

@@ -328,12 +328,13 @@ class GenerationLoop:
         return compiled
 
     def weights_changed(self, seen: Dict[int, Tuple[Any, tuple]]) -> bool:
-        """Whether a weight a round reads (the round's modules' and the draft heads') changed since ``seen`` (``{id:
-        (weakref, tensor_stamp)}``) recorded it; records the ones not seen yet. A frozen graph holds copies of the
-        weights, so a change in place (``load_state_dict``, an optimiser step, a merged adapter, a cast there and back)
-        must compile the round again; other weights (heads swapped in) are new graph constants dynamo's guards already tell apart. Read once
-        per call."""
-        modules = [*self.backbone.round_modules] + ([self.draft_heads] if isinstance(self.draft_heads, torch.nn.Module) else [])
+        """Whether a weight a round may read (any of the pipeline's modules': the trunk, a head outside it as Emu3's
+        ``lm_head``, the draft heads) changed since ``seen`` (``{id: (weakref, tensor_stamp)}``) recorded it; records
+        the ones not seen yet. A frozen graph holds copies of the weights, so a change in place (``load_state_dict``, an
+        optimiser step, a merged adapter, a cast there and back) must compile the round again; other weights (heads
+        swapped in) are new graph constants dynamo's guards already tell apart. Read once per call."""
+        components = self.backbone.pipe.components.values()
+        modules = [m for m in components if isinstance(m, torch.nn.Module)] + ([self.draft_heads] if isinstance(self.draft_heads, torch.nn.Module) else [])
         changed = False
         for t in itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules):
             known = seen.get(id(t))
