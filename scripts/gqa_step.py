@@ -4,7 +4,9 @@
 which repeats the keys and values to every query head), and one with ``--kv-heads`` heads on as many key/value heads
 (MHA), the same head size, hidden size, layers and cache length: the same key/value bytes read per step. The query
 side is not the same: the GQA trunk has ``heads / kv_heads`` times the query heads (its ``q_proj`` / ``o_proj``
-weights and its attention FLOPs), which the MHA trunk does not pay.
+weights and its attention FLOPs), which the MHA trunk does not pay. So a second MHA trunk (``mha-same-weights``) also
+holds the GQA trunk's weight count, the ``q_proj`` / ``o_proj`` difference moved into its MLP (a wider
+``intermediate_size``): the same key/value bytes and the same weight bytes per step, only the query heads differ.
 
 Two levels, timed interleaved (every variant once per repeat, medians over repeats; the spread is the noise):
 
@@ -105,9 +107,16 @@ def attention_variants(args, rows: int, fed: int):
     }
 
 
-def trunk(args, heads: int, attention: str) -> LlamaModel:
+def same_weights_intermediate(args) -> int:
+    """The MLP width at which an MHA trunk of ``kv_heads`` heads holds as many weights as the GQA trunk: the GQA
+    ``q_proj`` and ``o_proj`` hold ``2 * hidden * head_dim * (heads - kv_heads)`` more, an MLP ``3 * hidden`` per unit."""
+    return args.intermediate_size + round(2 * args.head_dim * (args.heads - args.kv_heads) / 3)
+
+
+def trunk(args, heads: int, attention: str, intermediate_size=None) -> LlamaModel:
     torch.manual_seed(args.seed)
-    config = LlamaConfig(vocab_size=32, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+    intermediate_size = args.intermediate_size if intermediate_size is None else intermediate_size
+    config = LlamaConfig(vocab_size=32, hidden_size=args.hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=args.kv_heads,
                          head_dim=args.head_dim, max_position_embeddings=args.cache_length + max(args.fed) + 1)
     model = LlamaModel(config).eval()
@@ -177,7 +186,10 @@ def main(argv=None):
     models = {}
     if "trunk" in args.levels:
         models = {"gqa": trunk(args, args.heads, GROUPED_SDPA), "gqa-sdpa": trunk(args, args.heads, "sdpa"),
-                  "mha": trunk(args, args.kv_heads, "sdpa")}
+                  "mha": trunk(args, args.kv_heads, "sdpa"),
+                  "mha-same-weights": trunk(args, args.kv_heads, "sdpa", same_weights_intermediate(args))}
+        count = {name: sum(p.numel() for p in m.layers.parameters()) for name, m in models.items()}
+        assert abs(count["mha-same-weights"] - count["gqa"]) <= 3 * args.hidden_size * args.layers, count
         models["gqa-sdpa"].load_state_dict(models["gqa"].state_dict())
     results = []
     for level in args.levels:
@@ -201,12 +213,13 @@ def main(argv=None):
                     print(f"{level} R={rows} T={fed} {mode}: done", flush=True)
     print(f"\n{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, S={args.cache_length}, "
           f"GQA {args.heads}/{args.kv_heads} heads vs MHA {args.kv_heads}/{args.kv_heads}, head dim {args.head_dim}\n")
-    print("| level | mode | R | T | variant | ms (median) | min-max | / MHA |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| level | mode | R | T | variant | ms (median) | min-max | / MHA | / MHA of the same weights |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        mha = next(x["median_ms"] for x in results if x["variant"] == "mha" and all(x[k] == r[k] for k in ("level", "mode", "rows", "fed")))
+        same = {x["variant"]: x["median_ms"] for x in results if all(x[k] == r[k] for k in ("level", "mode", "rows", "fed"))}
+        ratio = f"{r['median_ms'] / same['mha-same-weights']:.2f}" if "mha-same-weights" in same else ""
         print(f"| {r['level']} | {r['mode']} | {r['rows']} | {r['fed']} | {r['variant']} | {r['median_ms']:.3f} | "
-              f"{r['min_ms']:.3f}-{r['max_ms']:.3f} | {r['median_ms'] / mha:.2f} |")
+              f"{r['min_ms']:.3f}-{r['max_ms']:.3f} | {r['median_ms'] / same['mha']:.2f} | {ratio} |")
     report = {
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         "device": f"cpu ({cpu_name()})", "threads": torch.get_num_threads(),

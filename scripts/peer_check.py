@@ -31,7 +31,8 @@ key/value heads and MLP width, and the image grid and codebook (`LAYOUTS`), at a
 (std 1/sqrt(fan_in): codes depend on the content) but on CUDA, where Janus keeps transformers' init (std 0.02).
 
 Rows, per images-per-prompt: the peer's, our AR eager (``ar``) and compiled (``ar [compiled]``), our SJD (``sjd``,
-its defaults) eager and compiled, and, with ``--trees``, Medusa on random heads of the kind it drafts with. Every row
+its defaults) eager and compiled, and, with ``--trees``, Medusa on random heads of the kind it drafts with; ``--tuned``
+adds each at the size ``tune_decoder(prompt=...)`` picks (0: no drafts, AR's rounds, where none pays). Every row
 gets one untimed call first (ours and a compiled peer: a whole one, it compiles; a peer that compiles nothing: a short
 one), then ``--num-prompts`` timed calls interleaved prompt by prompt. Columns: seconds per image and its ratio to the
 peer (our compiled rows: to the compiled peer where there is one), target passes per call (the call's images advance
@@ -100,8 +101,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-eager", action="store_true", help="our compiled rows only (the peer always runs)")
     p.add_argument("--skip-compiled", action="store_true", help="our eager rows only")
     p.add_argument("--trees", action="store_true", help="also Medusa on random heads (its round's cost)")
-    p.add_argument("--tuned", action="store_true",
-                   help="also SJD at the window `tune_decoder` picks, its acceptance measured on a prompt no timed call uses")
+    p.add_argument("--tuned", action="store_true", help="also SJD (and with --trees Medusa) at the size `tune_decoder` "
+                   "picks, its acceptance measured on a prompt no timed call uses")
     p.add_argument("--greedy-check", action="store_true", help="peer and our AR at temperature 0: equal codes?")
     p.add_argument("--budget-s", type=float, default=None, help="skip rows whose warm-up would start after this many seconds")
     p.add_argument("--dry-run", action="store_true", help="the tiny layouts on the CPU, eager backend for compile")
@@ -183,28 +184,30 @@ def build_rows(args, subject, n: int) -> List[Row]:
             return family.peer(subject, prompts, n_, sampling["temperature"], seed, compiled=compiled, warm=warm)
 
         rows.append(Row(name, peer, "peer"))
-    decoders = ["ar", "sjd"] + (["sjd tuned"] if args.tuned else []) + (["medusa"] if args.trees else [])
+    trees = ["medusa"] + (["medusa tuned"] if args.tuned else []) if args.trees else []
+    decoders = ["ar", "sjd"] + (["sjd tuned"] if args.tuned else []) + trees
     for compiled in modes:
         pipe = subject.pipe(compiled)
         for name in decoders:
-            if name == "sjd tuned":  # the window "auto" picks here at n images, weighed by what this model accepts
-                pipe.decoder = DECODERS["sjd"]()
-                start = time.perf_counter()
-                decoder = pipe.tune_decoder(batch_size=n, guidance_scale=sampling["guidance_scale"],
-                                            temperature=sampling["temperature"], top_k=sampling["top_k"],
-                                            prompt=subject.prompts(PROMPTS[-1:]))
-                subject.tuned[(compiled, n)] = {"window_size": decoder.config.window_size,
-                                                "tune_s": round(time.perf_counter() - start, 1)}
-                name = f"sjd tuned (window {decoder.config.window_size})"
-            else:
-                decoder = DECODERS[name]()
+            base = name.split()[0]
+            decoder = DECODERS[base]()
             heads = None
             if decoder.heads_needed() is not None:
                 from spatial_pipelines.testing import random_draft_heads
 
-                if (compiled, name) not in subject.heads:
-                    subject.heads[(compiled, name)] = random_draft_heads(pipe, decoder)
-                heads = subject.heads[(compiled, name)]
+                if (compiled, base) not in subject.heads:
+                    subject.heads[(compiled, base)] = random_draft_heads(pipe, decoder)
+                heads = subject.heads[(compiled, base)]
+            if name.endswith(" tuned"):  # the size "auto" picks here at n images, weighed by what this model accepts
+                pipe.decoder, _ = decoder, pipe.set_draft_heads(heads)
+                start = time.perf_counter()
+                decoder = pipe.tune_decoder(batch_size=n, guidance_scale=sampling["guidance_scale"],
+                                            temperature=sampling["temperature"], top_k=sampling["top_k"],
+                                            prompt=subject.prompts(PROMPTS[-1:]))
+                size_name = decoder.draft_size_name
+                subject.tuned.setdefault((compiled, n), {})[base] = {size_name: decoder.config[size_name],
+                                                                     "tune_s": round(time.perf_counter() - start, 1)}
+                name = f"{base} tuned ({'window' if base == 'sjd' else 'nodes'} {decoder.config[size_name]})"
 
             def ours(prompts, n_, seed, pipe=pipe, decoder=decoder, heads=heads):
                 pipe.decoder = decoder

@@ -169,7 +169,8 @@ BAD_CONFIGS = [
     (MedusaDecoder, {"top_k": 0}, "top_k"),
     (MedusaDecoder, {"num_heads": 2, "tree_paths": [[0, 0, 0]]}, "tree_paths"),
     (HawkDecoder, {"vertical_speculation_depth": -1}, "vertical_speculation_depth"),
-    (HawkDecoder, {"num_draft_tokens": 0}, "num_draft_tokens"),
+    (HawkDecoder, {"num_draft_tokens": -1}, "num_draft_tokens"),
+    (EagleDecoder, {"num_draft_tokens": 1.5}, "num_draft_tokens"),
     (JacobiDecoder, {"window_size": -1}, "window_size"),
     (JacobiDecoder, {"window_size": 0, "proactive_width": 2}, "proactive_width"),  # nothing drafted to widen
     (JacobiDecoder, {"init": "middle"}, "init"),

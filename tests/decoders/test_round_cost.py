@@ -103,7 +103,7 @@ def test_host_read_counter_can_fail(reader, monkeypatch):
 @pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
 def test_auto_size_follows_the_round_cost(decoder_cls, size_arg):
     """Flat cost: the smallest tree within `AUTO_RATE_TOLERANCE` of the largest (every node is worth its price);
-    cost growing with every fed token: a single draft is best."""
+    cost growing with every fed token: no draft pays (size 0: AR's rounds)."""
     flat = decoder_cls(**{size_arg: "auto"})
     flat.resolve_draft_size(lambda tree: 1.0)
     sizes = flat._draft_sizes()
@@ -113,8 +113,7 @@ def test_auto_size_follows_the_round_cost(decoder_cls, size_arg):
     assert chosen > 8  # flat: a large draft
     steep = decoder_cls(**{size_arg: "auto"})
     steep.resolve_draft_size(lambda tree: float(tree.num_nodes))
-    # the root and one draft; SJD may draft nothing (window 0: AR's rounds), which a pass per fed slot makes best
-    assert steep.tree.num_nodes == (1 if decoder_cls is JacobiDecoder else 2)
+    assert steep.tree.num_nodes == 1 and steep.fixed_sizes() == {size_arg: 0}
     fixed = decoder_cls(**{size_arg: 3})
     assert fixed.tree.num_nodes == 4 and not fixed.sizes_from_pass_cost
 
@@ -187,13 +186,18 @@ def test_a_round_without_drafts_is_read_as_timed_off_the_drafted_curve():
         assert decoder.fixed_sizes() == {"window_size": window}
 
 
+@pytest.mark.parametrize("decoder_cls,size_arg", [(JacobiDecoder, "window_size"), (MedusaDecoder, "num_draft_tokens"),
+                                                   (HawkDecoder, "num_draft_tokens"), (EagleDecoder, "num_draft_tokens")])
 @pytest.mark.parametrize("extra,window", [(0.04, 0), (NO_DRAFT_MARGIN - 0.005, 0), (NO_DRAFT_MARGIN + 0.005, 1), (0.2, 1)])
-def test_drafting_must_beat_rounds_without_drafts_by_the_margin(extra, window):
-    """At equal round costs a window whose drafts add ``extra`` codes a round is chosen only past `NO_DRAFT_MARGIN`
-    (the best of many noisy estimates sits above its true rate); then the smallest within the tolerance."""
-    decoder = JacobiDecoder(window_size="auto")
+def test_drafting_must_beat_rounds_without_drafts_by_the_margin(decoder_cls, size_arg, extra, window):
+    """At equal round costs a draft whose nodes add ``extra`` codes a round is chosen only past `NO_DRAFT_MARGIN`
+    (the best of many noisy estimates sits above its true rate); then the smallest within the tolerance. Every
+    decoder weighs rounds without drafts (size 0: heads or a drafter that this checkpoint defeats draft nothing)."""
+    decoder = decoder_cls(**{size_arg: "auto"})
+    assert decoder._draft_sizes()[0] == 0
     decoder.resolve_draft_size(lambda tree: 1.0, accepted={n: extra if n else 0.0 for n in decoder._draft_sizes()})
-    assert decoder.fixed_sizes() == {"window_size": window}
+    assert decoder.fixed_sizes() == {size_arg: window}
+    assert type(decoder).from_config(decoder.config, **decoder.fixed_sizes()).tree.num_nodes == 1 + window
 
 
 class _Timings:
@@ -275,8 +279,8 @@ def test_pipeline_times_whole_rounds_on_the_engine(decoder_cls, kwargs, monkeypa
 @pytest.mark.parametrize("bad", [0, -2, "big", 1.5, True])
 @pytest.mark.parametrize("decoder_cls,size_arg", [(MedusaDecoder, "num_draft_tokens"), (HawkDecoder, "num_draft_tokens"), (JacobiDecoder, "window_size")])
 def test_bad_draft_size_is_refused(decoder_cls, size_arg, bad):
-    if decoder_cls is JacobiDecoder and bad == 0:
-        assert decoder_cls(**{size_arg: bad}).tree.num_nodes == 1  # SJD's window 0: AR's rounds (tested below)
+    if bad == 0:
+        assert decoder_cls(**{size_arg: bad}).tree.num_nodes == 1  # no drafts: AR's rounds (test_device_loop.py)
         return
     with pytest.raises(ValueError, match=size_arg):
         decoder_cls(**{size_arg: bad})
@@ -465,7 +469,7 @@ def test_tune_decoder_returns_the_chosen_sizes_as_config(decoder_cls, kwargs, he
     assert pipe.decoder.config[name] == size and pipe.decoder.sizes_from_pass_cost == (size == "auto")
     assert pipe.__dict__.get("_round_costs"), "tune_decoder measured nothing"  # whole rounds, per candidate size
     chosen = tuned.config[name]
-    assert isinstance(chosen, int) and chosen >= 1 and not tuned.sizes_from_pass_cost and not tuned.sizes_from_family
+    assert isinstance(chosen, int) and chosen >= 0 and not tuned.sizes_from_pass_cost  # 0: no draft pays here and not tuned.sizes_from_family
     tuned.save_config(tmp_path)
     loaded = decoder_cls.from_config(decoder_cls.load_config(tmp_path))
     assert loaded.config[name] == chosen and loaded.tree.num_nodes == tuned.tree.num_nodes

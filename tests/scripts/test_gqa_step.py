@@ -15,7 +15,7 @@ def test_every_variant_is_timed_and_reported(tmp_path):
     assert report["command"].startswith("gqa_step.py --heads 4") and report["settings"]["cache_length"] == 12
     cases = {(r["level"], r["mode"], r["fed"], r["variant"]) for r in report["results"]}
     assert cases == {(level, "eager", fed, v) for fed in (1, 3) for level, variants in
-                     (("attention", ("grouped", "folded", "sdpa", "mha")), ("trunk", ("gqa", "gqa-sdpa", "mha")))
+                     (("attention", ("grouped", "folded", "sdpa", "mha")), ("trunk", ("gqa", "gqa-sdpa", "mha", "mha-same-weights")))
                      for v in variants}
     assert all(0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in report["results"])
     assert "| trunk | eager | 2 | 3 | gqa |" in done.stdout

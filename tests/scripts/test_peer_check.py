@@ -16,7 +16,7 @@ COLUMNS = ("seconds_per_image", "passes_per_call", "codes_per_pass", "ms_per_pas
 def test_peer_check_dry_run_writes_its_report(tmp_path):
     out = tmp_path / "peer"
     run_script("peer_check.py", "--out", str(out), "--dry-run", "--layouts", "janus-tiny", "--skip-compiled", "--greedy-check",
-               "--tuned", "--num-prompts", "1", "--num-images-per-prompt", "1", "2", "--threads", "1")
+               "--tuned", "--trees", "--num-prompts", "1", "--num-images-per-prompt", "1", "2", "--threads", "1")
     assert sorted(p.name for p in out.iterdir()) == ["peer_check.json", "peer_check.md"]
     report = json.loads((out / "peer_check.json").read_text())
     assert report["dtype"] == "float32" and report["versions"]["transformers"] and not report["skipped"]
@@ -25,9 +25,11 @@ def test_peer_check_dry_run_writes_its_report(tmp_path):
     assert block["greedy"]["equal"] and block["greedy"]["codes"] == 16
     for n in ("1", "2"):
         rows = block["rows"][n]
-        # --tuned: SJD at the window tune_decoder(prompt=...) picked for n images, on a prompt no timed call uses
-        window = block["tuned"][f"x{n}"]["window_size"]
-        assert list(rows) == ["peer", "ar", "sjd", f"sjd tuned (window {window})"] and 0 <= window <= 32  # 0: no drafts
+        # --tuned: SJD (and with --trees Medusa on random heads) at the size tune_decoder(prompt=...) picked for n
+        # images, on a prompt no timed call uses; 0: no drafts
+        window, nodes = block["tuned"][f"x{n}"]["sjd"]["window_size"], block["tuned"][f"x{n}"]["medusa"]["num_draft_tokens"]
+        assert list(rows) == ["peer", "ar", "sjd", f"sjd tuned (window {window})", "medusa", f"medusa tuned (nodes {nodes})"]
+        assert 0 <= window <= 32 and 0 <= nodes <= 16
         for name, row in rows.items():
             assert all(row[c] is not None for c in COLUMNS if c != "pass_cost_in_ar_steps" or name != "peer"), name
         assert rows["peer"]["passes_per_call"] == 16 and rows["peer"]["speedup_vs_peer"] == 1.0

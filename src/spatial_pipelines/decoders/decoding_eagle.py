@@ -212,7 +212,7 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     Args:
         depth (`int`): tree depth (expansions + 1).
         top_k (`int`): children per expanded node, and nodes expanded per depth.
-        num_draft_tokens (`int`, `None` or `"auto"`): nodes kept in the tree (root excluded). ``None`` (default):
+        num_draft_tokens (`int`, `None` or `"auto"`): nodes kept in the tree (root excluded; 0: none, AR's rounds). ``None``:
             the pipeline family's fixed size (`SpatialARPipeline.default_draft_sizes`; 60, EAGLE-2's, where the family
             names none). ``"auto"``: the count of most codes per second on the device, up to `MAX_DRAFT_TOKENS`
             (`TreeDecoderMixin`; the prior `EAGLE_ACCEPTANCE_PRIOR` on a ``top_k``-ary tree of ``depth``).

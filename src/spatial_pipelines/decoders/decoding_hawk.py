@@ -100,7 +100,7 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         num_horizontal_heads (`int`): horizontal heads (offsets ``1..n``); the tree depth.
         vertical_speculation_depth (`int`): VSD, vertical heads at ``1..VSD`` rows below.
         top_k (`int`): candidates each head contributes to a pool (vertical: per cached prediction).
-        num_draft_tokens (`int`, `None` or `"auto"`): bound on the tree's draft nodes (root excluded). ``None``
+        num_draft_tokens (`int`, `None` or `"auto"`): bound on the tree's draft nodes (root excluded; 0: AR's rounds). ``None``
             (default): the pipeline family's fixed bound (`SpatialARPipeline.default_draft_sizes`; 32 where the family
             names none). ``"auto"``: the bound of most codes per second on the device, up to `MAX_DRAFT_TOKENS`
             (`TreeDecoderMixin`, `HEADS_ACCEPTANCE_PRIOR`).

@@ -158,7 +158,7 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
         acceptance: AcceptanceLike = "exact",
     ):
         super().__init__()
-        check_draft_size("window_size", window_size, low=0)
+        check_draft_size("window_size", window_size)
         if window_size == 0 and proactive_width > 1:
             raise ValueError(f"`window_size=0` drafts nothing, so it has no candidates to widen: `proactive_width` must "
                              f"be 1 with it, got {proactive_width}.")

@@ -69,8 +69,8 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
             prefix-closed as Medusa's ``medusa_choices`` (``[[0], [0, 0], [1]]``); overrides the default caterpillar
             tree of ``num_heads`` x ``top_k``.
         num_draft_tokens (`int`, `None` or `"auto"`): draft nodes fed per pass: the likeliest nodes of that tree (an
-            int at least its size feeds all of it). ``None`` (default): the pipeline family's fixed size
-            (`SpatialARPipeline.default_draft_sizes`; 16, the whole default tree, where the family names none).
+            int at least its size feeds all of it; 0: none, AR's rounds). ``None`` (default): the pipeline family's
+            fixed size (`SpatialARPipeline.default_draft_sizes`; 16, the whole default tree, where the family names none).
             ``"auto"``: the count of most codes per second on the device (`TreeDecoderMixin`, `HEADS_ACCEPTANCE_PRIOR`).
         acceptance (`str`, `dict` or `AcceptanceRule`): the acceptance rule (`resolve_acceptance`): ``"exact"``
             (default), or a lossy relaxed rule such as ``{"name": "lantern", "k": 1000}`` (`LANTERN_PRESETS`).

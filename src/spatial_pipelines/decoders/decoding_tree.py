@@ -18,7 +18,7 @@ DRAFT_SIZE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 #: '"Auto" draft sizes that hold from process to process'): sizes then repeat from process to process; a 5% margin
 #: tried earlier chose 2-4 drafts and lost 0.04-0.14x (docs/archive.md).
 AUTO_RATE_TOLERANCE = 0.03
-#: ``"auto"`` drafts at all (where rounds without drafts are a candidate: SJD's window 0) only when the best size's
+#: ``"auto"`` drafts at all (size 0, rounds without drafts, is a candidate) only when the best size's
 #: predicted rate beats theirs by more than this share: the best of ~14 noisy estimates sits above its true rate. On
 #: janus-25m (CPU, eager) one generation's acceptance at window 6 was 0.37-0.49 drafts per round from seed to seed, and
 #: timed rounds scatter 3-9% about their curve (docs/benchmarks/archive-peers.md, "What `tune_decoder` weighs
@@ -182,9 +182,10 @@ class TreeDecoderMixin:
         self._resolved_for = (round_cost, batch_size)
 
     def _draft_sizes(self) -> List[int]:
-        """The sizes ``"auto"`` weighs (arguments of `_sized_tree`)."""
+        """The sizes ``"auto"`` weighs (arguments of `_sized_tree`); 0: rounds without drafts, AR's (where heads or a
+        drafter this checkpoint's codes defeat, or a device where a drafted slot costs, make no tree pay)."""
         full = self._full_tree.num_nodes - 1
-        return [c for c in DRAFT_SIZE_CANDIDATES if c < full] + [full]
+        return [0] + [c for c in DRAFT_SIZE_CANDIDATES if c < full] + [full]
 
     @property
     def max_draft_tokens(self) -> int:

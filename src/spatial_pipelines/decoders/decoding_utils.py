@@ -56,9 +56,9 @@ def check_int(name: str, value, low: int = 1) -> None:
     check_number(name, value, low, integer=True)
 
 
-def check_draft_size(name: str, value, low: int = 1) -> None:
+def check_draft_size(name: str, value, low: int = 0) -> None:
     """Raise `ValueError` naming ``name`` unless ``value`` is ``None`` (the pipeline family's fixed default),
-    ``"auto"`` or an int in ``[low, MAX_FED_TOKENS)``."""
+    ``"auto"`` or an int in ``[low, MAX_FED_TOKENS)`` (0: no drafts, AR's rounds)."""
     if value is None or value == AUTO:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
