@@ -34,7 +34,7 @@ Rows, per images-per-prompt: the peer's, our AR eager (``ar``) and compiled (``a
 its defaults) eager and compiled, and, with ``--trees``, Medusa on random heads of the kind it drafts with; ``--tuned``
 adds each at the size ``tune_decoder(prompt=...)`` picks (0: no drafts, AR's rounds, where none pays). Every row
 gets one untimed call first (ours and a compiled peer: a whole one, it compiles; a peer that compiles nothing: a short
-one), then ``--num-prompts`` timed calls interleaved prompt by prompt. Columns: seconds per image and its ratio to the
+one), then ``--num-prompts`` timed calls interleaved prompt by prompt, each prompt's round of rows starting one row later. Columns: seconds per image and its ratio to the
 peer (our compiled rows: to the compiled peer where there is one), target passes per call (the call's images advance
 in one batched pass), codes per pass per image, ms per pass and the pass's cost in our AR steps, peak memory (CUDA:
 the allocator's peak; CPU: the process's resident set above its level before the call). ``--greedy-check`` runs the
@@ -263,7 +263,9 @@ def run_block(args, layout_name: str, subject, n: int, started: float, report: d
         live.append(row)
     block = report["layouts"][layout_name]["rows"].setdefault(n, {})
     for i, prompt in enumerate(prompts):
-        for row in live:
+        # each prompt starts one row later: no row always runs right after the same one (a spell of a shared machine,
+        # or what the row before left in the allocator and caches, moved rows of the same work 10-20% apart)
+        for row in live[i % len(live):] + live[: i % len(live)]:
             codes, passes, seconds, peak = timed_call(args, row, [prompt], n, i * 100)
             row.seconds += seconds
             row.calls += 1
