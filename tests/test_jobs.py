@@ -15,7 +15,7 @@ from PIL import Image
 from spatial_pipelines import cli
 from spatial_pipelines.jobs import JobFolder, PromptRow, image_seed, read_prompts, row_seed
 
-PROMPTS = ["red heart", "fire", "thumbs up", "cat face", "sun", "rocket"]  # the job is killed once 3 are recorded
+PROMPTS = ["red heart", "fire", "thumbs up", "rocket"]  # the job is killed once 2 are recorded
 
 
 def _write(tmp_path, name, text):
@@ -126,15 +126,15 @@ def test_a_killed_job_resumes_then_torchrun_makes_the_same_rows(tmp_path, capsys
     out = tmp_path / "job"
     job = _job(prompts, out)
     deadline = time.time() + 300
-    while time.time() < deadline and job.poll() is None:  # SIGKILL once the third image is recorded
-        if (out / "manifest.jsonl").exists() and sum(1 for _ in open(out / "manifest.jsonl")) >= 3:
+    while time.time() < deadline and job.poll() is None:  # SIGKILL once the second image is recorded
+        if (out / "manifest.jsonl").exists() and sum(1 for _ in open(out / "manifest.jsonl")) >= 2:
             job.send_signal(signal.SIGKILL)
             break
         time.sleep(0.05)
     job.wait()
     assert job.returncode == -signal.SIGKILL, job.stderr.read()[-2000:]
     recorded_before = _rows(out)
-    assert 3 <= len(recorded_before) < len(PROMPTS)
+    assert 2 <= len(recorded_before) < len(PROMPTS)
 
     again = _job(prompts, out)
     stdout, stderr = again.communicate(timeout=600)
