@@ -34,8 +34,8 @@ Rows, per images-per-prompt: the peer's, our AR eager (``ar``) and compiled (``a
 its defaults) eager and compiled, and, with ``--trees``, Medusa on random heads of the kind it drafts with; ``--tuned``
 adds each at the size ``tune_decoder(prompt=...)`` picks (0: no drafts, AR's rounds, where none pays). Every row
 gets one untimed call first (ours and a compiled peer: a whole one, it compiles; a peer that compiles nothing: a short
-one), then ``--num-prompts`` timed calls interleaved prompt by prompt, each prompt's round of rows starting one row later. Columns: seconds per image and its ratio to the
-peer (our compiled rows: to the compiled peer where there is one), target passes per call (the call's images advance
+one), then ``--num-prompts`` timed calls interleaved prompt by prompt, each prompt's round of rows starting one row
+later. Columns: seconds per image and its ratio to the peer (our compiled rows: to the compiled peer where there is one), target passes per call (the call's images advance
 in one batched pass), codes per pass per image, ms per pass and the pass's cost in our AR steps, peak memory (CUDA:
 the allocator's peak; CPU: the process's resident set above its level before the call). ``--greedy-check`` runs the
 peer and our eager AR at temperature 0 on the first prompt and records whether the codes are equal. A row whose

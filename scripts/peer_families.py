@@ -29,7 +29,7 @@ class Subject:
         self.family, self.layout, self.components, self.compile_backend = family, layout, components, compile_backend
         self.pipes: Dict[bool, object] = {}
         self.heads: Dict[tuple, object] = {}
-        self.tuned: Dict[tuple, dict] = {}  # (compiled, images per prompt) -> the window `tune_decoder` picked, its time
+        self.tuned: Dict[tuple, dict] = {}  # (compiled, images per prompt) -> {decoder: the size `tune_decoder` picked, its time}
         self.sampling = family.sampling(layout)
 
     def pipe(self, compiled: bool):

@@ -56,14 +56,14 @@ def check_int(name: str, value, low: int = 1) -> None:
     check_number(name, value, low, integer=True)
 
 
-def check_draft_size(name: str, value, low: int = 0) -> None:
+def check_draft_size(name: str, value) -> None:
     """Raise `ValueError` naming ``name`` unless ``value`` is ``None`` (the pipeline family's fixed default),
-    ``"auto"`` or an int in ``[low, MAX_FED_TOKENS)`` (0: no drafts, AR's rounds)."""
+    ``"auto"`` or an int in ``[0, MAX_FED_TOKENS)`` (0: no drafts, AR's rounds)."""
     if value is None or value == AUTO:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"`{name}` must be None (the model family's default), \"auto\" (measured on the device) or an "
-                         f"int >= {low}, got {value!r}.")
+                         f"int >= 0 (0: no drafts), got {value!r}.")
     check_draft_budget(f"`{name}={value}`", value + 1)
 
 

@@ -133,8 +133,9 @@ class GenerationLoop:
         proposals and accepts by speculative sampling on keyed streams of the rows' seeds."""
         decoder, layout = self.decoder, self.backbone.layout
         drawn = not (sampling.keyed or sampling.greedy)  # speculative sampling on keyed streams of the rows' seeds
-        tree = getattr(decoder, "tree", None)  # a tree sized to no drafts (0, or what "auto" chose): AR's round
-        plan = ChainRound(window=0) if tree is not None and tree.num_nodes == 1 else decoder.plan(self.draft_heads, layout, batch_size, device, drawn)
+        tree = getattr(decoder, "tree", None)  # a tree decoder sized to no drafts (0, or what "auto" chose): AR's round
+        no_drafts = tree is not None and tree.num_nodes == 1
+        plan = ChainRound(window=0) if no_drafts else decoder.plan(self.draft_heads, layout, batch_size, device, drawn)
         if isinstance(plan, SSDSchedule):  # passes known before the first (SSD): the rows run them in lockstep
             return SSDLoop, {"schedule": plan, "draft_heads": self.draft_heads}
         rule = decoder.acceptance_rule
