@@ -15,6 +15,17 @@ needs_mkl = pytest.mark.skipif(not packed_weights.mkl_packing_available(),
                                reason="MKL's packed GEMM exists only in torch builds with MKL (x86 wheels)")
 
 
+PACKED_OPS = ("mkl::_mkl_linear", "mkldnn::_linear_pointwise")
+_timed_choose = PackedWeights.choose  # the real timing, before the fixture below replaces it
+
+
+@pytest.fixture(autouse=True)
+def default_kernel(monkeypatch):
+    """Every test here but the timed ones: the kernel timing returns the default rule (MKL's packs from
+    `FREEZE_MIN_ROWS` rows), so what is packed does not depend on which GEMM library is faster on this machine."""
+    monkeypatch.setattr(PackedWeights, "choose", lambda self, linears, rows, default: self.kernel or default)
+
+
 def _pipe(decoder=None):
     pipe = dummy_pipeline("llamagen", decoder or AutoregressiveDecoder(), None, grid=(3, 4))
     pipe.set_progress_bar_config(disable=True)
@@ -22,10 +33,10 @@ def _pipe(decoder=None):
 
 
 def _packed_calls(pipe, prompts, **kwargs):
-    """The call's tokens and how many times MKL's packed GEMM ran in it."""
+    """The call's tokens and how many times a packed GEMM (MKL's or oneDNN's) ran in it."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = pipe(prompts, **kwargs)
-    return out.tokens, sum(e.count for e in prof.key_averages() if e.key == "mkl::_mkl_linear")
+    return out.tokens, sum(e.count for e in prof.key_averages() if e.key in PACKED_OPS)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, 0.0, float("nan")])
@@ -113,11 +124,14 @@ def test_packs_are_made_once_per_weight_version_and_row_count():
 
 
 @needs_mkl
+@pytest.mark.parametrize("kernel", [None, "onednn"], ids=["mkl", "onednn"])
 @pytest.mark.parametrize("decoder", [AutoregressiveDecoder(), JacobiDecoder(window_size=3)], ids=["ar", "sjd"])
-def test_packed_rounds_give_the_unpacked_codes_and_follow_a_changed_weight(decoder):
-    """Greedy AR and SJD (4 images, 8 rows with CFG) give the same grid packed and unpacked, MKL's
-    packed GEMM runs only when packing, and a weight changed in place between calls is packed again."""
+def test_packed_rounds_give_the_unpacked_codes_and_follow_a_changed_weight(decoder, kernel):
+    """Greedy AR and SJD (4 images, 8 rows with CFG) give the same grid packed and unpacked, on MKL's packs (the
+    default) and oneDNN's, the packed GEMM runs only when packing, and a weight changed in place between calls is
+    packed again."""
     pipe = _pipe(decoder)
+    pipe.loop.packs.kernel = kernel
     prompts, kwargs = ["a fox", "x"], dict(guidance_scale=2.0, temperature=0, output_type="latent", num_images_per_prompt=2)
     pipe.pack_weights = False
     ref, calls = _packed_calls(pipe, prompts, **kwargs)
@@ -175,3 +189,39 @@ def test_a_copied_pipeline_keeps_pack_weights():
     pipe.pack_weights = False
     pipe.loop.backbone = None  # what a copied pipeline's new backbone does: the loop is built again
     assert pipe.pack_weights is False
+
+
+# (sweep seconds per kernel, the default, the kernel chosen): another kernel must beat the default by KERNEL_MARGIN
+CHOICE_CASES = [
+    ({None: 1.0, "mkl": 0.9, "onednn": 0.4}, None, "onednn"),  # an EPYC's few-row passes: oneDNN 2.5x the stored GEMM
+    ({None: 1.0, "mkl": 0.9, "onednn": 0.85}, None, None),  # within the margin: the weights as stored stay
+    ({"mkl": 1.0, "onednn": 0.3}, "mkl", "onednn"),
+    ({"mkl": 0.5, "onednn": 0.45}, "mkl", "mkl"),  # a Xeon's: MKL's packs stay
+]
+
+
+@pytest.mark.parametrize("seconds,default,chosen", CHOICE_CASES)
+def test_a_timed_kernel_must_beat_the_default_by_the_margin(monkeypatch, seconds, default, chosen):
+    monkeypatch.setattr(PackedWeights, "choose", _timed_choose)
+    monkeypatch.setattr(packed_weights, "available_kernels", lambda: ["mkl", "onednn"])
+    timed = []
+    monkeypatch.setattr(PackedWeights, "sweep_seconds",
+                        lambda self, linears, rows, kernel: timed.append(kernel) or seconds[kernel])
+    packs, layers = PackedWeights(), [torch.nn.Linear(6, 8)]
+    assert packs.choose(layers, 5, default) == chosen
+    assert packs.choose(layers, 5, default) == chosen and sorted(map(str, timed)) == sorted(map(str, seconds))  # once
+    assert PackedWeights(kernel="mkl").choose(layers, 5, None) == "mkl"  # a forced kernel is not timed
+    with pytest.raises(ValueError, match="`kernel` must be one of"):
+        PackedWeights(kernel="blas")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_every_kernel_computes_the_linear_layer_and_the_timing_picks_one(monkeypatch, rows):
+    monkeypatch.setattr(PackedWeights, "choose", _timed_choose)
+    layer = torch.nn.Linear(24, 40)
+    x = torch.randn(2, rows, 24)
+    packs = PackedWeights()
+    for kernel in packed_weights.available_kernels():
+        with torch.no_grad(), packs.applied([layer], 2 * rows, kernel):
+            assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)
+    assert packs.choose([layer], 2 * rows, None) in [None] + packed_weights.available_kernels()

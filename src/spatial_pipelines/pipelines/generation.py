@@ -30,7 +30,7 @@ from .device_loop import MAX_ROUNDS_PER_SYNC, CompiledRound, DeviceLoop, RoundVi
 from .device_proactive import ProactiveLoop
 from .device_ssd import SSDLoop
 from .device_tree import DynamicTreeLoop, HeadTreeLoop
-from .packed_weights import PackedWeights, fits_in_memory, mkl_packing_available, packable_linears
+from .packed_weights import PackedWeights, available_kernels, fits_in_memory, mkl_packing_available, packable_linears
 from .pass_cost import PassCost
 from .pipeline_output import DecodingStats
 from .static_shapes import RECOMPILE_LIMIT, static_cache_length
@@ -205,25 +205,29 @@ class GenerationLoop:
 
     def check_pack_weights(self) -> None:
         """`pack_weights=True` where nothing can be packed is a `ValueError`, before any work."""
-        if self.pack_weights_setting is True and not (mkl_packing_available() and packable_linears(*self.backbone.round_modules)):
+        if self.pack_weights_setting is True and not (available_kernels() and packable_linears(*self.backbone.round_modules)):
             param = next(self.backbone.target_module.parameters())
-            raise ValueError(f"`pack_weights=True` runs float32 linear layers on a CPU on weights packed for MKL's GEMM; "
+            raise ValueError(f"`pack_weights=True` runs float32 linear layers on a CPU on weights packed for MKL's or oneDNN's GEMM; "
                              f"this target runs on {param.device.type} in {param.dtype}"
-                             f"{'' if mkl_packing_available() else ' and this torch build has no MKL'}: leave it None.")
+                             f"{'' if available_kernels() else ' and this torch build has neither MKL nor oneDNN'}: leave it None.")
 
     def packed_weights(self, rows: int) -> ContextManager:
-        """While entered, the eager target's float32 linear layers on a CPU run on weights packed for MKL's GEMM at
-        ``rows`` rows per pass (`PackedWeights`): where `pack_weights` is ``True``, or ``None`` and ``rows`` is at least
-        `FREEZE_MIN_ROWS` and the packed copy fits in half the free memory. Never on a compiled target (its rounds freeze
-        their own: `freezes_weights`)."""
+        """While entered, the eager target's float32 linear layers on a CPU run on weights packed for MKL's or oneDNN's
+        GEMM at ``rows`` rows per pass (`PackedWeights`, the kernel timed on this machine): where `pack_weights` is
+        ``True``, or ``None`` and the packed copy fits in half the free memory and the timed kernel beats the default
+        (MKL's packs from `FREEZE_MIN_ROWS` rows, the weights as stored below). Never on a compiled target (its rounds
+        freeze their own: `freezes_weights`)."""
         setting = self.pack_weights_setting
-        if setting is False or self.is_compiled or not mkl_packing_available() or (setting is None and rows < FREEZE_MIN_ROWS):
+        if setting is False or self.is_compiled or not available_kernels():
             return contextlib.nullcontext()
         linears = packable_linears(*self.backbone.round_modules)  # none off the CPU or below float32
         if not linears or (setting is None and self.packs.rows != rows and not fits_in_memory(linears)):
             self.packs.clear()
             return contextlib.nullcontext()
-        return self.packs.applied(linears, rows)
+        # the default is the measured Xeon rule (MKL's packs from FREEZE_MIN_ROWS rows); a kernel timed faster here wins
+        default = None if setting is None and rows < FREEZE_MIN_ROWS else "mkl" if mkl_packing_available() else "onednn"
+        kernel = self.packs.choose(linears, rows, default)
+        return contextlib.nullcontext() if kernel is None else self.packs.applied(linears, rows, kernel)
 
     def _device_stats(self, loop: DeviceLoop, rounds: int, batch_size: int) -> DecodingStats:
         """What a device generation cost: one host read of the per-pass accepted lengths, after the last round."""

@@ -1,9 +1,12 @@
-"""Eager rounds on a CPU with the target's linear layers on weights packed for MKL's GEMM (`PackedWeights`): what
+"""Eager rounds on a CPU with the target's linear layers on weights packed for a GEMM library (`PackedWeights`): what
 inductor's ``freezing`` does inside a compiled round (`GenerationLoop.freezes_weights`), for the rounds that run
 eagerly. Why: on weights as stored MKL's GEMM leaves its few-row kernel at 4 rows and costs 2-3x as much as on packed
-weights from there (a 2-core Xeon, `scripts/cpu_gemm.py`), and a speculative round feeds rows x slots rows."""
+weights from there (a 2-core Xeon, `scripts/cpu_gemm.py`), and a speculative round feeds rows x slots rows; on an AMD
+EPYC (Zen 4) MKL's float32 GEMM streams the weights at a quarter of the memory bandwidth at any row count, where
+oneDNN's on its own packed weights reaches it (`scripts/cpu_gemm.py`), so the kernel is timed on each machine."""
 
 import contextlib
+import time
 import weakref
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -17,10 +20,28 @@ from ..utils import available_memory, tensor_stamp
 #: 41 MiB); `fits_in_memory` counts it all, to stay on the safe side
 PACK_OVERHEAD_BYTES = 8 << 20
 
+#: the packed kernels: MKL's (``torch.ops.mkl._mkl_linear``, what inductor's ``freezing`` emits for float32) and
+#: oneDNN's (``torch.ops.mkldnn._linear_pointwise``, what it emits for bf16)
+KERNELS = ("mkl", "onednn")
+
+#: a timed kernel replaces the default one only when its sweep over the layers is this much faster: kernels within
+#: the timing noise of each other keep the default, so the choice (and the last bits of the logits) stays put
+KERNEL_MARGIN = 1.25
+
 
 def mkl_packing_available() -> bool:
     """Whether this torch build has MKL's packed GEMM (``torch.ops.mkl._mkl_linear``; x86 wheels do)."""
     return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+def onednn_packing_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear (``torch.ops.mkldnn._linear_pointwise``)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def available_kernels() -> List[str]:
+    """The packed kernels of `KERNELS` this torch build has."""
+    return [k for k, ok in zip(KERNELS, (mkl_packing_available(), onednn_packing_available())) if ok]
 
 
 def packable_linears(*modules: nn.Module) -> List[nn.Linear]:
@@ -48,36 +69,88 @@ def fits_in_memory(linears: List[nn.Linear]) -> bool:
 
 
 class PackedWeights:
-    """MKL-packed copies of linear weights for one number of rows fed per pass, kept while each weight keeps its
-    `tensor_stamp` (a weight changed in place, by ``load_state_dict``, an optimiser step or a cast there and back, is
-    packed again) and dropped when the row count changes: at most one packed copy of the target beside its weights."""
+    """Packed copies of linear weights for one number of rows fed per pass and one kernel (`KERNELS`), kept while each
+    weight keeps its `tensor_stamp` (a weight changed in place, by ``load_state_dict``, an optimiser step or a cast
+    there and back, is packed again) and dropped when the row count or kernel changes: at most one packed copy of the
+    target beside its weights.
 
-    def __init__(self):
+    Args:
+        kernel (`str`, *optional*): ``"mkl"`` or ``"onednn"`` for every pass, at any row count; ``None`` (default):
+            the fastest on this machine, timed once per row count over the layers themselves (`choose`).
+    """
+
+    def __init__(self, kernel: Optional[str] = None):
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"`kernel` must be one of {KERNELS} or None, got {kernel!r}.")
+        self.kernel = kernel
         self.rows: Optional[int] = None
+        self.packed_kernel: Optional[str] = None  # the kernel of the packs held
         self._packs: Dict[int, Tuple[weakref.ref, int, torch.Tensor]] = {}  # id(weight) -> (weight, version, pack)
+        self._chosen: Dict[Tuple[int, bool], Optional[str]] = {}  # (rows, unpacked allowed) -> kernel (None: as stored)
 
-    def pack(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
-        """``weight`` ``(N, K)`` packed for ``rows`` rows (made once per weight, version and row count)."""
-        if rows != self.rows:
+    def pack(self, weight: torch.Tensor, rows: int, kernel: str = "mkl") -> torch.Tensor:
+        """``weight`` ``(N, K)`` packed for ``rows`` rows and ``kernel`` (made once per weight, version, row count and
+        kernel)."""
+        if rows != self.rows or kernel != self.packed_kernel:
             self._packs.clear()
-            self.rows = rows
+            self.rows, self.packed_kernel = rows, kernel
         known = self._packs.get(id(weight))
         if known is not None and known[0]() is weight and known[1] == tensor_stamp(weight):
             return known[2]
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+        if kernel == "mkl":
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
         self._packs[id(weight)] = (weakref.ref(weight), tensor_stamp(weight), packed)
         return packed
 
     def clear(self) -> None:
         self._packs.clear()
-        self.rows = None
+        self.rows = self.packed_kernel = None
+
+    def choose(self, linears: List[nn.Linear], rows: int, default: Optional[str]) -> Optional[str]:
+        """The kernel for passes of ``rows`` rows: ``kernel`` where set, else the fastest of `available_kernels` (and
+        the weights as stored where ``default`` is ``None``) over three interleaved sweeps of ``linears``, kept for
+        the process; ``default`` unless another is `KERNEL_MARGIN` faster. Why time: which GEMM library is fastest
+        depends on the CPU (MKL on a Xeon, oneDNN 2-4x faster than it on an EPYC), not on anything torch reports."""
+        if self.kernel is not None:
+            return self.kernel
+        key = (rows, default is None)
+        if key not in self._chosen:
+            candidates = ([None] if default is None else []) + available_kernels()
+            seconds = {kernel: self.sweep_seconds(linears, rows, kernel) for kernel in candidates}
+            best = min(candidates, key=seconds.get)
+            self._chosen[key] = best if seconds[best] * KERNEL_MARGIN < seconds[default] else default
+            if self._chosen[key] != self.packed_kernel:  # keep the last timed packs only where they are the chosen ones
+                self.clear()
+        return self._chosen[key]
+
+    @torch.no_grad()
+    def sweep_seconds(self, linears: List[nn.Linear], rows: int, kernel: Optional[str]) -> float:
+        """The fastest of three sweeps of ``rows`` rows through every layer of ``linears`` on ``kernel``'s packs
+        (``None``: the weights as stored): the layers' weights stream from memory as in a pass."""
+        forwards = [self._forward(m, rows, kernel) for m in linears]  # one kernel's packs at a time
+        x = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for m, forward in zip(linears, forwards):
+                forward(x[m.in_features])
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def _forward(self, layer: nn.Linear, rows: int, kernel: Optional[str]):
+        if kernel is None:
+            return layer.forward
+        return _packed_forward(layer, self.pack(layer.weight, rows, kernel), rows, kernel)
 
     @contextlib.contextmanager
-    def applied(self, linears: List[nn.Linear], rows: int) -> Iterator[int]:
-        """While entered, ``linears`` (`packable_linears`) run on weights packed for ``rows`` rows (any other row
-        count takes MKL's GEMM on the weights as stored, inside the same op). Yields how many layers it routes."""
+    def applied(self, linears: List[nn.Linear], rows: int, kernel: str = "mkl") -> Iterator[int]:
+        """While entered, ``linears`` (`packable_linears`) run on weights packed for ``rows`` rows and ``kernel`` (with
+        MKL's, any other row count takes its GEMM on the weights as stored, inside the same op). Yields how many
+        layers it routes."""
         for m in linears:
-            m.forward = _packed_forward(m, self.pack(m.weight, rows), rows)
+            m.forward = self._forward(m, rows, kernel)
         try:
             yield len(linears)
         finally:
@@ -85,12 +158,14 @@ class PackedWeights:
                 m.__dict__.pop("forward", None)
 
 
-def _packed_forward(layer: nn.Linear, packed: torch.Tensor, rows: int):
+def _packed_forward(layer: nn.Linear, packed: torch.Tensor, rows: int, kernel: str):
     weight, bias = layer.weight, layer.bias
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):  # the packed op has no backward
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):  # the packed ops have no backward
             return nn.functional.linear(x, weight, bias)
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)  # (..., N); other row counts: the plain GEMM
+        if kernel == "mkl":
+            return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)  # (..., N); other row counts: the plain GEMM
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # (..., N)
 
     return forward
