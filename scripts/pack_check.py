@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""One eager target pass on weights as stored against the same pass on weights packed for MKL's GEMM
-(`pipe.pack_weights`), interleaved in one process, per number of rows and fed tokens: what packing saves on a
-whole pass (attention, norms and the code head included), beside ``scripts/cpu_gemm.py``'s single layer.
+"""One eager target pass on weights as stored against the same pass on weights packed for each GEMM kernel this torch
+has (MKL's and oneDNN's: `pipe.pack_weights`), interleaved in one process, per number of rows and fed tokens: what
+packing saves on a whole pass (attention, norms and the code head included), beside ``scripts/cpu_gemm.py``'s single
+layer, and the kernel `PackedWeights.choose` times fastest for the pipeline's default.
 
     python scripts/pack_check.py --threads 2 --shapes 1x9 2x9 4x1 4x9 --out docs/benchmarks/pack_check
 
@@ -14,6 +15,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as scripts/benchmark.py: before torch's OpenMP start-up
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -25,7 +27,8 @@ import spatial_pipelines  # noqa: E402
 from spatial_pipelines.cli import load_pipeline  # noqa: E402
 from spatial_pipelines.embedded import default_model_path  # noqa: E402
 from spatial_pipelines.pipelines import PassCost  # noqa: E402
-from spatial_pipelines.pipelines.packed_weights import PackedWeights, mkl_packing_available, packable_linears  # noqa: E402
+from spatial_pipelines.pipelines.generation import FREEZE_MIN_ROWS  # noqa: E402
+from spatial_pipelines.pipelines.packed_weights import PackedWeights, available_kernels, packable_linears  # noqa: E402
 
 
 def shape(text: str):
@@ -50,37 +53,39 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not mkl_packing_available():
-        raise SystemExit("pack_check: this torch build has no MKL packed GEMM (torch.ops.mkl._mkl_linear)")
+    kernels = available_kernels()
+    if not kernels:
+        raise SystemExit("pack_check: this torch build has neither MKL's nor oneDNN's packed GEMM")
     if args.threads:
         torch.set_num_threads(args.threads)
     pipe = load_pipeline(args.model or default_model_path(), torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     backbone = pipe.backbone
     packs, linears = PackedWeights(), packable_linears(backbone.target_module)
+    modes = ["as stored"] + kernels
     rows_out = []
     for rows, fed in args.shapes:
-        times = {"as stored": [], "packed": []}
+        times = {mode: [] for mode in modes}
         for rep in range(args.repeats):
-            for mode in (("as stored", "packed") if rep % 2 == 0 else ("packed", "as stored")):  # interleaved
+            for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:  # interleaved, each repeat one later
                 cost = PassCost(backbone, rows, repeats=1, warmup=1)  # a fresh cache each: filling it is untimed
-                if mode == "packed":
-                    with packs.applied(linears, rows * fed):
-                        times[mode].append(cost.measure([fed])[fed])
-                else:
+                with packs.applied(linears, rows * fed, mode) if mode != "as stored" else contextlib.nullcontext():
                     times[mode].append(cost.measure([fed])[fed])
-        ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-        rows_out.append({"rows": rows, "fed": fed, "ms_as_stored": ms["as stored"], "ms_packed": ms["packed"],
-                         "packed_over_as_stored": ms["packed"] / ms["as stored"]})
+        ms = {mode: 1e3 * statistics.median(v) for mode, v in times.items()}
+        default = None if rows * fed < FREEZE_MIN_ROWS else "mkl" if "mkl" in kernels else "onednn"
+        chosen = PackedWeights().choose(linears, rows * fed, default)
+        rows_out.append({"rows": rows, "fed": fed, "ms_as_stored": ms["as stored"],
+                         **{f"ms_{k}": ms[k] for k in kernels}, "chosen": chosen or "as stored"})
     report = {"model": args.model or "embedded twemoji_llamagen", "device": f"cpu ({platform.processor() or platform.machine()}, "
               f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')})",
               "command": " ".join(["pack_check.py"] + list(sys.argv[1:] if argv is None else argv)),
               "dtype": "float32", "repeats": args.repeats, "linear_layers": len(linears),
               "versions": {"spatial_pipelines": spatial_pipelines.__version__, "torch": torch.__version__},
               "shapes": rows_out}
-    lines = ["| rows x fed | ms / pass, as stored | ms / pass, packed | packed / as stored |", "|---|---:|---:|---:|"]
-    lines += [f"| {r['rows']} x {r['fed']} | {r['ms_as_stored']:.2f} | {r['ms_packed']:.2f} | {r['packed_over_as_stored']:.2f} |"
-              for r in rows_out]
+    lines = ["| rows x fed | ms / pass, as stored | " + " | ".join(f"ms / pass, {k}" for k in kernels) + " | timed choice |",
+             "|---|---:|" + "---:|" * len(kernels) + "---|"]
+    lines += [f"| {r['rows']} x {r['fed']} | {r['ms_as_stored']:.2f} | " + " | ".join(f"{r[f'ms_{k}']:.2f}" for k in kernels)
+              + f" | {r['chosen']} |" for r in rows_out]
     print("\n".join(lines))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

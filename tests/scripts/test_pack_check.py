@@ -1,4 +1,4 @@
-"""scripts/pack_check.py: every shape timed as stored and packed, and the report (device, versions, command, settings,
+"""scripts/pack_check.py: every shape timed as stored and on each packed kernel, the timed choice, and the report (device, versions, command, settings,
 milliseconds per pass)."""
 
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 
 from helpers import run_script
-from spatial_pipelines.pipelines.packed_weights import mkl_packing_available
+from spatial_pipelines.pipelines.packed_weights import available_kernels
 
-pytestmark = pytest.mark.skipif(not mkl_packing_available(), reason="the packed GEMM is MKL's")
+pytestmark = pytest.mark.skipif(not available_kernels(), reason="the packed GEMMs are MKL's and oneDNN's")
 
 
 def test_every_shape_is_timed_both_ways_and_reported(tmp_path):
@@ -17,7 +17,8 @@ def test_every_shape_is_timed_both_ways_and_reported(tmp_path):
     assert report["device"].startswith("cpu") and report["versions"]["torch"] and report["dtype"] == "float32"
     assert report["command"].startswith("pack_check.py --shapes 1x3 2x5") and report["linear_layers"] > 0
     assert [(r["rows"], r["fed"]) for r in report["shapes"]] == [(1, 3), (2, 5)]
-    assert all(r["ms_as_stored"] > 0 and r["ms_packed"] > 0 for r in report["shapes"])
+    assert all(r["ms_as_stored"] > 0 and all(r[f"ms_{k}"] > 0 for k in available_kernels()) for r in report["shapes"])
+    assert all(r["chosen"] in ["as stored"] + available_kernels() for r in report["shapes"])
     assert "| 2 x 5 |" in done.stdout
 
 

@@ -36,10 +36,12 @@ class LoopSettingsMixin:
 
     @property
     def pack_weights(self) -> Optional[bool]:
-        """Whether eager rounds on a CPU run the target's float32 linear layers on weights packed for MKL's GEMM at the
-        pass's row count (rows x slots), as a compiled round does with ``freeze_weights`` (`enable_compile`). ``None``
-        (default): for passes of `FREEZE_MIN_ROWS` (4) rows or more, where packing pays (MKL's GEMM on the weights as
-        stored costs 2-3x as much there on a 2-core Xeon), while the packed copy fits in half the free memory;
+        """Whether eager rounds on a CPU run the target's float32 linear layers on weights packed for MKL's or oneDNN's
+        GEMM at the pass's row count (rows x slots), as a compiled round does with ``freeze_weights`` (`enable_compile`).
+        ``None`` (default): MKL's packs for passes of `FREEZE_MIN_ROWS` (4) rows or more (its GEMM on the weights as
+        stored costs 2-3x as much there on a 2-core Xeon) and the weights as stored below, unless another kernel is
+        timed at least 1.25x faster on this machine, once per row count (`PackedWeights.choose`: oneDNN's on an AMD
+        EPYC, at every row count), while the packed copy fits in half the free memory;
         ``True``: every eager round (a `ValueError` at the call where the target has no float32 linear layer on a CPU);
         ``False``: never. The packed copy (about the target's float32 size resident; MKL reserves 8 MiB more a
         layer, mostly never touched) is kept for the next call of the same row count and packed again once a weight

@@ -2,8 +2,9 @@
 inductor's ``freezing`` does inside a compiled round (`GenerationLoop.freezes_weights`), for the rounds that run
 eagerly. Why: on weights as stored MKL's GEMM leaves its few-row kernel at 4 rows and costs 2-3x as much as on packed
 weights from there (a 2-core Xeon, `scripts/cpu_gemm.py`), and a speculative round feeds rows x slots rows; on an AMD
-EPYC (Zen 4) MKL's float32 GEMM streams the weights at a quarter of the memory bandwidth at any row count, where
-oneDNN's on its own packed weights reaches it (`scripts/cpu_gemm.py`), so the kernel is timed on each machine."""
+EPYC (Zen 4) MKL's float32 GEMM streams the weights at a fraction of the memory bandwidth at any row count, where
+oneDNN's on its packed weights takes a half to a quarter of the time (`scripts/pack_check.py`): so each machine
+times the kernels (`PackedWeights.choose`)."""
 
 import contextlib
 import time
@@ -34,14 +35,10 @@ def mkl_packing_available() -> bool:
     return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
-def onednn_packing_available() -> bool:
-    """Whether this torch build has oneDNN's packed linear (``torch.ops.mkldnn._linear_pointwise``)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
 def available_kernels() -> List[str]:
     """The packed kernels of `KERNELS` this torch build has."""
-    return [k for k, ok in zip(KERNELS, (mkl_packing_available(), onednn_packing_available())) if ok]
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return [k for k, ok in zip(KERNELS, (mkl_packing_available(), onednn)) if ok]
 
 
 def packable_linears(*modules: nn.Module) -> List[nn.Linear]:
