@@ -17,13 +17,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as scripts/benchmark.py: b
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
 
 import spatial_pipelines  # noqa: E402
+from keyed_noise_cost import cpu_name  # noqa: E402
 from spatial_pipelines.cli import load_pipeline  # noqa: E402
 from spatial_pipelines.embedded import default_model_path  # noqa: E402
 from spatial_pipelines.pipelines import PassCost  # noqa: E402
@@ -76,7 +76,7 @@ def main(argv=None):
         chosen = PackedWeights().choose(linears, rows * fed, default)
         rows_out.append({"rows": rows, "fed": fed, "ms_as_stored": ms["as stored"],
                          **{f"ms_{k}": ms[k] for k in kernels}, "chosen": chosen or "as stored"})
-    report = {"model": args.model or "embedded twemoji_llamagen", "device": f"cpu ({platform.processor() or platform.machine()}, "
+    report = {"model": args.model or "embedded twemoji_llamagen", "device": f"cpu ({cpu_name()}, "
               f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')})",
               "command": " ".join(["pack_check.py"] + list(sys.argv[1:] if argv is None else argv)),
               "dtype": "float32", "repeats": args.repeats, "linear_layers": len(linears),
