@@ -212,15 +212,16 @@ class GenerationLoop:
                              f"{'' if available_kernels() else ' and this torch build has neither MKL nor oneDNN'}: leave it None.")
 
     def packed_weights(self, rows: int) -> ContextManager:
-        """While entered, the eager target's float32 linear layers on a CPU run on weights packed for MKL's or oneDNN's
-        GEMM at ``rows`` rows per pass (`PackedWeights`, the kernel timed on this machine): where `pack_weights` is
+        """While entered, the eager target's (and a drafter's) float32 linear layers on a CPU run on weights packed for
+        MKL's or oneDNN's GEMM at ``rows`` rows per pass (`PackedWeights`, the kernel timed on this machine): where `pack_weights` is
         ``True``, or ``None`` and the packed copy fits in half the free memory and the timed kernel beats the default
         (MKL's packs from `FREEZE_MIN_ROWS` rows, the weights as stored below). Never on a compiled target (its rounds
         freeze their own: `freezes_weights`)."""
         setting = self.pack_weights_setting
         if setting is False or self.is_compiled or not available_kernels():
             return contextlib.nullcontext()
-        linears = packable_linears(*self.backbone.round_modules)  # none off the CPU or below float32
+        heads = [self.draft_heads] if isinstance(self.draft_heads, torch.nn.Module) else []  # EAGLE-2's drafter block
+        linears = packable_linears(*self.backbone.round_modules, *heads)  # none off the CPU or below float32
         if not linears or (setting is None and self.packs.rows != rows and not fits_in_memory(linears)):
             self.packs.clear()
             return contextlib.nullcontext()
@@ -285,7 +286,10 @@ class GenerationLoop:
         # a graph per fed size and attended length (`attend_buckets`): swapping decoders passes dynamo's default of 8
         # graphs per function, past which it would fail (fullgraph) or run eagerly without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        eager = PassCost(backbone, rows, repeats=5, warmup=1).measure(sizes) if measure else {}
+        eager = {}
+        for size in sizes if measure else ():  # on the weights eager rounds of that size run on (`packed_weights`)
+            with self.packed_weights(rows * size):
+                eager.update(PassCost(backbone, rows, repeats=5, warmup=1).measure([size]))
         module.compile(**options)
         module._spatial_compile_mode = mode  # read by `uses_cuda_graphs`
         module._spatial_compile_options = options  # device rounds compile with the same (`_compiled_device_round`)
