@@ -27,7 +27,6 @@ from keyed_noise_cost import cpu_name  # noqa: E402
 from spatial_pipelines.cli import load_pipeline  # noqa: E402
 from spatial_pipelines.embedded import default_model_path  # noqa: E402
 from spatial_pipelines.pipelines import PassCost  # noqa: E402
-from spatial_pipelines.pipelines.generation import FREEZE_MIN_ROWS  # noqa: E402
 from spatial_pipelines.pipelines.packed_weights import PackedWeights, available_kernels, packable_linears  # noqa: E402
 
 
@@ -72,8 +71,7 @@ def main(argv=None):
                 with packs.applied(linears, rows * fed, mode) if mode != "as stored" else contextlib.nullcontext():
                     times[mode].append(cost.measure([fed])[fed])
         ms = {mode: 1e3 * statistics.median(v) for mode, v in times.items()}
-        default = None if rows * fed < FREEZE_MIN_ROWS else "mkl" if "mkl" in kernels else "onednn"
-        chosen = PackedWeights().choose(linears, rows * fed, default)
+        chosen = pipe.loop.pack_kernel(linears, rows * fed)  # what the pipeline's eager rounds would run on
         rows_out.append({"rows": rows, "fed": fed, "ms_as_stored": ms["as stored"],
                          **{f"ms_{k}": ms[k] for k in kernels}, "chosen": chosen or "as stored"})
     report = {"model": args.model or "embedded twemoji_llamagen", "device": f"cpu ({cpu_name()}, "

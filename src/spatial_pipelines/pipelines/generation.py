@@ -225,10 +225,15 @@ class GenerationLoop:
         if not linears or (setting is None and self.packs.rows != rows and not fits_in_memory(linears)):
             self.packs.clear()
             return contextlib.nullcontext()
-        # the default is the measured Xeon rule (MKL's packs from FREEZE_MIN_ROWS rows); a kernel timed faster here wins
-        default = None if setting is None and rows < FREEZE_MIN_ROWS else "mkl" if mkl_packing_available() else "onednn"
-        kernel = self.packs.choose(linears, rows, default)
+        kernel = self.pack_kernel(linears, rows)
         return contextlib.nullcontext() if kernel is None else self.packs.applied(linears, rows, kernel)
+
+    def pack_kernel(self, linears: list, rows: int) -> Optional[str]:
+        """The kernel eager passes of ``rows`` rows run ``linears`` on (``None``: the weights as stored): the measured
+        Xeon rule (MKL's packs from `FREEZE_MIN_ROWS` rows, or at any row count with ``pack_weights=True``) unless
+        `PackedWeights.choose` times another faster on this machine."""
+        unpacked = self.pack_weights_setting is None and rows < FREEZE_MIN_ROWS
+        return self.packs.choose(linears, rows, None if unpacked else "mkl" if mkl_packing_available() else "onednn")
 
     def _device_stats(self, loop: DeviceLoop, rounds: int, batch_size: int) -> DecodingStats:
         """What a device generation cost: one host read of the per-pass accepted lengths, after the last round."""

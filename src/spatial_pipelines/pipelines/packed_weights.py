@@ -83,7 +83,7 @@ class PackedWeights:
         self.rows: Optional[int] = None
         self.packed_kernel: Optional[str] = None  # the kernel of the packs held
         self._packs: Dict[int, Tuple[weakref.ref, int, torch.Tensor]] = {}  # id(weight) -> (weight, version, pack)
-        self._chosen: Dict[Tuple[int, bool], Optional[str]] = {}  # (rows, unpacked allowed) -> kernel (None: as stored)
+        self._chosen: Dict[Tuple[int, Optional[str]], Optional[str]] = {}  # (rows, default) -> kernel (None: as stored)
 
     def pack(self, weight: torch.Tensor, rows: int, kernel: str = "mkl") -> torch.Tensor:
         """``weight`` ``(N, K)`` packed for ``rows`` rows and ``kernel`` (made once per weight, version, row count and
@@ -107,12 +107,12 @@ class PackedWeights:
 
     def choose(self, linears: List[nn.Linear], rows: int, default: Optional[str]) -> Optional[str]:
         """The kernel for passes of ``rows`` rows: ``kernel`` where set, else the fastest of `available_kernels` (and
-        the weights as stored where ``default`` is ``None``) over three interleaved sweeps of ``linears``, kept for
-        the process; ``default`` unless another is `KERNEL_MARGIN` faster. Why time: which GEMM library is fastest
+        the weights as stored where ``default`` is ``None``) by `sweep_seconds` over ``linears``, timed once per row
+        count and default; ``default`` unless another is `KERNEL_MARGIN` faster. Why time: which GEMM library is fastest
         depends on the CPU (MKL on a Xeon, oneDNN 2-4x faster than it on an EPYC), not on anything torch reports."""
         if self.kernel is not None:
             return self.kernel
-        key = (rows, default is None)
+        key = (rows, default)
         if key not in self._chosen:
             candidates = ([None] if default is None else []) + available_kernels()
             seconds = {kernel: self.sweep_seconds(linears, rows, kernel) for kernel in candidates}
