@@ -97,11 +97,70 @@ def test_no_packing_where_the_copy_would_not_fit(monkeypatch):
 
 
 @needs_mkl
-def test_no_packing_on_a_compiled_target():
+def test_no_packing_on_a_compiled_target_but_onednn_packs_in_frozen_rounds():
     pipe = _pipe()
     pipe.enable_compile(backend="eager", measure=False)
     with pipe.loop.packed_weights(18) as routed:
         assert routed is None  # its rounds freeze their own weights (`freeze_weights`)
+    pipe.loop.packs.kernel = "onednn"
+    with pipe.loop.packed_weights(18) as routed:
+        assert routed is None  # not frozen (backend "eager"): no graph could hold the packs as constants
+    pipe.enable_compile(measure=False)
+    linears = len(packable_linears(*pipe.loop.backbone.round_modules))  # counted before their forwards are routed
+    with pipe.loop.packed_weights(18) as routed:
+        assert routed == linears > 0
+
+
+needs_onednn = pytest.mark.skipif("onednn" not in packed_weights.available_kernels(),
+                                  reason="oneDNN's packed GEMM needs a torch build with oneDNN")
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_compiled_rounds_on_onednn_packs_give_the_eager_codes_without_recompiling():
+    """Where oneDNN's packs are the kernel, inductor's rounds hold them as frozen constants (inductor packs float32
+    for MKL only): greedy AR and SJD on one pipeline (2 and 8 rows a pass, one pack for both) give the eager grid token
+    for token, later calls of either compile nothing and run the packed GEMMs inside the graph, and a weight changed
+    in place is followed."""
+    from spatial_pipelines.pipelines.round_counts import count_rounds
+
+    ar, sjd = AutoregressiveDecoder(), JacobiDecoder(window_size=3)
+    pipe = _pipe(ar)
+    prompts, kwargs = ["a fox", "x"], dict(guidance_scale=2.0, temperature=0, output_type="latent")
+    ref = pipe(prompts, **kwargs).tokens
+    pipe.loop.packs.kernel = "onednn"
+    pipe.enable_compile(measure=False)
+    for decoder in (ar, sjd):
+        pipe.decoder = decoder
+        tokens, calls = _packed_calls(pipe, prompts, **kwargs)
+        assert tokens.equal(ref) and calls > 0
+    packs = dict(pipe.loop.packs._packs)
+    for decoder in (ar, sjd, ar):  # the row count changes between calls: the same packs, the same graphs
+        pipe.decoder = decoder
+        with torch._dynamo.config.patch(error_on_recompile=True), count_rounds(pipe) as counts:
+            assert pipe(["a quiet sea", "x"], **kwargs).tokens.shape == ref.shape
+        assert counts.recompiles == 0 and counts.compiled_calls == counts.rounds > 0
+        assert counts.eager_ops_per_round <= 10, counts.as_dict()
+    assert {k: v[2] for k, v in pipe.loop.packs._packs.items()} == {k: v[2] for k, v in packs.items()}
+    with torch.no_grad():  # in place, as `load_state_dict` or a merged adapter would
+        head = pipe.transformer.output.weight
+        head.copy_(torch.roll(head, 1, dims=0))
+    changed = pipe(prompts, **kwargs).tokens
+    pipe.disable_compile()
+    eager = pipe(prompts, **kwargs).tokens
+    assert not eager.equal(ref) and changed.equal(eager)
+    assert not any("forward" in m.__dict__ for m in pipe.transformer.modules())
+
+
+@needs_onednn
+def test_timing_kernels_at_a_new_row_count_keeps_the_packs_in_use(monkeypatch):
+    """`choose` times every kernel on packs of its own: the oneDNN packs in use (held as constants by frozen compiled
+    rounds, whose graphs guard on them) stay the same tensors, so switching decoders recompiles nothing."""
+    monkeypatch.setattr(PackedWeights, "choose", _timed_choose)
+    packs, layers = PackedWeights(), [torch.nn.Linear(16, 32) for _ in range(3)]
+    held = [packs.pack(m.weight, 2, "onednn") for m in layers]
+    packs.choose(layers, 18, default="mkl" if "mkl" in packed_weights.available_kernels() else "onednn")
+    assert all(packs.pack(m.weight, 18, "onednn") is h for m, h in zip(layers, held))
 
 
 @needs_mkl
@@ -121,6 +180,10 @@ def test_packs_are_made_once_per_weight_version_and_row_count():
     assert packs.rows == 6 and len(packs._packs) == 1  # another row count drops the old packs
     x = torch.randn(6, 6)
     assert torch.allclose(torch.ops.mkl._mkl_linear(x, packs.pack(weight, 6), weight, None, 6), x @ weight.T, atol=1e-5)
+    if "onednn" in packed_weights.available_kernels():  # oneDNN's pack serves every row count: kept across them
+        onednn = packs.pack(weight, 5, "onednn")
+        assert packs.pack(weight, 6, "onednn") is onednn and packs.rows is None and len(packs._packs) == 1
+        assert torch.allclose(torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""), x @ weight.T, atol=1e-5)
 
 
 @needs_mkl

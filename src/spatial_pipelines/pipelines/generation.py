@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -187,21 +187,31 @@ class GenerationLoop:
                 view = RoundView(loop, slowest)
                 hooks.rounds_known(index + 1 + (0 if view.finished else 1))
                 hooks.on_round(index, view)
-        # inductor reads `freezing` when it compiles a graph, which any round of a new shape may do: set once per call
-        frozen = self.freezes_weights(loop) and isinstance(loop.round_fn, CompiledRound)
-        storage = loop.cache.storage  # (2, L, R, S, ...): R rows, each feeding `loop.fed` slots a pass
-        on_cpu = storage.device.type == "cpu"  # eager rounds there run on packed weights (`packed_weights` decides)
-        with torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
-            with self.packed_weights(storage.shape[2] * loop.fed) if on_cpu else contextlib.nullcontext():
-                return loop.run(on_sync, on_round, hooks.interrupted)
+        rows = loop.cache.storage.shape[2] * loop.fed  # storage (2, L, R, S, ...): R rows, each feeding `loop.fed` slots
+        with self.round_weights(rows, isinstance(loop.round_fn, CompiledRound), self.freezes_weights(rows, loop.cache.storage.dtype)):
+            return loop.run(on_sync, on_round, hooks.interrupted)
 
-    def freezes_weights(self, loop: DeviceLoop) -> bool:
-        """Whether ``loop``'s compiled rounds fold the weights into their graphs (`compile`'s ``freeze_weights``)."""
-        setting = getattr(self.backbone.target_module, "_spatial_freeze_weights", False)
+    @contextlib.contextmanager
+    def round_weights(self, rows: int, compiled: bool, freeze: bool) -> Iterator[None]:
+        """While entered, passes of ``rows`` rows run on the weights `packed_weights` gives them; compiled ones fold
+        the weights into their graphs where ``freeze`` says so or where oneDNN's packs are routed (they are graph
+        constants only there). Inductor reads `freezing` when it compiles a graph, which any round of a new shape may
+        do: so it is set for the whole call."""
+        on_cpu = next(self.backbone.target_module.parameters()).device.type == "cpu"
+        with self.packed_weights(rows) if on_cpu else contextlib.nullcontext():
+            frozen = compiled and (freeze or self.packs.active == "onednn")
+            with torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
+                yield
+
+    def freezes_weights(self, rows: int, dtype: Optional[torch.dtype] = None) -> bool:
+        """Whether compiled rounds of ``rows`` rows a pass in ``dtype`` (default: the target's) fold the weights into
+        their graphs (`compile`'s ``freeze_weights``; `round_weights` adds the rounds on oneDNN's packs)."""
+        module = self.backbone.target_module
+        setting = getattr(module, "_spatial_freeze_weights", False)
         if setting is not None:
             return bool(setting)
-        storage = loop.cache.storage  # (2, L, R, S, ...): R rows
-        return storage.device.type == "cpu" and storage.dtype == torch.float32 and storage.shape[2] * loop.fed >= FREEZE_MIN_ROWS
+        param = next(module.parameters())
+        return param.device.type == "cpu" and (dtype or param.dtype) == torch.float32 and rows >= FREEZE_MIN_ROWS
 
     def check_pack_weights(self) -> None:
         """`pack_weights=True` where nothing can be packed is a `ValueError`, before any work."""
@@ -215,10 +225,12 @@ class GenerationLoop:
         """While entered, the eager target's (and a drafter's) float32 linear layers on a CPU run on weights packed for
         MKL's or oneDNN's GEMM at ``rows`` rows per pass (`PackedWeights`, the kernel timed on this machine): where `pack_weights` is
         ``True``, or ``None`` and the packed copy fits in half the free memory and the timed kernel beats the default
-        (MKL's packs from `FREEZE_MIN_ROWS` rows, the weights as stored below). Never on a compiled target (its rounds
-        freeze their own: `freezes_weights`)."""
+        (MKL's packs from `FREEZE_MIN_ROWS` rows, the weights as stored below). On a compiled target only oneDNN's packs,
+        which its frozen rounds hold as constants (`round_weights`), and not with ``freeze_weights=False``: inductor's
+        ``freezing`` packs float32 for MKL itself."""
         setting = self.pack_weights_setting
-        if setting is False or self.is_compiled or not available_kernels():
+        module = self.backbone.target_module
+        if setting is False or not available_kernels() or (self.is_compiled and getattr(module, "_spatial_freeze_weights", False) is False):
             return contextlib.nullcontext()
         heads = [self.draft_heads] if isinstance(self.draft_heads, torch.nn.Module) else []  # EAGLE-2's drafter block
         linears = packable_linears(*self.backbone.round_modules, *heads)  # none off the CPU or below float32
@@ -226,7 +238,8 @@ class GenerationLoop:
             self.packs.clear()
             return contextlib.nullcontext()
         kernel = self.pack_kernel(linears, rows)
-        return contextlib.nullcontext() if kernel is None else self.packs.applied(linears, rows, kernel)
+        routed = kernel == "onednn" or (kernel is not None and not self.is_compiled)
+        return self.packs.applied(linears, rows, kernel) if routed else contextlib.nullcontext()
 
     def pack_kernel(self, linears: list, rows: int) -> Optional[str]:
         """The kernel eager passes of ``rows`` rows run ``linears`` on (``None``: the weights as stored): the measured
@@ -299,7 +312,10 @@ class GenerationLoop:
         module._spatial_compile_mode = mode  # read by `uses_cuda_graphs`
         module._spatial_compile_options = options  # device rounds compile with the same (`_compiled_device_round`)
         module._spatial_freeze_weights = freeze_weights if backend == "inductor" else False  # read by `freezes_weights`
-        compiled = PassCost(backbone, rows, repeats=5, warmup=2, compiled=True, fixed_shape=True).measure(sizes) if measure else {}
+        compiled = {}
+        for size in sizes if measure else ():  # on the weights compiled rounds of that size run on (`round_weights`)
+            with self.round_weights(rows * size, compiled=True, freeze=False):
+                compiled.update(PassCost(backbone, rows, repeats=5, warmup=2, compiled=True, fixed_shape=True).measure([size]))
         # the passes alone: a compiled round also drops the eager ops around its pass, which this does not time
         kept_by_default = not measure or sum(compiled.values()) <= (1 + COMPILE_TOLERANCE) * sum(eager.values())
         enabled = keep_if_slower or kept_by_default

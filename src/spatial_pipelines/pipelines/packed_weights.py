@@ -1,10 +1,10 @@
-"""Eager rounds on a CPU with the target's linear layers on weights packed for a GEMM library (`PackedWeights`): what
-inductor's ``freezing`` does inside a compiled round (`GenerationLoop.freezes_weights`), for the rounds that run
-eagerly. Why: on weights as stored MKL's GEMM leaves its few-row kernel at 4 rows and costs 2-3x as much as on packed
-weights from there (a 2-core Xeon, `scripts/cpu_gemm.py`), and a speculative round feeds rows x slots rows; on an AMD
-EPYC (Zen 4) MKL's float32 GEMM streams the weights at a fraction of the memory bandwidth at any row count, where
-oneDNN's on its packed weights takes a half to a quarter of the time (`scripts/pack_check.py`): so each machine
-times the kernels (`PackedWeights.choose`)."""
+"""Linear layers on a CPU on weights packed for a GEMM library (`PackedWeights`). Eager rounds get what inductor's
+``freezing`` does inside a compiled round (`GenerationLoop.freezes_weights`); compiled rounds get oneDNN's packs as
+graph constants where they are the timed kernel (inductor packs float32 for MKL only). Why: on weights as stored MKL's
+GEMM leaves its few-row kernel at 4 rows and costs 2-3x as much as on packed weights from there (a 2-core Xeon,
+`scripts/cpu_gemm.py`), and a speculative round feeds rows x slots rows; on an AMD EPYC (Zen 4) MKL's float32 GEMM
+streams the weights at a fraction of the memory bandwidth at any row count, where oneDNN's on its packed weights takes
+a half to a quarter of the time (`scripts/pack_check.py`): so each machine times the kernels (`PackedWeights.choose`)."""
 
 import contextlib
 import time
@@ -66,10 +66,10 @@ def fits_in_memory(linears: List[nn.Linear]) -> bool:
 
 
 class PackedWeights:
-    """Packed copies of linear weights for one number of rows fed per pass and one kernel (`KERNELS`), kept while each
-    weight keeps its `tensor_stamp` (a weight changed in place, by ``load_state_dict``, an optimiser step or a cast
-    there and back, is packed again) and dropped when the row count or kernel changes: at most one packed copy of the
-    target beside its weights.
+    """Packed copies of linear weights for one kernel (`KERNELS`; MKL's for one number of rows fed per pass, oneDNN's
+    for any), kept while each weight keeps its `tensor_stamp` (a weight changed in place, by ``load_state_dict``, an
+    optimiser step or a cast there and back, is packed again) and dropped when the kernel or MKL's row count changes:
+    at most one packed copy of the target beside its weights (and, while `choose` times another kernel, that kernel's).
 
     Args:
         kernel (`str`, *optional*): ``"mkl"`` or ``"onednn"`` for every pass, at any row count; ``None`` (default):
@@ -82,27 +82,28 @@ class PackedWeights:
         self.kernel = kernel
         self.rows: Optional[int] = None
         self.packed_kernel: Optional[str] = None  # the kernel of the packs held
+        self.active: Optional[str] = None  # the kernel `applied` routes through while entered
         self._packs: Dict[int, Tuple[weakref.ref, int, torch.Tensor]] = {}  # id(weight) -> (weight, version, pack)
+        self._forwards: Dict[int, Tuple[weakref.ref, torch.Tensor, object]] = {}  # id(layer) -> (layer, pack, forward)
         self._chosen: Dict[Tuple[int, Optional[str]], Optional[str]] = {}  # (rows, default) -> kernel (None: as stored)
 
     def pack(self, weight: torch.Tensor, rows: int, kernel: str = "mkl") -> torch.Tensor:
-        """``weight`` ``(N, K)`` packed for ``rows`` rows and ``kernel`` (made once per weight, version, row count and
-        kernel)."""
+        """``weight`` ``(N, K)`` packed for ``rows`` rows and ``kernel`` (made once per weight, version, kernel and, for
+        MKL's, row count)."""
+        rows = rows if kernel == "mkl" else None  # oneDNN's pack serves any row count as fast as one made for it
         if rows != self.rows or kernel != self.packed_kernel:
-            self._packs.clear()
+            self.clear()
             self.rows, self.packed_kernel = rows, kernel
         known = self._packs.get(id(weight))
         if known is not None and known[0]() is weight and known[1] == tensor_stamp(weight):
             return known[2]
-        if kernel == "mkl":
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
-        else:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        packed = _packed(weight, rows, kernel)
         self._packs[id(weight)] = (weakref.ref(weight), tensor_stamp(weight), packed)
         return packed
 
     def clear(self) -> None:
         self._packs.clear()
+        self._forwards.clear()
         self.rows = self.packed_kernel = None
 
     def choose(self, linears: List[nn.Linear], rows: int, default: Optional[str]) -> Optional[str]:
@@ -118,15 +119,17 @@ class PackedWeights:
             seconds = {kernel: self.sweep_seconds(linears, rows, kernel) for kernel in candidates}
             best = min(candidates, key=seconds.get)
             self._chosen[key] = best if seconds[best] * KERNEL_MARGIN < seconds[default] else default
-            if self._chosen[key] != self.packed_kernel:  # keep the last timed packs only where they are the chosen ones
-                self.clear()
         return self._chosen[key]
 
     @torch.no_grad()
     def sweep_seconds(self, linears: List[nn.Linear], rows: int, kernel: Optional[str]) -> float:
         """The fastest of three sweeps of ``rows`` rows through every layer of ``linears`` on ``kernel``'s packs
         (``None``: the weights as stored): the layers' weights stream from memory as in a pass."""
-        forwards = [self._forward(m, rows, kernel) for m in linears]  # one kernel's packs at a time
+        # the held packs where they are ``kernel``'s, else a copy made for the sweep alone: timing another kernel
+        # never replaces the packs (and so the frozen compiled rounds holding them) of the one in use
+        held = kernel is None or (kernel == self.packed_kernel and self.rows == (rows if kernel == "mkl" else None))
+        forwards = [self._forward(m, rows, kernel) if held else _packed_forward(m, _packed(m.weight, rows, kernel), rows, kernel)
+                    for m in linears]
         x = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
         best = float("inf")
         for _ in range(3):
@@ -139,20 +142,33 @@ class PackedWeights:
     def _forward(self, layer: nn.Linear, rows: int, kernel: Optional[str]):
         if kernel is None:
             return layer.forward
-        return _packed_forward(layer, self.pack(layer.weight, rows, kernel), rows, kernel)
+        packed = self.pack(layer.weight, rows, kernel)
+        known = self._forwards.get(id(layer))
+        if known is None or known[0]() is not layer or known[1] is not packed:
+            # the same function while the pack stands: dynamo guards a compiled round on each layer's forward
+            known = self._forwards[id(layer)] = (weakref.ref(layer), packed, _packed_forward(layer, packed, rows, kernel))
+        return known[2]
 
     @contextlib.contextmanager
     def applied(self, linears: List[nn.Linear], rows: int, kernel: str = "mkl") -> Iterator[int]:
         """While entered, ``linears`` (`packable_linears`) run on weights packed for ``rows`` rows and ``kernel`` (with
-        MKL's, any other row count takes its GEMM on the weights as stored, inside the same op). Yields how many
-        layers it routes."""
+        MKL's, any other row count takes its GEMM on the weights as stored, inside the same op), and `active` is
+        ``kernel``. Yields how many layers it routes."""
         for m in linears:
             m.forward = self._forward(m, rows, kernel)
+        self.active = kernel
         try:
             yield len(linears)
         finally:
+            self.active = None
             for m in linears:
                 m.__dict__.pop("forward", None)
+
+
+def _packed(weight: torch.Tensor, rows: Optional[int], kernel: str) -> torch.Tensor:
+    if kernel == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # (a row hint of 1 makes a slower pack)
 
 
 def _packed_forward(layer: nn.Linear, packed: torch.Tensor, rows: int, kernel: str):
