@@ -70,9 +70,8 @@ def frechet_distance(features_a: torch.Tensor, features_b: torch.Tensor) -> floa
     return float(max(fd, 0.0))
 
 
-def retrieval_accuracy(
-    generated: torch.Tensor, prompts: Sequence[str], real: torch.Tensor, real_captions: Sequence[str], ks=(1, 5)
-) -> Dict[str, float]:
+def retrieval_accuracy(generated: torch.Tensor, prompts: Sequence[str], real: torch.Tensor,
+                       real_captions: Sequence[str], ks=(1, 5)) -> Dict[str, float]:
     """Share of generated images whose ``k`` nearest real images (cosine similarity of features) include one
     captioned with the image's prompt."""
     sims = F.normalize(generated.float(), dim=1) @ F.normalize(real.float(), dim=1).T  # (G, R)

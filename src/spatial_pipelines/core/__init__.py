@@ -3,13 +3,7 @@
 from .contracts import DRAFTER, HEADS_KINDS, LATENT, OFFSET_LOGITS, HeadsNeed, HeadsProvide, check_heads
 from .kv_cache import KVCache, StaticKVCache
 from .layout import ImageTokenLayout
-from .sampling import (
-    SamplingConfig,
-    apply_top_k,
-    apply_top_p,
-    cfg_mix,
-    logits_to_probs,
-)
+from .sampling import SamplingConfig, apply_top_k, apply_top_p, cfg_mix, logits_to_probs
 
 __all__ = [
     "DRAFTER",

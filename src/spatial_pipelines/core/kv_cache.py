@@ -82,19 +82,9 @@ class StaticKVCache:
             the pipeline's caches (a multiple of 256 slots) every generation then ends in the last length.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        batch_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_length: int,
-        dtype: torch.dtype = torch.float32,
-        device: Optional[torch.device] = None,
-        fixed_shape: bool = False,
-        attend_buckets: int = 4,
-        min_attend_step: int = 256,
-    ):
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, max_length: int,
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, fixed_shape: bool = False,
+                 attend_buckets: int = 4, min_attend_step: int = 256):
         if not isinstance(attend_buckets, int) or isinstance(attend_buckets, bool) or attend_buckets < 1:
             raise ValueError(f"`attend_buckets` must be an int >= 1, got {attend_buckets!r}.")
         # one tensor for every layer's keys and values, so compacting an accepted path is one gather and one copy

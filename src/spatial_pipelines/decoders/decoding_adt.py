@@ -112,19 +112,9 @@ class ADTTreeDecoder(EagleDecoder):
     short_name = "adt"  # the CLI's and benchmark specs' name (`DECODERS`)
 
     @register_to_config
-    def __init__(
-        self,
-        depth: int = 5,
-        top_k: int = 8,
-        num_draft_tokens: Union[int, str, None] = None,
-        tree_init: str = "horizontal",
-        beta: float = 1.0,
-        depth_step: int = 1,
-        width_step: int = 10,
-        depth_range: tuple = (1, 10),
-        width_range: tuple = (3, 40),
-        acceptance: AcceptanceLike = "exact",
-    ):
+    def __init__(self, depth: int = 5, top_k: int = 8, num_draft_tokens: Union[int, str, None] = None,
+                 tree_init: str = "horizontal", beta: float = 1.0, depth_step: int = 1, width_step: int = 10,
+                 depth_range: tuple = (1, 10), width_range: tuple = (3, 40), acceptance: AcceptanceLike = "exact"):
         check_choice("tree_init", tree_init, ADT_INITS)
         check_number("beta", beta, 0)
         check_int("depth_step", depth_step, 0)

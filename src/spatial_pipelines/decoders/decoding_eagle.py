@@ -227,13 +227,8 @@ class EagleDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     default_draft_size = 60  # EAGLE-2's released setting (60 draft tokens per round)
 
     @register_to_config
-    def __init__(
-        self,
-        depth: int = 5,
-        top_k: int = 8,
-        num_draft_tokens: Union[int, str, None] = None,
-        acceptance: AcceptanceLike = "exact",
-    ):
+    def __init__(self, depth: int = 5, top_k: int = 8, num_draft_tokens: Union[int, str, None] = None,
+                 acceptance: AcceptanceLike = "exact"):
         super().__init__()
         check_int("depth", depth)
         check_int("top_k", top_k)

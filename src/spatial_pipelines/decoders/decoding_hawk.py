@@ -114,14 +114,8 @@ class HawkDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     default_draft_size = 32  # on a GPU a pass over 1-256 tokens costs one AR step (docs/performance.md)
 
     @register_to_config
-    def __init__(
-        self,
-        num_horizontal_heads: int = 4,
-        vertical_speculation_depth: int = 2,
-        top_k: int = 2,
-        num_draft_tokens: Union[int, str, None] = None,
-        acceptance: AcceptanceLike = "exact",
-    ):
+    def __init__(self, num_horizontal_heads: int = 4, vertical_speculation_depth: int = 2, top_k: int = 2,
+                 num_draft_tokens: Union[int, str, None] = None, acceptance: AcceptanceLike = "exact"):
         super().__init__()
         self._set_acceptance(acceptance)
         for name, value, low in (("num_horizontal_heads", num_horizontal_heads, 1), ("vertical_speculation_depth", vertical_speculation_depth, 0),

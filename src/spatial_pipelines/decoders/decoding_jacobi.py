@@ -146,17 +146,9 @@ class JacobiDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     anchored_first_rate = SJD_ANCHORED_FIRST_RATE  # the first draft's with anchor="left"
 
     @register_to_config
-    def __init__(
-        self,
-        window_size: Union[int, str, None] = None,
-        init: str = "above",
-        coupling: str = "gumbel",
-        continuation: bool = False,
-        proactive_width: int = 1,
-        proactive_depth: int = 2,
-        anchor: str = "left",
-        acceptance: AcceptanceLike = "exact",
-    ):
+    def __init__(self, window_size: Union[int, str, None] = None, init: str = "above", coupling: str = "gumbel",
+                 continuation: bool = False, proactive_width: int = 1, proactive_depth: int = 2, anchor: str = "left",
+                 acceptance: AcceptanceLike = "exact"):
         super().__init__()
         check_draft_size("window_size", window_size)
         if window_size == 0 and proactive_width > 1:

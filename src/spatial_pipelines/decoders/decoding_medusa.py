@@ -82,14 +82,8 @@ class MedusaDecoder(TreeDecoderMixin, SpatialDecoderMixin):
     default_draft_size = 16  # the whole default tree (4 heads x top-4): on a GPU a 17-token pass costs one AR step
 
     @register_to_config
-    def __init__(
-        self,
-        num_heads: int = 4,
-        top_k: int = 4,
-        tree_paths: Optional[Sequence[Sequence[int]]] = None,
-        num_draft_tokens: Union[int, str, None] = None,
-        acceptance: AcceptanceLike = "exact",
-    ):
+    def __init__(self, num_heads: int = 4, top_k: int = 4, tree_paths: Optional[Sequence[Sequence[int]]] = None,
+                 num_draft_tokens: Union[int, str, None] = None, acceptance: AcceptanceLike = "exact"):
         super().__init__()
         self._set_acceptance(acceptance)
         check_draft_size("num_draft_tokens", num_draft_tokens)

@@ -116,16 +116,9 @@ class SSDDecoder(SpatialDecoderMixin):
     lossless = False  # verification as auto-correction: positions do not wait for their left neighbours
 
     @register_to_config
-    def __init__(
-        self,
-        num_horizontal: int = 5,
-        horizontal_rounds: int = 1,
-        vertical_rounds: int = 2,
-        num_vertical_rows: int = 1,
-        staged_base_rounds: Optional[int] = None,
-        staged_incremental_rounds: Optional[int] = None,
-        draft: str = "argmax",
-    ):
+    def __init__(self, num_horizontal: int = 5, horizontal_rounds: int = 1, vertical_rounds: int = 2,
+                 num_vertical_rows: int = 1, staged_base_rounds: Optional[int] = None,
+                 staged_incremental_rounds: Optional[int] = None, draft: str = "argmax"):
         super().__init__()
         for name, value, low in (("num_horizontal", num_horizontal, 1), ("horizontal_rounds", horizontal_rounds, 0),
                                  ("vertical_rounds", vertical_rounds, 0), ("num_vertical_rows", num_vertical_rows, 1),

@@ -41,21 +41,11 @@ class EagleDraftHead(DraftHeadsMixin):
     kind = DRAFTER
 
     @register_to_config
-    def __init__(
-        self,
-        base_model_name_or_path: Optional[str] = None,
-        base_model_revision: Optional[str] = None,
-        hidden_size: int = 1280,
-        num_image_codes: int = 16384,
-        grid_height: int = 16,
-        grid_width: int = 16,
-        num_attention_heads: int = 20,
-        num_key_value_heads: Optional[int] = None,
-        intermediate_size: Optional[int] = None,
-        norm_eps: float = 1e-5,
-        rope_theta: float = 10000.0,
-        family: Optional[str] = None,
-    ):
+    def __init__(self, base_model_name_or_path: Optional[str] = None, base_model_revision: Optional[str] = None,
+                 hidden_size: int = 1280, num_image_codes: int = 16384, grid_height: int = 16, grid_width: int = 16,
+                 num_attention_heads: int = 20, num_key_value_heads: Optional[int] = None,
+                 intermediate_size: Optional[int] = None, norm_eps: float = 1e-5, rope_theta: float = 10000.0,
+                 family: Optional[str] = None):
         super().__init__()
         check_heads_args(base_model_name_or_path, base_model_revision, family=family,
                          ints=[("hidden_size", hidden_size), ("num_attention_heads", num_attention_heads), ("grid_height", grid_height),
@@ -98,16 +88,9 @@ class EagleDraftHead(DraftHeadsMixin):
         return StaticKVCache(1, batch_size, self.layer.attention.num_kv_heads, self.head_dim, max_length,
                              dtype=dtype or p.dtype, device=device or p.device, **kwargs)
 
-    def forward(
-        self,
-        features: torch.Tensor,
-        token_embeds: torch.Tensor,
-        raster_index: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        cache: Optional[StaticKVCache] = None,
-        past_visible: Optional[torch.Tensor] = None,
-        mask: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, raster_index: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None, cache: Optional[StaticKVCache] = None,
+                past_visible: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Predict the next features.
 
         Args:

@@ -65,20 +65,10 @@ class LatentDraftHeads(DraftHeadsMixin):
     kind = LATENT
 
     @register_to_config
-    def __init__(
-        self,
-        base_model_name_or_path: Optional[str] = None,
-        base_model_revision: Optional[str] = None,
-        hidden_size: int = 1280,
-        num_image_codes: int = 16384,
-        grid_height: int = 16,
-        grid_width: int = 16,
-        horizontal_offsets: Sequence[int] = (1, 2, 3, 4, 5),
-        vertical_offsets: Sequence[int] = (1, 2),
-        intermediate_size: Optional[int] = None,
-        rms_norm_eps: float = 1e-5,
-        family: Optional[str] = None,
-    ):
+    def __init__(self, base_model_name_or_path: Optional[str] = None, base_model_revision: Optional[str] = None,
+                 hidden_size: int = 1280, num_image_codes: int = 16384, grid_height: int = 16, grid_width: int = 16,
+                 horizontal_offsets: Sequence[int] = (1, 2, 3, 4, 5), vertical_offsets: Sequence[int] = (1, 2),
+                 intermediate_size: Optional[int] = None, rms_norm_eps: float = 1e-5, family: Optional[str] = None):
         super().__init__()
         check_heads_args(base_model_name_or_path, base_model_revision, family=family,
                          ints=[("hidden_size", hidden_size), ("num_image_codes", num_image_codes), ("grid_height", grid_height),
@@ -100,9 +90,8 @@ class LatentDraftHeads(DraftHeadsMixin):
     def offsets(self, direction: str) -> list:
         return list(self.config.horizontal_offsets if direction == "horizontal" else self.config.vertical_offsets)
 
-    def forward(
-        self, hidden_states: torch.Tensor, token_embeds: torch.Tensor, direction: str, num_offsets: Optional[int] = None
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, token_embeds: torch.Tensor, direction: str,
+                num_offsets: Optional[int] = None) -> torch.Tensor:
         """Pre-norm hidden states ``(..., D)`` and the embeddings of the codes they predicted ``(..., D)`` ->
         predicted pre-norm hidden states ``(..., K, D)`` for the first ``num_offsets`` offsets of ``direction``."""
         heads = self.predictors(direction)
@@ -111,15 +100,8 @@ class LatentDraftHeads(DraftHeadsMixin):
         z = torch.cat([hidden_states.to(dtype), token_embeds.to(dtype)], dim=-1)  # (..., 2D)
         return torch.stack([heads[i](z) for i in range(k)], dim=-2)  # (..., K, D)
 
-    def draft_logits(
-        self,
-        backbone,
-        hidden_states: torch.Tensor,
-        codes: torch.Tensor,
-        direction: str,
-        num_offsets: int,
-        source_index: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    def draft_logits(self, backbone, hidden_states: torch.Tensor, codes: torch.Tensor, direction: str, num_offsets: int,
+                     source_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Draft logits through the backbone's own final norm and image-code head.
 
         Args:

@@ -44,19 +44,10 @@ class SpatialDraftHeads(DraftHeadsMixin):
     kind = OFFSET_LOGITS
 
     @register_to_config
-    def __init__(
-        self,
-        base_model_name_or_path: Optional[str] = None,
-        base_model_revision: Optional[str] = None,
-        hidden_size: int = 1280,
-        num_image_codes: int = 16384,
-        grid_height: int = 16,
-        grid_width: int = 16,
-        horizontal_offsets: Sequence[int] = (1, 2, 3, 4),
-        vertical_offsets: Sequence[int] = (),
-        num_layers: int = 1,
-        family: Optional[str] = None,
-    ):
+    def __init__(self, base_model_name_or_path: Optional[str] = None, base_model_revision: Optional[str] = None,
+                 hidden_size: int = 1280, num_image_codes: int = 16384, grid_height: int = 16, grid_width: int = 16,
+                 horizontal_offsets: Sequence[int] = (1, 2, 3, 4), vertical_offsets: Sequence[int] = (),
+                 num_layers: int = 1, family: Optional[str] = None):
         super().__init__()
         check_heads_args(base_model_name_or_path, base_model_revision, family=family,
                          ints=[("hidden_size", hidden_size), ("num_image_codes", num_image_codes), ("grid_height", grid_height),

@@ -227,12 +227,10 @@ class DraftHeadsMixin(ModelMixin, ConfigMixin):
         (``decoder.heads_needed()``); ``random_init`` redraws every projection (tests: drafts that differ from the
         backbone's own prediction)."""
         need = decoder.heads_needed()
-        heads = cls(
-            base_model_name_or_path=kwargs.pop("base_model_name_or_path", None),
-            horizontal_offsets=list(need.horizontal_offsets) if need is not None else [],
-            vertical_offsets=list(need.vertical_offsets) if need is not None else [],
-            **{**backbone.facts(), **kwargs},
-        )
+        heads = cls(base_model_name_or_path=kwargs.pop("base_model_name_or_path", None),
+                    horizontal_offsets=list(need.horizontal_offsets) if need is not None else [],
+                    vertical_offsets=list(need.vertical_offsets) if need is not None else [],
+                    **{**backbone.facts(), **kwargs})
         return heads._redrawn() if random_init else heads
 
     def _redrawn(self) -> "DraftHeadsMixin":

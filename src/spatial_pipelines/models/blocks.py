@@ -24,9 +24,8 @@ def llamagen_intermediate_size(hidden_size: int, multiple_of: int, ffn_dim_multi
         hidden = int(ffn_dim_multiplier * hidden)
     return find_multiple(hidden, multiple_of)
 
-def rope_2d_table(
-    grid_height: int, grid_width: int, head_dim: int, theta: float, num_prefix: int, zero_prefix: bool
-) -> torch.Tensor:
+def rope_2d_table(grid_height: int, grid_width: int, head_dim: int, theta: float, num_prefix: int,
+                  zero_prefix: bool) -> torch.Tensor:
     """cos/sin table ``(num_prefix + H*W, head_dim // 2, 2)``: half the rotary pairs encode the row, half the column.
 
     Prefix positions get cos=sin=0 when ``zero_prefix`` (the original LlamaGen behaviour: prefix queries and keys

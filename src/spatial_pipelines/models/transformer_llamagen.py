@@ -110,30 +110,14 @@ class LlamaGenTransformer(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, Config
     trained_facts = ("grid_height", "grid_width", "num_condition_tokens")
 
     @register_to_config
-    def __init__(
-        self,
-        vocab_size: int = 16384,
-        hidden_size: int = 1280,
-        num_layers: int = 36,
-        num_attention_heads: int = 20,
-        num_key_value_heads: Optional[int] = None,
-        intermediate_size: Optional[int] = None,
-        multiple_of: int = 256,
-        ffn_dim_multiplier: Optional[float] = None,
-        rope_theta: float = 10000.0,
-        norm_eps: float = 1e-5,
-        condition_type: str = "text",
-        num_classes: int = 1000,
-        caption_dim: int = 2048,
-        num_condition_tokens: int = 120,
-        grid_height: int = 16,
-        grid_width: int = 16,
-        zero_prefix_rope: bool = True,
-        end_of_row_token: bool = False,
-        dropout: float = 0.0,
-        default_guidance_scale: Optional[float] = None,
-        default_top_k: Optional[int] = None,
-    ):
+    def __init__(self, vocab_size: int = 16384, hidden_size: int = 1280, num_layers: int = 36,
+                 num_attention_heads: int = 20, num_key_value_heads: Optional[int] = None,
+                 intermediate_size: Optional[int] = None, multiple_of: int = 256,
+                 ffn_dim_multiplier: Optional[float] = None, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
+                 condition_type: str = "text", num_classes: int = 1000, caption_dim: int = 2048,
+                 num_condition_tokens: int = 120, grid_height: int = 16, grid_width: int = 16,
+                 zero_prefix_rope: bool = True, end_of_row_token: bool = False, dropout: float = 0.0,
+                 default_guidance_scale: Optional[float] = None, default_top_k: Optional[int] = None):
         super().__init__()
         check_sampling_defaults(default_guidance_scale, default_top_k)
         check_choice("condition_type", condition_type, CONDITION_TYPES)
@@ -206,9 +190,8 @@ class LlamaGenTransformer(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, Config
         null = self.cls_embedding.uncond_embedding.to(condition.dtype)
         return torch.where(drop[:, None, None], null, condition)
 
-    def teacher_forced_hidden_states(
-        self, codes: torch.Tensor, condition: torch.Tensor, condition_valid: torch.Tensor, drop: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
+    def teacher_forced_hidden_states(self, codes: torch.Tensor, condition: torch.Tensor, condition_valid: torch.Tensor,
+                                     drop: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Pre-norm hidden states ``(B, N, D)`` over a whole code grid ``(B, N)``: row ``i`` predicts code ``i``.
 
         Args:
@@ -232,16 +215,9 @@ class LlamaGenTransformer(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, Config
                              max_length, dtype=compute_dtype(self),  # not an fp8 storage dtype of layerwise casting
                              device=self.tok_embeddings.weight.device)
 
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_valid: Optional[torch.Tensor] = None,
-        past_key_values: Optional[StaticKVCache] = None,
-        return_dict: bool = True,
-        advance_cache: bool = True,
-    ):
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None, token_valid: Optional[torch.Tensor] = None,
+                past_key_values: Optional[StaticKVCache] = None, return_dict: bool = True, advance_cache: bool = True):
         """
         Args:
             inputs_embeds (`torch.Tensor` of shape `(B, T, D)`): prefix and/or image-code embeddings.

@@ -90,10 +90,8 @@ class ResnetStage(nn.Module):
             (taming, Chameleon) or ``"res"`` (LlamaGen).
     """
 
-    def __init__(
-        self, in_channels: int, out_channels: int, num_blocks: int, with_attn: bool, groups: int, dropout: float,
-        blocks_name: str,
-    ):
+    def __init__(self, in_channels: int, out_channels: int, num_blocks: int, with_attn: bool, groups: int,
+                 dropout: float, blocks_name: str):
         super().__init__()
         self.blocks_name = blocks_name
         blocks = nn.ModuleList()
@@ -117,10 +115,8 @@ class ResnetStage(nn.Module):
         return h
 
 
-def encoder_stages(
-    ch: int, ch_mult: Sequence[int], num_blocks: int, attn_levels: Sequence[bool], groups: int, dropout: float,
-    blocks_name: str,
-) -> nn.ModuleList:
+def encoder_stages(ch: int, ch_mult: Sequence[int], num_blocks: int, attn_levels: Sequence[bool], groups: int,
+                   dropout: float, blocks_name: str) -> nn.ModuleList:
     """The encoder's levels, finest first: level ``i`` maps ``ch * ch_mult[i - 1]`` (``ch`` for the first) to
     ``ch * ch_mult[i]`` and halves the resolution with a ``downsample`` except at the last level.
 
@@ -140,10 +136,8 @@ def encoder_stages(
     return stages
 
 
-def decoder_stages(
-    ch: int, ch_mult: Sequence[int], num_blocks: int, attn_levels: Sequence[bool], groups: int, dropout: float,
-    blocks_name: str,
-) -> list:
+def decoder_stages(ch: int, ch_mult: Sequence[int], num_blocks: int, attn_levels: Sequence[bool], groups: int,
+                   dropout: float, blocks_name: str) -> list:
     """The decoder's levels in data-flow order (coarsest first): level ``i`` maps the previous width (``ch *
     ch_mult[-1]`` for the first) to ``ch * ch_mult[i]`` and doubles the resolution with an ``upsample`` except at
     level 0. Arguments as [`encoder_stages`] (``attn_levels`` indexed by level)."""

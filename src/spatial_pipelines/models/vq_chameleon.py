@@ -139,21 +139,10 @@ class ChameleonVQModel(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, ConfigMix
     """
 
     @register_to_config
-    def __init__(
-        self,
-        codebook_size: int = 8192,
-        embed_dim: int = 256,
-        z_channels: int = 256,
-        base_channels: int = 128,
-        channel_multiplier: Sequence[int] = (1, 1, 2, 2, 4),
-        num_res_blocks: int = 2,
-        attn_resolutions: Sequence[int] = (),
-        resolution: int = 512,
-        in_channels: int = 3,
-        out_channels: int = 3,
-        dropout: float = 0.0,
-        norm_num_groups: int = 32,
-    ):
+    def __init__(self, codebook_size: int = 8192, embed_dim: int = 256, z_channels: int = 256, base_channels: int = 128,
+                 channel_multiplier: Sequence[int] = (1, 1, 2, 2, 4), num_res_blocks: int = 2,
+                 attn_resolutions: Sequence[int] = (), resolution: int = 512, in_channels: int = 3,
+                 out_channels: int = 3, dropout: float = 0.0, norm_num_groups: int = 32):
         super().__init__()
         ch_mult = tuple(int(m) for m in channel_multiplier)
         if not ch_mult or min(ch_mult) < 1:
@@ -225,19 +214,12 @@ def chameleon_vq_config_from_original(config: Mapping[str, Any]) -> Dict[str, An
         raise ValueError(f"`config` asks for attention {dd.get('attn_type', 'linear')!r}; only 'vanilla' is supported.")
     if params.get("remap") is not None:
         raise ValueError("`config` remaps code indices (`remap`), which this model does not support.")
-    return dict(
-        codebook_size=int(params["n_embed"]),
-        embed_dim=int(params["embed_dim"]),
-        z_channels=int(dd["z_channels"]),
-        base_channels=int(dd["ch"]),
-        channel_multiplier=tuple(int(m) for m in dd["ch_mult"]),
-        num_res_blocks=int(dd["num_res_blocks"]),
-        attn_resolutions=tuple(int(r) for r in dd["attn_resolutions"] or ()),
-        resolution=int(dd["resolution"]),
-        in_channels=int(dd["in_channels"]),
-        out_channels=int(dd["out_ch"]),
-        dropout=float(dd.get("dropout", 0.0)),
-    )
+    return dict(codebook_size=int(params["n_embed"]), embed_dim=int(params["embed_dim"]),
+                z_channels=int(dd["z_channels"]), base_channels=int(dd["ch"]),
+                channel_multiplier=tuple(int(m) for m in dd["ch_mult"]), num_res_blocks=int(dd["num_res_blocks"]),
+                attn_resolutions=tuple(int(r) for r in dd["attn_resolutions"] or ()), resolution=int(dd["resolution"]),
+                in_channels=int(dd["in_channels"]), out_channels=int(dd["out_ch"]),
+                dropout=float(dd.get("dropout", 0.0)))
 
 
 def chameleon_vq_config_from_hf(config: Any) -> Dict[str, Any]:

@@ -99,23 +99,11 @@ class LlamaGenVQModel(CheckedLoadMixin, CheckedSaveMixin, ModelMixin, ConfigMixi
     """
 
     @register_to_config
-    def __init__(
-        self,
-        codebook_size: int = 16384,
-        codebook_embed_dim: int = 8,
-        codebook_l2_norm: bool = True,
-        commit_loss_beta: float = 0.25,
-        entropy_loss_ratio: float = 0.0,
-        encoder_ch_mult: Sequence[int] = (1, 1, 2, 2, 4),
-        decoder_ch_mult: Sequence[int] = (1, 1, 2, 2, 4),
-        z_channels: int = 256,
-        base_channels: int = 128,
-        num_res_blocks: int = 2,
-        norm_num_groups: int = 32,
-        in_channels: int = 3,
-        out_channels: int = 3,
-        dropout: float = 0.0,
-    ):
+    def __init__(self, codebook_size: int = 16384, codebook_embed_dim: int = 8, codebook_l2_norm: bool = True,
+                 commit_loss_beta: float = 0.25, entropy_loss_ratio: float = 0.0,
+                 encoder_ch_mult: Sequence[int] = (1, 1, 2, 2, 4), decoder_ch_mult: Sequence[int] = (1, 1, 2, 2, 4),
+                 z_channels: int = 256, base_channels: int = 128, num_res_blocks: int = 2, norm_num_groups: int = 32,
+                 in_channels: int = 3, out_channels: int = 3, dropout: float = 0.0):
         super().__init__()
         if len(encoder_ch_mult) != len(decoder_ch_mult):
             raise ValueError("`encoder_ch_mult` and `decoder_ch_mult` must have the same length (same downsampling).")

@@ -134,13 +134,8 @@ class SpatialBackbone(abc.ABC):
 
     def facts(self) -> Dict[str, Any]:
         """Backbone facts draft heads must match (`spatial_pipelines.heads.check_backbone_facts`)."""
-        return {
-            "family": self.family,
-            "hidden_size": self.hidden_size,
-            "num_image_codes": self.num_image_codes,
-            "grid_height": self.layout.height,
-            "grid_width": self.layout.width,
-        }
+        return {"family": self.family, "hidden_size": self.hidden_size, "num_image_codes": self.num_image_codes,
+                "grid_height": self.layout.height, "grid_width": self.layout.width}
 
     @property
     def name_or_path(self) -> Optional[str]:
@@ -159,9 +154,8 @@ class SpatialBackbone(abc.ABC):
         """Raise `ValueError` (naming ``name``) if a prompt list is not valid for this family."""
 
     @abc.abstractmethod
-    def encode_prompt(
-        self, prompts: List[Any], negative_prompts: Optional[List[Any]], do_cfg: bool, device: torch.device
-    ) -> PromptEmbeddings:
+    def encode_prompt(self, prompts: List[Any], negative_prompts: Optional[List[Any]], do_cfg: bool,
+                      device: torch.device) -> PromptEmbeddings:
         """One row per image; with CFG the unconditional rows follow the conditional ones."""
 
     @abc.abstractmethod

@@ -201,14 +201,8 @@ class ChameleonARPipeline(TransformersPipelineMixin, SpatialARPipeline):
     #: Lumina-mGPT)
     default_vq_repo: Optional[str] = ANOLE_VQ_REPO
 
-    def __init__(
-        self,
-        transformer: ChameleonForConditionalGeneration,
-        processor: Any,
-        vqgan: ChameleonVQModel,
-        decoder: SpatialDecoderMixin,
-        draft_heads: Optional[DraftHeadsMixin] = None,
-    ):
+    def __init__(self, transformer: ChameleonForConditionalGeneration, processor: Any, vqgan: ChameleonVQModel,
+                 decoder: SpatialDecoderMixin, draft_heads: Optional[DraftHeadsMixin] = None):
         super().__init__()
         if not isinstance(transformer, ChameleonForConditionalGeneration):
             raise ValueError(f"`transformer` must be a ChameleonForConditionalGeneration, got {type(transformer).__name__}.")

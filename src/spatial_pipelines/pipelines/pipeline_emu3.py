@@ -170,13 +170,8 @@ class Emu3Pipeline(TransformersPipelineMixin, SpatialARPipeline):
         """Tiny random ``__init__`` components but decoder and heads (`testing.dummy_pipeline`; under a seed)."""
         return dummy_emu3_components(grid, num_codes)
 
-    def __init__(
-        self,
-        transformer: Emu3ForConditionalGeneration,
-        processor: Emu3Processor,
-        decoder: SpatialDecoderMixin,
-        draft_heads: Optional[DraftHeadsMixin] = None,
-    ):
+    def __init__(self, transformer: Emu3ForConditionalGeneration, processor: Emu3Processor,
+                 decoder: SpatialDecoderMixin, draft_heads: Optional[DraftHeadsMixin] = None):
         super().__init__()
         if not isinstance(transformer, Emu3ForConditionalGeneration):
             raise ValueError(f"`transformer` must be an Emu3ForConditionalGeneration (text model + VQ model), got {type(transformer).__name__}.")

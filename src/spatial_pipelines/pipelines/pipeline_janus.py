@@ -214,13 +214,8 @@ class JanusProPipeline(TransformersPipelineMixin, SpatialARPipeline):
         """Tiny random ``__init__`` components but decoder and heads (`testing.dummy_pipeline`; under a seed)."""
         return dummy_janus_components(grid, num_codes)
 
-    def __init__(
-        self,
-        transformer: PreTrainedModel,
-        processor: ProcessorMixin,
-        decoder: SpatialDecoderMixin,
-        draft_heads: Optional[DraftHeadsMixin] = None,
-    ):
+    def __init__(self, transformer: PreTrainedModel, processor: ProcessorMixin, decoder: SpatialDecoderMixin,
+                 draft_heads: Optional[DraftHeadsMixin] = None):
         super().__init__()
         from transformers import JanusForConditionalGeneration
 

@@ -261,16 +261,10 @@ class LlamaGenPipeline(SpatialARPipeline):
         """Tiny random ``__init__`` components but decoder and heads (`testing.dummy_pipeline`; under a seed)."""
         return dummy_llamagen_components(grid, num_codes, condition_type, end_of_row=end_of_row)
 
-    def __init__(
-        self,
-        transformer: LlamaGenTransformer,
-        vqvae: Union[LlamaGenVQModel, PatchVQModel],
-        decoder: SpatialDecoderMixin,
-        text_encoder: Optional[PreTrainedModel] = None,
-        tokenizer: Optional[PreTrainedTokenizerBase] = None,
-        draft_heads: Optional[DraftHeadsMixin] = None,
-        text_encoder_package: Optional[str] = None,
-    ):
+    def __init__(self, transformer: LlamaGenTransformer, vqvae: Union[LlamaGenVQModel, PatchVQModel],
+                 decoder: SpatialDecoderMixin, text_encoder: Optional[PreTrainedModel] = None,
+                 tokenizer: Optional[PreTrainedTokenizerBase] = None, draft_heads: Optional[DraftHeadsMixin] = None,
+                 text_encoder_package: Optional[str] = None):
         super().__init__()
         if text_encoder_package is None:  # a packaged encoder passed on as a component (`**pipe.components`)
             text_encoder_package = getattr(text_encoder, PACKAGE_ATTRIBUTE, None)
@@ -369,18 +363,10 @@ def llamagen_transformer_from_state_dict(state_dict: Dict[str, torch.Tensor], gr
     else:
         n_tokens, caption_dim = sd["cls_embedding.uncond_embedding"].shape
         cond = dict(condition_type="text", caption_dim=caption_dim, num_condition_tokens=n_tokens)
-    model = LlamaGenTransformer(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_kv,
-        intermediate_size=sd["layers.0.feed_forward.w1.weight"].shape[0],
-        grid_height=grid_size,
-        grid_width=grid_size,
-        zero_prefix_rope=True,
-        **cond,
-    )
+    model = LlamaGenTransformer(vocab_size=vocab, hidden_size=hidden, num_layers=num_layers,
+                                num_attention_heads=num_attention_heads, num_key_value_heads=num_kv,
+                                intermediate_size=sd["layers.0.feed_forward.w1.weight"].shape[0], grid_height=grid_size,
+                                grid_width=grid_size, zero_prefix_rope=True, **cond)
     _load_strict(model, sd, "GPT")
     return model
 
@@ -397,15 +383,9 @@ def llamagen_vq_from_state_dict(state_dict: Dict[str, torch.Tensor]) -> LlamaGen
 
     dec = mults("decoder")[::-1]  # decoder stages run from the coarsest level
     num_res = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"encoder\.conv_blocks\.0\.res\.(\d+)\.", k)))
-    model = LlamaGenVQModel(
-        codebook_size=codebook_size,
-        codebook_embed_dim=embed_dim,
-        encoder_ch_mult=mults("encoder"),
-        decoder_ch_mult=dec,
-        z_channels=sd["encoder.conv_out.weight"].shape[0],
-        base_channels=base,
-        num_res_blocks=num_res,
-    )
+    model = LlamaGenVQModel(codebook_size=codebook_size, codebook_embed_dim=embed_dim, encoder_ch_mult=mults("encoder"),
+                            decoder_ch_mult=dec, z_channels=sd["encoder.conv_out.weight"].shape[0], base_channels=base,
+                            num_res_blocks=num_res)
     _load_strict(model, sd, "VQ")
     return model
 
